@@ -1,0 +1,58 @@
+"""Prefix hashes chained over (parent hash, block tokens), salted per tenant and adapter.
+
+The first block's parent is a root digest of the extra keys (tenant salt, LoRA id), so the
+salt is carried by the whole chain: two tenants with different salts never produce the
+same key, and a key identifies the entire prefix, not one block.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import xxhash
+
+_digest = xxhash.xxh3_128_digest
+
+
+def root_key(salt: str | None = None, lora: str | None = None) -> bytes:
+    """The parent of every first block: a digest of the extra keys."""
+    extra = f"kvheat/v1\0{salt or ''}\0{lora or ''}".encode()
+    return _digest(extra)
+
+
+def chain_key(parent: bytes, content: bytes) -> bytes:
+    return _digest(parent + content)
+
+
+def tokens_to_bytes(tokens: list[int]) -> bytes:
+    """Token ids as little-endian uint32; negative or non-integer ids are a clear error."""
+    try:
+        return array("I", tokens).tobytes()
+    except OverflowError:
+        bad = next(t for t in tokens if not 0 <= t < 2**32)
+        raise ValueError(f"token id out of range: {bad} (ids must be in [0, 2**32))") from None
+    except TypeError:
+        bad = next(t for t in tokens if not isinstance(t, int))
+        raise ValueError(f"token id is not an integer: {bad!r}") from None
+
+
+def block_keys(
+    tokens: list[int] | bytes, block_size: int, root: bytes, start: int = 0,
+    parent: bytes | None = None,
+) -> tuple[list[bytes], list[bytes]]:
+    """Keys and contents of the full blocks of `tokens`, from block index `start` on.
+
+    `parent` is the key of block `start - 1` (or the root when start is 0).
+    """
+    raw = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
+    stride = 4 * block_size
+    n_full = len(raw) // stride
+    keys: list[bytes] = []
+    contents: list[bytes] = []
+    h = root if parent is None else parent
+    for i in range(start, n_full):
+        c = raw[i * stride:(i + 1) * stride]
+        h = _digest(h + c)
+        keys.append(h)
+        contents.append(c)
+    return keys, contents

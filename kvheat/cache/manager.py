@@ -1,0 +1,422 @@
+"""The block cache: a pool of KV blocks shared across requests by prefix hash.
+
+One request goes through `allocate` (reuse its cached prefix, take blocks for the rest),
+`append_tokens` while it decodes, and `free`. Blocks are never evicted while referenced,
+and only leaves go (a block whose child is cached stays), in the order the policy picks.
+Every operation is O(1) per block: dict lookups, intrusive lists, a free-block stack.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .block import Block
+from .hashing import block_keys, chain_key, root_key, tokens_to_bytes
+from .policy import EvictionPolicy, make_policy
+
+
+class CacheError(Exception):
+    """Base class of the cache's own errors; the pool is unchanged when one is raised."""
+
+
+class PromptTooLong(CacheError):
+    pass
+
+
+class OutOfBlocks(CacheError):
+    pass
+
+
+class UnknownRequest(CacheError):
+    pass
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    num_blocks: int
+    block_size: int = 16
+    policy: str = "lru"
+    # tenant -> share group: tenants in one group see each other's blocks. Default: none.
+    share_groups: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0 or self.block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+
+
+@dataclass(slots=True)
+class CacheStats:
+    requests: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+    inserted_blocks: int = 0
+    evicted_blocks: int = 0
+    collisions: int = 0  # a key matched but the tokens differed: served as a miss
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class Request:
+    """A sequence holding blocks. Token requests hash their full blocks once, at creation;
+    trace requests come with precomputed keys and per-block token counts."""
+
+    __slots__ = (
+        "request_id", "tenant", "session", "root", "keys", "contents", "block_tokens",
+        "num_tokens", "blocks", "num_cached_tokens", "raw", "lora",
+    )
+
+    def __init__(self, request_id: str, tenant: str | None, root: bytes, keys: list[bytes],
+                 contents: list[bytes], block_tokens: list[int], num_tokens: int,
+                 raw: bytearray | None = None, session: str | None = None,
+                 lora: str | None = None) -> None:
+        self.request_id = request_id
+        self.tenant = tenant
+        self.session = session
+        self.lora = lora
+        self.root = root
+        self.keys = keys  # keys of the cacheable blocks, in order
+        self.contents = contents
+        self.block_tokens = block_tokens  # tokens in each block the request needs
+        self.num_tokens = num_tokens
+        self.blocks: list[Block] = []
+        self.num_cached_tokens = 0  # prompt tokens served from cache at allocate
+        self.raw = raw  # token bytes (token requests only), grown by append_tokens
+
+    @property
+    def block_table(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.blocks = [Block(i) for i in range(config.num_blocks)]
+        self.free_stack: list[Block] = self.blocks[::-1]  # uncached, unreferenced blocks
+        self.cached: dict[bytes, Block] = {}
+        self.requests: dict[str, Request] = {}
+        self.sessions: dict[str, list[bytes]] = {}  # session -> keys of its latest turn
+        self.policy = policy if policy is not None else make_policy(config.policy)
+        self.policy.bind(config.num_blocks)
+        # Skip the per-block call where the policy does not use the hook.
+        self._on_hit = None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
+        self.clock = clock
+        self.num_referenced = 0
+        self.stats = CacheStats()
+        self._roots: dict[tuple[str | None, str | None], bytes] = {}
+        # Called with each block about to lose its KV (tiers demote it here).
+        self.evict_listeners: list[Callable[[Block], None]] = []
+
+    # ---- keys -------------------------------------------------------------------------
+    def salt_of(self, tenant: str | None) -> str | None:
+        if tenant is None:
+            return None
+        return "group:" + self.config.share_groups[tenant] if tenant in self.config.share_groups \
+            else "tenant:" + tenant
+
+    def root_for(self, tenant: str | None, lora: str | None = None) -> bytes:
+        r = self._roots.get((tenant, lora))
+        if r is None:
+            r = self._roots[(tenant, lora)] = root_key(self.salt_of(tenant), lora)
+        return r
+
+    def make_request(self, request_id: str, tokens: Sequence[int], tenant: str | None = None,
+                     lora: str | None = None, session: str | None = None) -> Request:
+        """A request from token ids; its full blocks are hashed here, once."""
+        raw = bytearray(tokens_to_bytes(list(tokens)))
+        root = self.root_for(tenant, lora)
+        keys, contents = block_keys(bytes(raw), self.block_size, root)
+        n = len(tokens)
+        bt = [self.block_size] * (n // self.block_size)
+        if n % self.block_size:
+            bt.append(n % self.block_size)
+        return Request(request_id, tenant, root, keys, contents, bt, n, raw, session, lora)
+
+    def make_hashed_request(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
+                            tenant: str | None = None, session: str | None = None) -> Request:
+        """A request from a trace's block ids (each already names a prefix); the last block
+        holds the remaining, possibly partial, token count and is cacheable too."""
+        bs = self.block_size
+        n_blocks = len(block_ids)
+        if n_blocks == 0 or num_tokens > n_blocks * bs or num_tokens <= (n_blocks - 1) * bs:
+            raise ValueError(f"{num_tokens} tokens do not fit {n_blocks} blocks of {bs}")
+        root = self.root_for(tenant)
+        keys, contents = [], []
+        h = root
+        for bid in block_ids:
+            c = int(bid).to_bytes(8, "little", signed=False)
+            h = chain_key(h, c)
+            keys.append(h)
+            contents.append(c)
+        bt = [bs] * (n_blocks - 1) + [num_tokens - (n_blocks - 1) * bs]
+        return Request(request_id, tenant, root, keys, contents, bt, num_tokens, None, session)
+
+    # ---- lookup -----------------------------------------------------------------------
+    def match_prefix(self, req: Request) -> list[Block]:
+        """The cached blocks of the request's longest cached prefix (no side effects).
+        A key hit whose tokens differ (a hash collision) ends the match."""
+        cached = self.cached
+        out: list[Block] = []
+        for key, content in zip(req.keys, req.contents):
+            b = cached.get(key)
+            if b is None:
+                break
+            if b.content != content:
+                self.stats.collisions += 1
+                break
+            out.append(b)
+        return out
+
+    def match_tokens(self, tokens: Sequence[int], tenant: str | None = None,
+                     lora: str | None = None) -> int:
+        """Number of leading tokens whose KV is cached for this tenant."""
+        req = self.make_request("", tokens, tenant, lora)
+        return sum(b.num_tokens for b in self.match_prefix(req))
+
+    # ---- lifetime ---------------------------------------------------------------------
+    def allocate(self, req: Request, matched: list[Block] | None = None,
+                 count_stats: bool = True) -> list[int]:
+        """Give `req` its blocks: its cached prefix, shared, then new blocks for the rest
+        (evicting when the free pool is empty). Returns the block table."""
+        if req.request_id in self.requests:
+            raise CacheError(f"request {req.request_id!r} already holds blocks")
+        n_need = len(req.block_tokens)
+        if n_need > len(self.blocks):
+            raise PromptTooLong(
+                f"request needs {n_need} blocks ({req.num_tokens} tokens) but the pool has "
+                f"{len(self.blocks)} blocks of {self.block_size} tokens")
+        hit = self.match_prefix(req) if matched is None else matched
+        n_new = n_need - len(hit)
+        # Every unreferenced block can be freed (a referenced block's ancestors are
+        # referenced too), so this check is exact and failure changes nothing.
+        if n_new > len(self.free_stack):
+            can_free = len(self.blocks) - self.num_referenced - sum(1 for b in hit if b.ref_cnt == 0)
+            if n_new > can_free:
+                raise OutOfBlocks(f"request needs {n_new} new blocks; only {can_free} are not in use")
+        now = self.clock()
+        on_acquire, on_hit = self.policy.on_acquire, self._on_hit
+        hit_tokens = 0
+        for b in hit:
+            if b.ref_cnt == 0:
+                self.num_referenced += 1
+                on_acquire(b)
+            b.ref_cnt += 1
+            b.last_access = now
+            if on_hit is not None:
+                on_hit(b, now)
+            hit_tokens += b.num_tokens
+        blocks = list(hit)
+        if n_new:
+            parent = hit[-1] if hit else None
+            keys, contents, bt = req.keys, req.contents, req.block_tokens
+            n_keys = len(keys)
+            free_stack = self.free_stack
+            for i in range(len(hit), n_need):
+                b = free_stack.pop() if free_stack else self._evict_for_new()
+                b.ref_cnt = 1
+                b.num_tokens = bt[i]
+                b.tenant = req.tenant
+                b.last_access = b.inserted_at = now
+                if i < n_keys:
+                    self._register(b, keys[i], contents[i], parent, now)
+                blocks.append(b)
+                parent = b
+            self.num_referenced += n_new
+        req.blocks = blocks
+        req.num_cached_tokens = hit_tokens
+        self.requests[req.request_id] = req
+        if req.session is not None:
+            self.sessions[req.session] = req.keys
+        if count_stats:
+            st = self.stats
+            st.requests += 1
+            st.query_tokens += req.num_tokens
+            st.hit_tokens += hit_tokens
+            st.hit_blocks += len(hit)
+        return [b.block_id for b in blocks]
+
+    def _register(self, b: Block, key: bytes, content: bytes, parent: Block | None,
+                  now: float) -> None:
+        if key in self.cached:  # the same prefix was filled by another request meanwhile
+            return  # this copy stays private and is freed uncached
+        b.key = key
+        b.content = content
+        b.parent = parent
+        b.depth = parent.depth + 1 if parent is not None else 0
+        if parent is not None:
+            parent.num_children += 1
+        self.cached[key] = b
+        self.stats.inserted_blocks += 1
+        self.policy.on_insert(b, now)
+
+    def append_tokens(self, req: Request, tokens: Sequence[int]) -> list[int]:
+        """Grow a token request by decoded tokens; blocks that fill up become cached.
+        Returns the ids of newly taken blocks. On OutOfBlocks nothing changes."""
+        if req.raw is None:
+            raise CacheError("append_tokens needs a request made from tokens")
+        if self.requests.get(req.request_id) is not req:
+            raise UnknownRequest(f"request {req.request_id!r} holds no blocks")
+        data = tokens_to_bytes(list(tokens))
+        bs = self.block_size
+        n_old = req.num_tokens
+        n_total = n_old + len(tokens)
+        n_blocks_needed = -(-n_total // bs)
+        n_new = n_blocks_needed - len(req.blocks)
+        if n_new > len(self.blocks) - self.num_referenced:
+            raise OutOfBlocks(f"request needs {n_new} more blocks; none can be freed")
+        now = self.clock()
+        req.raw.extend(data)
+        req.num_tokens = n_total
+        new_ids: list[int] = []
+        for _ in range(n_new):
+            b = self._take_free_block()
+            b.ref_cnt = 1
+            self.num_referenced += 1
+            b.num_tokens = 0
+            b.tenant = req.tenant
+            b.last_access = b.inserted_at = now
+            req.blocks.append(b)
+            req.block_tokens.append(0)
+            new_ids.append(b.block_id)
+        # Fill counts, and cache each block that became full.
+        first = n_old // bs
+        for i in range(first, n_blocks_needed):
+            cnt = min(bs, n_total - i * bs)
+            req.blocks[i].num_tokens = req.block_tokens[i] = cnt
+            if cnt == bs and i >= len(req.keys):
+                parent_key = req.keys[i - 1] if i else req.root
+                content = bytes(req.raw[i * 4 * bs:(i + 1) * 4 * bs])
+                key = chain_key(parent_key, content)
+                req.keys.append(key)
+                req.contents.append(content)
+                b = req.blocks[i]
+                if b.key is None:
+                    self._register(b, key, content, req.blocks[i - 1] if i else None, now)
+        return new_ids
+
+    def free(self, req: Request | str) -> None:
+        """Release a request's blocks, tail-first, so its first block ends most recent."""
+        rid = req if isinstance(req, str) else req.request_id
+        r = self.requests.pop(rid, None)
+        if r is None:
+            raise UnknownRequest(f"free of unknown request {rid!r}")
+        now = self.clock()
+        on_release = self.policy.on_release
+        released = 0
+        for b in reversed(r.blocks):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                released += 1
+                if b.key is None:
+                    self._reset(b)
+                    self.free_stack.append(b)
+                else:
+                    on_release(b, now)
+        self.num_referenced -= released
+        r.blocks = []
+
+    def touch(self, blocks: Sequence[Block]) -> None:
+        """Mark blocks used now (tail-first), without changing who holds them."""
+        now = self.clock()
+        policy = self.policy
+        for b in reversed(blocks):
+            if b.key is None:
+                continue
+            b.last_access = now
+            if b.ref_cnt == 0:
+                policy.on_acquire(b)
+                policy.on_hit(b, now)
+                policy.on_release(b, now)
+            else:
+                policy.on_hit(b, now)
+
+    def evict(self, n: int) -> int:
+        """Evict up to `n` unreferenced cached blocks into the free pool; returns how many."""
+        done = 0
+        while done < n and self._evict_one():
+            done += 1
+        return done
+
+    # ---- internals --------------------------------------------------------------------
+    def _take_free_block(self) -> Block:
+        return self.free_stack.pop() if self.free_stack else self._evict_for_new()
+
+    def _evict_for_new(self) -> Block:
+        if not self._evict_one():
+            raise OutOfBlocks("no free or evictable block")  # excluded by the callers' checks
+        return self.free_stack.pop()
+
+    def _evict_one(self) -> bool:
+        b = self.policy.victim()
+        if b is None:
+            return False
+        assert b.ref_cnt == 0 and b.num_children == 0, f"policy chose an unevictable {b}"
+        for listener in self.evict_listeners:
+            listener(b)
+        self.policy.on_evict(b)
+        del self.cached[b.key]  # type: ignore[arg-type]
+        parent = b.parent
+        self._reset(b)
+        if parent is not None:
+            parent.num_children -= 1
+            if parent.num_children == 0 and parent.ref_cnt == 0:
+                self.policy.on_leaf(parent)
+        self.free_stack.append(b)
+        self.stats.evicted_blocks += 1
+        return True
+
+    @staticmethod
+    def _reset(b: Block) -> None:
+        b.key = None
+        b.content = None
+        b.parent = None
+        b.num_children = 0
+        b.num_tokens = 0
+        b.state = 0
+        b.freq = 0
+        b.parked = None
+        b.tenant = None
+        b.heap_ver += 1
+
+    # ---- introspection ----------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free_stack)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
+
+    def check_invariants(self) -> None:
+        """Full consistency check (O(pool)); for tests."""
+        n = len(self.blocks)
+        free_ids = {b.block_id for b in self.free_stack}
+        assert len(free_ids) == len(self.free_stack), "a block is twice in the free pool"
+        held: dict[int, int] = {}
+        for r in self.requests.values():
+            for b in r.blocks:
+                held[b.block_id] = held.get(b.block_id, 0) + 1
+        children: dict[int, int] = {}
+        for b in self.blocks:
+            assert b.ref_cnt >= 0
+            assert b.ref_cnt == held.get(b.block_id, 0), f"refcount of {b} != holders"
+            if b.block_id in free_ids:
+                assert b.key is None and b.ref_cnt == 0
+            if b.key is not None:
+                assert self.cached.get(b.key) is b
+                if b.parent is not None:
+                    assert b.parent.key is not None, "a cached block's parent was evicted"
+                    children[b.parent.block_id] = children.get(b.parent.block_id, 0) + 1
+            elif b.block_id not in free_ids:
+                assert b.ref_cnt > 0, f"{b} is neither free, cached nor held"
+        for b in self.blocks:
+            assert b.num_children == children.get(b.block_id, 0), f"child count of {b}"
+        assert sum(1 for b in self.blocks if b.ref_cnt) == self.num_referenced
+        assert len(self.cached) + len(self.free_stack) + sum(
+            1 for b in self.blocks if b.key is None and b.ref_cnt) == n

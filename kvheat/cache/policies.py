@@ -1,0 +1,366 @@
+"""Baseline eviction policies: one small class each, adapted to a prefix tree of blocks.
+
+All of them evict only refcount-0 leaves (see `policy.py`). Ghost lists hold keys only.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+
+from .block import Block, BlockQueue
+from .policy import EvictionPolicy, register_policy
+
+
+@register_policy("lru")
+class LRU(EvictionPolicy):
+    """vLLM's order: a block joins the hot end when released; the request is released
+    tail-first, so its first block ends most recent and parents outlive children."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = BlockQueue("lru")
+
+    def on_acquire(self, b: Block) -> None:
+        if b.queue is not None:
+            b.queue.remove(b)
+        b.parked = None
+
+    def on_release(self, b: Block, now: float) -> None:
+        b.parked = None
+        self.q.append(b)
+
+    def victim(self) -> Block | None:
+        return self._pop_evictable(self.q)
+
+
+@register_policy("fifo")
+class FIFO(EvictionPolicy):
+    """Insertion order, whatever the block's use since."""
+
+    name = "fifo"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = BlockQueue("fifo")
+
+    def on_insert(self, b: Block, now: float) -> None:
+        self.q.append(b)
+
+    def victim(self) -> Block | None:
+        return self._pop_evictable(self.q)
+
+
+@register_policy("lfu")
+class LFU(EvictionPolicy):
+    """Least frequently used, LRU among equals: one LRU queue per frequency (O(1) LFU)."""
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buckets: dict[int, BlockQueue] = {}
+
+    def on_insert(self, b: Block, now: float) -> None:
+        b.freq = 1
+
+    def on_hit(self, b: Block, now: float) -> None:
+        b.freq += 1
+
+    def on_acquire(self, b: Block) -> None:
+        q = b.queue
+        if q is not None:
+            q.remove(b)
+            if not q.size:
+                del self.buckets[b.freq]
+        b.parked = None
+
+    def _bucket(self, freq: int) -> BlockQueue:
+        q = self.buckets.get(freq)
+        if q is None:
+            q = self.buckets[freq] = BlockQueue(f"f{freq}")
+        return q
+
+    def on_leaf(self, b: Block) -> None:
+        if b.parked is not None and b.ref_cnt == 0:
+            b.parked = None
+            self._bucket(b.freq).appendleft(b)
+
+    def on_release(self, b: Block, now: float) -> None:
+        b.parked = None
+        self._bucket(b.freq).append(b)
+
+    def victim(self) -> Block | None:
+        # Distinct frequencies are few; scanning them is cheaper than keeping them sorted.
+        for f in sorted(self.buckets):
+            q = self.buckets[f]
+            b = self._pop_evictable(q)
+            if not q.size:
+                del self.buckets[f]
+            if b is not None:
+                return b
+        return None
+
+
+class _Ghost:
+    """Keys of recently evicted blocks, bounded, oldest dropped first."""
+
+    def __init__(self) -> None:
+        self.keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, key: bytes, limit: int) -> None:
+        self.keys[key] = None
+        while len(self.keys) > max(limit, 0):
+            self.keys.popitem(last=False)
+
+    def take(self, key: bytes) -> bool:
+        return self.keys.pop(key, 0) is None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+T1, T2 = 1, 2
+
+
+@register_policy("arc")
+class ARC(EvictionPolicy):
+    """Adaptive Replacement Cache (Megiddo & Modha): recency list T1, frequency list T2,
+    ghosts B1/B2 steering the target size p of T1."""
+
+    name = "arc"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = {T1: BlockQueue("t1"), T2: BlockQueue("t2")}
+        self.size = {T1: 0, T2: 0}  # logical sizes, referenced blocks included
+        self.b1, self.b2 = _Ghost(), _Ghost()
+        self.p = 0.0
+
+    def on_insert(self, b: Block, now: float) -> None:
+        key = b.key
+        assert key is not None
+        if self.b1.take(key):
+            self.p = min(self.capacity, self.p + max(len(self.b2) / max(len(self.b1), 1), 1))
+            b.state = T2
+        elif self.b2.take(key):
+            self.p = max(0.0, self.p - max(len(self.b1) / max(len(self.b2), 1), 1))
+            b.state = T2
+        else:
+            b.state = T1
+        self.size[b.state] += 1
+
+    def on_hit(self, b: Block, now: float) -> None:
+        if b.state == T1:
+            self.size[T1] -= 1
+            self.size[T2] += 1
+            if b.queue is not None:
+                b.queue.remove(b)
+            if b.parked is not None:
+                b.parked = self.t[T2]
+            b.state = T2
+
+    def on_acquire(self, b: Block) -> None:
+        if b.queue is not None:
+            b.queue.remove(b)
+        b.parked = None
+
+    def on_release(self, b: Block, now: float) -> None:
+        b.parked = None
+        self.t[b.state].append(b)
+
+    def victim(self) -> Block | None:
+        first = T1 if self.size[T1] > max(self.p, 0) or self.size[T2] == 0 else T2
+        for lst in (first, T2 if first == T1 else T1):
+            b = self._pop_evictable(self.t[lst])
+            if b is not None:
+                return b
+        return None
+
+    def on_evict(self, b: Block) -> None:
+        self.size[b.state] -= 1
+        # Each ghost list remembers up to one cache's worth of keys. (Classic ARC trims B1
+        # to c - |T1| before admitting the missed key; here eviction runs before the
+        # newcomer is known, and that trim would drop the very key about to hit.)
+        (self.b1 if b.state == T1 else self.b2).add(b.key, self.capacity)  # type: ignore[arg-type]
+
+    def stats(self) -> dict[str, float]:
+        return {"p": self.p, "t1": self.size[T1], "t2": self.size[T2]}
+
+
+A1IN, AM = 1, 2
+
+
+@register_policy("twoq")
+class TwoQ(EvictionPolicy):
+    """2Q (Johnson & Shasha): new blocks wait on probation (FIFO A1in, 25% of the cache);
+    evicted probationers leave a ghost (A1out, 50%); a block seen again joins the
+    protected LRU Am."""
+
+    name = "twoq"
+
+    def __init__(self, kin: float = 0.25, kout: float = 0.5) -> None:
+        super().__init__()
+        self.kin, self.kout = kin, kout
+        self.a1in = BlockQueue("a1in")
+        self.am = BlockQueue("am")
+        self.n_a1in = 0
+        self.a1out = _Ghost()
+
+    def on_insert(self, b: Block, now: float) -> None:
+        if self.a1out.take(b.key):  # type: ignore[arg-type]
+            b.state = AM
+        else:
+            b.state = A1IN
+            self.n_a1in += 1
+            self.a1in.append(b)
+
+    def on_hit(self, b: Block, now: float) -> None:
+        if b.state == A1IN:  # seen again while on probation: protect it
+            self.n_a1in -= 1
+            if b.queue is not None:
+                b.queue.remove(b)
+            b.parked = None
+            b.state = AM
+
+    def on_acquire(self, b: Block) -> None:
+        if b.state == AM:
+            if b.queue is not None:
+                b.queue.remove(b)
+            b.parked = None
+
+    def on_release(self, b: Block, now: float) -> None:
+        if b.state == AM:
+            b.parked = None
+            self.am.append(b)
+        else:
+            self._unpark(b)
+
+    def victim(self) -> Block | None:
+        order = (self.a1in, self.am) if self.n_a1in > self.kin * self.capacity else (self.am, self.a1in)
+        for q in order:
+            b = self._pop_evictable(q)
+            if b is not None:
+                return b
+        return None
+
+    def on_evict(self, b: Block) -> None:
+        if b.state == A1IN:
+            self.n_a1in -= 1
+            self.a1out.add(b.key, int(self.kout * self.capacity))  # type: ignore[arg-type]
+
+
+SMALL, MAIN = 1, 2
+
+
+@register_policy("s3fifo")
+class S3FIFO(EvictionPolicy):
+    """S3-FIFO (Yang et al., SOSP'23): a small FIFO (10%) filters one-hit blocks, a main
+    FIFO with 2-bit frequency reinsertion keeps the rest, a ghost FIFO remembers evictions
+    from the small queue."""
+
+    name = "s3fifo"
+
+    def __init__(self, small: float = 0.1) -> None:
+        super().__init__()
+        self.small_frac = small
+        self.s = BlockQueue("small")
+        self.m = BlockQueue("main")
+        self.n = {SMALL: 0, MAIN: 0}
+        self.ghost = _Ghost()
+
+    def on_insert(self, b: Block, now: float) -> None:
+        b.freq = 0
+        b.state = MAIN if self.ghost.take(b.key) else SMALL  # type: ignore[arg-type]
+        self.n[b.state] += 1
+        (self.m if b.state == MAIN else self.s).append(b)
+
+    def on_hit(self, b: Block, now: float) -> None:
+        if b.freq < 3:
+            b.freq += 1
+
+    def _move_to_main(self, b: Block) -> None:
+        self.n[SMALL] -= 1
+        self.n[MAIN] += 1
+        b.state = MAIN
+        b.freq = 0
+        self.m.append(b)
+
+    def victim(self) -> Block | None:
+        # Each loop step either evicts, parks, promotes, or lowers a frequency, so it ends.
+        while self.s.size or self.m.size:
+            from_small = self.s.size and (self.n[SMALL] >= self.small_frac * self.capacity or not self.m.size)
+            q = self.s if from_small else self.m
+            b = q.popleft()
+            assert b is not None
+            if from_small and b.freq > 1:
+                self._move_to_main(b)
+            elif not from_small and b.freq > 0:
+                b.freq -= 1
+                self.m.append(b)
+            elif b.ref_cnt or b.num_children:
+                b.parked = q
+            else:
+                return b
+        return None
+
+    def on_evict(self, b: Block) -> None:
+        self.n[b.state] -= 1
+        if b.state == SMALL:
+            self.ghost.add(b.key, int((1 - self.small_frac) * self.capacity))  # type: ignore[arg-type]
+
+
+@register_policy("belady")
+class Belady(EvictionPolicy):
+    """Offline optimum: evict the block whose next use is furthest away (never first).
+
+    The replayer sets `next_use[key]` before each request. A parent's next use is never
+    later than its children's, and ties go to the deeper block, so the maximum is a leaf;
+    blocks met that are not evictable are parked and pushed back when they become so.
+    """
+
+    name = "belady"
+    needs_future = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heap: list[tuple[float, int, int, int, Block]] = []
+        self.next_use: dict[bytes, float] = {}
+        self._seq = 0
+
+    def _push(self, b: Block) -> None:
+        b.heap_ver += 1
+        self._seq += 1
+        nu = self.next_use.get(b.key, float("inf"))  # type: ignore[arg-type]
+        heapq.heappush(self.heap, (-nu, -b.depth, self._seq, b.heap_ver, b))
+
+    def on_acquire(self, b: Block) -> None:
+        b.heap_ver += 1  # invalidates its heap entry
+        b.parked = None
+
+    def on_release(self, b: Block, now: float) -> None:
+        b.parked = None
+        self._push(b)
+
+    def on_leaf(self, b: Block) -> None:
+        if b.parked is not None:
+            b.parked = None
+            self._push(b)
+
+    def victim(self) -> Block | None:
+        heap = self.heap
+        while heap:
+            _, _, _, ver, b = heapq.heappop(heap)
+            if ver != b.heap_ver or b.key is None:
+                continue
+            if b.ref_cnt or b.num_children:
+                b.parked = _PARKED
+                continue
+            b.heap_ver += 1
+            return b
+        return None
+
+
+_PARKED = BlockQueue("parked")

@@ -1,0 +1,98 @@
+"""The eviction-policy interface the block cache runs, and the policy registry.
+
+The cache calls these hooks and never knows which policy it runs. Candidates for eviction
+are cached blocks with refcount 0; only leaves among them (no cached child) may go. A
+policy keeps candidates in its own queues; when the block at the cold end of a queue is
+not evictable (still referenced, or a parent of cached blocks) it is *parked*: taken out of
+the queue and put back at the cold end once it becomes evictable, since it was the coldest
+when met. Every hook is O(1) per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .block import Block, BlockQueue
+
+
+class EvictionPolicy:
+    name = "base"
+    needs_future = False  # offline policies (Belady) need the replayer's oracle
+
+    def __init__(self) -> None:
+        self.capacity = 0
+
+    def bind(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+
+    # Hooks, called by the cache. `now` is the cache clock (seconds).
+    def on_insert(self, b: Block, now: float) -> None:
+        """`b` was just filled and cached; it is referenced by the request that made it."""
+
+    def on_hit(self, b: Block, now: float) -> None:
+        """`b` was reused by a request's prefix match."""
+
+    def on_acquire(self, b: Block) -> None:
+        """Refcount went 0 -> 1."""
+
+    def on_release(self, b: Block, now: float) -> None:
+        """Refcount went to 0; called tail-first over a request, so parents come last."""
+        self._unpark(b)
+
+    def on_leaf(self, b: Block) -> None:
+        """`b` (refcount 0) lost its last cached child and may now be evicted."""
+        self._unpark(b)
+
+    def victim(self) -> Block | None:
+        """Remove and return an evictable block, or None when there is none."""
+        raise NotImplementedError
+
+    def on_evict(self, b: Block) -> None:
+        """`b` leaves the cache (its key is still set): ghost lists record it here."""
+
+    # Shared helpers.
+    @staticmethod
+    def _unpark(b: Block) -> None:
+        q = b.parked
+        if q is not None and b.ref_cnt == 0 and b.num_children == 0:
+            b.parked = None
+            q.appendleft(b)
+
+    @staticmethod
+    def _pop_evictable(q: BlockQueue) -> Block | None:
+        """Pop the coldest evictable block of `q`, parking the unevictable ones met first."""
+        tail = q.tail
+        b = q.head.next
+        while b is not tail:
+            nxt = b.next
+            q.remove(b)
+            if b.ref_cnt == 0 and b.num_children == 0:
+                return b
+            b.parked = q
+            b = nxt
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+PolicyFactory = Callable[..., EvictionPolicy]
+_REGISTRY: dict[str, PolicyFactory] = {}
+
+
+def register_policy(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    def deco(factory: PolicyFactory) -> PolicyFactory:
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def make_policy(name: str, **kwargs: object) -> EvictionPolicy:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**kwargs)
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)

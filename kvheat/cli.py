@@ -1,0 +1,101 @@
+"""The `kvheat` command: replay traces, run the engine benchmark, serve."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def main() -> None:
+    """kvheat: a KV-cache manager for LLM inference."""
+
+
+def _load_heat() -> None:
+    # Registers the heat policies (kvheat, ...) beside the baselines, when present.
+    try:
+        import kvheat.heat  # noqa: F401
+    except ImportError as e:  # pragma: no cover - the heat package ships with kvheat
+        click.echo(f"warning: heat policies unavailable: {e}", err=True)
+
+
+@main.command()
+@click.argument("trace", default="builtin")
+@click.option("--capacity", default="1M,3M,10M", show_default=True,
+              help="Cache sizes in tokens, comma-separated (1M = 1,000,000).")
+@click.option("--policy", "policies", default="lru,arc,s3fifo,twoq,belady", show_default=True,
+              help="Eviction policies, comma-separated.")
+@click.option("--block-tokens", default=512, show_default=True, help="Tokens per block.")
+@click.option("--hold", is_flag=True, help="Hold each request's blocks for its modelled duration.")
+@click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the results as one JSON object here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of hit rate against capacity here.")
+@click.option("--misses/--no-misses", default=True, help="Print the miss breakdown.")
+def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bool,
+           limit: int | None, json_path: str | None, plot_path: str | None, misses: bool) -> None:
+    """Replay TRACE (a Mooncake JSONL file, or 'builtin' for the generator) through the cache."""
+    from rich.progress import Progress
+
+    from .cache import policy_names
+    from .replay import PreparedTrace, TraceError, generate_workload, load_trace, parse_tokens
+    from .replay import replay as run_replay
+    from .replay.report import plot, print_misses, print_table, summarize, write_json
+
+    _load_heat()
+    try:
+        caps = [parse_tokens(c) for c in capacity.split(",") if c.strip()]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--capacity") from None
+    pols = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [p for p in pols if p not in policy_names()]
+    if unknown:
+        raise click.BadParameter(f"unknown policy {', '.join(unknown)}; known: "
+                                 f"{', '.join(policy_names())}", param_hint="--policy")
+    if trace == "builtin":
+        reqs = generate_workload(block_tokens=block_tokens)
+        name = "built-in multi-turn workload"
+    else:
+        try:
+            reqs = load_trace(trace, block_tokens, limit)
+        except (OSError, TraceError) as e:
+            raise click.ClickException(str(e)) from None
+        name = Path(trace).name
+    if limit is not None:
+        reqs = reqs[:limit]
+    pt = PreparedTrace(reqs, block_tokens)
+    results = []
+    with Progress(transient=True, disable=not sys.stderr.isatty()) as prog:
+        task = prog.add_task("replaying", total=len(caps) * len(pols) * len(reqs))
+        for c in caps:
+            for p in pols:
+                prog.update(task, description=f"{p} @ {c:,} tokens")
+                results.append(run_replay(pt, p, c, block_tokens, hold=hold))
+                prog.advance(task, len(reqs))
+    summary = summarize(name, block_tokens, pt.infinite_hit_rate(), results)
+    print_table(summary)
+    if misses:
+        print_misses(summary)
+    if json_path:
+        write_json(summary, json_path)
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        plot(summary, plot_path)
+        click.echo(f"wrote {plot_path}")
+
+
+def _register_optional_commands() -> None:
+    try:
+        from .engine.bench import bench_command
+    except ImportError:
+        return
+    main.add_command(bench_command, "bench")
+
+
+_register_optional_commands()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Drive the real block cache with a trace and count token-weighted prefix hits.
+
+Default mode: requests one at a time in trace order (match, allocate the rest, free).
+`hold=True` instead keeps each request's blocks until its modelled finish time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ..cache import CacheConfig, EvictionPolicy, KVCacheManager, OutOfBlocks, Request, make_policy
+from ..cache.hashing import chain_key, root_key
+from .traces import TraceRequest
+
+PolicySpec = str | Callable[[], EvictionPolicy]
+
+
+@dataclass(slots=True)
+class MissBreakdown:
+    """Why missed prompt tokens missed (token counts)."""
+
+    compulsory: int = 0  # first use of that prefix block
+    capacity: int = 0  # seen before (same tenant), evicted since
+    sub_block: int = 0  # a partial block never seen before: the shared prefix ends inside it
+    isolation: int = 0  # cached for another tenant only
+    too_long: int = 0  # the request did not fit the whole cache
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    policy: str
+    capacity_tokens: int
+    block_tokens: int
+    num_blocks: int
+    requests: int
+    total_tokens: int
+    hit_tokens: int
+    evictions: int
+    seconds: float
+    misses: MissBreakdown = field(default_factory=MissBreakdown)
+    policy_stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "policy": self.policy, "capacity_tokens": self.capacity_tokens,
+            "hit_rate": self.hit_rate, "hit_tokens": self.hit_tokens,
+            "total_tokens": self.total_tokens, "requests": self.requests,
+            "num_blocks": self.num_blocks, "evictions": self.evictions,
+            "seconds": round(self.seconds, 3), "misses": self.misses.as_dict(),
+            "policy_stats": self.policy_stats,
+        }
+
+
+class PreparedTrace:
+    """A trace with every request's chained keys computed once, reused by every run."""
+
+    def __init__(self, trace: list[TraceRequest], block_tokens: int = 512) -> None:
+        self.trace = trace
+        self.block_tokens = block_tokens
+        self.keys: list[list[bytes]] = []
+        self.contents: list[list[bytes]] = []
+        self.block_tokens_of: list[list[int]] = []
+        roots: dict[str | None, bytes] = {}
+        for r in trace:
+            if r.tenant not in roots:
+                roots[r.tenant] = root_key(None if r.tenant is None else "tenant:" + r.tenant)
+            h = roots[r.tenant]
+            ks, cs = [], []
+            for bid in r.hash_ids:
+                c = int(bid).to_bytes(8, "little")
+                h = chain_key(h, c)
+                ks.append(h)
+                cs.append(c)
+            n = len(r.hash_ids)
+            self.keys.append(ks)
+            self.contents.append(cs)
+            self.block_tokens_of.append([block_tokens] * (n - 1) + [r.input_length - (n - 1) * block_tokens])
+        self.roots = roots
+        self._next_use: list[list[float]] | None = None
+
+    @property
+    def next_use(self) -> list[list[float]]:
+        """For request i, block j: index of the next request using that block (inf: never)."""
+        if self._next_use is None:
+            inf = float("inf")
+            seen: dict[bytes, float] = {}
+            out: list[list[float]] = [[]] * len(self.keys)
+            for i in range(len(self.keys) - 1, -1, -1):
+                ks = self.keys[i]
+                out[i] = [seen.get(k, inf) for k in ks]
+                for k in ks:
+                    seen[k] = i
+            self._next_use = out
+        return self._next_use
+
+    def infinite_hit_rate(self) -> float:
+        seen: set[bytes] = set()
+        hit = total = 0
+        for ks, bt in zip(self.keys, self.block_tokens_of):
+            prefix = True
+            for k, n in zip(ks, bt):
+                if prefix and k in seen:
+                    hit += n
+                else:
+                    prefix = False
+                seen.add(k)
+            total += sum(bt)
+        return hit / total if total else 0.0
+
+
+def parse_tokens(text: str) -> int:
+    """'1M' -> 1_000_000, '512K' -> 512_000, '3.5M', '1G', or a plain integer."""
+    s = text.strip().upper()
+    mult = {"K": 1_000, "M": 1_000_000, "G": 1_000_000_000}.get(s[-1:], 1)
+    num = s[:-1] if mult > 1 else s
+    try:
+        v = int(float(num) * mult)
+    except ValueError:
+        raise ValueError(f"not a token count: {text!r} (use e.g. 1M, 512K, 3000000)") from None
+    if v <= 0:
+        raise ValueError(f"token count must be positive: {text!r}")
+    return v
+
+
+def _policy(spec: PolicySpec) -> EvictionPolicy:
+    return make_policy(spec) if isinstance(spec, str) else spec()
+
+
+def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capacity_tokens: int,
+           block_tokens: int = 512, hold: bool = False, prefill_tps: float = 20_000.0,
+           decode_tps: float = 50.0, progress: Callable[[int], None] | None = None) -> ReplayResult:
+    """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks."""
+    pt = trace if isinstance(trace, PreparedTrace) else PreparedTrace(trace, block_tokens)
+    bt = pt.block_tokens
+    num_blocks = capacity_tokens // bt
+    if num_blocks <= 0:
+        raise ValueError(f"capacity {capacity_tokens} tokens holds no {bt}-token block")
+    pol = _policy(policy)
+    now = [0.0]
+    mgr = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=bt), policy=pol,
+                         clock=lambda: now[0])
+    belady_next = pt.next_use if pol.needs_future else None
+    next_use = getattr(pol, "next_use", None)
+    misses = MissBreakdown()
+    seen_keys: set[bytes] = set()
+    seen_raw: dict[int, set[str | None]] = {}  # (position-chained) raw id -> tenants that used it
+    running: list[tuple[float, int, Request]] = []
+    t0 = time.perf_counter()
+    for i, r in enumerate(pt.trace):
+        now[0] = r.timestamp_ms / 1000.0
+        if hold:
+            while running and running[0][0] <= now[0]:
+                mgr.free(heapq.heappop(running)[2])
+        ks, bts = pt.keys[i], pt.block_tokens_of[i]
+        req = Request(str(i), r.tenant, pt.roots[r.tenant], ks, pt.contents[i], bts, r.input_length,
+                      session=r.session)
+        if belady_next is not None and next_use is not None:
+            for k, nu in zip(ks, belady_next[i]):
+                next_use[k] = nu
+        if len(bts) > num_blocks:
+            misses.too_long += r.input_length
+            mgr.stats.query_tokens += r.input_length
+            mgr.stats.requests += 1
+        else:
+            while True:
+                matched = mgr.match_prefix(req)
+                try:
+                    mgr.allocate(req, matched)
+                    break
+                except OutOfBlocks:  # hold mode: wait for the earliest running request
+                    mgr.free(heapq.heappop(running)[2])
+            _classify_misses(req, len(matched), r, seen_keys, seen_raw, bt, misses)
+            if hold:
+                dur = r.input_length / prefill_tps + r.output_length / decode_tps
+                heapq.heappush(running, (now[0] + dur, i, req))
+            else:
+                mgr.free(req)
+        if progress is not None:
+            progress(i)
+    st = mgr.stats
+    return ReplayResult(pol.name, capacity_tokens, bt, num_blocks, st.requests, st.query_tokens,
+                        st.hit_tokens, st.evicted_blocks, time.perf_counter() - t0, misses,
+                        pol.stats())
+
+
+def _classify_misses(req: Request, n_hit: int, r: TraceRequest, seen_keys: set[bytes],
+                     seen_raw: dict[int, set[str | None]], bt: int, misses: MissBreakdown) -> None:
+    """Attribute each missed block's tokens to one cause, then remember the blocks."""
+    for j, (k, n) in enumerate(zip(req.keys, req.block_tokens)):
+        raw = r.hash_ids[j]
+        tenants = seen_raw.setdefault(raw, set())
+        if j >= n_hit:
+            if k in seen_keys:
+                misses.capacity += n
+            elif tenants and r.tenant not in tenants:
+                misses.isolation += n
+            elif n < bt:
+                misses.sub_block += n
+            else:
+                misses.compulsory += n
+        seen_keys.add(k)
+        tenants.add(r.tenant)
+
+
+def replay_grid(trace: PreparedTrace, policies: Iterable[str], capacities: Iterable[int],
+                **kw) -> list[ReplayResult]:
+    return [replay(trace, p, c, trace.block_tokens, **kw) for c in capacities for p in policies]

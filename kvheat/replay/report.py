@@ -1,0 +1,109 @@
+"""Replay reports: a table on the terminal, one JSON object, a PNG of hit rate vs capacity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .replayer import ReplayResult
+
+
+def gap_closed(rate: float, lru: float, belady: float) -> float | None:
+    """Fraction of the LRU -> Belady gap a policy closes."""
+    return (rate - lru) / (belady - lru) if belady > lru else None
+
+
+def summarize(trace_name: str, block_tokens: int, infinite: float,
+              results: list[ReplayResult]) -> dict:
+    by = {(r.policy, r.capacity_tokens): r for r in results}
+    rows = []
+    for r in results:
+        d = r.as_dict()
+        lru, bel = by.get(("lru", r.capacity_tokens)), by.get(("belady", r.capacity_tokens))
+        if lru and bel:
+            d["gap_closed"] = gap_closed(r.hit_rate, lru.hit_rate, bel.hit_rate)
+        rows.append(d)
+    return {"trace": trace_name, "block_tokens": block_tokens, "infinite": infinite, "results": rows}
+
+
+def print_table(summary: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    caps = sorted({r["capacity_tokens"] for r in summary["results"]})
+    pols = list(dict.fromkeys(r["policy"] for r in summary["results"]))
+    cell = {(r["policy"], r["capacity_tokens"]): r for r in summary["results"]}
+    t = Table(title=f"{summary['trace']}: token-weighted prefix hit rate "
+                    f"({summary['block_tokens']}-token blocks, infinite cache "
+                    f"{summary['infinite']:.2%})")
+    t.add_column("policy")
+    for c in caps:
+        t.add_column(f"{_fmt_tokens(c)} tokens", justify="right")
+    for p in pols:
+        cells = []
+        for c in caps:
+            r = cell.get((p, c))
+            if r is None:
+                cells.append("")
+                continue
+            g = r.get("gap_closed")
+            extra = f" ({g:+.0%} gap)" if g is not None and p not in ("lru", "belady") else ""
+            cells.append(f"{r['hit_rate']:.2%}{extra}")
+        t.add_row(p, *cells)
+    console.print(t)
+
+
+def print_misses(summary: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title="Why prompt tokens missed (share of all prompt tokens)")
+    for col in ("policy", "capacity", "compulsory", "capacity miss", "sub-block", "isolation", "too long"):
+        t.add_column(col, justify="right" if col != "policy" else "left")
+    for r in summary["results"]:
+        m, tot = r["misses"], max(r["total_tokens"], 1)
+        t.add_row(r["policy"], _fmt_tokens(r["capacity_tokens"]),
+                  *(f"{m[k] / tot:.1%}" for k in ("compulsory", "capacity", "sub_block", "isolation", "too_long")))
+    console.print(t)
+
+
+def write_json(summary: dict, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def plot(summary: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = sorted({r["capacity_tokens"] for r in summary["results"]})
+    pols = list(dict.fromkeys(r["policy"] for r in summary["results"]))
+    cell = {(r["policy"], r["capacity_tokens"]): r["hit_rate"] for r in summary["results"]}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in pols:
+        xs = [c for c in caps if (p, c) in cell]
+        style = {"linestyle": "--", "color": "black"} if p == "belady" else {"marker": "o"}
+        if p == "kvheat":
+            style = {"marker": "s", "linewidth": 2.5, "color": "tab:red"}
+        ax.plot(xs, [100 * cell[(p, c)] for c in xs], label=p, **style)
+    ax.axhline(100 * summary["infinite"], color="grey", linestyle=":", label="infinite cache")
+    ax.set_xscale("log")
+    ax.set_xticks(caps, [_fmt_tokens(c) for c in caps])
+    ax.set_xlabel("cache capacity (tokens)")
+    ax.set_ylabel("prefix hit rate (% of prompt tokens)")
+    ax.set_title(summary["trace"])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fmt_tokens(n: int) -> str:
+    for div, suf in ((1_000_000_000, "G"), (1_000_000, "M"), (1_000, "K")):
+        if n >= div and n % (div // 100) == 0:
+            v = n / div
+            return f"{v:g}{suf}"
+    return str(n)

@@ -1,0 +1,142 @@
+"""The block cache's request lifecycle, tenant isolation and error handling."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvheat.cache import (
+    CacheConfig,
+    CacheError,
+    KVCacheManager,
+    OutOfBlocks,
+    PromptTooLong,
+    UnknownRequest,
+)
+
+
+def mgr(num_blocks: int = 16, block_size: int = 4, **kw) -> KVCacheManager:
+    return KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=block_size, **kw))
+
+
+def test_resubmitted_prompt_reuses_every_full_block() -> None:
+    m = mgr()
+    toks = list(range(10))  # 2 full blocks + 2 tokens
+    r1 = m.make_request("r1", toks)
+    t1 = m.allocate(r1)
+    assert r1.num_cached_tokens == 0
+    m.free(r1)
+    r2 = m.make_request("r2", toks)
+    table = m.allocate(r2)
+    assert r2.num_cached_tokens == 8  # the partial last block is never shared
+    assert table[:2] == t1[:2]
+    assert m.stats.hit_tokens == 8 and m.stats.query_tokens == 20
+    m.check_invariants()
+
+
+def test_next_turn_reuses_prompt_and_decoded_tokens() -> None:
+    m = mgr(block_size=4)
+    turn1 = [1, 2, 3, 4, 5, 6]
+    r1 = m.make_request("t1", turn1, session="s")
+    m.allocate(r1)
+    m.append_tokens(r1, [7, 8, 9, 10])  # the model's answer fills blocks 2 and 3
+    m.check_invariants()
+    m.free(r1)
+    turn2 = turn1 + [7, 8, 9, 10] + [11, 12, 13]
+    r2 = m.make_request("t2", turn2, session="s")
+    m.allocate(r2)
+    assert r2.num_cached_tokens == 8  # blocks [1..4] and [5..8] (the second filled by decode)
+    assert m.sessions["s"] == r2.keys
+
+
+def test_concurrent_requests_share_blocks_and_refcounts() -> None:
+    m = mgr()
+    a = m.make_request("a", list(range(8)) + [50])
+    b = m.make_request("b", list(range(8)) + [60])
+    m.allocate(a)
+    m.allocate(b)
+    assert a.blocks[:2] == b.blocks[:2]
+    assert [x.ref_cnt for x in a.blocks[:2]] == [2, 2]
+    m.free(a)
+    assert [x.ref_cnt for x in b.blocks[:2]] == [1, 1]
+    m.free(b)
+    m.check_invariants()
+
+
+def test_tenants_never_share_unless_configured() -> None:
+    m = mgr(share_groups={"x": "team", "y": "team"})
+    toks = list(range(8))
+    for tenant in ("a", "b"):
+        r = m.make_request(f"{tenant}1", toks, tenant=tenant)
+        m.allocate(r)
+        assert r.num_cached_tokens == 0, "a tenant hit another tenant's blocks"
+        m.free(r)
+    assert m.match_tokens(toks, tenant="a") == 8
+    assert m.match_tokens(toks, tenant="c") == 0
+    assert m.match_tokens(toks, tenant=None) == 0
+    rx = m.make_request("x1", toks, tenant="x")
+    m.allocate(rx)
+    m.free(rx)
+    assert m.match_tokens(toks, tenant="y") == 8  # x and y are configured to share
+    assert m.match_tokens(toks, tenant="x", lora="adapter1") == 0  # LoRA id is a key too
+
+
+def test_hash_collision_is_a_miss_not_wrong_kv() -> None:
+    m = mgr()
+    r = m.make_request("r", list(range(8)))
+    m.allocate(r)
+    m.free(r)
+    # Forge a collision: another prompt whose first key equals r's but whose tokens differ.
+    forged = m.make_request("f", [9, 9, 9, 9, 4, 5, 6, 7])
+    forged.keys[0] = r.keys[0]
+    assert m.match_prefix(forged) == []
+    assert m.stats.collisions == 1
+
+
+def test_errors_are_clear_and_leave_the_pool_intact() -> None:
+    m = mgr(num_blocks=4)
+    with pytest.raises(ValueError, match="token id"):
+        m.make_request("neg", [1, -2, 3])
+    with pytest.raises(ValueError, match="not an integer"):
+        m.make_request("str", [1, "x", 3])  # type: ignore[list-item]
+    big = m.make_request("big", list(range(17)))
+    with pytest.raises(PromptTooLong, match="pool has 4 blocks"):
+        m.allocate(big)
+    with pytest.raises(UnknownRequest):
+        m.free("nobody")
+    held = m.make_request("held", list(range(12)))
+    m.allocate(held)
+    other = m.make_request("other", [100 + i for i in range(8)])
+    before = (len(m.free_stack), dict(m.cached), m.num_referenced)
+    with pytest.raises(OutOfBlocks):
+        m.allocate(other)
+    assert (len(m.free_stack), dict(m.cached), m.num_referenced) == before
+    with pytest.raises(CacheError, match="already holds"):
+        m.allocate(held)
+    with pytest.raises(OutOfBlocks):
+        m.append_tokens(held, list(range(20)))
+    assert held.num_tokens == 12
+    m.check_invariants()
+    m.free(held)
+    m.allocate(other)  # fits now
+    m.check_invariants()
+
+
+def test_eviction_is_leaf_first_and_skips_referenced_blocks() -> None:
+    m = mgr(num_blocks=4, block_size=2)
+    chain = m.make_request("chain", [1, 1, 2, 2, 3, 3])
+    m.allocate(chain)
+    m.free(chain)
+    pinned = m.make_request("pinned", [1, 1, 2, 2])  # references the first two blocks
+    m.allocate(pinned)
+    assert m.evict(10) == 1  # only the leaf [3, 3] can go
+    assert m.match_tokens([1, 1, 2, 2, 3, 3]) == 4
+    m.free(pinned)
+    assert m.evict(10) == 2
+    assert m.num_cached == 0 and m.num_free == 4
+
+
+def test_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError):
+        CacheConfig(num_blocks=0)
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        mgr(policy="random-guess")
