@@ -53,15 +53,17 @@ def test_hold_mode_and_miss_breakdown_add_up() -> None:
     m = r.misses
     assert r.hit_tokens + m.compulsory + m.capacity + m.sub_block + m.isolation + m.too_long == r.total_tokens
     assert m.capacity > 0 and m.compulsory > 0
-    assert replay(pt, "lru", 10**9).misses.capacity == 0  # nothing evicted, no capacity miss
+    everything = sum(r.input_length for r in pt.trace) + 512 * len(pt.trace)
+    assert replay(pt, "lru", everything).misses.capacity == 0  # nothing evicted, no capacity miss
 
 
 def test_isolation_misses_are_counted_per_tenant() -> None:
     pt = PreparedTrace(generate_workload(WorkloadConfig(num_conversations=200, tenants=3, seed=1)))
-    r = replay(pt, "lru", 10**9)
+    big = 2 * sum(r.input_length for r in pt.trace)
+    r = replay(pt, "lru", big)
     assert r.misses.isolation > 0  # the same system prompt, cached for another tenant only
     single = PreparedTrace(generate_workload(WorkloadConfig(num_conversations=200, seed=1)))
-    assert replay(single, "lru", 10**9).misses.isolation == 0
+    assert replay(single, "lru", big).misses.isolation == 0
 
 
 def test_generator_is_seeded_and_chains_prefixes() -> None:
