@@ -88,11 +88,19 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
 
 
 def _register_optional_commands() -> None:
+    # The engine and server pull in torch and FastAPI: only when those extras are installed.
     try:
         from .engine.bench import bench_command
     except ImportError:
-        return
-    main.add_command(bench_command, "bench")
+        pass
+    else:
+        main.add_command(bench_command, "bench")
+    try:
+        from .server.cli import serve_command
+    except ImportError:
+        pass
+    else:
+        main.add_command(serve_command, "serve")
 
 
 _register_optional_commands()

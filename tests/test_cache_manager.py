@@ -140,3 +140,71 @@ def test_config_rejects_nonsense() -> None:
         CacheConfig(num_blocks=0)
     with pytest.raises(ValueError, match="unknown eviction policy"):
         mgr(policy="random-guess")
+
+
+def fill(m: KVCacheManager, tenant: str, n_prompts: int, base: int) -> None:
+    for i in range(n_prompts):
+        r = m.make_request(f"{tenant}{base + i}", [base + i] * 4, tenant=tenant)
+        m.allocate(r)
+        m.free(r)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "arc"])
+def test_tenant_over_quota_evicts_its_own_blocks(policy: str) -> None:
+    m = mgr(num_blocks=8, policy=policy)
+    fill(m, "a", 4, 100)  # a caches 4 blocks
+    m.set_tenant_quota("b", 2)
+    fill(m, "b", 4, 200)  # 4 free blocks, then the pool is full
+    assert m.tenant_usage("a") == 4 and m.tenant_usage("b") == 4
+    fill(m, "b", 3, 300)  # b is over its quota: only b's blocks may go
+    assert m.tenant_usage("a") == 4 and m.tenant_usage("b") == 4
+    for i in range(4):
+        assert m.match_tokens([100 + i] * 4, tenant="a") == 4
+    m.check_invariants()
+
+
+def test_contended_pool_takes_from_tenants_over_quota_first() -> None:
+    m = mgr(num_blocks=8)
+    m.set_tenant_quota("big", 2)
+    fill(m, "big", 6, 100)
+    fill(m, "small", 2, 200)  # the pool is full; big is over its quota of 2
+    fill(m, "small", 2, 300)  # small needs blocks: they come from big
+    assert m.tenant_usage("small") == 4 and m.tenant_usage("big") == 4
+    assert m.match_tokens([200] * 4, tenant="small") == 4
+    m.set_tenant_quota("big", None)  # lifting the quota puts big's blocks back in common
+    assert not m.partitions
+    m.check_invariants()
+
+
+def test_quota_that_cannot_be_met_fails_cleanly() -> None:
+    m = mgr(num_blocks=8)
+    m.set_tenant_quota("a", 2)
+    fill(m, "x", 6, 100)
+    held = m.make_request("h", [1] * 8, tenant="a")
+    m.allocate(held)  # a takes the 2 free blocks and now holds its whole quota
+    more = m.make_request("m", [2] * 8, tenant="a")
+    with pytest.raises(OutOfBlocks, match="quota"):
+        m.allocate(more)
+    assert "m" not in m.requests and m.tenant_usage("x") == 6
+    m.check_invariants()
+    with pytest.raises(ValueError):
+        m.set_tenant_quota("a", 0)
+
+
+def test_pin_flush_and_unpin() -> None:
+    m = mgr(num_blocks=8)
+    sys_prompt = list(range(8))
+    r = m.make_request("r", sys_prompt + [99], tenant="t")
+    m.allocate(r)
+    m.free(r)
+    assert m.pin_prefix(sys_prompt, tenant="t") == 8
+    assert m.pin_prefix(sys_prompt, tenant="t") == 8  # idempotent
+    assert m.pin_prefix(sys_prompt, tenant="other") == 0
+    fill(m, "t", 10, 100)  # heavy traffic cannot push the pinned prefix out
+    assert m.flush_tenant("t") > 0
+    assert m.match_tokens(sys_prompt, tenant="t") == 8
+    assert [p[2] for p in m.pinned()] == [8]
+    assert m.unpin_prefix(sys_prompt + [5, 5, 5, 5], tenant="t") == 8
+    assert m.flush_tenant("t") == 2
+    assert m.match_tokens(sys_prompt, tenant="t") == 0
+    m.check_invariants()

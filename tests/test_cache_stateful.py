@@ -68,7 +68,10 @@ class CacheMachine(RuleBasedStateMachine):
             hits = self.m.match_prefix(req)
             self.m.allocate(req, hits)
         except (OutOfBlocks, PromptTooLong):
-            assert snapshot(self.m) == before, "a failed allocate changed the pool"
+            if not self.m.quotas:
+                assert snapshot(self.m) == before, "a failed allocate changed the pool"
+            else:  # a tenant held to its quota may have evicted its own blocks first
+                assert rid not in self.m.requests and self.m.num_referenced == before[3]
             return None
         assert req.num_cached_tokens == len(hits) * BLOCK
         self._check_hits(req, tokens, len(hits))
@@ -85,7 +88,9 @@ class CacheMachine(RuleBasedStateMachine):
         try:
             self.m.append_tokens(req, extra)
         except OutOfBlocks:
-            assert snapshot(self.m) == before
+            if not self.m.quotas:
+                assert snapshot(self.m) == before
+            assert len(req.blocks) == n_before and self.m.num_referenced == before[3]
             return
         toks = self.tokens[req.request_id] = self.tokens[req.request_id] + extra
         self._write(req, toks, max(n_before - 1, 0))
@@ -112,6 +117,26 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.kv[b.block_id] == tuple(tokens[i * BLOCK:(i + 1) * BLOCK])
             assert self.m.salt_of(b.tenant) == self.m.salt_of(tenant)
         self.m.touch(hits)
+
+    @rule(tenant=st.sampled_from(TENANTS), blocks=st.one_of(st.none(), st.integers(1, POOL)))
+    def set_quota(self, tenant, blocks):
+        self.m.set_tenant_quota(tenant, blocks)
+
+    @rule(tenant=st.sampled_from(TENANTS))
+    def flush(self, tenant):
+        self.m.flush_tenant(tenant)
+        assert not any(b.tenant == tenant and b.ref_cnt == 0 and b.num_children == 0
+                       for b in self.m.cached.values())
+
+    @rule(tenant=st.sampled_from(TENANTS), prefix=st.sampled_from(PREFIXES[:3]), unpin=st.booleans())
+    def pin(self, tenant, prefix, unpin):
+        if unpin:
+            self.m.unpin_prefix(prefix, tenant)
+            return
+        n = self.m.pin_prefix(prefix, tenant)
+        assert n == self.m.match_tokens(prefix, tenant)
+        self.m.evict(POOL)
+        assert self.m.match_tokens(prefix, tenant) == n, "a pinned prefix was evicted"
 
     @invariant()
     def consistent(self):

@@ -104,8 +104,15 @@ class KVCacheManager:
         self.sessions: dict[str, list[bytes]] = {}  # session -> keys of its latest turn
         self.policy = policy if policy is not None else make_policy(config.policy)
         self.policy.bind(config.num_blocks)
+        # Tenants with a block quota get a policy of their own (a partition); the rest share
+        # `self.policy`. Blocks belong to the tenant that filled them.
+        self.partitions: dict[str | None, EvictionPolicy] = {}
+        self.quotas: dict[str | None, int] = {}
+        self.usage: dict[str | None, int] = {}  # blocks held or cached, by owning tenant
         # Skip the per-block call where the policy does not use the hook.
         self._on_hit = None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
+        self._on_insert = (None if type(self.policy).on_insert is EvictionPolicy.on_insert
+                           else self.policy.on_insert)
         self.clock = clock
         self.num_referenced = 0
         self.stats = CacheStats()
@@ -200,33 +207,31 @@ class KVCacheManager:
             if n_new > can_free:
                 raise OutOfBlocks(f"request needs {n_new} new blocks; only {can_free} are not in use")
         now = self.clock()
-        on_acquire, on_hit = self.policy.on_acquire, self._on_hit
-        hit_tokens = 0
-        for b in hit:
-            if b.ref_cnt == 0:
-                self.num_referenced += 1
-                on_acquire(b)
-            b.ref_cnt += 1
-            b.last_access = now
-            if on_hit is not None:
-                on_hit(b, now)
-            hit_tokens += b.num_tokens
+        hit_tokens = self._acquire(hit, now)
         blocks = list(hit)
         if n_new:
             parent = hit[-1] if hit else None
             keys, contents, bt = req.keys, req.contents, req.block_tokens
             n_keys = len(keys)
             free_stack = self.free_stack
-            for i in range(len(hit), n_need):
-                b = free_stack.pop() if free_stack else self._evict_for_new()
-                b.ref_cnt = 1
-                b.num_tokens = bt[i]
-                b.tenant = req.tenant
-                b.last_access = b.inserted_at = now
-                if i < n_keys:
-                    self._register(b, keys[i], contents[i], parent, now)
-                blocks.append(b)
-                parent = b
+            tenant = req.tenant
+            self.usage[tenant] = self.usage.get(tenant, 0) + n_new
+            try:
+                for i in range(len(hit), n_need):
+                    b = free_stack.pop() if free_stack else self._evict_for_new(tenant)
+                    b.ref_cnt = 1
+                    b.num_tokens = bt[i]
+                    b.tenant = tenant
+                    b.last_access = b.inserted_at = now
+                    if i < n_keys:
+                        self._register(b, keys[i], contents[i], parent, now)
+                    blocks.append(b)
+                    parent = b
+            except OutOfBlocks:  # only a tenant held to its quota gets here
+                self.num_referenced += len(blocks) - len(hit)
+                self.usage[tenant] -= n_new - (len(blocks) - len(hit))
+                self._undo(blocks, len(hit), now)
+                raise
             self.num_referenced += n_new
         req.blocks = blocks
         req.num_cached_tokens = hit_tokens
@@ -241,10 +246,52 @@ class KVCacheManager:
             st.hit_blocks += len(hit)
         return [b.block_id for b in blocks]
 
+    def _acquire(self, hit: list[Block], now: float) -> int:
+        """Reference the blocks of a cached prefix; returns their token count."""
+        parts = self.partitions
+        policy = self.policy
+        on_hit = self._on_hit
+        tokens = 0
+        for b in hit:
+            pol = parts.get(b.tenant, policy) if parts else policy
+            if b.ref_cnt == 0:
+                self.num_referenced += 1
+                pol.on_acquire(b)
+            b.ref_cnt += 1
+            b.last_access = now
+            if pol is not policy:
+                pol.on_hit(b, now)
+            elif on_hit is not None:
+                on_hit(b, now)
+            tokens += b.num_tokens
+        return tokens
+
+    def _undo(self, blocks: list[Block], n_hit: int, now: float) -> None:
+        """Roll back a failed allocate: new blocks leave the cache uncomputed, hits are released."""
+        for b in reversed(blocks[n_hit:]):
+            b.ref_cnt = 0
+            self.num_referenced -= 1
+            if b.key is not None:
+                self._pol(b).forget(b)
+                self._unlink(b, evicted=False)
+            else:
+                self._reset(b)
+                self.free_stack.append(b)
+        for b in reversed(blocks[:n_hit]):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.num_referenced -= 1
+                self._pol(b).on_release(b, now)
+
+    def _pol(self, b: Block) -> EvictionPolicy:
+        return self.partitions.get(b.tenant, self.policy) if self.partitions else self.policy
+
     def _register(self, b: Block, key: bytes, content: bytes, parent: Block | None,
                   now: float) -> None:
         if key in self.cached:  # the same prefix was filled by another request meanwhile
             return  # this copy stays private and is freed uncached
+        if parent is not None and parent.key is None:
+            return  # below a private copy: cached, it would hang off a block freed uncached
         b.key = key
         b.content = content
         b.parent = parent
@@ -253,7 +300,10 @@ class KVCacheManager:
             parent.num_children += 1
         self.cached[key] = b
         self.stats.inserted_blocks += 1
-        self.policy.on_insert(b, now)
+        if self.partitions:
+            self._pol(b).on_insert(b, now)
+        elif self._on_insert is not None:
+            self._on_insert(b, now)
 
     def append_tokens(self, req: Request, tokens: Sequence[int]) -> list[int]:
         """Grow a token request by decoded tokens; blocks that fill up become cached.
@@ -270,12 +320,20 @@ class KVCacheManager:
         n_new = n_blocks_needed - len(req.blocks)
         if n_new > len(self.blocks) - self.num_referenced:
             raise OutOfBlocks(f"request needs {n_new} more blocks; none can be freed")
+        taken: list[Block] = []
+        try:
+            for _ in range(n_new):
+                taken.append(self._take_free_block(req.tenant))
+        except OutOfBlocks:  # a tenant held to its quota: give the fresh blocks back
+            self.free_stack.extend(reversed(taken))
+            raise
         now = self.clock()
         req.raw.extend(data)
         req.num_tokens = n_total
         new_ids: list[int] = []
-        for _ in range(n_new):
-            b = self._take_free_block()
+        if n_new:
+            self.usage[req.tenant] = self.usage.get(req.tenant, 0) + n_new
+        for b in taken:
             b.ref_cnt = 1
             self.num_referenced += 1
             b.num_tokens = 0
@@ -307,7 +365,8 @@ class KVCacheManager:
         if r is None:
             raise UnknownRequest(f"free of unknown request {rid!r}")
         now = self.clock()
-        on_release = self.policy.on_release
+        parts, policy = self.partitions, self.policy
+        on_release = policy.on_release
         released = 0
         for b in reversed(r.blocks):
             b.ref_cnt -= 1
@@ -316,6 +375,8 @@ class KVCacheManager:
                 if b.key is None:
                     self._reset(b)
                     self.free_stack.append(b)
+                elif parts and b.tenant in parts:
+                    parts[b.tenant].on_release(b, now)
                 else:
                     on_release(b, now)
         self.num_referenced -= released
@@ -324,10 +385,10 @@ class KVCacheManager:
     def touch(self, blocks: Sequence[Block]) -> None:
         """Mark blocks used now (tail-first), without changing who holds them."""
         now = self.clock()
-        policy = self.policy
         for b in reversed(blocks):
             if b.key is None:
                 continue
+            policy = self._pol(b)
             b.last_access = now
             if b.ref_cnt == 0:
                 policy.on_acquire(b)
@@ -339,40 +400,164 @@ class KVCacheManager:
     def evict(self, n: int) -> int:
         """Evict up to `n` unreferenced cached blocks into the free pool; returns how many."""
         done = 0
-        while done < n and self._evict_one():
+        while done < n and self._evict_one(None):
             done += 1
         return done
 
-    # ---- internals --------------------------------------------------------------------
-    def _take_free_block(self) -> Block:
-        return self.free_stack.pop() if self.free_stack else self._evict_for_new()
+    # ---- tenants: quotas, flush, pins -------------------------------------------------
+    def set_tenant_quota(self, tenant: str | None, blocks: int | None) -> None:
+        """Cap a tenant's blocks when the pool is contended (None lifts the cap).
 
-    def _evict_for_new(self) -> Block:
-        if not self._evict_one():
+        Free blocks are used by anyone; once the pool is full, a tenant at its quota can
+        only evict its own blocks, and others evict from tenants over their quota first.
+        """
+        if blocks is not None and blocks <= 0:
+            raise ValueError("a quota is a positive number of blocks")
+        old = self.partitions.get(tenant, self.policy)
+        if blocks is None:
+            self.quotas.pop(tenant, None)
+            new = self.policy
+            self.partitions.pop(tenant, None)
+        else:
+            self.quotas[tenant] = blocks
+            if tenant in self.partitions:
+                self.partitions[tenant].bind(blocks)
+                return
+            new = self._new_policy()
+            new.bind(blocks)
+            self.partitions[tenant] = new
+        if new is old:
+            return
+        # Move the tenant's cached blocks over, oldest first and children before parents,
+        # so the new policy sees them in the order they were used.
+        mine = sorted((b for b in self.cached.values() if b.tenant == tenant),
+                      key=lambda b: (b.last_access, -b.depth))
+        for b in mine:
+            old.forget(b)
+        for b in mine:
+            new.on_insert(b, b.last_access)
+            if b.ref_cnt == 0:
+                new.on_release(b, b.last_access)
+
+    def _new_policy(self) -> EvictionPolicy:
+        from .policy import _REGISTRY
+
+        name = self.policy.name
+        return make_policy(name) if name in _REGISTRY else type(self.policy)()
+
+    def tenant_usage(self, tenant: str | None) -> int:
+        """Blocks a tenant holds or has cached."""
+        return self.usage.get(tenant, 0)
+
+    def flush_tenant(self, tenant: str | None) -> int:
+        """Drop every unreferenced cached block the tenant owns; returns how many."""
+        mine = sorted((b for b in self.cached.values() if b.tenant == tenant and b.ref_cnt == 0),
+                      key=lambda b: -b.depth)
+        n = 0
+        for b in mine:  # deepest first, so each is a leaf by the time it is reached
+            if b.key is not None and b.ref_cnt == 0 and b.num_children == 0:
+                self._pol(b).forget(b)
+                self._unlink(b)
+                n += 1
+        return n
+
+    def pin_prefix(self, tokens: Sequence[int], tenant: str | None = None,
+                   lora: str | None = None) -> int:
+        """Hold the cached prefix of `tokens` so it is never evicted; returns tokens pinned.
+        Pinning twice is harmless; only what is cached now can be pinned."""
+        probe = self.make_request("", tokens, tenant, lora)
+        hit = self.match_prefix(probe)
+        if not hit:
+            return 0
+        pin_id = "pin:" + hit[-1].key.hex()  # type: ignore[union-attr]
+        if pin_id in self.requests:
+            return sum(b.num_tokens for b in hit)
+        holder = Request(pin_id, tenant, probe.root, probe.keys[:len(hit)],
+                         probe.contents[:len(hit)], [b.num_tokens for b in hit],
+                         sum(b.num_tokens for b in hit))
+        holder.blocks = list(hit)
+        holder.num_cached_tokens = self._acquire(hit, self.clock())
+        self.requests[pin_id] = holder
+        return holder.num_cached_tokens
+
+    def unpin_prefix(self, tokens: Sequence[int], tenant: str | None = None,
+                     lora: str | None = None) -> int:
+        """Release pins on prefixes of `tokens` (longest first); returns tokens unpinned."""
+        probe = self.make_request("", tokens, tenant, lora)
+        n = 0
+        for key in reversed(probe.keys):
+            pin = self.requests.get("pin:" + key.hex())
+            if pin is not None:
+                n = max(n, pin.num_tokens)
+                self.free(pin)
+        return n
+
+    def pinned(self) -> list[tuple[str, str | None, int]]:
+        """(pin id, tenant, tokens) of every pinned prefix."""
+        return [(r.request_id, r.tenant, r.num_tokens) for r in self.requests.values()
+                if r.request_id.startswith("pin:")]
+
+    # ---- internals --------------------------------------------------------------------
+    def _take_free_block(self, tenant: str | None = None) -> Block:
+        return self.free_stack.pop() if self.free_stack else self._evict_for_new(tenant)
+
+    def _evict_for_new(self, tenant: str | None) -> Block:
+        if not self._evict_one(tenant):
+            if tenant in self.quotas:
+                raise OutOfBlocks(f"tenant {tenant!r} is at its quota of {self.quotas[tenant]} "
+                                  "blocks and none of its own blocks can be evicted")
             raise OutOfBlocks("no free or evictable block")  # excluded by the callers' checks
         return self.free_stack.pop()
 
-    def _evict_one(self) -> bool:
-        b = self.policy.victim()
-        if b is None:
-            return False
-        assert b.ref_cnt == 0 and b.num_children == 0, f"policy chose an unevictable {b}"
-        for listener in self.evict_listeners:
-            listener(b)
-        self.policy.on_evict(b)
+    def _victim_sources(self, tenant: str | None) -> list[EvictionPolicy]:
+        """Which policies to ask for a victim, in order, when `tenant` needs a block."""
+        if not self.partitions:
+            return [self.policy]
+        quota, usage = self.quotas, self.usage
+        if tenant in quota and usage.get(tenant, 0) >= quota[tenant]:
+            return [self.partitions[tenant]]  # at its quota: only its own blocks go
+        by_pressure = sorted(quota, key=lambda t: usage.get(t, 0) / quota[t], reverse=True)
+        over = [self.partitions[t] for t in by_pressure if usage.get(t, 0) > quota[t]]
+        rest = [self.partitions[t] for t in by_pressure if usage.get(t, 0) <= quota[t]]
+        return over + [self.policy] + rest
+
+    def _evict_one(self, tenant: str | None) -> bool:
+        if not self.partitions:  # the common case: one policy for everyone
+            pol = self.policy
+            b = pol.victim()
+            if b is None:
+                return False
+            pol.on_evict(b)
+            self._unlink(b)
+            return True
+        for pol in self._victim_sources(tenant):
+            b = pol.victim()
+            if b is not None:
+                assert b.ref_cnt == 0 and b.num_children == 0, f"policy chose an unevictable {b}"
+                pol.on_evict(b)
+                self._unlink(b)
+                return True
+        return False
+
+    def _unlink(self, b: Block, evicted: bool = True) -> None:
+        """Take a refcount-0 leaf out of the cache and into the free pool. `evicted` is
+        False only for blocks whose KV was never computed (a rolled-back allocate)."""
+        if evicted:
+            for listener in self.evict_listeners:
+                listener(b)
         del self.cached[b.key]  # type: ignore[arg-type]
         parent = b.parent
         self._reset(b)
         if parent is not None:
             parent.num_children -= 1
             if parent.num_children == 0 and parent.ref_cnt == 0:
-                self.policy.on_leaf(parent)
+                self._pol(parent).on_leaf(parent)
         self.free_stack.append(b)
-        self.stats.evicted_blocks += 1
-        return True
+        if evicted:
+            self.stats.evicted_blocks += 1
 
-    @staticmethod
-    def _reset(b: Block) -> None:
+    def _reset(self, b: Block) -> None:
+        self.usage[b.tenant] -= 1
         b.key = None
         b.content = None
         b.parent = None
@@ -420,3 +605,8 @@ class KVCacheManager:
         assert sum(1 for b in self.blocks if b.ref_cnt) == self.num_referenced
         assert len(self.cached) + len(self.free_stack) + sum(
             1 for b in self.blocks if b.key is None and b.ref_cnt) == n
+        owned: dict[str | None, int] = {}
+        for b in self.blocks:
+            if b.block_id not in free_ids:
+                owned[b.tenant] = owned.get(b.tenant, 0) + 1
+        assert owned == {t: c for t, c in self.usage.items() if c}, "tenant usage drifted"

@@ -92,6 +92,9 @@ class LFU(EvictionPolicy):
         b.parked = None
         self._bucket(b.freq).append(b)
 
+    def forget(self, b: Block) -> None:
+        self.on_acquire(b)
+
     def victim(self) -> Block | None:
         # Distinct frequencies are few; scanning them is cheaper than keeping them sorted.
         for f in sorted(self.buckets):
@@ -189,6 +192,10 @@ class ARC(EvictionPolicy):
     def stats(self) -> dict[str, float]:
         return {"p": self.p, "t1": self.size[T1], "t2": self.size[T2]}
 
+    def forget(self, b: Block) -> None:
+        super().forget(b)
+        self.size[b.state] -= 1
+
 
 A1IN, AM = 1, 2
 
@@ -251,6 +258,11 @@ class TwoQ(EvictionPolicy):
             self.n_a1in -= 1
             self.a1out.add(b.key, int(self.kout * self.capacity))  # type: ignore[arg-type]
 
+    def forget(self, b: Block) -> None:
+        super().forget(b)
+        if b.state == A1IN:
+            self.n_a1in -= 1
+
 
 SMALL, MAIN = 1, 2
 
@@ -311,6 +323,10 @@ class S3FIFO(EvictionPolicy):
         if b.state == SMALL:
             self.ghost.add(b.key, int((1 - self.small_frac) * self.capacity))  # type: ignore[arg-type]
 
+    def forget(self, b: Block) -> None:
+        super().forget(b)
+        self.n[b.state] -= 1
+
 
 @register_policy("belady")
 class Belady(EvictionPolicy):
@@ -348,6 +364,10 @@ class Belady(EvictionPolicy):
         if b.parked is not None:
             b.parked = None
             self._push(b)
+
+    def forget(self, b: Block) -> None:
+        b.heap_ver += 1
+        b.parked = None
 
     def victim(self) -> Block | None:
         heap = self.heap

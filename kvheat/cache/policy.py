@@ -50,6 +50,13 @@ class EvictionPolicy:
     def on_evict(self, b: Block) -> None:
         """`b` leaves the cache (its key is still set): ghost lists record it here."""
 
+    def forget(self, b: Block) -> None:
+        """Drop every trace of `b` from this policy, without a ghost: the block moves to
+        another tenant's policy, is flushed, or was never computed."""
+        if b.queue is not None:
+            b.queue.remove(b)
+        b.parked = None
+
     # Shared helpers.
     @staticmethod
     def _unpark(b: Block) -> None:
