@@ -1,0 +1,219 @@
+"""Disk tier: one file per entry under a directory, with a size cap.
+
+Files are written atomically (temp file, fsync, rename, directory fsync), in the raw format
+of `codec.py` (header with format version, dtype, shape, key, namespace, checksum). On
+start the index is rebuilt from the directory: leftover temp files, files whose size
+disagrees with their header (torn), and files whose name does not match the key inside are
+deleted, never indexed. Every read checks the whole value again before serving it.
+A full disk (ENOSPC, EDQUOT, EFBIG) or the cap refuses the put; demotion stops for a while
+and nothing raises.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import xxhash
+
+from .codec import (
+    HEAD_SIZE,
+    MAX_KEY,
+    MAX_NDIM,
+    NS_SIZE,
+    CorruptValue,
+    decode,
+    decode_header,
+    encode_prefix,
+)
+from .store import KVStore, copy_out, log
+
+_SUFFIX = ".kv"
+_TMP = ".tmp-"
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_MAX_HEADER = HEAD_SIZE + 4 * MAX_NDIM + MAX_KEY + NS_SIZE
+
+
+class DiskStore(KVStore):
+    name = "disk"
+
+    def __init__(self, root: str | Path, capacity_bytes: int, model: str = "model",
+                 layout: str = "kv", fsync: bool = True, full_backoff_s: float = 5.0) -> None:
+        super().__init__(capacity_bytes, model, layout)
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        self.full_backoff_s = full_backoff_s
+        self.write_blocked_until = 0.0
+        self.full_events = 0  # times the file system itself said full
+        # file name digest -> (key, namespace, file size)
+        self.index: dict[str, tuple[bytes, bytes, int]] = {}
+        self._used = 0
+        self._lock = threading.Lock()
+        self.rejected_on_open = 0
+        self._rebuild_index()
+
+    # ---- naming -----------------------------------------------------------------------
+    def _name(self, key: bytes, ns: bytes) -> str:
+        return xxhash.xxh3_128_hexdigest(ns + key)
+
+    def _path(self, name: str) -> Path:
+        return self.root / (name + _SUFFIX)
+
+    def _rebuild_index(self) -> None:
+        for entry in os.scandir(self.root):
+            if entry.name.startswith(_TMP):  # a write the process never finished
+                self._unlink(Path(entry.path))
+                continue
+            if not entry.name.endswith(_SUFFIX):
+                continue
+            name = entry.name[:-len(_SUFFIX)]
+            try:
+                with open(entry.path, "rb") as f:
+                    head = f.read(_MAX_HEADER)
+                    size = os.fstat(f.fileno()).st_size
+                hdr = decode_header(head)
+                if size != hdr.body_offset + hdr.payload_len:
+                    raise CorruptValue("torn", f"file has {size} bytes, header says "
+                                               f"{hdr.body_offset + hdr.payload_len}")
+                if self._name(hdr.key, hdr.ns) != name:
+                    raise CorruptValue("key", "file name does not match the key inside")
+            except CorruptValue as e:
+                self.rejected_on_open += 1
+                self._count_corrupt(e.kind, bytes.fromhex(name) if len(name) == 32 else b"",
+                                    f"on open: {e}")
+                self._unlink(Path(entry.path))
+                continue
+            except OSError as e:
+                self.stats.io_errors += 1
+                log.warning("disk tier: cannot read %s on open (%s); skipped", entry.path, e)
+                continue
+            self.index[name] = (hdr.key, hdr.ns, size)
+            self._used += size
+
+    # ---- interface --------------------------------------------------------------------
+    def used_bytes(self) -> int:
+        return self._used
+
+    def entry_bytes(self, kv: torch.Tensor, key: bytes) -> int:
+        return kv.numel() * kv.element_size() + HEAD_SIZE + 4 * kv.dim() + len(key) + NS_SIZE
+
+    def writable(self) -> bool:
+        return time.monotonic() >= self.write_blocked_until
+
+    def _put(self, key: bytes, kv: torch.Tensor, salt: str | None) -> bool:
+        if not self.writable():
+            self.stats.skipped_down += 1
+            return False
+        ns = self.ns(salt)
+        head, payload = encode_prefix(kv, key, ns)
+        size = len(head) + len(payload)
+        name = self._name(key, ns)
+        with self._lock:
+            old = self.index.get(name)
+            if self._used - (old[2] if old else 0) + size > self.capacity_bytes:
+                return False  # the cap: the caller makes room first
+            # Reserve the bytes now so concurrent writers cannot overshoot the cap.
+            self._used += size - (old[2] if old else 0)
+            self.index.pop(name, None)
+        tmp = self.root / f"{_TMP}{name}-{os.getpid()}-{threading.get_ident()}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            with os.fdopen(fd, "wb", closefd=True) as f:
+                f.write(head)
+                f.write(payload)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, self._path(name))
+            if self.fsync:
+                self._fsync_dir()
+        except OSError as e:
+            self._unlink(tmp)
+            with self._lock:
+                self._used -= size
+                if old is not None and self._path(name).exists():
+                    self._used += old[2]  # the old file is still there and valid
+                    self.index[name] = old
+            self.stats.io_errors += 1
+            if e.errno in _FULL_ERRNOS:
+                self.full_events += 1
+                self.write_blocked_until = time.monotonic() + self.full_backoff_s
+            log.warning("disk tier: write failed (%s); demotion to disk paused", e)
+            return False
+        with self._lock:
+            self.index[name] = (key, ns, size)
+        return True
+
+    def _get(self, key: bytes, salt: str | None, out: torch.Tensor | None) -> torch.Tensor | None:
+        ns = self.ns(salt)
+        name = self._name(key, ns)
+        if name not in self.index:
+            return None
+        path = self._path(name)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                # torch.empty, not bytearray: no zero-fill pass over the buffer
+                buf = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+                n = f.readinto(buf)
+            if n != size:
+                raise CorruptValue("torn", f"read {n} of {size} bytes")
+            t = decode(buf, key, ns)
+        except FileNotFoundError:
+            self._drop(name, remove_file=False)
+            return None
+        except CorruptValue as e:
+            self._count_corrupt(e.kind, key, str(e))
+            self._drop(name, remove_file=True)
+            return None
+        except OSError as e:
+            self.stats.io_errors += 1
+            log.warning("disk tier: read failed (%s); served as a miss", e)
+            return None
+        return t if out is None else copy_out(t, out)
+
+    def contains(self, key: bytes, salt: str | None = None) -> bool:
+        return self._name(key, self.ns(salt)) in self.index
+
+    def delete(self, key: bytes, salt: str | None = None) -> bool:
+        name = self._name(key, self.ns(salt))
+        if name not in self.index:
+            return False
+        self._drop(name, remove_file=True)
+        self.stats.deletes += 1
+        return True
+
+    def stored(self) -> Iterable[tuple[bytes, bytes]]:
+        with self._lock:
+            return [(k, ns) for k, ns, _ in self.index.values()]
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _drop(self, name: str, remove_file: bool) -> None:
+        with self._lock:
+            e = self.index.pop(name, None)
+            if e is not None:
+                self._used -= e[2]
+        if remove_file:
+            self._unlink(self._path(name))
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("disk tier: cannot remove %s (%s)", path, e)
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,673 @@
+"""Tier placement under one policy: the device pool of a real `KVCacheManager` on top,
+then host, disk and Redis stores below it.
+
+- Demotion: the manager calls `mgr.evict_listeners` with each block about to lose its KV;
+  its bytes go to the first lower tier that is up (inline for the host tier: a memory copy,
+  so the device block can be reused at once). A tier that must make room evicts its own
+  coldest entry, in the order of the same policy family as the device, down to the next
+  tier through a background thread with a bounded queue (a full queue drops the demotion,
+  counted, never blocks serving). Exclusive by default: a block lives in one tier; with
+  `write_through` a demoted block goes to every lower tier and keeps its copies when
+  promoted.
+- Promotion: on a device miss, `allocate` keeps matching the request's next keys on the
+  lower tiers, decides how many of them to load (load-or-recompute, below), allocates the
+  device blocks and fills them, so loaded tokens count as cached (`req.num_cached_tokens`).
+  `prefetch` plans and starts the slow loads (disk, Redis) when a request arrives, before
+  the scheduler allocates it.
+- Load or recompute: per tier, seconds = latency + bytes / bandwidth fitted from measured
+  transfers; recompute seconds = tokens / the engine's measured prefill speed. The longest
+  prefix with the largest saving is loaded; a tier slower than recompute is never used.
+- Integrity: stores verify every read; a failed or missing load ends the loaded prefix
+  there (the engine recomputes the rest), counted. Down tiers are skipped.
+
+Lower-tier entries are ordered flat (no parent links): a tier evicts by policy order only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..cache.block import Block
+from ..cache.manager import KVCacheManager, Request
+from ..cache.policy import EvictionPolicy, make_policy
+from .store import KVStore
+
+log = logging.getLogger("kvheat.tiers")
+
+PrefillSpeed = float | Callable[[], float] | None
+
+
+class TierIndex:
+    """The keys one lower tier holds, ordered for eviction by an `EvictionPolicy`.
+
+    Entries are `Block` objects that never hold KV themselves; a pinned entry (being
+    loaded) has ref_cnt > 0, so the policy never picks it."""
+
+    def __init__(self, policy: EvictionPolicy, capacity_entries: int) -> None:
+        self.policy = policy
+        policy.bind(max(1, capacity_entries))
+        self.entries: dict[bytes, Block] = {}
+        self.sizes: dict[bytes, int] = {}
+        self._ids = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key: bytes) -> Block | None:
+        return self.entries.get(key)
+
+    def insert(self, key: bytes, salt: str | None, tokens: int, size: int, now: float) -> None:
+        b = self.entries.get(key)
+        if b is not None:
+            self.sizes[key] = size
+            self.touch(b, now)
+            return
+        self._ids += 1
+        b = Block(self._ids)
+        b.key = key
+        b.tenant = salt
+        b.num_tokens = tokens
+        b.last_access = b.inserted_at = now
+        b.ref_cnt = 1  # as the manager does: inserted while held, then released
+        self.policy.on_insert(b, now)
+        b.ref_cnt = 0
+        self.policy.on_release(b, now)
+        self.entries[key] = b
+        self.sizes[key] = size
+
+    def touch(self, b: Block, now: float) -> None:
+        b.last_access = now
+        if b.ref_cnt == 0:
+            self.policy.on_acquire(b)
+            self.policy.on_hit(b, now)
+            self.policy.on_release(b, now)
+        else:
+            self.policy.on_hit(b, now)
+
+    def pin(self, b: Block, now: float) -> None:
+        """Hold `b` while it is being loaded; a request found it, so it counts as a hit."""
+        b.ref_cnt += 1
+        if b.ref_cnt == 1:
+            self.policy.on_acquire(b)
+        b.last_access = now
+        self.policy.on_hit(b, now)
+
+    def unpin(self, b: Block, now: float) -> None:
+        b.ref_cnt -= 1
+        if b.ref_cnt == 0 and self.entries.get(b.key) is b:  # type: ignore[arg-type]
+            self.policy.on_release(b, now)
+
+    def remove(self, key: bytes) -> Block | None:
+        """Forget `key`; its Block stays referenced so the policy never returns it."""
+        b = self.entries.pop(key, None)
+        if b is None:
+            return None
+        self.sizes.pop(key, None)
+        if b.ref_cnt == 0:
+            self.policy.on_acquire(b)
+        b.ref_cnt += 1
+        self.policy.on_evict(b)
+        return b
+
+    def victim(self) -> Block | None:
+        while True:
+            b = self.policy.victim()
+            if b is None:
+                return None
+            if self.entries.get(b.key) is b:  # type: ignore[arg-type]
+                return b
+
+
+@dataclass(slots=True)
+class TierConfig:
+    mode: str = "exclusive"  # or "write_through"
+    policy: str | None = None  # lower tiers' policy; None: the device manager's
+    async_io: bool = True  # background demotion thread and prefetch loaders
+    queue_size: int = 256  # pending demotions (each holds one block's bytes)
+    load_workers: int = 2
+    # Engine prefill speed in tokens/s (a number or a callable reading the live figure);
+    # None: always load.
+    prefill_tokens_per_s: PrefillSpeed = None
+    calibrate: bool = True  # measure each tier once at start (needs a prefill speed)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("exclusive", "write_through"):
+            raise ValueError(f"mode must be 'exclusive' or 'write_through', not {self.mode!r}")
+        if self.queue_size <= 0 or self.load_workers <= 0:
+            raise ValueError("queue_size and load_workers must be positive")
+
+
+@dataclass(slots=True)
+class _Step:
+    index: int  # block index in the request
+    key: bytes
+    tier: int
+    entry: Block
+    tokens: int
+    result: _Slot | None = None  # set when a loader thread fetches it
+
+
+@dataclass(slots=True)
+class _Plan:
+    start: int  # first block index the plan covers (the device hit length when made)
+    salt: str | None
+    steps: list[_Step] = field(default_factory=list)
+    found_blocks: int = 0  # continuation blocks found on lower tiers before deciding
+    found_tokens: int = 0
+    est_load_s: float = 0.0
+    est_recompute_s: float = 0.0
+
+
+@dataclass(slots=True)
+class TierCounters:
+    requests: int = 0
+    query_tokens: int = 0
+    device_hit_tokens: int = 0
+    lower_hit_tokens: int = 0
+    found_tokens: int = 0  # on lower tiers, contiguous after the device hit
+    loaded_blocks: int = 0
+    recompute_chosen_blocks: int = 0  # found below but recomputing was faster
+    recompute_chosen_tokens: int = 0
+    decisions_load: int = 0  # requests that loaded from a lower tier
+    decisions_recompute: int = 0  # requests that found blocks below and recomputed them all
+    decisions_partial: int = 0  # loaded a prefix of what was found, recomputed the rest
+    load_failed: int = 0  # planned loads that came back missing or unverified
+    shape_mismatch: int = 0
+    est_load_s: float = 0.0  # estimated seconds of the loads done
+    est_recompute_saved_s: float = 0.0  # estimated prefill seconds they replaced
+    demotions: int = 0
+    demote_refused: int = 0  # no tier took the block
+    demote_dropped: int = 0  # the background queue was full
+    dropped_bottom: int = 0  # evicted from the lowest tier
+    prefetch_plans: int = 0
+    prefetch_used: int = 0
+    prefetch_replanned: int = 0
+    worker_errors: int = 0
+
+
+class TieredCache:
+    """A device `KVCacheManager` + `DeviceKVPool` with lower tiers below it."""
+
+    def __init__(self, mgr: KVCacheManager, device: object, tiers: list[KVStore],
+                 config: TierConfig | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        self.mgr = mgr
+        self.device = device  # DeviceKVPool: block_view, read_block, write_block
+        self.tiers = tiers
+        self.config = cfg = config or TierConfig()
+        self.clock = clock or mgr.clock
+        self.block_bytes: int = device.bytes_per_block  # type: ignore[attr-defined]
+        probe = device.block_view(0)  # type: ignore[attr-defined]
+        self.block_shape = tuple(probe.shape)
+        self.block_dtype = probe.dtype
+        name = cfg.policy or mgr.config.policy
+        self.counters = TierCounters()
+        self.tier_hit_tokens = [0] * len(tiers)
+        self.tier_hit_blocks = [0] * len(tiers)
+        self.tier_demotions = [0] * len(tiers)
+        self.tier_evictions = [0] * len(tiers)
+        self.indexes: list[TierIndex] = []
+        for st in tiers:
+            slot = getattr(st, "slot_bytes", None)
+            if slot is not None and slot < self.block_bytes:
+                raise ValueError(f"{st.name} tier slots hold {slot} bytes; a device block "
+                                 f"has {self.block_bytes}")
+            pol = make_policy(name)
+            if pol.needs_future:  # an offline oracle cannot order a live tier
+                pol = make_policy("lru")
+            cap = st.capacity_bytes // max(1, self.block_bytes)
+            idx = TierIndex(pol, cap)
+            now = self.clock()
+            for key, ns in st.stored():  # entries that survived a restart
+                # Known tenants by salt; others by namespace digest (still evictable).
+                salt = self._salt_of_ns(st, ns)
+                idx.insert(key, ns if salt is _UNKNOWN else salt,  # type: ignore[arg-type]
+                           mgr.block_size, self.block_bytes, now)
+            self.indexes.append(idx)
+        self._lock = threading.RLock()
+        self._prefetched: dict[str, _Plan] = {}
+        self._queue: queue.Queue[tuple[int, bytes, str | None, int, torch.Tensor] | None] = \
+            queue.Queue(cfg.queue_size)
+        self._pool: ThreadPoolExecutor | None = None
+        self._worker: threading.Thread | None = None
+        if cfg.async_io:
+            self._pool = ThreadPoolExecutor(cfg.load_workers, thread_name_prefix="kvheat-load")
+            self._worker = threading.Thread(target=self._work, name="kvheat-demote", daemon=True)
+            self._worker.start()
+        mgr.evict_listeners.append(self._on_device_evict)
+        if cfg.calibrate and cfg.prefill_tokens_per_s is not None:
+            self.calibrate()
+
+    # ---- namespaces -------------------------------------------------------------------
+    def _salt_of_ns(self, store: KVStore, ns: bytes) -> str | None | object:
+        """The salt whose namespace digest is `ns`, among tenants the manager knows."""
+        if ns == store.ns(None):
+            return None
+        for tenant, _lora in self.mgr._roots:
+            salt = self.mgr.salt_of(tenant)
+            if store.ns(salt) == ns:
+                return salt
+        return _UNKNOWN
+
+    # ---- demotion ---------------------------------------------------------------------
+    def _on_device_evict(self, b: Block) -> None:
+        if not self.tiers or b.key is None:
+            return
+        salt = self.mgr.salt_of(b.tenant)
+        view = self.device.block_view(b.block_id)  # type: ignore[attr-defined]
+        if self.config.mode == "write_through":
+            copy: torch.Tensor | None = None
+            for i, st in enumerate(self.tiers):
+                if b.key in self.indexes[i].entries:
+                    with self._lock:
+                        e = self.indexes[i].get(b.key)
+                        if e is not None:
+                            self.indexes[i].touch(e, self.clock())
+                    continue
+                if st.inline:
+                    self._place(i, b.key, salt, b.num_tokens, view, cascade=False)
+                else:
+                    if copy is None:
+                        copy = _private(view)
+                    self._enqueue(i, b.key, salt, b.num_tokens, copy)
+            return
+        first = next((i for i, st in enumerate(self.tiers) if st.available()), None)
+        if first is None:
+            self.counters.demote_refused += 1
+            return
+        if self.tiers[first].inline:
+            self._place(first, b.key, salt, b.num_tokens, view, cascade=True)
+        else:
+            self._enqueue(first, b.key, salt, b.num_tokens, _private(view))
+
+    def _enqueue(self, tier: int, key: bytes, salt: str | None, tokens: int,
+                 kv: torch.Tensor) -> None:
+        item = (tier, key, salt, tokens, kv)
+        if self._worker is None:
+            self._place(*item, cascade=self.config.mode == "exclusive", owned=True)
+            return
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.counters.demote_dropped += 1
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._place(*item, cascade=self.config.mode == "exclusive", owned=True)
+            except Exception:  # the demotion thread must outlive any one bad block
+                self.counters.worker_errors += 1
+                log.exception("tier demotion failed")
+            finally:
+                self._queue.task_done()
+
+    def _place(self, tier: int, key: bytes, salt: str | None, tokens: int, kv: torch.Tensor,
+               cascade: bool, owned: bool = False) -> None:
+        """Put one block into `tier`, making room by evicting that tier's coldest entries
+        (down to the next tier when `cascade`); a refused block itself goes down too.
+        `owned`: `kv` is a private copy; otherwise it may view a device block that is
+        reused as soon as this returns, so anything queued is copied first."""
+        st, idx = self.tiers[tier], self.indexes[tier]
+        nxt = tier + 1 if cascade and tier + 1 < len(self.tiers) else None
+        if not st.available():
+            if nxt is not None:
+                self._enqueue(nxt, key, salt, tokens, kv if owned else _private(kv))
+            else:
+                self.counters.demote_refused += 1
+            return
+        need = st.entry_bytes(kv, key)
+        victims: list[Block] = []
+        with self._lock:
+            freed = 0
+            held = idx.sizes.get(key, 0)
+            while st.used_bytes() - held - freed + need > st.capacity_bytes:
+                v = idx.victim()
+                if v is None:
+                    break
+                freed += idx.sizes.get(v.key, 0)  # type: ignore[arg-type]
+                idx.remove(v.key)  # type: ignore[arg-type]
+                victims.append(v)
+        for v in victims:
+            if nxt is not None and self.tiers[nxt].available():
+                t = st.get(v.key, v.tenant)  # type: ignore[arg-type]
+                if t is not None:
+                    self._enqueue(nxt, v.key, v.tenant, v.num_tokens, t)  # type: ignore[arg-type]
+            elif tier == len(self.tiers) - 1:
+                self.counters.dropped_bottom += 1
+            st.delete(v.key, v.tenant)  # type: ignore[arg-type]
+            self.tier_evictions[tier] += 1
+        if st.put(key, kv, salt):
+            with self._lock:
+                idx.insert(key, salt, tokens, need, self.clock())
+            self.tier_demotions[tier] += 1
+            self.counters.demotions += 1
+        elif nxt is not None:
+            self._enqueue(nxt, key, salt, tokens, kv if owned else _private(kv))
+        else:
+            self.counters.demote_refused += 1
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until queued demotions are written (tests, benchmarks, shutdown)."""
+        if self._worker is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self.flush()
+            self._queue.put(None)
+            self._worker.join(timeout=5)
+            self._worker = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._on_device_evict in self.mgr.evict_listeners:
+            self.mgr.evict_listeners.remove(self._on_device_evict)
+
+    # ---- load or recompute ------------------------------------------------------------
+    def prefill_speed(self) -> float | None:
+        s = self.config.prefill_tokens_per_s
+        v = s() if callable(s) else s
+        return float(v) if v else None
+
+    def estimate_load_s(self, tier: int, n_blocks: int) -> float | None:
+        st = self.tiers[tier]
+        return st.read_model.estimate(n_blocks * self.block_bytes,
+                                      ops=1 if st.pipelined else n_blocks)
+
+    def calibrate(self, rounds: int = 3) -> dict[str, dict[str, float | None]]:
+        """Time real puts and gets of probe blocks on every tier (deleted after)."""
+        g = torch.Generator().manual_seed(0)
+        probe = torch.randint(0, 255, (self.block_bytes,), dtype=torch.uint8, generator=g)
+        probe = probe.view(self.block_dtype).view(self.block_shape)
+        out: dict[str, dict[str, float | None]] = {}
+        for st in self.tiers:
+            for r in range(rounds):
+                for n in (1, 4):
+                    keys = [f"kvheat-probe-{r}-{n}-{j}".encode() for j in range(n)]
+                    stored = [k for k in keys if st.put(k, probe, "kvheat-probe")]
+                    if stored:
+                        if st.pipelined:
+                            st.get_many(stored, "kvheat-probe")
+                        else:
+                            for k in stored:
+                                st.get(k, "kvheat-probe")
+                    for k in stored:
+                        st.delete(k, "kvheat-probe")
+            fit = st.read_model.fit()
+            out[st.name] = {"latency_s": fit[0] if fit else None,
+                            "bandwidth_Bps": fit[1] if fit else None}
+        return out
+
+    def _decide(self, plan: _Plan) -> int:
+        """How many of the plan's blocks to load: the prefix with the largest estimated
+        saving over recomputing it (0 when no prefix saves time)."""
+        speed = self.prefill_speed()
+        if speed is None:
+            return len(plan.steps)
+        per_tier = [0] * len(self.tiers)
+        tokens = 0
+        best_k, best_gain, best = 0, 0.0, (0.0, 0.0)
+        for k, s in enumerate(plan.steps, 1):
+            per_tier[s.tier] += 1
+            tokens += s.tokens
+            load = 0.0
+            for t, n in enumerate(per_tier):
+                if n:
+                    est = self.estimate_load_s(t, n)
+                    load += est if est is not None else 0.0
+            recompute = tokens / speed
+            if recompute - load > best_gain:
+                best_k, best_gain, best = k, recompute - load, (load, recompute)
+        plan.est_load_s, plan.est_recompute_s = best
+        return best_k
+
+    # ---- promotion --------------------------------------------------------------------
+    def _make_plan(self, req: Request, start: int) -> _Plan:
+        """Pin the request's blocks found on lower tiers after the first `start`, then keep
+        the prefix worth loading. Called with the lock held."""
+        salt = self.mgr.salt_of(req.tenant)
+        plan = _Plan(start, salt)
+        now = self.clock()
+        for i in range(start, len(req.keys)):
+            key = req.keys[i]
+            found = None
+            for t, idx in enumerate(self.indexes):
+                e = idx.get(key)
+                st = self.tiers[t]
+                if e is not None and st.ns(e.tenant) == st.ns(salt) and st.available():
+                    found = (t, e)
+                    break
+            if found is None:
+                break
+            self.indexes[found[0]].pin(found[1], now)
+            plan.steps.append(_Step(i, key, found[0], found[1], req.block_tokens[i]))
+        plan.found_blocks = len(plan.steps)
+        plan.found_tokens = sum(s.tokens for s in plan.steps)
+        k = self._decide(plan)
+        self._unpin(plan.steps[k:])
+        plan.steps = plan.steps[:k]
+        return plan
+
+    def _unpin(self, steps: list[_Step]) -> None:
+        now = self.clock()
+        with self._lock:
+            for s in steps:
+                self.indexes[s.tier].unpin(s.entry, now)
+
+    def _fetch(self, steps: list[_Step], salt: str | None) -> list[torch.Tensor | None]:
+        """Load steps from their tiers (runs of a pipelined tier in one round trip)."""
+        out: list[torch.Tensor | None] = []
+        i = 0
+        while i < len(steps):
+            st = self.tiers[steps[i].tier]
+            if st.pipelined:
+                j = i
+                while j < len(steps) and steps[j].tier == steps[i].tier:
+                    j += 1
+                got = st.get_many([s.key for s in steps[i:j]], salt)
+                out.extend(got)
+                if any(g is None for g in got):
+                    break
+                i = j
+            else:
+                t = st.get(steps[i].key, salt)
+                out.append(t)
+                if t is None:
+                    break
+                i += 1
+        return out
+
+    def _start_loads(self, plan: _Plan) -> None:
+        """Submit the plan's slow loads (not inline tiers) to the loader threads."""
+        if self._pool is None:
+            return
+        slow = [s for s in plan.steps if not self.tiers[s.tier].inline]
+        if not slow:
+            return
+        fut = self._pool.submit(self._fetch, slow, plan.salt)
+        for pos, s in enumerate(slow):
+            s.result = _Slot(fut, pos)  # type: ignore[assignment]
+
+    def prefetch(self, req: Request) -> int:
+        """Plan a waiting request's lower-tier loads and start the slow ones now; returns
+        the tokens planned. `allocate` picks the plan up; `cancel_prefetch` drops it."""
+        with self._lock:
+            old = self._prefetched.pop(req.request_id, None)
+            if old is not None:
+                self._unpin(old.steps)
+            plan = self._make_plan(req, len(self.mgr.match_prefix(req)))
+            if not plan.steps:
+                return 0
+            self._prefetched[req.request_id] = plan
+            self.counters.prefetch_plans += 1
+        self._start_loads(plan)
+        return sum(s.tokens for s in plan.steps)
+
+    def cancel_prefetch(self, request_id: str) -> None:
+        with self._lock:
+            plan = self._prefetched.pop(request_id, None)
+        if plan is not None:
+            self._unpin(plan.steps)
+
+    def allocate(self, req: Request) -> list[int]:
+        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks."""
+        with self._lock:
+            hit = self.mgr.match_prefix(req)
+            plan = self._prefetched.pop(req.request_id, None)
+            if plan is not None:
+                # Blocks the device gained meanwhile need no load; a gap means replanning.
+                stale = [s for s in plan.steps if s.index < len(hit)]
+                self._unpin(stale)
+                plan.steps = [s for s in plan.steps if s.index >= len(hit)]
+                if plan.steps and plan.steps[0].index != len(hit):
+                    self._unpin(plan.steps)
+                    self.counters.prefetch_replanned += 1
+                    plan = None
+                else:
+                    self.counters.prefetch_used += 1
+            if plan is None:
+                plan = self._make_plan(req, len(hit))
+            # A chunked prefill allocates a head of the prefetched request: keep what fits.
+            beyond = [s for s in plan.steps if s.index >= len(req.keys)]
+            if beyond:
+                self._unpin(beyond)
+                plan.steps = plan.steps[:len(plan.steps) - len(beyond)]
+        try:
+            table = self.mgr.allocate(req, matched=hit)
+        except Exception:
+            self._unpin(plan.steps)
+            raise
+        loaded_tokens = self._load(req, plan)
+        c = self.counters
+        c.requests += 1
+        c.query_tokens += req.num_tokens
+        c.device_hit_tokens += req.num_cached_tokens
+        req.num_cached_tokens += loaded_tokens
+        c.lower_hit_tokens += loaded_tokens
+        c.found_tokens += plan.found_tokens
+        if plan.found_blocks:
+            n_load = len(plan.steps)
+            if n_load == 0:
+                c.decisions_recompute += 1
+            elif n_load < plan.found_blocks:
+                c.decisions_partial += 1
+            else:
+                c.decisions_load += 1
+            c.recompute_chosen_blocks += plan.found_blocks - n_load
+            c.recompute_chosen_tokens += plan.found_tokens - sum(s.tokens for s in plan.steps)
+        return table
+
+    def _load(self, req: Request, plan: _Plan) -> int:
+        """Fill the request's new device blocks from the plan, in order, stopping at the
+        first block that is missing or fails its check. Returns the tokens loaded."""
+        steps = plan.steps
+        if not steps:
+            return 0
+        # Slow loads not prefetched run here, in this thread.
+        sync_needed = [s for s in steps if s.result is None and not self.tiers[s.tier].inline]
+        sync_results = dict(zip((id(s) for s in sync_needed),
+                                self._fetch(sync_needed, plan.salt), strict=False)) if sync_needed else {}
+        loaded = 0
+        done: list[_Step] = []
+        failed = False
+        for s in steps:
+            st = self.tiers[s.tier]
+            dst = req.blocks[s.index]
+            view = self.device.block_view(dst.block_id)  # type: ignore[attr-defined]
+            if st.inline:
+                try:
+                    t = st.get(s.key, plan.salt, out=view)
+                except ValueError:
+                    self.counters.shape_mismatch += 1
+                    t = None
+            else:
+                t = s.result.get() if s.result is not None else sync_results.get(id(s))
+                if t is not None:
+                    if tuple(t.shape) != self.block_shape or t.dtype != self.block_dtype:
+                        self.counters.shape_mismatch += 1
+                        t = None
+                    else:
+                        self.device.write_block(dst.block_id, t)  # type: ignore[attr-defined]
+            if t is None:
+                failed = True
+                self.counters.load_failed += 1
+                with self._lock:
+                    self.indexes[s.tier].remove(s.key)  # stale or corrupt: forget it
+                break
+            loaded += s.tokens
+            done.append(s)
+            self.tier_hit_tokens[s.tier] += s.tokens
+            self.tier_hit_blocks[s.tier] += 1
+        c = self.counters
+        c.loaded_blocks += len(done)
+        if not failed:
+            c.est_load_s += plan.est_load_s
+            c.est_recompute_saved_s += plan.est_recompute_s
+        self._unpin(steps)
+        if self.config.mode == "exclusive":
+            for s in done:  # the block now lives on the device only
+                with self._lock:
+                    self.indexes[s.tier].remove(s.key)
+                self.tiers[s.tier].delete(s.key, plan.salt)
+        return loaded
+
+    # ---- introspection ----------------------------------------------------------------
+    def stats(self) -> dict[str, object]:
+        """Plain counters and measured figures (the server turns them into metrics)."""
+        c = self.counters
+        q = max(1, c.query_tokens)
+        tiers: dict[str, object] = {}
+        for i, st in enumerate(self.tiers):
+            d = st.describe()
+            d.update(entries=len(self.indexes[i]), hit_tokens=self.tier_hit_tokens[i],
+                     hit_blocks=self.tier_hit_blocks[i], demotions=self.tier_demotions[i],
+                     evictions=self.tier_evictions[i], hit_rate=self.tier_hit_tokens[i] / q)
+            tiers[f"{i}:{st.name}"] = d
+        return {
+            **asdict(c),
+            "device_hit_rate": c.device_hit_tokens / q,
+            "total_hit_rate": (c.device_hit_tokens + c.lower_hit_tokens) / q,
+            "prefill_tokens_per_s": self.prefill_speed(),
+            "queue_depth": self._queue.qsize(),
+            "tiers": tiers,
+        }
+
+
+class _Slot:
+    """One step's tensor out of a batch future."""
+
+    __slots__ = ("fut", "pos")
+
+    def __init__(self, fut: Future[list[torch.Tensor | None]], pos: int) -> None:
+        self.fut = fut
+        self.pos = pos
+
+    def get(self) -> torch.Tensor | None:
+        try:
+            res = self.fut.result()
+        except Exception:  # a loader failure is a miss, never an error to the caller
+            log.exception("tier load failed")
+            return None
+        return res[self.pos] if self.pos < len(res) else None
+
+
+_UNKNOWN = object()
+
+
+def _private(kv: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy that shares no memory with `kv` (a device block view)."""
+    return kv.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)

@@ -1,0 +1,217 @@
+"""The interface every KV tier below the device implements, its counters, and the
+transfer-time model that load-or-recompute decisions use.
+
+A store holds real KV bytes (one block or one 256-token chunk per key) and never serves a
+value it has not verified: a failed check is a miss, counted in `stats` and logged.
+Keys are the cache's chained prefix keys (bytes); `salt` is the tenant salt
+(`KVCacheManager.salt_of(tenant)`), part of every value's namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .codec import namespace_digest
+
+log = logging.getLogger("kvheat.tiers")
+
+
+@dataclass(slots=True)
+class StoreStats:
+    puts: int = 0
+    put_bytes: int = 0
+    put_refused: int = 0  # no room (capacity cap) or tier down: not stored, nothing broken
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    get_bytes: int = 0
+    deletes: int = 0
+    corrupt_checksum: int = 0  # value read back with a wrong checksum: a miss
+    corrupt_key: int = 0  # value stored under another key or namespace: a miss
+    corrupt_torn: int = 0  # truncated / torn value: a miss
+    corrupt_format: int = 0  # bad magic, version, dtype or shape: a miss
+    io_errors: int = 0  # OS or network errors
+    skipped_down: int = 0  # operations not tried because the tier is marked down
+    went_down: int = 0  # times the tier was marked down
+    came_back: int = 0  # times a retry found it up again
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class TransferModel:
+    """Fits seconds = latency + bytes / bandwidth over a window of measured transfers
+    (least squares; with one transfer size, latency 0 and the mean throughput)."""
+
+    def __init__(self, window: int = 256) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        # No lock: deque.append and list(deque) are atomic under the GIL, and this runs
+        # on every tier operation.
+        self.samples.append((nbytes, seconds))
+        self._fit = None
+
+    def fit(self) -> tuple[float, float] | None:
+        """(latency seconds, bandwidth bytes/s), or None before any sample."""
+        if self._fit is not None:
+            return self._fit
+        samples = [s for s in list(self.samples) if s[0] > 0 and s[1] > 0]
+        if not samples:
+            return None
+        xs = [s[0] for s in samples]
+        ys = [s[1] for s in samples]
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        lat, slope = 0.0, 0.0
+        if sxx > 0 and (max(xs) > 1.5 * min(xs)):
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+            lat = my - slope * mx
+        if slope <= 0 or lat < 0:  # one size, or noise: throughput only
+            lat, slope = 0.0, sum(ys) / sum(xs)
+        fit = (lat, 1.0 / slope)
+        self._fit = fit
+        return fit
+
+    def estimate(self, nbytes: int, ops: int = 1) -> float | None:
+        """Seconds to move `nbytes` in `ops` round trips; None when never measured."""
+        f = self.fit()
+        if f is None:
+            return None
+        return ops * f[0] + nbytes / f[1]
+
+
+class KVStore:
+    """One tier's bytes. Subclasses implement `_put`, `_get`, `contains`, `delete`,
+    `keys`, `used_bytes`. `put`/`get` wrap them with counters and timing."""
+
+    name = "store"
+    pipelined = False  # a batch of gets costs one round trip (Redis), not one each
+    inline = False  # puts and gets are memory copies, cheap enough for the caller's thread
+
+    def __init__(self, capacity_bytes: int, model: str = "model", layout: str = "kv") -> None:
+        if capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be positive")
+        self.capacity_bytes = capacity_bytes
+        self.model = model
+        self.layout = layout
+        self.stats = StoreStats()
+        self.read_model = TransferModel()
+        self.write_model = TransferModel()
+        self._ns_cache: dict[str | None, bytes] = {}
+
+    def ns(self, salt: str | bytes | None) -> bytes:
+        """Namespace digest of a tenant salt (a digest passes through: entries found on
+        restart whose tenant is not known yet)."""
+        d = self._ns_cache.get(salt)  # type: ignore[arg-type]
+        if d is not None:
+            return d
+        if isinstance(salt, bytes):
+            return salt
+        d = self._ns_cache[salt] = namespace_digest(self.model, self.layout, salt)
+        return d
+
+    # ---- the interface ----------------------------------------------------------------
+    def available(self) -> bool:
+        """False while the tier is marked down (callers skip it and recompute)."""
+        return True
+
+    def used_bytes(self) -> int:
+        raise NotImplementedError
+
+    def entry_bytes(self, kv: torch.Tensor, key: bytes) -> int:
+        """Bytes one entry holding `kv` under `key` takes against the capacity."""
+        return kv.numel() * kv.element_size()
+
+    def put(self, key: bytes, kv: torch.Tensor, salt: str | None = None) -> bool:
+        """Store `kv` under (key, salt); False (counted) when it cannot, never raises for
+        a full or failing tier."""
+        t0 = time.perf_counter()
+        if self._put(key, kv, salt):
+            n = kv.numel() * kv.element_size()
+            self.write_model.record(n, time.perf_counter() - t0)
+            st = self.stats
+            st.puts += 1
+            st.put_bytes += n
+            return True
+        self.stats.put_refused += 1
+        return False
+
+    def get(self, key: bytes, salt: str | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The verified tensor for (key, salt), copied into `out` when given; None on a
+        miss, a failed check or a down tier."""
+        t0 = time.perf_counter()
+        t = self._get(key, salt, out)
+        st = self.stats
+        st.gets += 1
+        if t is None:
+            st.misses += 1
+            return None
+        n = t.numel() * t.element_size()
+        self.read_model.record(n, time.perf_counter() - t0)
+        st.hits += 1
+        st.get_bytes += n
+        return t
+
+    def get_many(self, keys: Sequence[bytes], salt: str | None = None) -> list[torch.Tensor | None]:
+        return [self.get(k, salt) for k in keys]
+
+    def contains(self, key: bytes, salt: str | None = None) -> bool:
+        raise NotImplementedError
+
+    def delete(self, key: bytes, salt: str | None = None) -> bool:
+        raise NotImplementedError
+
+    def stored(self) -> Iterable[tuple[bytes, bytes]]:
+        """(key, namespace digest) of every stored entry (for rebuilding an index)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _count_corrupt(self, kind: str, key: bytes, detail: str) -> None:
+        field = {"checksum": "corrupt_checksum", "key": "corrupt_key",
+                 "torn": "corrupt_torn"}.get(kind, "corrupt_format")
+        setattr(self.stats, field, getattr(self.stats, field) + 1)
+        log.warning("%s tier: value for key %s failed its %s check (%s); served as a miss",
+                    self.name, key.hex()[:16], kind, detail)
+
+    def _put(self, key: bytes, kv: torch.Tensor, salt: str | None) -> bool:
+        raise NotImplementedError
+
+    def _get(self, key: bytes, salt: str | None, out: torch.Tensor | None) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, object]:
+        fit = self.read_model.fit()
+        wfit = self.write_model.fit()
+        return {
+            "name": self.name, "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes(), "available": self.available(),
+            "read_latency_s": fit[0] if fit else None,
+            "read_bandwidth_Bps": fit[1] if fit else None,
+            "write_latency_s": wfit[0] if wfit else None,
+            "write_bandwidth_Bps": wfit[1] if wfit else None,
+            **self.stats.as_dict(),
+        }
+
+
+def copy_out(src: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`src` copied into `out` (checked) or into a fresh tensor."""
+    if out is None:
+        return src.clone()
+    if out.shape != src.shape or out.dtype != src.dtype:
+        raise ValueError(f"out has {tuple(out.shape)} {out.dtype}, the value is "
+                         f"{tuple(src.shape)} {src.dtype}")
+    out.copy_(src)
+    return out

@@ -1,0 +1,131 @@
+"""Shared fixtures. `redis_server`: a real redis-server on a free loopback port, started
+for one test and killed at teardown; `redis_cluster`: three such nodes joined into a Redis
+Cluster. Both skip when the binary is missing, and fail under CI (which installs it)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """One redis-server subprocess; `stop()` kills it, `start()` brings it back on the
+    same port (empty: no persistence)."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.port = _free_port()
+        self.extra: list[str] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir),
+             *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not answer PING")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+def _redis_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed (CI must install it)")
+        pytest.skip("redis-server is not installed")
+    return binary
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    srv = RedisServer(_redis_binary(), tmp_path)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too."""
+    for _ in range(200):
+        p = _free_port()
+        if p + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 10000))
+        except OSError:
+            continue
+        return p
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[list[RedisServer]]:
+    """Three redis-server nodes on loopback joined into a Redis Cluster (no replicas)."""
+    binary = _redis_binary()
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        pytest.skip("redis-cli is not installed")
+    nodes: list[RedisServer] = []
+    try:
+        for i in range(3):
+            d = tmp_path / f"node{i}"
+            d.mkdir()
+            srv = RedisServer(binary, d)
+            srv.port = _cluster_port()
+            srv.extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            srv.start()
+            nodes.append(srv)
+        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True,
+                       capture_output=True, timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            info = subprocess.run([cli, "-p", str(nodes[0].port), "cluster", "info"],
+                                  capture_output=True, text=True, timeout=10).stdout
+            if "cluster_state:ok" in info:
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("the cluster did not reach cluster_state:ok")
+        yield nodes
+    finally:
+        for n in nodes:
+            n.stop()

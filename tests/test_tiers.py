@@ -1,0 +1,226 @@
+"""Stores (host, disk, Redis) and the value codec: round trips of real KV blocks of both
+layouts, namespaces, integrity checks and restarts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvheat.tiers import DeviceKVPool, DiskStore, HostStore
+from kvheat.tiers.codec import CorruptValue, decode, encode, namespace_digest
+
+torch.set_num_threads(1)
+
+LAYOUTS = {
+    # layout, layers, block_size, per-token shape, dtype
+    "gqa": ("gqa", 2, 16, (2, 8), torch.float16),
+    "mla": ("mla", 2, 16, (24,), torch.bfloat16),
+}
+
+
+def random_pool(layout: str, num_blocks: int = 4, seed: int = 0) -> DeviceKVPool:
+    lay, layers, bs, shape, dtype = LAYOUTS[layout]
+    pool = DeviceKVPool(lay, layers, num_blocks, bs, shape, dtype)
+    g = torch.Generator().manual_seed(seed)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=g).to(dtype))
+    return pool
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+# ---- codec --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16,
+                                   torch.float8_e4m3fn, torch.int8])
+def test_codec_round_trip_every_dtype(dtype: torch.dtype) -> None:
+    t = (torch.randn(3, 5, 7) * 4).to(dtype)
+    ns = namespace_digest("m", "gqa", None)
+    back = decode(bytearray(encode(t, key(1), ns)), key(1), ns)
+    assert same_bytes(back, t)
+
+
+def test_codec_rejects_every_single_byte_flip() -> None:
+    t = torch.randn(4, 8)
+    ns = namespace_digest("m", "gqa", "tenant:a")
+    value = encode(t, key(7), ns)
+    for pos in range(len(value)):
+        bad = bytearray(value)
+        bad[pos] ^= 0x01
+        with pytest.raises(CorruptValue):
+            decode(bad, key(7), ns)
+    with pytest.raises(CorruptValue) as e:
+        decode(bytearray(value[:-3]), key(7), ns)
+    assert e.value.kind == "torn"
+    with pytest.raises(CorruptValue) as e:
+        decode(bytearray(value), key(8), ns)
+    assert e.value.kind == "key"
+    with pytest.raises(CorruptValue) as e:
+        decode(bytearray(value), key(7), namespace_digest("m", "gqa", "tenant:b"))
+    assert e.value.kind == "key"
+
+
+# ---- host ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_host_round_trip_and_capacity(layout: str) -> None:
+    pool = random_pool(layout, 6)
+    host = HostStore(4 * pool.bytes_per_block, pool.bytes_per_block)
+    data_ptr = host.pool.data_ptr()
+    for b in range(4):
+        assert host.put(key(b), pool.block_view(b))  # strided device view in
+    assert not host.put(key(4), pool.read_block(4))  # full: refused, not raised
+    assert host.stats.put_refused == 1
+    assert host.used_bytes() == host.capacity_bytes
+    for b in range(4):
+        assert same_bytes(host.get(key(b)), pool.read_block(b))
+    out = torch.empty_like(pool.read_block(0))
+    assert host.get(key(2), out=out) is out and same_bytes(out, pool.read_block(2))
+    assert host.delete(key(0)) and not host.contains(key(0))
+    assert host.put(key(4), pool.read_block(4))
+    assert same_bytes(host.get(key(4)), pool.read_block(4))
+    assert host.pool.data_ptr() == data_ptr  # one preallocated pool, never reallocated
+    assert host.get(key(99)) is None and host.stats.misses == 1
+
+
+def test_host_detects_corrupted_slot_and_foreign_namespace() -> None:
+    pool = random_pool("gqa")
+    host = HostStore(2 * pool.bytes_per_block, pool.bytes_per_block)
+    host.put(key(1), pool.read_block(1), salt="tenant:a")
+    assert host.get(key(1), salt="tenant:b") is None  # another tenant's namespace
+    assert host.stats.corrupt_key == 1
+    host.pool[0, 5] ^= 0xFF  # a stray write into the pool
+    assert host.get(key(1), salt="tenant:a") is None
+    assert host.stats.corrupt_checksum == 1
+    assert not host.contains(key(1), salt="tenant:a")  # dropped, slot reusable
+    assert len(host.free_slots) == 2
+
+
+# ---- disk ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_disk_round_trip_and_restart(layout: str, tmp_path: Path) -> None:
+    pool = random_pool(layout, 5)
+    disk = DiskStore(tmp_path, 1 << 20, model="tiny", layout=layout)
+    for b in range(5):
+        assert disk.put(key(b), pool.block_view(b), salt="tenant:x")
+    assert not any(n.startswith(".tmp-") for n in os.listdir(tmp_path))
+    assert same_bytes(disk.get(key(3), salt="tenant:x"), pool.read_block(3))
+    # A new object over the same directory (a restarted process) serves the same bytes.
+    again = DiskStore(tmp_path, 1 << 20, model="tiny", layout=layout)
+    assert again.rejected_on_open == 0
+    assert again.used_bytes() == disk.used_bytes()
+    assert sorted(k for k, _ in again.stored()) == [key(b) for b in range(5)]
+    for b in range(5):
+        assert same_bytes(again.get(key(b), salt="tenant:x"), pool.read_block(b))
+    # Another model or tenant never reads these bytes.
+    other_model = DiskStore(tmp_path, 1 << 20, model="other", layout=layout)
+    assert other_model.get(key(1), salt="tenant:x") is None
+    assert again.get(key(1), salt="tenant:y") is None
+
+
+def test_disk_restart_rejects_torn_corrupt_renamed_and_temp_files(tmp_path: Path) -> None:
+    pool = random_pool("gqa", 4)
+    disk = DiskStore(tmp_path, 1 << 20)
+    for b in range(4):
+        disk.put(key(b), pool.read_block(b))
+    files = sorted(tmp_path.glob("*.kv"), key=lambda p: p.stat().st_mtime_ns)
+    name = {k: disk._path(disk._name(k, disk.ns(None))) for k, _ in disk.stored()}
+    # torn: truncated mid-payload (a crash that bypassed the rename, or a bad disk)
+    with open(name[key(0)], "r+b") as f:
+        f.truncate(name[key(0)].stat().st_size - 100)
+    # renamed: a valid file under another key's name
+    os.replace(name[key(1)], tmp_path / ("0" * 32 + ".kv"))
+    # flipped payload byte: passes the cheap open check, caught on read
+    with open(name[key(2)], "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-10, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x40]))
+    (tmp_path / ".tmp-deadbeef-1-1").write_bytes(b"half a value")
+    assert len(files) == 4
+    again = DiskStore(tmp_path, 1 << 20)
+    assert again.rejected_on_open == 2  # torn + renamed deleted, never indexed
+    assert again.stats.corrupt_torn == 1 and again.stats.corrupt_key == 1
+    assert not (tmp_path / ".tmp-deadbeef-1-1").exists()
+    assert again.get(key(0)) is None and again.get(key(1)) is None
+    assert again.get(key(2)) is None and again.stats.corrupt_checksum == 1
+    assert not again.contains(key(2))  # dropped after the failed check
+    assert same_bytes(again.get(key(3)), pool.read_block(3))
+
+
+def test_disk_truncated_after_open_is_a_counted_miss(tmp_path: Path) -> None:
+    pool = random_pool("mla", 2)
+    disk = DiskStore(tmp_path, 1 << 20)
+    disk.put(key(0), pool.read_block(0))
+    path = disk._path(disk._name(key(0), disk.ns(None)))
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    assert disk.get(key(0)) is None
+    assert disk.stats.corrupt_torn == 1 and disk.used_bytes() == 0
+
+
+def test_disk_cap_refuses_without_exceeding(tmp_path: Path) -> None:
+    pool = random_pool("gqa", 8)
+    one = DiskStore(tmp_path, 1 << 20).entry_bytes(pool.read_block(0), key(0))
+    disk = DiskStore(tmp_path / "capped", 3 * one + 10)
+    ok = [disk.put(key(b), pool.read_block(b)) for b in range(8)]
+    assert ok == [True] * 3 + [False] * 5
+    assert disk.used_bytes() <= disk.capacity_bytes and disk.stats.put_refused == 5
+    assert disk.put(key(1), pool.read_block(5))  # overwriting an entry fits in place
+    assert same_bytes(disk.get(key(1)), pool.read_block(5))
+
+
+def test_disk_full_file_system_pauses_demotion(tmp_path: Path) -> None:
+    """A real file-size limit (RLIMIT_FSIZE, EFBIG) in a child process: the put fails,
+    nothing raises, demotion pauses, and a fresh process finds only whole files."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from kvheat.tiers import DiskStore
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        disk = DiskStore({str(tmp_path)!r}, 1 << 30, fsync=True)
+        small = torch.arange(64, dtype=torch.float32)
+        assert disk.put(b"k-small", small)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        big = torch.arange(4096, dtype=torch.float32)  # 16 KiB: over the limit
+        assert not disk.put(b"k-big", big)
+        assert disk.stats.io_errors == 1 and disk.full_events == 1
+        assert not disk.writable()
+        assert not disk.put(b"k-small-2", small)  # paused: not even tried
+        assert disk.stats.skipped_down == 1
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+    again = DiskStore(tmp_path, 1 << 30)
+    assert again.rejected_on_open == 0
+    assert [k for k, _ in again.stored()] == [b"k-small"]
+    assert same_bytes(again.get(b"k-small"), torch.arange(64, dtype=torch.float32))
+    assert not any(n.startswith(".tmp-") for n in os.listdir(tmp_path))
+
+
+def test_transfer_model_fits_latency_and_bandwidth() -> None:
+    from kvheat.tiers import TransferModel
+
+    m = TransferModel()
+    assert m.estimate(1000) is None  # never measured: no guess
+    for n in (1000, 4000, 16000):  # 50 µs + 1 GB/s
+        m.record(n, 50e-6 + n / 1e9)
+    lat, bw = m.fit()
+    assert lat == pytest.approx(50e-6, rel=1e-6) and bw == pytest.approx(1e9, rel=1e-6)
+    assert m.estimate(8000, ops=2) == pytest.approx(2 * 50e-6 + 8000 / 1e9)
+    one = TransferModel()
+    one.record(4096, 1e-3)  # one size: throughput only
+    assert one.fit() == (0.0, pytest.approx(4096 / 1e-3))

@@ -1,0 +1,358 @@
+"""The tier hierarchy around the real KVCacheManager and DeviceKVPool: demotion and
+promotion of real KV bytes through host, disk and Redis, exclusive and write-through
+placement, prefetch, load-or-recompute, and faults in the middle of a replay.
+
+A small engine stand-in checks every served block: the KV of a block is a fixed function
+of its key (`truth`), the "prefill" writes it into blocks past `num_cached_tokens`, and
+every block below `num_cached_tokens` must already hold exactly those bytes."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_tiers import LAYOUTS
+
+from kvheat.cache import CacheConfig, KVCacheManager
+from kvheat.tiers import DeviceKVPool, DiskStore, HostStore, KVStore, TierConfig, TieredCache
+from kvheat.tiers.redis_store import RedisStore, connect
+
+torch.set_num_threads(1)
+BS = 16
+
+
+def make_pool(layout: str, num_blocks: int) -> DeviceKVPool:
+    lay, layers, _bs, shape, dtype = LAYOUTS[layout]
+    return DeviceKVPool(lay, layers, num_blocks, BS, shape, dtype)
+
+
+def truth(pool: DeviceKVPool, key: bytes) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") % (2**62))
+    shape = pool.block_view(0).shape
+    return torch.randn(shape, generator=g).to(pool.dtype)
+
+
+class Engine:
+    """Runs requests through a TieredCache and checks every cached block it is given."""
+
+    def __init__(self, tc: TieredCache, pool: DeviceKVPool) -> None:
+        self.tc, self.pool = tc, pool
+        self.n = 0
+        self.served_tokens = 0
+
+    def run(self, tokens: list[int], tenant: str | None = None, prefetch: bool = False) -> int:
+        mgr = self.tc.mgr
+        self.n += 1
+        req = mgr.make_request(f"r{self.n}", tokens, tenant=tenant)
+        if prefetch:
+            self.tc.prefetch(req)
+        self.tc.allocate(req)
+        cached = req.num_cached_tokens
+        for i, b in enumerate(req.blocks):
+            full = i < len(req.keys)
+            if (i + 1) * BS <= cached:
+                assert full
+                want = truth(self.pool, req.keys[i])
+                got = self.pool.block_view(b.block_id)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
+                    f"wrong KV served for block {i} of request {req.request_id}"
+            elif full:
+                self.pool.write_block(b.block_id, truth(self.pool, req.keys[i]))
+        mgr.free(req)
+        self.served_tokens += cached
+        return cached
+
+
+def prompts(n: int, blocks: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    head = [rng.randrange(50_000) for _ in range(shared * BS)]
+    return [head + [rng.randrange(50_000) for _ in range((blocks - shared) * BS)]
+            for _ in range(n)]
+
+
+def build(layout: str, tiers: list[KVStore] | None, tmp_path: Path, device_blocks: int = 8,
+          host_blocks: int = 6, disk_blocks: int = 1000, **cfg) -> tuple[TieredCache, DeviceKVPool]:
+    pool = make_pool(layout, device_blocks)
+    mgr = KVCacheManager(CacheConfig(device_blocks, BS))
+    if tiers is None:
+        tiers = [HostStore(host_blocks * pool.bytes_per_block, pool.bytes_per_block),
+                 DiskStore(tmp_path / "disk", disk_blocks * (pool.bytes_per_block + 200),
+                           fsync=False)]
+    cfg.setdefault("calibrate", False)
+    return TieredCache(mgr, pool, tiers, TierConfig(**cfg)), pool
+
+
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+@pytest.mark.parametrize("async_io", [False, True])
+def test_blocks_round_trip_through_host_and_disk(layout: str, async_io: bool,
+                                                 tmp_path: Path) -> None:
+    tc, pool = build(layout, None, tmp_path, async_io=async_io)
+    eng = Engine(tc, pool)
+    ps = prompts(6, 4)  # 24 blocks of working set over an 8-block device, 6-block host
+    for p in ps:
+        assert eng.run(p) == 0
+    tc.flush()
+    c = tc.counters
+    assert c.demotions > 0 and tc.tier_demotions[1] > 0  # reached disk
+    for p in reversed(ps):  # all come back from device, host or disk; bytes checked
+        assert eng.run(p) == 4 * BS
+        tc.flush()
+    assert tc.tier_hit_blocks[0] > 0 and tc.tier_hit_blocks[1] > 0
+    assert c.load_failed == 0
+    assert c.device_hit_tokens + c.lower_hit_tokens == 6 * 4 * BS
+    # Exclusive: no key is on two lower tiers.
+    assert not set(tc.indexes[0].entries) & set(tc.indexes[1].entries)
+    tc.close()
+
+
+def test_write_through_keeps_lower_copies(tmp_path: Path) -> None:
+    tc, pool = build("gqa", None, tmp_path, async_io=False, mode="write_through",
+                     host_blocks=40)
+    eng = Engine(tc, pool)
+    ps = prompts(4, 4)
+    for p in ps:
+        eng.run(p)
+    for p in ps:
+        assert eng.run(p) == 4 * BS
+    # Promoted blocks keep their copies on both lower tiers.
+    assert len(tc.indexes[0]) == len(tc.indexes[1]) == 16
+    st = tc.stats()
+    assert st["tiers"]["1:disk"]["puts"] == 16  # each block written to disk once
+
+
+def test_lower_tier_eviction_follows_the_policy(tmp_path: Path) -> None:
+    """LRU on the host tier: a block hit again stays; the coldest goes down to disk."""
+    tc, pool = build("gqa", None, tmp_path, async_io=False, device_blocks=4, host_blocks=4)
+    eng = Engine(tc, pool)
+    a, b, c, d = prompts(4, 4)
+    eng.run(a)
+    eng.run(b)  # a (4 blocks) demoted to host
+    eng.run(c)  # b demoted to host; host full: a goes to disk
+    host_keys = set(tc.indexes[0].entries)
+    disk_keys = set(tc.indexes[1].entries)
+    ka = set(tc.mgr.make_request("x", a).keys)
+    kb = set(tc.mgr.make_request("y", b).keys)
+    assert kb == host_keys and ka == disk_keys
+    assert tc.indexes[0].policy.name == "lru"
+
+
+def test_prefetch_starts_loads_before_allocate(tmp_path: Path) -> None:
+    tc, pool = build("mla", None, tmp_path, async_io=True, host_blocks=1)
+    eng = Engine(tc, pool)
+    ps = prompts(5, 4)
+    for p in ps:
+        eng.run(p)
+    tc.flush()
+    assert eng.run(ps[0], prefetch=True) == 4 * BS
+    assert tc.counters.prefetch_plans == 1 and tc.counters.prefetch_used == 1
+    # A prefetch that is never allocated releases its pins.
+    req = tc.mgr.make_request("never", ps[1])
+    assert tc.prefetch(req) == 4 * BS
+    assert any(e.ref_cnt for idx in tc.indexes for e in idx.entries.values())
+    tc.cancel_prefetch("never")
+    assert not any(e.ref_cnt for idx in tc.indexes for e in idx.entries.values())
+    tc.close()
+
+
+def test_load_or_recompute_follows_measured_speeds(tmp_path: Path) -> None:
+    speed = {"v": 1e12}  # a prefill faster than any tier: always recompute
+    tc, pool = build("gqa", None, tmp_path, async_io=False,
+                     prefill_tokens_per_s=lambda: speed["v"], calibrate=True)
+    for st in tc.tiers:
+        assert st.read_model.fit() is not None  # measured at start
+    eng = Engine(tc, pool)
+    ps = prompts(6, 4)
+    for p in ps:
+        eng.run(p)
+    assert eng.run(ps[0]) == 0
+    assert tc.counters.decisions_recompute == 1 and tc.counters.recompute_chosen_tokens == 4 * BS
+    speed["v"] = 1.0  # one token a second: loading wins
+    assert eng.run(ps[1]) == 4 * BS
+    assert tc.counters.decisions_load == 1
+    assert 0 < tc.counters.est_load_s < tc.counters.est_recompute_saved_s
+    stats = json.loads(json.dumps(tc.stats()))  # plain data, ready for an exporter
+    assert stats["tiers"]["1:disk"]["read_bandwidth_Bps"] > 0
+    assert stats["decisions_load"] == 1 and stats["decisions_recompute"] == 1
+
+
+def test_decision_picks_the_profitable_prefix(tmp_path: Path) -> None:
+    """Host fast, disk slow: with a prefill speed between them, host blocks load and the
+    disk blocks behind them are recomputed."""
+    tc, pool = build("gqa", None, tmp_path, async_io=False, prefill_tokens_per_s=1000.0)
+    bb = tc.block_bytes
+    host, disk = tc.tiers
+    host.read_model.samples.clear()
+    disk.read_model.samples.clear()
+    host.read_model.record(bb, 1e-6)  # 1 µs a block: far faster than 16 ms recompute
+    disk.read_model.record(bb, 1.0)  # 1 s a block: far slower
+    eng = Engine(tc, pool)
+    ps = prompts(6, 4)
+    for p in ps:
+        eng.run(p)
+    # LRU, tail-first: the device keeps ps[4:], the host the 6 latest demoted blocks
+    # (ps[3] and the first two of ps[2]), disk the rest.
+    loc = [[next((t for t, idx in enumerate(tc.indexes) if k in idx.entries), None)
+            for k in tc.mgr.make_request("q", p).keys] for p in ps]
+    assert loc[2] == [0, 0, 1, 1] and loc[0] == [1, 1, 1, 1]
+    assert eng.run(ps[2]) == 2 * BS  # host prefix loaded, disk tail recomputed
+    assert tc.counters.decisions_partial == 1 and tc.counters.recompute_chosen_blocks == 2
+    assert eng.run(ps[0]) == 0  # all on disk: recompute everything
+    assert tc.counters.decisions_recompute == 1 and tc.counters.recompute_chosen_blocks == 6
+    assert tc.tier_hit_blocks == [2, 0]
+
+
+def test_fault_corrupt_disk_file_mid_replay(tmp_path: Path) -> None:
+    tc, pool = build("gqa", None, tmp_path, async_io=False, host_blocks=1)
+    eng = Engine(tc, pool)
+    ps = prompts(6, 4)
+    for p in ps:
+        eng.run(p)
+    disk: DiskStore = tc.tiers[1]  # type: ignore[assignment]
+    keys = tc.mgr.make_request("x", ps[0]).keys
+    assert all(k in tc.indexes[1].entries for k in keys)
+    path = disk._path(disk._name(keys[2], disk.ns(None)))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert eng.run(ps[0]) == 2 * BS  # loads blocks 0-1, block 2 fails, rest recomputed
+    assert tc.counters.load_failed == 1
+    assert disk.stats.corrupt_checksum == 1
+    assert eng.run(ps[0]) == 4 * BS  # all on device now, recomputed bytes correct
+
+
+def test_fault_disk_cap_stops_demotion_without_errors(tmp_path: Path) -> None:
+    tc, pool = build("gqa", None, tmp_path, async_io=True, host_blocks=2, disk_blocks=3)
+    eng = Engine(tc, pool)
+    ps = prompts(10, 4)
+    for p in ps:
+        eng.run(p)
+    tc.flush()
+    disk = tc.tiers[1]
+    assert disk.used_bytes() <= disk.capacity_bytes
+    assert len(tc.indexes[1]) == 3 and tc.counters.dropped_bottom > 0
+    assert tc.counters.worker_errors == 0
+    for p in ps:
+        eng.run(p)  # whatever is served is checked; nothing raises
+
+
+def test_fault_restart_serves_only_verified_disk_blocks(tmp_path: Path) -> None:
+    tc, pool = build("mla", None, tmp_path, async_io=True, host_blocks=1)
+    eng = Engine(tc, pool)
+    ps = prompts(6, 4)
+    for p in ps:
+        eng.run(p)
+    tc.close()
+    disk_dir = tmp_path / "disk"
+    files = sorted(disk_dir.glob("*.kv"))
+    assert len(files) >= 8
+    with open(files[0], "r+b") as f:  # one torn file
+        f.truncate(100)
+    # "Restart": a fresh manager, device pool, host and disk over the same directory.
+    pool2 = make_pool("mla", 8)
+    mgr2 = KVCacheManager(CacheConfig(8, BS))
+    disk2 = DiskStore(disk_dir, 1000 * (pool2.bytes_per_block + 200), fsync=False)
+    assert disk2.rejected_on_open == 1
+    host2 = HostStore(pool2.bytes_per_block, pool2.bytes_per_block)
+    tc2 = TieredCache(mgr2, pool2, [host2, disk2], TierConfig(async_io=False, calibrate=False))
+    assert len(tc2.indexes[1]) == len(files) - 1
+    eng2 = Engine(tc2, pool2)
+    served = sum(eng2.run(p) for p in ps)
+    assert served > 0 and tc2.counters.load_failed == 0
+
+
+def test_tenants_never_share_lower_tier_blocks(tmp_path: Path) -> None:
+    tc, pool = build("gqa", None, tmp_path, async_io=False, device_blocks=4)
+    eng = Engine(tc, pool)
+    p = prompts(1, 4)[0]
+    filler = prompts(3, 4, seed=1)
+    eng.run(p, tenant="a")
+    for f in filler:
+        eng.run(f, tenant="a")
+    assert eng.run(p, tenant="b") == 0  # tenant b's keys differ: no lower-tier hit
+    for f in filler:
+        eng.run(f, tenant="a")
+    assert eng.run(p, tenant="a") == 4 * BS
+
+
+def test_fault_redis_killed_mid_replay(redis_server, tmp_path: Path) -> None:
+    pool = make_pool("gqa", 8)
+    host = HostStore(2 * pool.bytes_per_block, pool.bytes_per_block)
+    red = RedisStore(connect(redis_server.url, timeout_s=0.2), 1 << 24, backoff_initial_s=0.05)
+    tc, pool = build("gqa", [host, red], tmp_path, async_io=True)
+    eng = Engine(tc, pool)
+    ps = prompts(8, 4)
+    for p in ps:
+        eng.run(p)
+    tc.flush()
+    assert len(tc.indexes[1]) > 0
+    assert eng.run(ps[0]) == 4 * BS  # from Redis
+    redis_server.stop()
+    for p in ps[1:]:
+        eng.run(p)  # Redis gone: misses and recomputes, no exception, KV checked
+    tc.flush()
+    assert red.stats.went_down >= 1 and red.down
+    assert tc.counters.worker_errors == 0
+    redis_server.start()
+    deadline = time.monotonic() + 10
+    while not red.available() and time.monotonic() < deadline:  # the backoff runs out
+        time.sleep(0.01)
+    for p in ps:
+        eng.run(p)
+        tc.flush()
+    assert red.stats.came_back >= 1
+    tc.close()
+
+
+def test_refused_host_put_goes_down_with_a_private_copy(tmp_path: Path) -> None:
+    """One-layer MLA: a device block view is contiguous. When the host cannot take a block
+    (its only slot is pinned by a prefetch), the block goes to disk through the queue; the
+    queued bytes must be a copy, not the device block that is reused at once."""
+    pool = DeviceKVPool("mla", 1, 4, BS, (24,), torch.bfloat16)
+    assert pool.block_view(0).is_contiguous()
+    mgr = KVCacheManager(CacheConfig(4, BS))
+    host = HostStore(pool.bytes_per_block, pool.bytes_per_block)
+    disk = DiskStore(tmp_path / "disk", 1 << 20, fsync=False)
+    tc = TieredCache(mgr, pool, [host, disk], TierConfig(async_io=True, calibrate=False))
+    eng = Engine(tc, pool)
+    a, b, c = prompts(3, 4)
+    eng.run(a)
+    eng.run(b)
+    tc.flush()
+    pending = mgr.make_request("pending", a)
+    assert tc.prefetch(pending) == 4 * BS  # pins a's first block, the host's only entry
+    eng.run(c)  # b's blocks: host refuses (pinned), so they go to disk via the queue
+    tc.flush()
+    tc.cancel_prefetch("pending")
+    assert tc.counters.demote_dropped == 0
+    assert all(k in tc.indexes[1].entries for k in mgr.make_request("q", b).keys)
+    assert eng.run(b) == 4 * BS  # Engine checks every loaded byte
+    tc.close()
+
+
+def test_allocating_a_head_of_a_prefetched_request(tmp_path: Path) -> None:
+    """The scheduler prefetches the whole prompt, then allocates a head of it (chunked
+    prefill): only the blocks of the head are loaded, the rest stay below, unpinned."""
+    tc, pool = build("gqa", None, tmp_path, async_io=True)
+    eng = Engine(tc, pool)
+    ps = prompts(6, 4)
+    for p in ps:
+        eng.run(p)
+    tc.flush()
+    mgr = tc.mgr
+    full = mgr.make_request("head", ps[0])
+    assert tc.prefetch(full) == 4 * BS
+    head = mgr.make_request("head", ps[0][:2 * BS + 5])  # same id, two full blocks + 5
+    tc.allocate(head)
+    assert head.num_cached_tokens == 2 * BS
+    for i in range(2):
+        want = truth(pool, full.keys[i])
+        assert torch.equal(pool.block_view(head.blocks[i].block_id).view(torch.uint8),
+                           want.view(torch.uint8))
+    assert not any(e.ref_cnt for idx in tc.indexes for e in idx.entries.values())
+    assert all(any(k in idx.entries for idx in tc.indexes) for k in full.keys[2:])
+    mgr.free(head)
+    tc.close()
