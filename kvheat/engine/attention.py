@@ -1,0 +1,378 @@
+"""Paged attention over the device KV pool, and the pieces every decoder shares
+(RMSNorm, rotary embeddings).
+
+A step runs a flat list of new tokens from several sequences. Each sequence has
+`num_computed` tokens whose KV already lies in the pool (a cached prefix, or earlier
+chunks and decode steps) and `q_len` new tokens at positions `num_computed ...`.
+The new tokens' KV is first written into the pool slots the block tables name; then
+each sequence attends to its own blocks only, gathered by block table (never the pool):
+
+- a prefill with no cached prefix attends to its fresh K/V directly (causal);
+- a prefill on top of a cached prefix gathers its blocks and masks causally with the
+  query offset (query i sees keys 0 .. num_computed + i);
+- decode tokens (q_len == 1) of many sequences run as one padded batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers: normalise in fp32, cast back, then scale.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+# ---- rotary embeddings -------------------------------------------------------------------
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale of the config's RoPE variant
+    (default, linear, llama3, yarn), as transformers computes them; fp32, on the CPU
+    (also while a model is built on the meta device)."""
+    dim = cfg.rope_dim
+    base = cfg.rope_theta
+    rs = cfg.rope_scaling
+    kind = rs.get("rope_type", "default")
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    if kind == "default":
+        return inv, 1.0
+    factor = float(rs["factor"]) if rs.get("factor") is not None else None
+    if kind == "linear":
+        return inv / factor, 1.0  # type: ignore[operator]
+    if kind == "llama3":
+        assert factor is not None
+        lo, hi = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled), 1.0
+    # yarn
+    orig = float(rs["original_max_position_embeddings"])
+    if factor is None:
+        factor = cfg.max_position_embeddings / orig
+    attn = rs.get("attention_factor")
+    if attn is None:
+        ms, ms_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attn = (_yarn_mscale(factor, ms) / _yarn_mscale(factor, ms_all) if ms and ms_all
+                else _yarn_mscale(factor))
+    beta_fast = rs.get("beta_fast") or 32
+    beta_slow = rs.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv, float(attn)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """The attention scale; DeepSeek's yarn folds mscale(factor, mscale_all_dim)^2 in."""
+    if not cfg.is_mla:
+        return cfg.head_dim ** -0.5
+    scale = cfg.qk_head_dim ** -0.5
+    rs = cfg.rope_scaling
+    if rs.get("rope_type", "default") != "default" and rs.get("mscale_all_dim"):
+        m = _yarn_mscale(float(rs["factor"]), float(rs["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: `model.to(bfloat16)` must not round it.
+        self.inv_freq, self.attention_scaling = rope_inv_freq(cfg)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [tokens, dim] (both halves repeated, as rotate_half wants)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, dim]; cos/sin [tokens, dim]. NeoX (half-split) layout."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved pairs (x0, x1), (x2, x3) ...; the output is laid out
+    de-interleaved (evens then odds), exactly as transformers does, which keeps q.k."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ---- batch metadata ------------------------------------------------------------------------
+@dataclass(slots=True)
+class SeqSpan:
+    q_start: int  # offset of the sequence's first new token in the flat token list
+    q_len: int
+    num_computed: int  # KV already in the pool before this step
+    # blocks covering num_computed + q_len tokens; a list from the caller, made an int64
+    # tensor on the pool's device by build_metadata for the prefills that read it
+    block_table: torch.Tensor | list[int]
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed + self.q_len
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each new token's KV goes, and which pool blocks each sequence reads."""
+    block_size: int
+    slot_mapping: torch.Tensor  # int64 [tokens]: block_id * block_size + offset
+    prefills: list[SeqSpan]  # sequences with q_len > 1, or a first token with no context
+    decode_index: torch.Tensor  # int64 [D]: flat index of each decode token
+    decode_block_tables: torch.Tensor  # int64 [D, max_blocks], padded with block 0
+    decode_context_lens: torch.Tensor  # int64 [D]
+    decode_mask: torch.Tensor | None  # bool [D, 1, 1, max_blocks * block_size] (None: no padding)
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_index.numel())
+
+
+def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) -> AttentionMetadata:
+    """Slot mapping and per-path views of a step. Plain Python arithmetic: a decode step
+    is many one-token sequences, for which tensor ops per sequence cost more than the
+    step's attention."""
+    slots: list[int] = []
+    prefills: list[SeqSpan] = []
+    decodes: list[tuple[SeqSpan, list[int]]] = []
+    bs = block_size
+    for s in spans:
+        table = s.block_table.tolist() if isinstance(s.block_table, torch.Tensor) \
+            else list(s.block_table)
+        slots.extend(table[p // bs] * bs + p % bs for p in range(s.num_computed, s.context_len))
+        if s.q_len == 1 and s.num_computed > 0:
+            decodes.append((s, table[:-(-s.context_len // bs)]))
+        else:
+            s.block_table = torch.tensor(table, dtype=torch.int64, device=device)
+            prefills.append(s)
+    if len(set(slots)) != len(slots):
+        raise ValueError("two new tokens of this batch would write the same KV slot")
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    if not decodes:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return AttentionMetadata(bs, slot_mapping, prefills, empty,
+                                 torch.zeros(0, 1, dtype=torch.int64, device=device), empty, None)
+    max_blocks = max(len(t) for _, t in decodes)
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for _, t in decodes],
+                          dtype=torch.int64)
+    lens = torch.tensor([s.context_len for s, _ in decodes], dtype=torch.int64)
+    mask = None
+    if int(lens.min()) != max_blocks * bs:
+        keys = torch.arange(max_blocks * bs)
+        mask = (keys[None, :] < lens[:, None])[:, None, None, :].to(device)
+    index = torch.tensor([s.q_start for s, _ in decodes], dtype=torch.int64, device=device)
+    return AttentionMetadata(bs, slot_mapping, prefills, index, tables.to(device),
+                             lens.to(device), mask)
+
+
+def _causal_offset_mask(q_len: int, num_computed: int, device: torch.device,
+                        first: int = 0) -> torch.Tensor:
+    """bool [q_len, num_computed + first + q_len]: new token `first + i` (at position
+    num_computed + first + i) sees keys up to its own position."""
+    end = num_computed + first + q_len
+    q_pos = torch.arange(num_computed + first, end, device=device)
+    return torch.arange(end, device=device)[None, :] <= q_pos[:, None]
+
+
+PREFILL_CHUNK = 128  # query rows per attention call in a prefill
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: int,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of new tokens on top of `num_computed` earlier ones.
+    q [H, L, D] at positions num_computed ..; k/v [H, num_computed + L, *].
+    Returns [H, L, Dv].
+
+    On CPU the query runs in chunks, each against the keys up to its last position
+    only: SDPA's kernels there compute the whole masked-out triangle (is_causal=True is
+    about 3x slower than this for 1k tokens). On GPU one fused call does it."""
+    n_new = q.shape[1]
+    if q.device.type != "cpu":
+        mask = None if num_computed == 0 else _causal_offset_mask(n_new, num_computed, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              is_causal=mask is None, scale=scale)
+    outs = []
+    for first in range(0, n_new, PREFILL_CHUNK):
+        n = min(PREFILL_CHUNK, n_new - first)
+        end = num_computed + first + n
+        mask = _causal_offset_mask(n, num_computed, q.device, first)
+        outs.append(F.scaled_dot_product_attention(q[:, first:first + n], k[:, :end],
+                                                   v[:, :end], attn_mask=mask, scale=scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def latent_attention(q: torch.Tensor, ctx: torch.Tensor, value_width: int, scale: float,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention with one K/V head shared by all query heads: MLA in absorbed form.
+    q [B, R, C] (heads x queries as rows), ctx [B, S, C] the cached latents (keys; their
+    first `value_width` numbers are the values), mask bool broadcastable to [B, R, S].
+    Returns [B, R, value_width]. Plain batched matmuls: SDPA on CPU takes its math path
+    for this shape and first rescales a strided copy of the keys."""
+    scores = torch.matmul(q, ctx.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(q.dtype), ctx[..., :value_width])
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` token rows of one sequence's blocks: cache [blocks, bs, ...]."""
+    n = -(-length // cache.shape[1])
+    g = cache.index_select(0, block_table[:n])
+    return g.reshape(-1, *cache.shape[2:])[:length]
+
+
+# ---- GQA (Llama family) ---------------------------------------------------------------------
+# SDPA's `enable_gqa` falls back to the slow math kernel on CPU, so grouped heads are
+# handled here: prefills repeat each KV head for its query heads (a copy of this
+# sequence's K/V only); decodes fold a group's query heads into the query-length axis,
+# which needs no copy since one decode query of every head sees the same keys.
+def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x if group == 1 else x.repeat_interleave(group, dim=0)
+
+
+def paged_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] for the step's new tokens; k_cache/v_cache
+    [num_blocks, block_size, KVH, D] of this layer. Writes k/v into the pool, returns
+    the attention output [T, H, D]."""
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    out = torch.empty_like(q)
+    heads = q.shape[1]
+    group = heads // kvh
+    for s in meta.prefills:
+        sl = slice(s.q_start, s.q_start + s.q_len)
+        if s.num_computed == 0:
+            ks, vs = k[sl], v[sl]
+        else:
+            ks = gather_blocks(k_cache, s.block_table, s.context_len).to(q.dtype)
+            vs = gather_blocks(v_cache, s.block_table, s.context_len).to(q.dtype)
+        ks = _repeat_kv(ks.transpose(0, 1), group)
+        vs = _repeat_kv(vs.transpose(0, 1), group)
+        o = causal_attention(q[sl].transpose(0, 1), ks, vs, s.num_computed, scale)
+        out[sl] = o.transpose(0, 1)
+    if meta.num_decodes:
+        n = meta.num_decodes
+        tables = meta.decode_block_tables
+        # [D, blocks, bs, KVH, d] -> [D, KVH, S, d]: only these sequences' blocks.
+        flat = tables.reshape(-1)  # index_select: ~5x faster than advanced indexing on CPU
+        ks = k_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)
+        vs = v_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)
+        qd = q.index_select(0, meta.decode_index).view(n, kvh, group, d)
+        o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=meta.decode_mask, scale=scale)
+        out.index_copy_(0, meta.decode_index, o.reshape(n, heads, d))
+    return out
+
+
+# ---- MLA (DeepSeek family) ------------------------------------------------------------------
+def write_latent(cache: torch.Tensor, latent: torch.Tensor, meta: AttentionMetadata) -> None:
+    """cache [num_blocks, block_size, W]; latent [T, W] = [c_kv | k_rope]."""
+    cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent.to(cache.dtype))
+
+
+def paged_mla_attention(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float, kv_lora_rank: int,
+    expand_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    w_uk: torch.Tensor, w_uv: torch.Tensor, absorb_prefill: bool = False,
+) -> torch.Tensor:
+    """Multi-head latent attention over the pool. q_nope [T, H, dn], q_rope [T, H, dr],
+    latent [T, r + dr] (normalised c_kv then rotated k_rope) for the new tokens.
+    Returns [T, H, dv].
+
+    Prefills expand the latent into per-head K/V (`expand_kv`: c_kv [S, r] -> k_nope
+    [S, H, dn], v [S, H, dv]) since their queries are many. Decodes use the absorbed form:
+    q_nope is folded through W_UK into the latent space, attention runs over the cached
+    latent itself as one key/value head shared by all query heads (folded into the query
+    axis, as for GQA), and W_UV maps the result back, so decode never expands the cache.
+    w_uk [H, dn, r], w_uv [H, dv, r]."""
+    write_latent(cache, latent, meta)
+    n_tok, heads = q_nope.shape[0], q_nope.shape[1]
+    out = q_nope.new_empty(n_tok, heads, w_uv.shape[1])
+    r, dn, dv, dr = kv_lora_rank, w_uk.shape[1], w_uv.shape[1], q_rope.shape[-1]
+    for s in meta.prefills:
+        sl = slice(s.q_start, s.q_start + s.q_len)
+        if s.num_computed == 0 and not absorb_prefill:
+            ctx = latent[sl].to(q_nope.dtype)
+        else:
+            ctx = gather_blocks(cache, s.block_table, s.context_len).to(q_nope.dtype)
+        # A few new tokens on a long cached prefix: expanding the whole prefix costs more
+        # than attending in latent space (multiply-adds per head, up to constants).
+        n_ctx = s.context_len
+        expanded_cost = n_ctx * r * (dn + dv) + s.q_len * n_ctx * (dn + dr + dv)
+        absorbed_cost = s.q_len * (r * (dn + dv) + n_ctx * (2 * r + dr))
+        if absorb_prefill or (s.num_computed > 0 and absorbed_cost < expanded_cost):
+            q_lat = torch.einsum("thd,hdr->htr", q_nope[sl], w_uk)
+            q = torch.cat((q_lat, q_rope[sl].transpose(0, 1)), dim=-1)  # [H, L, r + dr]
+            mask = _causal_offset_mask(s.q_len, s.num_computed, q.device)
+            o = latent_attention(q, ctx, r, scale, mask)  # [H, L, r]
+            out[sl] = torch.einsum("htr,hvr->thv", o, w_uv)
+            continue
+        k_nope, v = expand_kv(ctx[:, :r])  # [S, H, dn], [S, H, dv]
+        k_rope = ctx[:, None, r:].expand(-1, heads, -1)
+        k = torch.cat((k_nope, k_rope), dim=-1).transpose(0, 1)
+        q = torch.cat((q_nope[sl], q_rope[sl]), dim=-1).transpose(0, 1)
+        o = causal_attention(q, k, v.transpose(0, 1), s.num_computed, scale)
+        out[sl] = o.transpose(0, 1)
+    if meta.num_decodes:
+        n = meta.num_decodes
+        ctx = cache.index_select(0, meta.decode_block_tables.reshape(-1))
+        ctx = ctx.view(n, -1, cache.shape[-1]).to(q_nope.dtype)  # [D, S, r + dr]
+        qn = q_nope.index_select(0, meta.decode_index)  # [D, H, dn]
+        qr = q_rope.index_select(0, meta.decode_index)
+        q = torch.cat((torch.einsum("bhd,hdr->bhr", qn, w_uk), qr), dim=-1)  # [D, H, r + dr]
+        mask = None if meta.decode_mask is None else meta.decode_mask[:, 0]  # [D, 1, S]
+        o = latent_attention(q, ctx, r, scale, mask)  # [D, H, r]
+        out.index_copy_(0, meta.decode_index, torch.einsum("bhr,hvr->bhv", o, w_uv))
+    return out

@@ -1,0 +1,532 @@
+"""Continuous-batching scheduler over the kvheat block cache.
+
+Every step it builds one batch of work under a token budget: one token for each running
+sequence that decodes, then prefill chunks (continuations and new admissions) split among
+the three load classes of SPEC §4.3 by weight. Blocks come from `KVCacheManager`: a
+sequence's manager request always covers exactly the tokens whose KV is computed or being
+computed this step, so `allocate` shares the cached prefix and `append_tokens` takes (and
+caches, once full) the blocks of each new chunk or decoded token. A finished sequence's
+blocks stay cached, so the next turn of a conversation finds them.
+
+Unwritten blocks. The manager registers a full block's key when it is allocated, before
+the forward pass writes its KV. Blocks touched in the current step are kept in `fresh`;
+a waiting sequence whose cached prefix includes a fresh block is not admitted in this
+step but in the next one, when that KV is written (and it then shares it rather than
+computing a copy). A sequence is never preempted in the step it was scheduled, so every
+registered block of a freed sequence holds its KV. After the forward pass `update`
+clears `fresh`.
+
+Lower tiers. Given a `TieredCache` (kvheat.tiers), admission also loads the blocks that
+follow the device prefix from host/disk/remote into the new device blocks; they count
+as cached.
+
+Preemption. When blocks run out, the youngest running sequence not yet scheduled this
+step is preempted (the one asking, when none is left). Recompute mode frees its blocks;
+the full ones stay cached, so the resumed prefill mostly hits. Swap mode first copies its
+blocks to a host `SwapSpace` and writes them back when it resumes.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import xxhash
+
+from ..cache import KVCacheManager, OutOfBlocks, Request
+from ..cache.hashing import tokens_to_bytes
+
+SHORT, REGULAR, LONG = "short", "regular", "long"
+LOAD_CLASSES = (SHORT, REGULAR, LONG)
+
+
+@dataclass(slots=True, frozen=True)
+class ClassWeight:
+    """Weight of a load class: `base + load_coef * load_ratio`, capped (SPEC §4.3 table)."""
+
+    base: float
+    load_coef: float
+    cap: float | None = None
+
+    def weight(self, load_ratio: float) -> float:
+        w = self.base + self.load_coef * load_ratio
+        return w if self.cap is None else min(w, self.cap)
+
+
+def default_class_weights() -> dict[str, ClassWeight]:
+    # The design's table: short 1.8 (+0.5 x load), long-tail 0.3 (+0.2 x load, at most
+    # 0.45); regular is its calcWeight base 1.0 with the same +0.5 x load compensation.
+    return {SHORT: ClassWeight(1.8, 0.5), REGULAR: ClassWeight(1.0, 0.5),
+            LONG: ClassWeight(0.3, 0.2, 0.45)}
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 256  # tokens per step, decode and prefill together
+    max_num_seqs: int = 16  # running sequences at once
+    prefix_caching: str = "block"  # "block": any cached prefix; "exact": whole prompt only; "off"
+    preemption: str = "recompute"  # or "swap" (needs a SwapSpace)
+    # Load classes by estimated work (prompt + max new tokens, in tokens): the design
+    # classes by latency, and on one engine latency grows with work.
+    short_max_tokens: int = 128
+    long_min_tokens: int = 1024
+    class_weights: dict[str, ClassWeight] = field(default_factory=default_class_weights)
+    # Aging guard: a request waiting (or still in prefill) this long goes first, and while
+    # it cannot get its blocks no younger request is admitted.
+    aging_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.prefix_caching not in ("block", "exact", "off"):
+            raise ValueError(f"prefix_caching must be block, exact or off, not {self.prefix_caching!r}")
+        if self.preemption not in ("recompute", "swap"):
+            raise ValueError(f"preemption must be recompute or swap, not {self.preemption!r}")
+        if set(self.class_weights) != set(LOAD_CLASSES):
+            raise ValueError(f"class_weights needs exactly the classes {LOAD_CLASSES}")
+        if not 0 < self.short_max_tokens < self.long_min_tokens:
+            raise ValueError("need 0 < short_max_tokens < long_min_tokens")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request as the scheduler sees it: its tokens so far and how many have KV."""
+
+    __slots__ = (
+        "seq_id", "token_ids", "num_prompt_tokens", "max_tokens", "tenant", "session", "lora",
+        "arrival", "status", "num_computed", "cache_req", "load_class", "num_cached_tokens",
+        "num_preemptions", "swapped_tokens", "admitted_seq", "prompt_done", "finish_reason",
+    )
+
+    def __init__(self, seq_id: str, prompt_token_ids: Seq[int], max_tokens: int,
+                 tenant: str | None = None, session: str | None = None,
+                 lora: str | None = None, arrival: float | None = None) -> None:
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then generated tokens
+        self.num_prompt_tokens = len(self.token_ids)
+        self.max_tokens = max_tokens
+        self.tenant = tenant
+        self.session = session
+        self.lora = lora
+        self.arrival = arrival  # set from the scheduler's clock when None
+        self.status = SeqStatus.WAITING
+        self.num_computed = 0  # leading tokens whose KV is in the pool
+        self.cache_req: Request | None = None  # the manager's view while blocks are held
+        self.load_class = REGULAR
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
+        self.num_preemptions = 0
+        self.swapped_tokens = 0  # tokens whose KV waits in the swap space
+        self.admitted_seq = 0  # admission order; the youngest is preempted first
+        self.prompt_done = False
+        self.finish_reason: str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run before the next sample (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, {self.status.value}, computed={self.num_computed}/"
+                f"{len(self.token_ids)}, class={self.load_class})")
+
+
+@dataclass(slots=True)
+class ScheduledItem:
+    seq: Sequence
+    token_ids: list[int]  # the tokens to run this step
+    num_computed: int  # KV already in the pool before them
+    block_table: list[int]
+    sample: bool  # the chunk ends at the sequence's last token: sample the next one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    items: list[ScheduledItem]
+    preempted: list[Sequence]
+    num_batched_tokens: int
+
+    @property
+    def empty(self) -> bool:
+        return not self.items
+
+
+class SwapSpace(Protocol):
+    """Host copies of preempted sequences' blocks (all layers of each block)."""
+
+    def swap_out(self, seq_id: str, block_ids: list[int]) -> int:
+        """Copy the blocks out; returns how many leading blocks were saved (a full
+        store saves fewer, and the rest is recomputed)."""
+
+    def swap_in(self, seq_id: str, first_block: int, block_ids: list[int]) -> None:
+        """Write saved blocks first_block, first_block+1, ... into `block_ids`, then forget
+        the sequence's copies."""
+
+    def discard(self, seq_id: str) -> None: ...
+
+
+class LowerTiers(Protocol):
+    """What the scheduler needs of `kvheat.tiers.TieredCache`."""
+
+    def prefetch(self, req: Request) -> int: ...
+
+    def cancel_prefetch(self, request_id: str) -> None: ...
+
+    def allocate(self, req: Request) -> list[int]: ...
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: KVCacheManager,
+                 swap_space: SwapSpace | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 tiers: LowerTiers | None = None) -> None:
+        if config.preemption == "swap" and swap_space is None:
+            raise ValueError("preemption='swap' needs a swap_space")
+        self.config = config
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.swap_space = swap_space
+        self.tiers = tiers  # lower KV tiers under the device cache (kvheat.tiers.TieredCache)
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order
+        self.fresh: set[int] = set()  # block ids whose KV this step's forward writes
+        self._admitted = 0
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ---- requests ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        n_blocks = -(-(seq.num_prompt_tokens + seq.max_tokens) // self.block_size)
+        if n_blocks > len(self.cache.blocks):
+            raise ValueError(
+                f"request {seq.seq_id!r} needs up to {n_blocks} blocks (prompt "
+                f"{seq.num_prompt_tokens} + max_tokens {seq.max_tokens}) but the pool has "
+                f"{len(self.cache.blocks)} blocks of {self.block_size} tokens")
+        if seq.num_prompt_tokens == 0:
+            raise ValueError("empty prompt")
+        tokens_to_bytes(seq.token_ids)  # bad token ids fail here, before anything changes
+        work = seq.num_prompt_tokens + seq.max_tokens
+        cfg = self.config
+        seq.load_class = SHORT if work <= cfg.short_max_tokens else (
+            LONG if work >= cfg.long_min_tokens else REGULAR)
+        if seq.arrival is None:
+            seq.arrival = self.clock()
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (done or aborted): its blocks are freed, full ones stay cached."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        else:
+            self.waiting.remove(seq)
+        if seq.swapped_tokens and self.swap_space is not None:
+            self.swap_space.discard(seq.seq_id)
+            seq.swapped_tokens = 0
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        now = self.clock()
+        budget = cfg.max_num_batched_tokens
+        items: list[ScheduledItem] = []
+        preempted: list[Sequence] = []
+        scheduled: set[str] = set()
+        self.fresh.clear()
+
+        def emit(seq: Sequence, n: int) -> None:
+            req = seq.cache_req
+            assert req is not None
+            start = seq.num_computed
+            toks = seq.token_ids[start:start + n]
+            self.fresh.update(b.block_id for b in req.blocks[start // self.block_size:])
+            items.append(ScheduledItem(seq, toks, start, req.block_table,
+                                       start + n == len(seq.token_ids)))
+            scheduled.add(seq.seq_id)
+
+        def grow(seq: Sequence, n: int) -> bool:
+            """Take blocks for `n` more tokens of a running sequence, preempting the
+            youngest unscheduled sequence while needed. False: `seq` itself was preempted."""
+            assert seq.cache_req is not None
+            toks = seq.token_ids[seq.num_computed:seq.num_computed + n]
+            while True:
+                try:
+                    self.cache.append_tokens(seq.cache_req, toks)
+                    return True
+                except OutOfBlocks:
+                    victim = self._pick_victim(scheduled, now)
+                    if victim is None:
+                        victim = seq
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        return False
+
+        # 1. Decodes: one token each, oldest admission first.
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or seq.num_pending != 1 or not seq.prompt_done:
+                continue
+            if grow(seq, 1):
+                emit(seq, 1)
+                budget -= 1
+
+        # 2. Prefill chunks, continuations and admissions, shared among load classes.
+        if budget > 0:
+            budget = self._schedule_prefills(budget, now, scheduled, preempted, emit, grow)
+        self.num_steps += 1
+        return SchedulerOutput(items, preempted, cfg.max_num_batched_tokens - budget)
+
+    def _schedule_prefills(self, budget: int, now: float, scheduled: set[str],
+                           preempted: list[Sequence], emit: Callable[[Sequence, int], None],
+                           grow: Callable[[Sequence, int], bool]) -> int:
+        cfg = self.config
+        cands = [s for s in self.running if s.seq_id not in scheduled and s.num_pending > 0
+                 and s.status is SeqStatus.RUNNING]
+        cands += self.waiting
+        if not cands:
+            return budget
+        aged = [s for s in cands if now - s.arrival >= cfg.aging_s]
+        aged.sort(key=lambda s: s.arrival)
+        # Load compensation: a class's share of the pending prefill work raises its weight.
+        pending = {c: 0 for c in LOAD_CLASSES}
+        for s in cands:
+            pending[s.load_class] += s.num_pending
+        total = sum(pending.values()) or 1
+        weights = {c: cfg.class_weights[c].weight(pending[c] / total)
+                   for c in LOAD_CLASSES if pending[c]}
+        wsum = sum(weights.values())
+        shares = {c: max(1, int(budget * w / wsum)) for c, w in weights.items()}
+        by_class: dict[str, list[Sequence]] = {c: [] for c in weights}
+        for s in sorted(cands, key=lambda s: (s.status is not SeqStatus.RUNNING, s.arrival)):
+            by_class[s.load_class].append(s)
+        admit_blocked = False  # an aged request is waiting for blocks: admit nobody younger
+
+        def try_run(seq: Sequence, limit: int) -> int:
+            """Schedule up to `limit` tokens of `seq`; returns tokens scheduled."""
+            nonlocal admit_blocked
+            n = min(limit, seq.num_pending)
+            if n <= 0 or seq.status is SeqStatus.FINISHED or seq.seq_id in scheduled \
+                    or any(p is seq for p in preempted):
+                return 0  # done, already run, or preempted this step: not again now
+            if seq.status is SeqStatus.RUNNING:
+                if not grow(seq, n):
+                    return 0
+                emit(seq, n)
+                return n
+            if admit_blocked or len(self.running) >= cfg.max_num_seqs:
+                return 0
+            n = self._admit(seq, limit)
+            if n == 0:
+                if now - seq.arrival >= cfg.aging_s:
+                    admit_blocked = True
+                return 0
+            emit(seq, n)
+            return n
+
+        # Aged requests first, whatever their class: the guard against starvation.
+        for seq in aged:
+            if budget <= 0:
+                return budget
+            budget -= try_run(seq, budget)
+        # Then each class within its weighted share of the rest.
+        left = budget
+        for c, seqs in by_class.items():
+            share = min(shares[c], left)
+            for seq in seqs:
+                if share <= 0:
+                    break
+                used = try_run(seq, share)
+                share -= used
+                left -= used
+        # Whatever a class left unused goes to the others, heaviest class first.
+        for c in sorted(by_class, key=lambda c: -weights[c]):
+            for seq in by_class[c]:
+                if left <= 0:
+                    return left
+                left -= try_run(seq, left)
+        return left
+
+    def _admit(self, seq: Sequence, limit: int) -> int:
+        """Give a waiting sequence its cached prefix and blocks for its first chunk.
+        Returns the chunk length, or 0 when it cannot start now (nothing changed)."""
+        cfg = self.config
+        cache = self.cache
+        bs = self.block_size
+        full = cache.make_request(seq.seq_id, seq.token_ids, self._key_tenant(seq), seq.lora,
+                                  seq.session)
+        match = [] if cfg.prefix_caching == "off" else cache.match_prefix(full)
+        if any(b.block_id in self.fresh for b in match):
+            return 0  # its KV is written by this step's forward pass: start next step
+        if cfg.prefix_caching == "exact" and len(match) < seq.num_prompt_tokens // bs:
+            match = []  # all of the prompt's full blocks, or nothing
+        whole = len(match) * bs >= len(seq.token_ids)
+        if whole:
+            match = match[:-1]  # compute at least the last token, for its logits
+        hit = len(match) * bs
+        start = hit
+        if seq.swapped_tokens > hit:
+            start = seq.swapped_tokens  # blocks after the cached prefix come back from host
+        # Lower tiers: blocks after the device prefix that host/disk/remote still hold are
+        # loaded into the new device blocks at allocation (they count as cached).
+        planned = 0
+        if self.tiers is not None and cfg.prefix_caching == "block" and not whole \
+                and not seq.swapped_tokens:
+            planned = self.tiers.prefetch(full)
+            # All of it below: load it all and run the last token again (its logits), its KV
+            # rewritten into a block this request alone holds.
+            start = min(hit + planned, len(seq.token_ids) - 1)
+        n = min(limit, len(seq.token_ids) - start)
+        if n <= 0:
+            return 0
+        part = _head_request(full, start + n, bs)
+        try:
+            if planned:
+                self.tiers.allocate(part)  # type: ignore[union-attr]
+                st = cache.stats  # counted there for this chunk; counted below for the prompt
+                st.requests -= 1
+                st.query_tokens -= part.num_tokens
+                st.hit_tokens -= hit
+                st.hit_blocks -= len(match)
+                start = min(part.num_cached_tokens, start)  # less if a load failed
+                n = part.num_tokens - start
+            else:
+                cache.allocate(part, matched=match, count_stats=False)
+        except OutOfBlocks:
+            if planned:
+                self.tiers.cancel_prefetch(seq.seq_id)  # type: ignore[union-attr]
+            return 0
+        if seq.swapped_tokens:
+            assert self.swap_space is not None
+            first = len(match)
+            n_saved = -(-seq.swapped_tokens // bs)
+            if start == seq.swapped_tokens:
+                self.swap_space.swap_in(seq.seq_id, first, part.block_table[first:n_saved])
+            else:
+                self.swap_space.discard(seq.seq_id)  # the cache kept them all
+            seq.swapped_tokens = 0
+        if seq.num_preemptions == 0 and not seq.prompt_done:
+            st = cache.stats  # the manager's hit statistics, for the whole prompt
+            st.requests += 1
+            st.query_tokens += seq.num_prompt_tokens
+            st.hit_tokens += start
+            st.hit_blocks += start // bs
+            seq.num_cached_tokens = start
+        seq.cache_req = part
+        seq.num_computed = start
+        seq.status = SeqStatus.RUNNING
+        self.waiting.remove(seq)
+        self._admitted += 1
+        seq.admitted_seq = self._admitted
+        self.running.append(seq)
+        return n
+
+    def update(self, output: SchedulerOutput) -> None:
+        """After the forward pass: the scheduled tokens now have KV in the pool."""
+        for it in output.items:
+            seq = it.seq
+            seq.num_computed = it.num_computed + len(it.token_ids)
+            if not seq.prompt_done and seq.num_computed >= seq.num_prompt_tokens:
+                seq.prompt_done = True
+        self.fresh.clear()
+
+    # ---- preemption -------------------------------------------------------------------
+    def _pick_victim(self, scheduled: set[str], now: float) -> Sequence | None:
+        """The youngest running sequence not scheduled this step; aged ones last."""
+        best: Sequence | None = None
+        best_key: tuple[bool, int] | None = None
+        for s in self.running:
+            if s.seq_id in scheduled:
+                continue
+            key = (now - s.arrival < self.config.aging_s, s.admitted_seq)
+            if best_key is None or key > best_key:
+                best, best_key = s, key
+        return best
+
+    def _preempt(self, seq: Sequence) -> None:
+        assert seq.cache_req is not None
+        if self.config.preemption == "swap" and seq.num_computed > 0:
+            assert self.swap_space is not None
+            n_blocks = -(-seq.num_computed // self.block_size)
+            saved = self.swap_space.swap_out(seq.seq_id, seq.cache_req.block_table[:n_blocks])
+            seq.swapped_tokens = min(seq.num_computed, saved * self.block_size)
+            if not seq.swapped_tokens:
+                self.swap_space.discard(seq.seq_id)
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.cache_req is not None:
+            self.cache.free(seq.cache_req)
+            seq.cache_req = None
+        seq.num_computed = 0
+
+    def _key_tenant(self, seq: Sequence) -> str | None:
+        """The tenant the block keys are salted with. "exact" mode salts them with the
+        whole prompt as well, so a prompt's blocks match only the very same prompt (a
+        whole-prompt cache) and never collide with another prompt's shared prefix."""
+        if self.config.prefix_caching != "exact":
+            return seq.tenant
+        digest = xxhash.xxh3_128_hexdigest(tokens_to_bytes(seq.token_ids[:seq.num_prompt_tokens]))
+        return f"{seq.tenant or ''}\0prompt:{digest}"
+
+    # ---- checks -----------------------------------------------------------------------
+    def check_accounting(self) -> None:
+        """Blocks balance: each running sequence holds exactly the blocks of its computed
+        tokens, waiting ones hold none, and the pool's referenced blocks are theirs."""
+        cache = self.cache
+        cache.check_invariants()
+        bs = self.block_size
+        held: set[int] = set()
+        for s in self.running:
+            req = s.cache_req
+            assert req is not None and s.status is SeqStatus.RUNNING, s
+            assert req.num_tokens == s.num_computed, (s, req.num_tokens)
+            assert len(req.blocks) == -(-s.num_computed // bs), s
+            held.update(req.block_table)
+        for s in self.waiting:
+            assert s.cache_req is None and s.status is SeqStatus.WAITING, s
+        assert held == {b.block_id for b in cache.blocks if b.ref_cnt > 0}
+        assert len(cache.requests) == len(self.running)
+
+
+def _head_request(full: Request, n_tokens: int, block_size: int) -> Request:
+    """The first `n_tokens` tokens of a hashed request, reusing its block keys."""
+    n_full = n_tokens // block_size
+    bt = [block_size] * n_full
+    if n_tokens % block_size:
+        bt.append(n_tokens % block_size)
+    raw = full.raw[:4 * n_tokens] if full.raw is not None else None
+    return Request(full.request_id, full.tenant, full.root, full.keys[:n_full],
+                   full.contents[:n_full], bt, n_tokens, raw, full.session, full.lora)

@@ -1,0 +1,226 @@
+"""LLMEngine end to end with real forward passes of the built-in tiny models: a prefix hit,
+batching, preemption (recompute and swap) and streaming never change the tokens."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams
+from kvheat.engine.loader import load_model
+from kvheat.engine.scheduler import SchedulerConfig
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _few_threads() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple:
+    return load_model(None, "llama")
+
+
+def engine(model_tok: tuple, num_blocks: int = 64, **sched) -> LLMEngine:
+    model, tok, _ = model_tok
+    swap = sched.pop("swap_space_blocks", 0)
+    cfg = EngineConfig(num_blocks=num_blocks, block_size=16,
+                       scheduler=SchedulerConfig(**sched), swap_space_blocks=swap)
+    return LLMEngine(model, tok, cfg)
+
+
+def prompts(seed: int, n: int, lo: int = 5, hi: int = 80) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_checked(e: LLMEngine) -> None:
+    while e.has_unfinished:
+        e.step()
+        e.check_accounting()
+
+
+def test_cold_and_warm_give_identical_tokens(llama: tuple) -> None:
+    e = engine(llama)
+    p = prompts(0, 1, 70, 70)[0]
+    cold = e.generate([p], GREEDY)[0]
+    warm = e.generate([p], GREEDY)[0]
+    assert cold.metrics.num_cached_tokens == 0 and warm.metrics.num_cached_tokens == 64
+    assert warm.output_token_ids == cold.output_token_ids
+    # A longer prompt sharing the prefix: same tokens as an engine with no prefix cache.
+    longer = p + [7, 8, 9]
+    hit = e.generate([longer], GREEDY)[0]
+    ref = engine(llama, prefix_caching="off").generate([longer], GREEDY)[0]
+    assert hit.metrics.num_cached_tokens == 64 and ref.metrics.num_cached_tokens == 0
+    assert hit.output_token_ids == ref.output_token_ids
+
+
+def test_batched_equals_one_at_a_time_and_blocks_balance(llama: tuple) -> None:
+    ps = prompts(1, 5)
+    e = engine(llama, max_num_batched_tokens=64)
+    ids = [e.add_request(p, GREEDY) for p in ps]
+    run_checked(e)
+    batched = [e.release(i).output_token_ids for i in ids]
+    solo = engine(llama, prefix_caching="off")
+    for p, out in zip(ps, batched, strict=True):
+        assert solo.generate([p], GREEDY)[0].output_token_ids == out
+    assert e.cache.num_referenced == 0
+
+
+def test_next_turn_reuses_the_generated_tokens(llama: tuple) -> None:
+    e = engine(llama)
+    p = prompts(2, 1, 40, 40)[0]
+    t1 = e.generate([p], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    history = t1.prompt_token_ids + t1.output_token_ids  # 70 tokens, 69 with KV
+    t2 = e.generate([history + [11, 12, 13]], GREEDY)[0]
+    assert t2.metrics.num_cached_tokens == 64  # includes blocks filled while decoding
+    ref = engine(llama, prefix_caching="off").generate([history + [11, 12, 13]], GREEDY)[0]
+    assert t2.output_token_ids == ref.output_token_ids
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_restores_the_same_tokens(llama: tuple, mode: str) -> None:
+    ps = prompts(3, 6, 20, 40)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    roomy = engine(llama, num_blocks=64).generate(ps, params)
+    # 14 blocks cannot hold six sequences of up to 64 tokens: some are preempted.
+    e = engine(llama, num_blocks=14, max_num_seqs=6, preemption=mode,
+               swap_space_blocks=64 if mode == "swap" else 0)
+    ids = [e.add_request(p, params) for p in ps]
+    run_checked(e)
+    tight = [e.release(i) for i in ids]
+    assert e.stats.preemptions > 0
+    if mode == "swap":
+        assert e.swap_space is not None and e.swap_space.swapped_in > 0
+        assert e.swap_space.num_blocks == 0
+    for a, b in zip(roomy, tight, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+    assert e.cache.num_referenced == 0
+
+
+def test_streaming_and_abort(llama: tuple) -> None:
+    e = engine(llama)
+    p1, p2 = prompts(4, 2, 30, 30)
+    r1 = e.add_request(p1, GREEDY)
+    r2 = e.add_request(p2, SamplingParams(max_tokens=40, ignore_eos=True))
+    streamed = list(e.stream(r1))
+    assert [t.index for t in streamed] == list(range(12))
+    assert streamed[-1].finished and streamed[-1].finish_reason == "length"
+    assert not any(t.finished for t in streamed[:-1])
+    out1 = e.release(r1)
+    assert [t.token_id for t in streamed] == out1.output_token_ids
+    assert out1.metrics.ttft is not None and out1.metrics.ttft > 0
+    assert len(out1.metrics.inter_token_latencies) == 11
+    # r2 ran alongside; abort it midway: its blocks go back at once.
+    assert e.scheduler.running and e.cache.num_referenced > 0
+    e.abort(r2)
+    e.check_accounting()
+    assert e.cache.num_referenced == 0 and not e.has_unfinished
+    assert e.release(r2).finish_reason == "abort"
+
+
+def test_sampling_is_seeded_and_bad_input_is_refused(llama: tuple) -> None:
+    p = prompts(5, 1)[0]
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=7,
+                        ignore_eos=True)
+    a = engine(llama).generate([p], sp)[0].output_token_ids
+    b = engine(llama).generate([p], sp)[0].output_token_ids
+    assert a == b
+    greedy = engine(llama).generate([p], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    top1 = engine(llama).generate([p], SamplingParams(max_tokens=10, temperature=1.0, top_k=1,
+                                                       seed=1, ignore_eos=True))[0]
+    assert top1.output_token_ids == greedy.output_token_ids
+    e = engine(llama)
+    with pytest.raises(ValueError, match="vocabulary"):
+        e.add_request([1, 2, 5000])
+    with pytest.raises(ValueError, match="positions"):
+        e.add_request([1, 2], SamplingParams(max_tokens=10_000))
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+    assert not e.has_unfinished and not e.requests
+
+
+def test_deepseek_mla_prefix_hit_keeps_tokens() -> None:
+    pytest.importorskip("kvheat.engine.deepseek")
+    ds = load_model(None, "deepseek")
+    e = engine(ds)
+    p = prompts(6, 1, 50, 50)[0]
+    cold = e.generate([p], GREEDY)[0]
+    warm = e.generate([p], GREEDY)[0]
+    assert warm.metrics.num_cached_tokens == 48
+    assert warm.output_token_ids == cold.output_token_ids
+
+
+def test_workload_prompts_share_exactly_the_trace_prefixes() -> None:
+    from kvheat.engine.workload import add_resubmissions, materialize, scale_trace
+    from kvheat.replay.traces import TraceRequest
+
+    trace = [TraceRequest(0, 40, 5, [1, 2, 3]), TraceRequest(1, 33, 5, [1, 2, 4]),
+             TraceRequest(2, 10, 5, [7])]
+    reqs = materialize(trace, 16, 1024)
+    a, b, c = (r.prompt for r in reqs)
+    assert len(a) == 40 and len(b) == 33 and len(c) == 10
+    assert a[:32] == b[:32] and a[32] != b[32]  # blocks 3 and 4 differ
+    assert min(min(p) for p in (a, b, c)) >= 2 and max(max(p) for p in (a, b, c)) < 1024
+    with pytest.raises(ValueError):
+        materialize([TraceRequest(0, 50, 1, [1, 2])], 16, 1024)
+    scaled = scale_trace([TraceRequest(0, 1500, 400, [1, 2, 3]), TraceRequest(0, 40000, 10, list(range(9, 88)))],
+                         512, 16, max_input=1000, max_output=8)
+    assert [(r.input_length, r.output_length) for r in scaled] == [(47, 8)]
+    again = add_resubmissions(trace, 1.0, seed=0, max_gap=1)
+    assert len(again) == 6 and sorted(map(tuple, (r.hash_ids for r in again))) == \
+        sorted(map(tuple, (r.hash_ids for r in trace + trace)))
+
+
+def test_bench_command_prints_the_table_and_writes_json(tmp_path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from kvheat.engine.bench import bench_command
+
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(bench_command, [
+        "--conversations", "3", "--num-blocks", "96", "--strategies", "none,whole,lru",
+        "--max-batched-tokens", "512", "--json", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "Belady" in res.output and (tmp_path / "bench.png").stat().st_size > 0
+    rep = json.loads(out.read_text())
+    rows = {r["prefix_caching"]: r for r in rep["results"]}
+    n = rep["workload"]["requests"]
+    assert all(r["requests"] == n for r in rows.values())
+    assert rows["off"]["hit_rate"] == 0 and rows["off"]["kv_memory_saved"] == 0
+    assert rows["block"]["hit_rate"] > 0.2
+    assert rows["block"]["hit_rate"] >= rows["exact"]["hit_rate"]
+    assert rows["block"]["prefill_tokens"] < rows["off"]["prefill_tokens"]
+    assert rep["bound"]["belady"] >= rep["bound"]["lru_one_at_a_time"]
+    bad = CliRunner().invoke(bench_command, ["--strategies", "nope"])
+    assert bad.exit_code != 0 and "unknown strategy" in bad.output
+
+
+def test_host_tier_serves_blocks_the_device_evicted(llama: tuple) -> None:
+    model, tok, _ = llama
+    rng = random.Random(8)
+    ps = [[rng.randrange(2, 1000) for _ in range(64 + 7 * (i % 2))] for i in range(6)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = {}
+    for host in (0, 64):  # 12 device blocks cannot keep six 4-5 block prompts
+        e = LLMEngine(model, tok, EngineConfig(num_blocks=12, host_tier_blocks=host))
+        first = e.generate(ps, sp)
+        ids = [e.add_request(p, sp) for p in ps[:2]]
+        run_checked(e)
+        again = [e.release(i) for i in ids]
+        assert [a.output_token_ids for a in again] == [f.output_token_ids for f in first[:2]]
+        outs[host] = [a.metrics.num_cached_tokens for a in again]
+    assert outs[0] == [0, 0]  # evicted from the device: recomputed
+    # From the host tier: the whole 64-token prompt but its last token (run again for its
+    # logits), and the four full blocks of the 71-token one.
+    assert outs[64] == [63, 64]
