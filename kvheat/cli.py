@@ -90,7 +90,7 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
 def _register_optional_commands() -> None:
     # The engine and server pull in torch and FastAPI: only when those extras are installed.
     try:
-        from .engine.bench import bench_command
+        from .bench import bench_command
     except ImportError:
         pass
     else:

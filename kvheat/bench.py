@@ -31,11 +31,11 @@ import click
 import numpy as np
 import torch
 
-from ..cache import CacheConfig, KVCacheManager, policy_names
-from ..replay import PreparedTrace, load_trace, replay
-from ..replay.traces import TraceRequest
-from .engine import EngineConfig, LLMEngine, SamplingParams
-from .scheduler import SchedulerConfig
+from .cache import CacheConfig, KVCacheManager, policy_names
+from .engine.engine import EngineConfig, LLMEngine, SamplingParams
+from .engine.scheduler import SchedulerConfig
+from .replay import PreparedTrace, load_trace, replay
+from .replay.traces import TraceRequest
 from .workload import EngineRequest, cpu_workload, materialize, scale_trace
 
 
@@ -240,7 +240,7 @@ def belady_bound(reqs: list[EngineRequest], cfg: BenchConfig) -> dict[str, float
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
-    from .loader import load_model
+    from .engine.loader import load_model
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
