@@ -208,3 +208,22 @@ def test_pin_flush_and_unpin() -> None:
     assert m.flush_tenant("t") == 2
     assert m.match_tokens(sys_prompt, tenant="t") == 0
     m.check_invariants()
+
+
+def test_blocks_after_a_recomputed_last_block_are_still_cached() -> None:
+    """A fully cached prompt recomputes its last block as a private copy (for the last
+    token's logits); the blocks decoded after it must still be cached for the next turn."""
+    m = mgr(block_size=4)
+    prompt = list(range(8))
+    first = m.make_request("first", prompt)
+    m.allocate(first)
+    m.free(first)
+    again = m.make_request("again", prompt)
+    hits = m.match_prefix(again)
+    assert len(hits) == 2
+    m.allocate(again, hits[:-1])  # the engine reruns the last cached block
+    assert again.blocks[1].key is None  # a private copy
+    m.append_tokens(again, [50, 51, 52, 53])
+    m.free(again)
+    assert m.match_tokens(prompt + [50, 51, 52, 53]) == 12
+    m.check_invariants()

@@ -224,7 +224,8 @@ class KVCacheManager:
                     b.tenant = tenant
                     b.last_access = b.inserted_at = now
                     if i < n_keys:
-                        self._register(b, keys[i], contents[i], parent, now)
+                        self._register(b, keys[i], contents[i], parent, now,
+                                       keys[i - 1] if i else None)
                     blocks.append(b)
                     parent = b
             except OutOfBlocks:  # only a tenant held to its quota gets here
@@ -287,11 +288,17 @@ class KVCacheManager:
         return self.partitions.get(b.tenant, self.policy) if self.partitions else self.policy
 
     def _register(self, b: Block, key: bytes, content: bytes, parent: Block | None,
-                  now: float) -> None:
+                  now: float, parent_key: bytes | None = None) -> None:
         if key in self.cached:  # the same prefix was filled by another request meanwhile
             return  # this copy stays private and is freed uncached
         if parent is not None and parent.key is None:
-            return  # below a private copy: cached, it would hang off a block freed uncached
+            # The parent is a private copy of a cached block (e.g. a fully cached prompt whose
+            # last block is recomputed). Hang this block off the cached original, which holds
+            # the same KV; with no original it stays private, as a cached child of a block
+            # freed uncached would break the tree.
+            parent = self.cached.get(parent_key) if parent_key is not None else None
+            if parent is None:
+                return
         b.key = key
         b.content = content
         b.parent = parent
@@ -355,7 +362,8 @@ class KVCacheManager:
                 req.contents.append(content)
                 b = req.blocks[i]
                 if b.key is None:
-                    self._register(b, key, content, req.blocks[i - 1] if i else None, now)
+                    self._register(b, key, content, req.blocks[i - 1] if i else None, now,
+                                   parent_key if i else None)
         return new_ids
 
     def free(self, req: Request | str) -> None:
