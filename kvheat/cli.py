@@ -96,11 +96,12 @@ def _register_optional_commands() -> None:
     else:
         main.add_command(bench_command, "bench")
     try:
-        from .server.cli import serve_command
+        from .server.cli import arms_command, serve_command
     except ImportError:
         pass
     else:
         main.add_command(serve_command, "serve")
+        main.add_command(arms_command, "arms")
 
 
 _register_optional_commands()

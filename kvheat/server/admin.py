@@ -1,0 +1,183 @@
+"""The admin API, behind its own bearer token (`admin_token`; off when none is set):
+
+- GET  /admin/stats                      cache, queue, tier and tenant figures per arm
+- GET  /admin/arms                       P99 TTFT and hit rate per arm (A/B report)
+- POST /admin/tenants/{tenant}/flush     evict every unreferenced cached block of a tenant
+- PUT  /admin/tenants/{tenant}/quota     set or clear a tenant's block quota, at run time
+- POST /admin/pin, /admin/unpin          keep a prefix cached (prefilled first when needed)
+
+Every cache operation runs on the engine thread, between steps, on every arm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request, Response
+
+from ..engine.engine import SamplingParams
+from .protocol import PinRequest, QuotaRequest
+from .worker import Finished, RequestHandle
+
+if TYPE_CHECKING:
+    from .app import KVHeatServer
+
+
+def admin_router(server: KVHeatServer) -> APIRouter:
+    from .app import ApiError, _json
+
+    router = APIRouter(prefix="/admin", tags=["admin"])
+    worker = server.worker
+
+    def check(request: Request) -> None:
+        token = server.config.admin_token
+        if not token:
+            raise ApiError(404, "the admin API is off (start the server with an admin token)",
+                           code="admin_disabled")
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 token.encode()):
+            raise ApiError(401, "missing or invalid admin token", "authentication_error")
+
+    def tenant_of(name: str | None) -> str | None:
+        if name is None or name == "none":
+            if server.tenants:
+                raise ApiError(400, "name a tenant", param="tenant")
+            return None
+        if name not in server.tenants:
+            raise ApiError(404, f"unknown tenant {name!r}", param="tenant")
+        return name
+
+    def cache_method(name: str) -> None:
+        eng = next(iter(worker.engines.values()))
+        if not hasattr(eng.cache, name):
+            raise ApiError(501, f"this kvheat cache has no {name}()", "server_error",
+                           code="not_implemented")
+
+    async def on_engines(fn: Any) -> dict[str, Any]:
+        try:
+            return await worker.acall(lambda: {arm: fn(eng) for arm, eng in
+                                               worker.engines.items()})
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        except RuntimeError as e:
+            raise ApiError(503, str(e), "server_error") from None
+
+    def prompt_of(body: PinRequest) -> list[int]:
+        given = [x is not None for x in (body.prompt, body.messages, body.token_ids)]
+        if sum(given) != 1:
+            raise ApiError(400, "give exactly one of prompt, messages, token_ids")
+        if body.token_ids is not None:
+            return server.completion_prompt(body.token_ids)
+        if body.messages is not None:
+            if not body.messages:
+                raise ApiError(400, "messages is empty", param="messages")
+            return server.chat_prompt(body.messages, body.add_generation_prompt)
+        ids = server.encode(body.prompt or "")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    @router.get("/stats")
+    async def stats(request: Request) -> Response:
+        check(request)
+
+        def one(eng: Any) -> dict[str, Any]:
+            c = eng.cache
+            st = c.stats
+            out: dict[str, Any] = {
+                "policy": eng.config.policy,
+                "blocks": {"total": len(c.blocks), "free": c.num_free,
+                           "referenced": c.num_referenced, "cached": c.num_cached},
+                "block_size": c.block_size,
+                "hit_rate": st.hit_rate,
+                "cache": {"requests": st.requests, "query_tokens": st.query_tokens,
+                          "hit_tokens": st.hit_tokens, "inserted_blocks": st.inserted_blocks,
+                          "evicted_blocks": st.evicted_blocks, "collisions": st.collisions},
+                "queue": {"waiting": len(eng.scheduler.waiting),
+                          "running": len(eng.scheduler.running)},
+                "engine": {"steps": eng.stats.steps, "prefill_tokens": eng.stats.prefill_tokens,
+                           "decode_tokens": eng.stats.decode_tokens,
+                           "preemptions": eng.stats.preemptions},
+            }
+            usage = getattr(c, "tenant_usage", None)
+            if usage is not None and server.tenants:
+                out["tenants"] = {t: {"blocks": usage(t),
+                                      "quota": worker.tenant_quotas.get(t)}
+                                  for t in server.tenants}
+            tiers = getattr(eng, "tiers", None)
+            if tiers is not None:
+                out["tiers"] = tiers.stats()
+            return out
+
+        arms = await on_engines(one)
+        return _json({"model": server.model_name, "arms": arms,
+                      "active_requests": worker.num_active})
+
+    @router.get("/arms")
+    async def arms(request: Request) -> Response:
+        check(request)
+        return _json({"arms": server.arm_stats.summary()})
+
+    @router.post("/tenants/{tenant}/flush")
+    async def flush(tenant: str, request: Request) -> Response:
+        check(request)
+        t = tenant_of(tenant)
+        cache_method("flush_tenant")
+        evicted = await on_engines(lambda eng: eng.cache.flush_tenant(t))
+        return _json({"tenant": tenant, "evicted_blocks": evicted})
+
+    @router.put("/tenants/{tenant}/quota")
+    async def quota(tenant: str, body: QuotaRequest, request: Request) -> Response:
+        check(request)
+        t = tenant_of(tenant)
+        if t is None:
+            raise ApiError(400, "quotas need tenants (none are configured)")
+        cache_method("set_tenant_quota")
+
+        def apply(eng: Any) -> int:
+            eng.cache.set_tenant_quota(t, body.blocks)
+            return int(eng.cache.tenant_usage(t)) if hasattr(eng.cache, "tenant_usage") else -1
+
+        usage = await on_engines(apply)
+        worker.tenant_quotas[t] = body.blocks  # rebuilt engines get it too
+        return _json({"tenant": t, "quota_blocks": body.blocks, "usage_blocks": usage})
+
+    @router.post("/pin")
+    async def pin(body: PinRequest, request: Request) -> Response:
+        check(request)
+        t = tenant_of(body.tenant)
+        cache_method("pin_prefix")
+        prompt = prompt_of(body)
+        if len(prompt) >= server.max_model_len:
+            raise ApiError(400, f"the prefix has {len(prompt)} tokens; the context length is "
+                           f"{server.max_model_len}", param="prompt")
+        # Prefill the prefix on every arm first (one generated token), so there is KV to pin.
+        loop = asyncio.get_running_loop()
+        handles = []
+        for arm in worker.arms:
+            h = RequestHandle(loop, f"pin-{arm}-{uuid.uuid4().hex}", arm, t, "admin_pin")
+            try:
+                await worker.submit(h, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            except ValueError as e:
+                raise ApiError(400, str(e)) from None
+            handles.append(h)
+        for h in handles:
+            while not isinstance(await h.next(), Finished):
+                pass
+        pinned = await on_engines(lambda eng: eng.cache.pin_prefix(prompt, t))
+        return _json({"tenant": t, "prompt_tokens": len(prompt), "pinned_tokens": pinned})
+
+    @router.post("/unpin")
+    async def unpin(body: PinRequest, request: Request) -> Response:
+        check(request)
+        t = tenant_of(body.tenant)
+        cache_method("unpin_prefix")
+        prompt = prompt_of(body)
+        unpinned = await on_engines(lambda eng: eng.cache.unpin_prefix(prompt, t))
+        return _json({"tenant": t, "unpinned": unpinned})
+
+    return router

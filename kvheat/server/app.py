@@ -1,0 +1,503 @@
+"""The OpenAI-compatible HTTP server: `/v1/completions`, `/v1/chat/completions` (with
+server-sent events when `stream` is true), `/v1/models`, `/health`, `/metrics`, and the
+admin API under `/admin` (see admin.py).
+
+Every request is checked before it reaches the engine: a missing or wrong API key is
+401, an unknown model 404, bad fields, a prompt over the context length or bad token ids
+400, a full queue 503. A client that goes away mid-request has its request aborted, and
+its blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..cache import make_policy
+from ..engine.engine import EngineConfig, SamplingParams
+from ..engine.loader import load_model
+from ..engine.scheduler import SchedulerConfig
+from .arms import ArmRouter, ArmStats
+from .config import ConfigError, ServerConfig, TenantConfig
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .tracing import Tracing
+from .worker import EngineWorker, Finished, RequestHandle, ServingEngine
+
+log = logging.getLogger("kvheat.server")
+_GREEDY_BELOW = 1e-5
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code)
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param,
+                                   "code": code}}, status_code=status, headers=headers)
+
+
+class TextAssembler:
+    """Generated token ids to text deltas: holds back an incomplete UTF-8 character and
+    any text that could still become a stop string; ends the text at a stop string."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters handed out
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""  # a character split across tokens: wait for the rest
+        for s in self.stops:
+            i = text.find(s, max(0, self.sent - len(s)))
+            if i >= 0:
+                self.stopped = True
+                self.text = text[:i]
+                return self._take(len(self.text))
+        self.text = text
+        return self._take(len(text) - self.hold)
+
+    def flush(self) -> str:
+        """The rest of the text, once the request is over."""
+        if not self.stopped and self.ids:
+            self.text = self.tokenizer.decode(self.ids)
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out = self.text[self.sent:upto]
+        self.sent = upto
+        return out
+
+
+@dataclass(slots=True)
+class _Job:
+    handle: RequestHandle
+    kind: str  # "completions" or "chat"
+    model: str
+    created: int
+    stops: list[str]
+    include_usage: bool
+
+
+class KVHeatServer:
+    """The model, one engine per arm (sharing the weights), the engine loop and the app."""
+
+    def __init__(self, config: ServerConfig, span_exporter: Any = None) -> None:
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        arms = {a.name: a for a in config.arm_list}
+        for a in arms.values():
+            _check_policy(a.policy)
+        try:
+            model, tok, mcfg = load_model(config.model, config.family, seed=config.seed)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load the model: {e}") from None
+        self.tokenizer = tok
+        self.model_config = mcfg
+        self.max_model_len = mcfg.max_position_embeddings
+        self.model_name = config.model_name
+        self.created = int(time.time())
+        self.keys: dict[str, TenantConfig] = {k: t for t in config.tenants for k in t.api_keys}
+        self.tenants: dict[str, TenantConfig] = {t.name: t for t in config.tenants}
+
+        def engine_for(arm: str) -> ServingEngine:
+            a = arms[arm]
+            sched = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
+                                    max_num_seqs=config.max_num_seqs,
+                                    prefix_caching=a.prefix_caching)
+            host = config.host_tier_blocks if a.host_tier_blocks is None else a.host_tier_blocks
+            ecfg = EngineConfig(num_blocks=a.num_blocks or config.num_blocks,
+                                block_size=config.block_size, policy=a.policy,
+                                scheduler=sched, seed=config.seed, host_tier_blocks=host)
+            return ServingEngine(model, tok, ecfg)
+
+        self.metrics = ServerMetrics()
+        self.router = ArmRouter(config.arm_list)
+        self.arm_stats = ArmStats(self.router.names)
+        self.tracing = Tracing(config.otlp_endpoint, span_exporter)
+        self.worker = EngineWorker(engine_for, self.router.names, self.metrics, self.arm_stats,
+                                   self.tracing, {t.name: t.quota_blocks for t in config.tenants})
+        self.app = self._build_app()
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.tracing.shutdown()
+
+    # ---- request checks ---------------------------------------------------------------
+    def authenticate(self, request: Request) -> TenantConfig | None:
+        """The caller's tenant; None when no tenants are configured (open API)."""
+        if not self.keys:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        tenant = self.keys.get(key.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                           "authentication_error", code="invalid_api_key")
+        return tenant
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except Exception as e:  # e.g. lone surrogates the tokenizer cannot take
+            raise ApiError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+
+    def chat_prompt(self, messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt)
+        except Exception as e:  # template errors and untokenizable text
+            raise ApiError(400, f"the messages cannot be rendered: {e}", param="messages") \
+                from None
+
+    def completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        elif prompt and isinstance(prompt[0], int):
+            ids = list(prompt)
+        elif prompt and isinstance(prompt[0], str):
+            ids = self.encode(prompt[0])
+        else:
+            ids = list(prompt[0])
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary of {vocab}",
+                           param="prompt")
+        return ids
+
+    def sampling(self, body: SamplingFields, tenant: TenantConfig | None, n_prompt: int,
+                 max_tokens: int | None) -> tuple[SamplingParams, dict[int, float]]:
+        if n_prompt == 0:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        ctx = self.max_model_len
+        if n_prompt >= ctx:
+            raise ApiError(400, f"the prompt has {n_prompt} tokens; this model's context "
+                           f"length is {ctx}", param="messages" if hasattr(body, "messages")
+                           else "prompt", code="context_length_exceeded")
+        if max_tokens is None and tenant is not None:
+            max_tokens = tenant.max_tokens
+        limit = self.config.max_tokens_limit
+        if max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, limit or ctx, ctx - n_prompt)
+        if limit is not None and max_tokens > limit:
+            raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of "
+                           f"{limit}", param="max_tokens")
+        if n_prompt + max_tokens > ctx:
+            raise ApiError(400, f"the prompt ({n_prompt} tokens) plus max_tokens "
+                           f"({max_tokens}) exceeds the context length of {ctx}",
+                           param="max_tokens", code="context_length_exceeded")
+        temperature = body.temperature
+        if temperature is None:
+            temperature = tenant.temperature if tenant and tenant.temperature is not None else 1.0
+        if temperature < _GREEDY_BELOW:  # as vLLM: tiny temperatures overflow; use greedy
+            temperature = 0.0
+        top_p = body.top_p
+        if top_p is None:
+            top_p = tenant.top_p if tenant and tenant.top_p is not None else 1.0
+        # A top_p that underflows float32 would drop every token in the engine's sampler;
+        # any top_p this small keeps just the most likely token, as 1e-6 does.
+        top_p = max(top_p, 1e-6)
+        bias: dict[int, float] = dict(tenant.logit_bias) if tenant else {}
+        for k, v in (body.logit_bias or {}).items():
+            try:
+                bias[int(k)] = v
+            except ValueError:
+                raise ApiError(400, f"logit_bias keys are token ids, not {k!r}",
+                               param="logit_bias") from None
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                    top_k=body.top_k or 0, seed=body.seed,
+                                    ignore_eos=body.ignore_eos)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return params, bias
+
+    # ---- generation -------------------------------------------------------------------
+    async def generate(self, request: Request, body: SamplingFields, prompt: list[int],
+                       tenant: TenantConfig | None, kind: str,
+                       max_tokens: int | None) -> Response:
+        params, bias = self.sampling(body, tenant, len(prompt), max_tokens)
+        if self.worker.num_active >= self.config.max_queued_requests:
+            raise ApiError(503, "the server is at capacity; retry later", "server_error",
+                           code="overloaded")
+        user = body.user or (tenant.name if tenant else "anonymous")
+        arm = self.router.arm_for(user)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        tenant_name = tenant.name if tenant else None
+        span = self.tracing.start_request(
+            "kvheat.request", {"kvheat.request_id": rid, "kvheat.arm": arm,
+                               "kvheat.tenant": tenant_name or "none",
+                               "kvheat.endpoint": kind, "kvheat.prompt_tokens": len(prompt)})
+        handle = RequestHandle(asyncio.get_running_loop(), rid, arm, tenant_name, kind, span)
+        try:
+            await self.worker.submit(handle, prompt, params, bias)
+        except ValueError as e:
+            span.end()
+            raise ApiError(400, str(e)) from None
+        except RuntimeError as e:
+            span.end()
+            raise ApiError(503, f"the engine is not available: {e}", "server_error") from None
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        job = _Job(handle, kind, self.model_name, int(time.time()), body.stop_list(),
+                   include_usage)
+        if body.stream:
+            return StreamingResponse(self._stream(job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._collect(job, request)
+
+    async def _watch_disconnect(self, request: Request, h: RequestHandle) -> None:
+        """Abort a non-streaming request whose client went away (nothing cancels it)."""
+        while h.finished is None:
+            if await request.is_disconnected():
+                self.worker.abort(h)
+                return
+            await asyncio.sleep(0.25)
+
+    async def _collect(self, job: _Job, request: Request) -> Response:
+        h = job.handle
+        text = TextAssembler(self.tokenizer, job.stops)
+        watcher = asyncio.create_task(self._watch_disconnect(request, h))
+        try:
+            while True:
+                item = await h.next()
+                if isinstance(item, Finished):
+                    break
+                text.add(item)
+                if text.stopped:
+                    self.worker.abort(h, "stop")
+        finally:
+            watcher.cancel()
+            if h.finished is None:  # cancelled: the client went away
+                self.worker.abort(h)
+            h.span.end()
+        fin = item
+        if fin.error is not None:
+            return error_response(500, fin.error, "server_error")
+        text.flush()
+        out = text.text
+        reason = "stop" if text.stopped else _openai_reason(fin.finish_reason)
+        if job.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
+                                                              "content": out},
+                                      "logprobs": None, "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": out, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        return _json({"id": h.request_id, "object": obj, "created": job.created,
+                      "model": job.model, "choices": [choice], "usage": _usage(fin)})
+
+    async def _stream(self, job: _Job) -> AsyncIterator[bytes]:
+        h = job.handle
+        text = TextAssembler(self.tokenizer, job.stops)
+        chat = job.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, reason: str | None, role: bool = False) -> bytes:
+            if chat:
+                d: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                    {"content": delta} if delta else {})
+                choice: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None,
+                                          "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None,
+                          "finish_reason": reason}
+            return _sse({"id": h.request_id, "object": obj, "created": job.created,
+                         "model": job.model, "choices": [choice]})
+
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            while True:
+                item = await h.next()
+                if isinstance(item, Finished):
+                    break
+                delta = text.add(item)
+                if text.stopped:
+                    self.worker.abort(h, "stop")
+                if delta:
+                    yield chunk(delta, None)
+            if item.error is not None:
+                yield _sse({"error": {"message": item.error, "type": "server_error",
+                                      "param": None, "code": None}})
+            else:
+                tail = text.flush()
+                if tail:
+                    yield chunk(tail, None)
+                reason = "stop" if text.stopped else _openai_reason(item.finish_reason)
+                yield chunk(None, reason)
+                if job.include_usage:
+                    yield _sse({"id": h.request_id, "object": obj, "created": job.created,
+                                "model": job.model, "choices": [], "usage": _usage(item)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            if h.finished is None:  # the client disconnected mid-stream
+                self.worker.abort(h)
+            h.span.end()
+
+    # ---- the app ----------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            self.start()
+            try:
+                yield
+            finally:
+                self.stop()
+
+        app = FastAPI(title="kvheat", version="0.1.0", lifespan=lifespan,
+                      description="OpenAI-compatible server on the kvheat KV cache.")
+        metrics = self.metrics
+
+        @app.exception_handler(ApiError)
+        async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+            metrics.rejected.labels(str(exc.status)).inc()
+            return exc.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+            metrics.rejected.labels("400").inc()
+            errs = exc.errors()
+            parts = []
+            for e in errs[:5]:
+                loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+                parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+            param = None
+            if errs:
+                loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
+                param = loc[0] if loc else None
+            return error_response(400, "; ".join(parts) or "invalid request", param=param)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            metrics.rejected.labels(str(exc.status_code)).inc()
+            return error_response(exc.status_code, str(exc.detail),
+                                  "invalid_request_error" if exc.status_code < 500
+                                  else "server_error")
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request) -> Response:
+            tenant = self.authenticate(request)
+            self.check_model(body.model)
+            if body.echo:
+                raise ApiError(400, "echo is not supported", param="echo")
+            prompt = self.completion_prompt(body.prompt)
+            return await self.generate(request, body, prompt, tenant, "completions",
+                                       body.max_tokens)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+            tenant = self.authenticate(request)
+            self.check_model(body.model)
+            if body.logprobs:
+                raise ApiError(400, "logprobs are not supported", param="logprobs")
+            prompt = self.chat_prompt(body.messages)
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            return await self.generate(request, body, prompt, tenant, "chat", max_tokens)
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> Response:
+            self.authenticate(request)
+            return _json({"object": "list", "data": [{
+                "id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "kvheat", "max_model_len": self.max_model_len}]})
+
+        @app.get("/health")
+        async def health() -> Response:
+            if not self.worker.alive:
+                return error_response(503, "the engine loop is not running", "server_error")
+            return _json({"status": "ok", "active_requests": self.worker.num_active})
+
+        @app.get("/metrics")
+        async def prometheus_metrics() -> Response:
+            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        from .admin import admin_router
+
+        app.include_router(admin_router(self))
+        return app
+
+
+def _check_policy(name: str) -> None:
+    with contextlib.suppress(ImportError):
+        import kvheat.heat  # noqa: F401  (registers the heat policies)
+    try:
+        pol = make_policy(name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"unknown cache policy {name!r}: {e}") from None
+    if getattr(pol, "needs_future", False):
+        raise ConfigError(f"policy {name!r} needs the future (an offline bound); it cannot serve")
+
+
+def _openai_reason(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def _usage(fin: Finished) -> dict[str, Any]:
+    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
+            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(_dumps(obj), status_code=status, media_type="application/json")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj) + b"\n\n"

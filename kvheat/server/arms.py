@@ -1,0 +1,75 @@
+"""A/B arms (SPEC §4.1): `hash(user) % 100` picks the arm, each arm its own cache policy.
+
+The hash is xxh64 of the user string: stable across processes and restarts (Python's
+`hash` of a str is salted per process), so a user stays in one arm. `ArmStats` keeps what
+the per-arm report needs: a bounded window of TTFTs for P50/P99 and token-weighted hit
+counts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from .config import ArmConfig
+
+
+def user_bucket(user: str) -> int:
+    """The user's bucket in [0, 100)."""
+    return xxhash.xxh64_intdigest(user.encode("utf-8", "surrogatepass")) % 100
+
+
+class ArmRouter:
+    """Buckets to arms: arm i takes the next `share` buckets, in config order."""
+
+    def __init__(self, arms: Sequence[ArmConfig]) -> None:
+        if sum(a.share for a in arms) != 100:
+            raise ValueError("arm shares must add up to 100")
+        self.names = [a.name for a in arms]
+        self._by_bucket: list[str] = []
+        for a in arms:
+            self._by_bucket += [a.name] * a.share
+
+    def arm_for(self, user: str) -> str:
+        return self._by_bucket[user_bucket(user)]
+
+
+class ArmStats:
+    """Per-arm TTFT window and hit counts; written by the engine thread, read by handlers."""
+
+    def __init__(self, names: Sequence[str], window: int = 10_000) -> None:
+        self._lock = threading.Lock()
+        self.ttft: dict[str, deque[float]] = {n: deque(maxlen=window) for n in names}
+        self.requests = dict.fromkeys(names, 0)
+        self.prompt_tokens = dict.fromkeys(names, 0)
+        self.cached_tokens = dict.fromkeys(names, 0)
+
+    def record(self, arm: str, ttft: float | None, prompt_tokens: int, cached_tokens: int) -> None:
+        with self._lock:
+            self.requests[arm] += 1
+            self.prompt_tokens[arm] += prompt_tokens
+            self.cached_tokens[arm] += cached_tokens
+            if ttft is not None:
+                self.ttft[arm].append(ttft)
+
+    def summary(self) -> list[dict[str, float | int | str | None]]:
+        """One row per arm: requests, hit rate (token-weighted), TTFT P50/P99 in seconds."""
+        rows: list[dict[str, float | int | str | None]] = []
+        with self._lock:
+            for name, window in self.ttft.items():
+                t = np.fromiter(window, dtype=np.float64)
+                p = self.prompt_tokens[name]
+                rows.append({
+                    "arm": name,
+                    "requests": self.requests[name],
+                    "prompt_tokens": p,
+                    "cached_tokens": self.cached_tokens[name],
+                    "hit_rate": self.cached_tokens[name] / p if p else 0.0,
+                    "ttft_p50_s": float(np.percentile(t, 50)) if t.size else None,
+                    "ttft_p99_s": float(np.percentile(t, 99)) if t.size else None,
+                })
+        return rows

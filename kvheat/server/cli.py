@@ -1,0 +1,121 @@
+"""`kvheat serve` (start the server) and `kvheat arms` (the per-arm A/B report).
+
+`python -m kvheat.server.cli serve ...` runs the same command without the main CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import urllib.error
+import urllib.request
+
+import click
+
+from .config import ConfigError, load_config
+
+
+@click.command("serve")
+@click.option("--model", type=click.Path(file_okay=False), default=None,
+              help="A local Hugging Face model directory (default: the built-in tiny model).")
+@click.option("--family", default=None, help="Built-in model family: llama, qwen3 or deepseek.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True),
+              default=None, help="Server config (TOML or YAML): tenants, arms, limits.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--served-model-name", default=None, help="The model id clients use.")
+@click.option("--num-blocks", type=int, default=None, help="Device KV blocks per arm (512).")
+@click.option("--block-size", type=int, default=None, help="Tokens per block (16).")
+@click.option("--host-tier-blocks", type=int, default=None,
+              help="Blocks of a host-memory KV tier under each arm's device pool (0: none).")
+@click.option("--policy", default=None, help="Eviction policy when no arms are configured (lru).")
+@click.option("--max-num-seqs", type=int, default=None, help="Running sequences per arm (16).")
+@click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per step (256).")
+@click.option("--max-tokens-limit", type=int, default=None, help="Refuse larger max_tokens.")
+@click.option("--threads", type=int, default=None, help="torch threads for the engine.")
+@click.option("--admin-token", envvar="KVHEAT_ADMIN_TOKEN", default=None,
+              help="Bearer token of the admin API (or $KVHEAT_ADMIN_TOKEN); off when unset.")
+@click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
+              help="OTLP/HTTP endpoint for traces (or $OTEL_EXPORTER_OTLP_ENDPOINT); off when unset.")
+@click.option("--seed", type=int, default=None, help="Seed of the built-in model's weights.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def serve_command(model: str | None, family: str | None, config_path: str | None, host: str,
+                  port: int, served_model_name: str | None, num_blocks: int | None,
+                  block_size: int | None, host_tier_blocks: int | None, policy: str | None,
+                  max_num_seqs: int | None, max_num_batched_tokens: int | None,
+                  max_tokens_limit: int | None,
+                  threads: int | None, admin_token: str | None, otlp_endpoint: str | None,
+                  seed: int | None, log_level: str) -> None:
+    """Serve an OpenAI-compatible API on the kvheat cache."""
+    import uvicorn
+
+    from .app import KVHeatServer
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        cfg = load_config(config_path, model=model, family=family,
+                          served_model_name=served_model_name, num_blocks=num_blocks,
+                          block_size=block_size, host_tier_blocks=host_tier_blocks,
+                          policy=policy, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          max_tokens_limit=max_tokens_limit, threads=threads,
+                          admin_token=admin_token, otlp_endpoint=otlp_endpoint, seed=seed)
+        server = KVHeatServer(cfg)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    arms = ", ".join(f"{a.name} ({a.share}%, {a.policy})" for a in cfg.arm_list)
+    click.echo(f"kvheat: serving {cfg.model_name} on http://{host}:{port}  arms: {arms}  "
+               f"tenants: {len(cfg.tenants) or 'none (open API)'}  admin API: "
+               f"{'on' if cfg.admin_token else 'off'}", err=True)
+    uvicorn.run(server.app, host=host, port=port, log_level=log_level, access_log=False)
+
+
+@click.command("arms")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="The server's base URL.")
+@click.option("--admin-token", envvar="KVHEAT_ADMIN_TOKEN", required=True,
+              help="The admin API token (or $KVHEAT_ADMIN_TOKEN).")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+def arms_command(url: str, admin_token: str, as_json: bool) -> None:
+    """Print P99 TTFT and prefix hit rate per A/B arm of a running server."""
+    req = urllib.request.Request(url.rstrip("/") + "/admin/arms",
+                                 headers={"Authorization": f"Bearer {admin_token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            data = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise click.ClickException(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}") \
+            from None
+    except (urllib.error.URLError, OSError) as e:
+        raise click.ClickException(f"{url}: {e}") from None
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(format_arms(data["arms"]))
+
+
+def format_arms(rows: list[dict]) -> str:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1000:.1f}"
+
+    lines = [f"{'arm':<16} {'requests':>9} {'hit rate':>9} {'TTFT P50 ms':>12} {'TTFT P99 ms':>12}"]
+    for r in rows:
+        lines.append(f"{r['arm']:<16} {r['requests']:>9} {r['hit_rate']:>9.1%} "
+                     f"{ms(r['ttft_p50_s']):>12} {ms(r['ttft_p99_s']):>12}")
+    return "\n".join(lines)
+
+
+@click.group()
+def _main() -> None:
+    """kvheat server commands."""
+
+
+_main.add_command(serve_command)
+_main.add_command(arms_command)
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(_main())

@@ -1,0 +1,214 @@
+"""Server configuration: the model, the cache, tenants and A/B arms.
+
+A config file (TOML or YAML) holds the same keys as `ServerConfig`, with tenants and arms
+as lists of tables:
+
+    admin_token = "change-me"
+    num_blocks = 512
+
+    [[tenants]]
+    name = "acme"
+    api_keys = ["sk-acme-1"]
+    quota_blocks = 128                  # blocks of each arm's pool; fair sharing under contention
+    temperature = 0.7                   # sampling defaults (SPEC §3.3 "weight normalisation")
+    logit_bias = { "13" = -100.0 }
+
+    [[arms]]
+    name = "lru"
+    share = 50                          # percent of users, by hash(user) % 100
+    policy = "lru"
+
+Without tenants, the API is open and nothing is salted; with tenants, every request needs
+one of their keys and each tenant's blocks are salted by its name (no cross-tenant reuse).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad server configuration (file or options)."""
+
+
+@dataclass(slots=True)
+class TenantConfig:
+    name: str
+    api_keys: list[str]
+    quota_blocks: int | None = None  # per arm; None: no quota
+    # Sampling defaults, used where a request leaves them out.
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError("a tenant needs a non-empty name")
+        if not self.api_keys or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ConfigError(f"tenant {self.name!r} needs at least one non-empty api key")
+        if self.quota_blocks is not None and (not isinstance(self.quota_blocks, int)
+                                              or self.quota_blocks < 1):
+            raise ConfigError(f"tenant {self.name!r}: quota_blocks must be a positive integer")
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            raise ConfigError(f"tenant {self.name!r}: temperature must be in [0, 2]")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"tenant {self.name!r}: top_p must be in (0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"tenant {self.name!r}: max_tokens must be at least 1")
+        try:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        except (TypeError, ValueError):
+            raise ConfigError(f"tenant {self.name!r}: logit_bias maps token ids to numbers") \
+                from None
+        if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise ConfigError(f"tenant {self.name!r}: logit_bias values must be in [-100, 100]")
+
+
+@dataclass(slots=True)
+class ArmConfig:
+    name: str
+    share: int  # percent of users (the arms' shares add up to 100)
+    policy: str = "lru"
+    num_blocks: int | None = None  # None: the server's num_blocks
+    host_tier_blocks: int | None = None  # None: the server's host_tier_blocks
+    prefix_caching: str = "block"  # "block", "exact" or "off"
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError("an arm needs a non-empty name")
+        if not isinstance(self.share, int) or not 0 <= self.share <= 100:
+            raise ConfigError(f"arm {self.name!r}: share must be an integer percent in [0, 100]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"arm {self.name!r}: num_blocks must be positive")
+        if self.host_tier_blocks is not None and self.host_tier_blocks < 0:
+            raise ConfigError(f"arm {self.name!r}: host_tier_blocks must be >= 0")
+        if self.prefix_caching not in ("block", "exact", "off"):
+            raise ConfigError(f"arm {self.name!r}: prefix_caching must be block, exact or off")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    model: str | None = None  # a local Hugging Face directory; None: the built-in tiny model
+    family: str = "llama"  # the built-in model's family (llama, qwen3, deepseek)
+    served_model_name: str | None = None
+    seed: int = 0
+    num_blocks: int = 512
+    block_size: int = 16
+    host_tier_blocks: int = 0  # >0: a host-memory KV tier of this many blocks per arm
+    policy: str = "lru"  # the single arm's policy when no arms are configured
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    default_max_tokens: int = 64  # when a request gives none
+    max_tokens_limit: int | None = None  # a cap on max_tokens (None: the context length)
+    max_queued_requests: int = 1024  # more in flight: 503, the client retries
+    threads: int | None = None  # torch intra-op threads for the engine
+    admin_token: str | None = None  # None: the admin API is off
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None: tracing off
+    tenants: list[TenantConfig] = field(default_factory=list)
+    arms: list[ArmConfig] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ConfigError("num_blocks and block_size must be positive")
+        if self.host_tier_blocks < 0:
+            raise ConfigError("host_tier_blocks must be >= 0")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.default_max_tokens < 1:
+            raise ConfigError("default_max_tokens must be at least 1")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ConfigError("max_tokens_limit must be at least 1")
+        if self.max_queued_requests < 1:
+            raise ConfigError("max_queued_requests must be at least 1")
+        self.tenants = [t if isinstance(t, TenantConfig) else _build(TenantConfig, t, "tenant")
+                        for t in self.tenants]
+        self.arms = [a if isinstance(a, ArmConfig) else _build(ArmConfig, a, "arm")
+                     for a in self.arms]
+        seen_keys: set[str] = set()
+        names: set[str] = set()
+        for t in self.tenants:
+            if t.name in names:
+                raise ConfigError(f"tenant {t.name!r} is defined twice")
+            names.add(t.name)
+            for k in t.api_keys:
+                if k in seen_keys:
+                    raise ConfigError("an api key is given to two tenants")
+                seen_keys.add(k)
+        if self.arms:
+            arm_names = [a.name for a in self.arms]
+            if len(set(arm_names)) != len(arm_names):
+                raise ConfigError("arm names must be unique")
+            total = sum(a.share for a in self.arms)
+            if total != 100:
+                raise ConfigError(f"the arms' shares add up to {total}, not 100")
+
+    @property
+    def arm_list(self) -> list[ArmConfig]:
+        """The configured arms, or one arm with the server's policy."""
+        return self.arms or [ArmConfig("default", 100, self.policy)]
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model:
+            return Path(self.model).name or str(self.model)
+        return f"kvheat-tiny-{self.family}"
+
+
+def _build(cls: type, data: Any, what: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"each {what} must be a table/mapping, not {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown {what} key(s): {', '.join(unknown)}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ConfigError(f"bad {what}: {e}") from None
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfig:
+    """A `ServerConfig` from a TOML, YAML or JSON file, then `overrides` (options given
+    on the command line; None values are skipped)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read config {p}: {e}") from None
+        try:
+            if p.suffix == ".toml":
+                data = tomllib.loads(text)
+            elif p.suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text) or {}
+            elif p.suffix == ".json":
+                data = json.loads(text)
+            else:
+                raise ConfigError(f"config {p}: use a .toml, .yaml, .yml or .json file")
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"config {p}: {e}") from None
+        except ImportError:
+            raise ConfigError("YAML configs need pyyaml (pip install pyyaml)") from None
+        except Exception as e:  # yaml.YAMLError and friends
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"config {p}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {p} must hold a mapping at the top")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return _build(ServerConfig, data, "server config")

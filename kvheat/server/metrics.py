@@ -1,0 +1,167 @@
+"""Prometheus metrics of the server, every one labelled by arm.
+
+Each server owns its registry (two servers in one process, as in tests, do not clash).
+Counters and histograms are updated by the engine thread when a request finishes;
+gauges (queues, blocks, tier state) are refreshed by the engine thread a few times a
+second, so a scrape never walks engine structures while they change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .misses import MISS_KINDS
+
+# Latency buckets in seconds: a CPU engine's TTFT runs from milliseconds to seconds.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvheat_requests", "Requests finished, by outcome (stop, length, abort, error).",
+            ["arm", "tenant", "endpoint", "finish_reason"], registry=r)
+        self.rejected = Counter(
+            "kvheat_rejected_requests", "Requests refused before reaching the engine, by HTTP status.",
+            ["status"], registry=r)
+        self.prompt_tokens = Counter(
+            "kvheat_prompt_tokens", "Prompt tokens of finished requests.", ["arm", "tenant"],
+            registry=r)
+        self.cached_tokens = Counter(
+            "kvheat_cached_tokens", "Prompt tokens served from cache (any tier) instead of "
+            "computed.", ["arm", "tenant"], registry=r)
+        self.tier_hit_tokens = Counter(
+            "kvheat_tier_hit_tokens", "Prompt tokens served from cache, by the tier that held "
+            "them (when the engine has lower tiers).", ["arm", "tier"], registry=r)
+        self.generation_tokens = Counter(
+            "kvheat_generation_tokens", "Generated tokens.", ["arm", "tenant"], registry=r)
+        self.miss_tokens = Counter(
+            "kvheat_prefix_miss_tokens", "Prompt tokens not served from cache, by cause "
+            "(compulsory, capacity, sub_block, isolation).", ["arm", "tenant", "kind"], registry=r)
+        self.hit_rate = Gauge(
+            "kvheat_prefix_hit_rate", "Token-weighted prefix hit rate since start (the cache's "
+            "own count).", ["arm"], registry=r)
+        self.ttft = Histogram(
+            "kvheat_time_to_first_token_seconds", "Time to first token.", ["arm", "tenant"],
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(
+            "kvheat_inter_token_latency_seconds", "Time between generated tokens.", ["arm"],
+            buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "kvheat_e2e_request_latency_seconds", "Arrival to last token.", ["arm", "tenant"],
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Gauge(
+            "kvheat_queue_length", "Sequences waiting and running in the engine.",
+            ["arm", "queue"], registry=r)
+        self.blocks = Gauge(
+            "kvheat_blocks", "KV blocks per tier by state (device: used = referenced, cached = "
+            "unreferenced but holding a prefix, free; lower tiers: used entries).",
+            ["arm", "tier", "state"], registry=r)
+        self.tenant_blocks = Gauge(
+            "kvheat_tenant_blocks", "Device blocks held or cached per tenant (when the cache "
+            "reports it).", ["arm", "tenant"], registry=r)
+        self.evictions = Counter(
+            "kvheat_evictions", "Blocks evicted, per tier.", ["arm", "tier"], registry=r)
+        self.preemptions = Counter(
+            "kvheat_preemptions", "Sequences preempted when the pool ran out.", ["arm"],
+            registry=r)
+        self.tier_bytes = Counter(
+            "kvheat_tier_bytes", "Bytes moved to (write) and from (read) a lower tier.",
+            ["arm", "tier", "direction"], registry=r)
+        self.tier_bandwidth = Gauge(
+            "kvheat_tier_bandwidth_bytes_per_second", "Fitted transfer bandwidth of a tier.",
+            ["arm", "tier", "direction"], registry=r)
+        self.load_decisions = Counter(
+            "kvheat_load_decisions", "Load-or-recompute decisions for blocks found on lower tiers.",
+            ["arm", "decision"], registry=r)
+        self.checksum_failures = Counter(
+            "kvheat_checksum_failures", "Values read back from a tier that failed verification.",
+            ["arm", "tier"], registry=r)
+        self.tier_up = Gauge(
+            "kvheat_tier_up", "1 when a lower tier (e.g. Redis) is reachable, else 0.",
+            ["arm", "tier"], registry=r)
+        self.engine_failures = Counter(
+            "kvheat_engine_failures", "Engine steps that raised (the arm's engine is rebuilt).",
+            ["arm"], registry=r)
+        # Last seen values of monotone engine counters, to turn them into Counter increments.
+        self._last: dict[tuple[str, ...], float] = {}
+
+    # ---- per request ------------------------------------------------------------------
+    def observe_request(self, arm: str, tenant: str, endpoint: str, finish_reason: str,
+                        prompt_tokens: int, cached_tokens: int, generated: int,
+                        ttft: float | None, itls: list[float], e2e: float | None,
+                        misses: Mapping[str, int] | None) -> None:
+        self.requests.labels(arm, tenant, endpoint, finish_reason).inc()
+        self.prompt_tokens.labels(arm, tenant).inc(prompt_tokens)
+        self.cached_tokens.labels(arm, tenant).inc(cached_tokens)
+        self.generation_tokens.labels(arm, tenant).inc(generated)
+        if misses is not None:
+            for kind in MISS_KINDS:
+                self.miss_tokens.labels(arm, tenant, kind).inc(misses.get(kind, 0))
+        if ttft is not None:
+            self.ttft.labels(arm, tenant).observe(ttft)
+        h = self.itl.labels(arm)
+        for x in itls:
+            h.observe(x)
+        if e2e is not None:
+            self.e2e.labels(arm, tenant).observe(e2e)
+
+    def _advance(self, counter: Counter, labels: tuple[str, ...], value: float) -> None:
+        """Raise a Counter to an engine's running total (a reset engine starts again)."""
+        key = (str(id(counter)), *labels)
+        last = self._last.get(key, 0.0)
+        if value >= last:
+            if value > last:
+                counter.labels(*labels).inc(value - last)
+        else:  # the engine was rebuilt: its totals restarted from zero
+            counter.labels(*labels).inc(value)
+        self._last[key] = value
+
+    # ---- refreshed from the engine thread ----------------------------------------------
+    def refresh_arm(self, arm: str, engine: Any) -> None:
+        cache = engine.cache
+        sched = engine.scheduler
+        self.queue.labels(arm, "waiting").set(len(sched.waiting))
+        self.queue.labels(arm, "running").set(len(sched.running))
+        n_free = cache.num_free
+        n_used = cache.num_referenced
+        self.blocks.labels(arm, "device", "used").set(n_used)
+        self.blocks.labels(arm, "device", "free").set(n_free)
+        self.blocks.labels(arm, "device", "cached").set(len(cache.blocks) - n_used - n_free)
+        self.hit_rate.labels(arm).set(cache.stats.hit_rate)
+        self._advance(self.evictions, (arm, "device"), cache.stats.evicted_blocks)
+        self._advance(self.preemptions, (arm,), engine.stats.preemptions)
+        tiered = getattr(engine, "tiers", None)
+        if tiered is not None and hasattr(tiered, "stats"):
+            self._refresh_tiers(arm, tiered.stats())
+
+    def refresh_tenants(self, arm: str, usage: Mapping[str, int]) -> None:
+        for tenant, n in usage.items():
+            self.tenant_blocks.labels(arm, tenant).set(n)
+
+    def _refresh_tiers(self, arm: str, st: Mapping[str, Any]) -> None:
+        """Lower-tier figures from `TieredCache.stats()`."""
+        self._advance(self.tier_hit_tokens, (arm, "device"), st.get("device_hit_tokens", 0))
+        self._advance(self.load_decisions, (arm, "load"), st.get("decisions_load", 0))
+        self._advance(self.load_decisions, (arm, "recompute"), st.get("decisions_recompute", 0))
+        self._advance(self.load_decisions, (arm, "partial"), st.get("decisions_partial", 0))
+        for name, t in (st.get("tiers") or {}).items():
+            tier = str(name).split(":", 1)[-1]
+            self.blocks.labels(arm, tier, "used").set(t.get("entries", 0))
+            self.tier_up.labels(arm, tier).set(1 if t.get("available", True) else 0)
+            self._advance(self.evictions, (arm, tier), t.get("evictions", 0))
+            self._advance(self.tier_bytes, (arm, tier, "write"), t.get("put_bytes", 0))
+            self._advance(self.tier_bytes, (arm, tier, "read"), t.get("get_bytes", 0))
+            self._advance(self.checksum_failures, (arm, tier), t.get("corrupt_checksum", 0))
+            self._advance(self.tier_hit_tokens, (arm, tier), t.get("hit_tokens", 0))
+            for direction, field_name in (("read", "read_bandwidth_Bps"),
+                                          ("write", "write_bandwidth_Bps")):
+                bw = t.get(field_name)
+                if bw is not None:
+                    self.tier_bandwidth.labels(arm, tier, direction).set(bw)

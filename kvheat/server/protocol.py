@@ -1,0 +1,98 @@
+"""Request bodies of the OpenAI-compatible API (pydantic; they make the OpenAPI schema).
+
+Only what kvheat does is accepted: `n`, `best_of` > 1, `echo`, `logprobs`, `suffix`,
+tools and non-zero penalties are refused with a clear 400 rather than ignored. Unknown
+extra fields are ignored, as OpenAI's own server does for fields it does not know.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+StopSpec = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # not OpenAI's, as vLLM's
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopSpec = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    user: str | None = Field(None, max_length=256)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    presence_penalty: float | None = Field(None, ge=0, le=0)
+    frequency_penalty: float | None = Field(None, ge=0, le=0)
+    ignore_eos: bool = False  # as vLLM's: generate exactly max_tokens (for benchmarks)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+
+class CompletionRequest(SamplingFields):
+    # A string, or token ids; a one-element list of either is accepted too.
+    prompt: (str | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[str], Field(min_length=1, max_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=1)])
+    echo: bool = Field(False, description="not supported: must be false")
+    logprobs: int | None = Field(None, ge=0, le=0)
+    best_of: int | None = Field(None, ge=1, le=1)
+    suffix: str | None = Field(None, max_length=0)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="not supported: must be false")
+    tools: Annotated[list[Any], Field(max_length=0)] | None = None
+
+
+class PinRequest(BaseModel):
+    """A prefix to keep cached: text, chat messages or token ids (one of them)."""
+
+    tenant: str | None = Field(None, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = False
+
+
+class QuotaRequest(BaseModel):
+    blocks: int | None = Field(..., ge=1, description="blocks per arm; null removes the quota")

@@ -1,0 +1,70 @@
+"""OpenTelemetry tracing: a span per request, with child spans for the prefix match,
+tier loads, prefill and decode. Off by default; on with an OTLP/HTTP endpoint (or an
+exporter given in code, as the tests do).
+
+The engine records perf_counter times; `RequestSpans` turns them into the wall-clock
+nanoseconds OpenTelemetry wants, so the child spans sit at the times the work happened.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+
+# One fixed pairing of the two clocks: wall_ns = _WALL0 + (perf - _PERF0) * 1e9.
+_PERF0 = time.perf_counter()
+_WALL0 = time.time_ns()
+
+
+def perf_to_ns(t: float) -> int:
+    return _WALL0 + int((t - _PERF0) * 1e9)
+
+
+class Tracing:
+    """Owns this server's TracerProvider (not the global one, so servers do not clash)."""
+
+    def __init__(self, otlp_endpoint: str | None = None, exporter: SpanExporter | None = None,
+                 service_name: str = "kvheat") -> None:
+        self.provider: TracerProvider | None = None
+        if exporter is None and otlp_endpoint:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            endpoint = otlp_endpoint.rstrip("/")
+            if not endpoint.endswith("/v1/traces"):
+                endpoint += "/v1/traces"
+            exporter = OTLPSpanExporter(endpoint=endpoint)
+            processor: Any = BatchSpanProcessor(exporter)
+        elif exporter is not None:
+            processor = SimpleSpanProcessor(exporter)
+        if exporter is None:
+            self.tracer: trace.Tracer = trace.NoOpTracer()
+            return
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        self.provider.add_span_processor(processor)
+        self.tracer = self.provider.get_tracer("kvheat.server")
+
+    @property
+    def enabled(self) -> bool:
+        return self.provider is not None
+
+    def start_request(self, name: str, attributes: dict[str, Any]) -> trace.Span:
+        return self.tracer.start_span(name, attributes=attributes)
+
+    def child(self, parent: trace.Span, name: str, start: float, end: float,
+              attributes: dict[str, Any] | None = None) -> None:
+        """A finished child span over [start, end] (perf_counter seconds)."""
+        if not self.enabled:
+            return
+        ctx = trace.set_span_in_context(parent)
+        span = self.tracer.start_span(name, context=ctx, start_time=perf_to_ns(start),
+                                      attributes=attributes or {})
+        span.end(end_time=perf_to_ns(max(start, end)))
+
+    def shutdown(self) -> None:
+        if self.provider is not None:
+            self.provider.shutdown()

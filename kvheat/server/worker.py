@@ -1,0 +1,348 @@
+"""The engine loop: one background thread owns every arm's `LLMEngine`.
+
+HTTP handlers run on the asyncio loop and never touch an engine. They send commands
+(add a request, abort one, an admin operation) to the engine thread, which runs them
+between steps, steps every arm that has work (round-robin, one step each), and hands each
+new token to its request's asyncio queue with `call_soon_threadsafe`. A finished or
+aborted request is released from its engine there, and its metrics, arm statistics and
+trace spans are recorded. An engine whose step raises is replaced by a fresh one (its
+in-flight requests end with an error), so one bad step does not take the server down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from ..engine.engine import LLMEngine, SamplingParams, TokenOutput
+from .arms import ArmStats
+from .metrics import ServerMetrics
+from .misses import MissClassifier
+from .tracing import Tracing
+
+log = logging.getLogger("kvheat.server")
+T = TypeVar("T")
+
+
+class ServingEngine(LLMEngine):
+    """An LLMEngine with per-request logit bias (tenants' sampling defaults, OpenAI's
+    `logit_bias`), added to the logits before sampling."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.logit_bias: dict[str, torch.Tensor] = {}
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Any]) -> list[int]:  # type: ignore[override]
+        if self.logit_bias:
+            for i, r in enumerate(reqs):
+                bias = self.logit_bias.get(r.seq.seq_id)
+                if bias is not None:
+                    logits[i] += bias.to(logits.dtype)  # `logits` is the caller's copy
+        return super()._sample(logits, reqs)
+
+
+@dataclass(slots=True)
+class Finished:
+    """The last item of a request's stream."""
+
+    finish_reason: str  # stop, length, abort, error
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+class RequestHandle:
+    """The asyncio side of one request: token ids, then one `Finished`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, arm: str,
+                 tenant: str | None, endpoint: str, span: Any = None) -> None:
+        self.loop = loop
+        self.request_id = request_id
+        self.arm = arm
+        self.tenant = tenant
+        self.endpoint = endpoint
+        self.span = span
+        self.queue: asyncio.Queue[int | Finished] = asyncio.Queue()
+        self.finished: Finished | None = None
+
+    def push(self, item: int | Finished) -> None:  # engine thread
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def next(self) -> int | Finished:
+        item = await self.queue.get()
+        if isinstance(item, Finished):
+            self.finished = item
+        return item
+
+
+@dataclass(slots=True)
+class _Active:
+    handle: RequestHandle
+    arm: str
+    prompt_tokens: int
+    miss_kinds: list[str]
+    match_start: float
+    match_end: float
+    predicted_hit_tokens: int
+    finish_override: str | None = None
+
+
+class EngineWorker:
+    def __init__(self, engine_factory: Callable[[str], ServingEngine], arms: Sequence[str],
+                 metrics: ServerMetrics, arm_stats: ArmStats, tracing: Tracing,
+                 tenant_quotas: dict[str, int | None] | None = None,
+                 refresh_s: float = 0.25) -> None:
+        self.engine_factory = engine_factory
+        self.arms = list(arms)
+        self.metrics = metrics
+        self.arm_stats = arm_stats
+        self.tracing = tracing
+        self.tenant_quotas = dict(tenant_quotas or {})
+        self.refresh_s = refresh_s
+        self.engines: dict[str, ServingEngine] = {}
+        self.classifiers: dict[str, MissClassifier] = {}
+        for arm in self.arms:
+            self.engines[arm] = self._new_engine(arm)
+            self.classifiers[arm] = MissClassifier(self.engines[arm].cache.block_size)
+        self.active: dict[str, _Active] = {}
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] \
+            = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # the loop itself died (a bug)
+
+    def _new_engine(self, arm: str) -> ServingEngine:
+        eng = self.engine_factory(arm)
+        for tenant, quota in self.tenant_quotas.items():
+            if quota is not None:
+                set_quota = getattr(eng.cache, "set_tenant_quota", None)
+                if set_quota is None:
+                    log.warning("this cache has no tenant quotas; quota of %s not applied", tenant)
+                    break
+                set_quota(tenant, quota)
+        return eng
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kvheat-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active)
+
+    # ---- commands (any thread) --------------------------------------------------------
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the engine thread, between steps."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if not self.alive:
+            fut.set_exception(RuntimeError("the engine loop is not running"))
+            return fut
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    async def acall(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def submit(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
+                     logit_bias: dict[int, float] | None = None) -> None:
+        """Queue a request on its arm's engine. Bad input raises ValueError (nothing queued)."""
+        await self.acall(lambda: self._add(handle, prompt, params, logit_bias))
+
+    def abort(self, handle: RequestHandle, reason: str = "abort") -> None:
+        """End a request early (client gone, or a stop string matched); fire and forget."""
+        if handle.finished is None and self.alive:
+            self.call(lambda: self._abort(handle.request_id, reason))
+
+    # ---- engine thread ----------------------------------------------------------------
+    def _add(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
+             logit_bias: dict[int, float] | None) -> None:
+        eng = self.engines[handle.arm]
+        rid = handle.request_id
+        bias = None
+        if logit_bias:
+            vocab = eng.model_config.vocab_size
+            bad = [t for t in logit_bias if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                                 f"of {vocab}")
+            bias = torch.zeros(vocab)
+            for t, v in logit_bias.items():
+                bias[t] = v
+        quota = getattr(eng.cache, "quotas", {}).get(handle.tenant)
+        bs = eng.cache.block_size
+        need = -(-(len(prompt) + params.max_tokens) // bs)
+        if quota is not None and need > quota:
+            # Alone in a full pool it could never be admitted (it may only evict its own).
+            raise ValueError(f"the request needs up to {need} KV blocks (prompt {len(prompt)} + "
+                             f"max_tokens {params.max_tokens} tokens, {bs} per block); the "
+                             f"tenant's quota is {quota} blocks")
+        eng.add_request(prompt, params, tenant=handle.tenant, request_id=rid)
+        if bias is not None:
+            eng.logit_bias[rid] = bias
+        t0 = time.perf_counter()
+        kinds = self.classifiers[handle.arm].prepare(eng.cache, prompt, handle.tenant)
+        t1 = time.perf_counter()
+        predicted = 0
+        for k in kinds:
+            if k != "cached":
+                break
+            predicted += eng.cache.block_size
+        self.active[rid] = _Active(handle, handle.arm, len(prompt), kinds, t0, t1, predicted)
+
+    def _abort(self, rid: str, reason: str) -> None:
+        a = self.active.get(rid)
+        if a is None:
+            return  # finished meanwhile
+        eng = self.engines[a.arm]
+        if rid in eng.requests:
+            eng.abort(rid)
+        a.finish_override = reason
+        self._complete(a)
+
+    def _complete(self, a: _Active) -> None:
+        """Release a finished (or aborted) request and record it."""
+        eng = self.engines[a.arm]
+        rid = a.handle.request_id
+        self.active.pop(rid, None)
+        eng.logit_bias.pop(rid, None)
+        out = eng.release(rid)
+        m = out.metrics
+        reason = a.finish_override or out.finish_reason or "abort"
+        tenant = a.handle.tenant or "none"
+        cached = m.num_cached_tokens if m.first_token is not None else 0
+        misses = (self.classifiers[a.arm].classify(a.miss_kinds, a.prompt_tokens, cached)
+                  if m.first_token is not None else None)
+        e2e = (m.finished - m.arrival) if m.finished is not None else None
+        self.metrics.observe_request(a.arm, tenant, a.handle.endpoint, reason, a.prompt_tokens,
+                                     cached, len(out.output_token_ids), m.ttft,
+                                     m.inter_token_latencies, e2e, misses)
+        if m.first_token is not None:
+            self.arm_stats.record(a.arm, m.ttft, a.prompt_tokens, cached)
+        span = a.handle.span
+        if span is not None and self.tracing.enabled:
+            tr = self.tracing
+            tr.child(span, "prefix_match", a.match_start, a.match_end,
+                     {"kvheat.matched_tokens": a.predicted_hit_tokens,
+                      "kvheat.prompt_tokens": a.prompt_tokens})
+            tiers = getattr(eng, "tiers", None)
+            if tiers is not None:
+                tr.child(span, "tier_load", m.arrival, m.first_token or m.arrival, {})
+            if m.first_token is not None:
+                tr.child(span, "prefill", m.arrival, m.first_token,
+                         {"kvheat.cached_tokens": cached,
+                          "kvheat.computed_tokens": a.prompt_tokens - cached,
+                          "kvheat.preemptions": m.num_preemptions})
+                tr.child(span, "decode", m.first_token, m.finished or m.first_token,
+                         {"kvheat.generated_tokens": len(out.output_token_ids)})
+            span.set_attribute("kvheat.arm", a.arm)
+            span.set_attribute("kvheat.cached_tokens", cached)
+            span.set_attribute("kvheat.finish_reason", reason)
+        a.handle.push(Finished(reason, a.prompt_tokens, cached, len(out.output_token_ids)))
+
+    def _dispatch(self, arm: str, outs: list[TokenOutput]) -> None:
+        for o in outs:
+            a = self.active.get(o.request_id)
+            if a is None:
+                continue
+            a.handle.push(o.token_id)
+            if o.finished:
+                self._complete(a)
+
+    def _engine_failed(self, arm: str, exc: BaseException) -> None:
+        log.exception("the engine of arm %s failed; rebuilding it", arm, exc_info=exc)
+        self.metrics.engine_failures.labels(arm).inc()
+        self.engines[arm] = self._new_engine(arm)  # before anyone hears of the failure
+        for rid, a in list(self.active.items()):
+            if a.arm != arm:
+                continue
+            del self.active[rid]
+            a.handle.push(Finished("error", a.prompt_tokens, 0, 0,
+                                   error=f"the engine failed: {type(exc).__name__}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller, which answers 4xx or 5xx
+                fut.set_exception(e)
+
+    def refresh_gauges(self) -> None:
+        for arm, eng in self.engines.items():
+            self.metrics.refresh_arm(arm, eng)
+            usage = getattr(eng.cache, "tenant_usage", None)
+            if usage is not None and self.tenant_quotas:
+                self.metrics.refresh_tenants(arm, {t: usage(t) for t in self.tenant_quotas})
+
+    def _run(self) -> None:
+        last_refresh = 0.0
+        try:
+            while not self._stop:
+                self._drain_commands()
+                busy = False
+                for arm in self.arms:
+                    eng = self.engines[arm]
+                    if not eng.has_unfinished:
+                        continue
+                    busy = True
+                    try:
+                        outs = eng.step()
+                    except Exception as e:
+                        self._engine_failed(arm, e)
+                        continue
+                    self._dispatch(arm, outs)
+                now = time.monotonic()
+                if now - last_refresh >= self.refresh_s:
+                    self.refresh_gauges()
+                    last_refresh = now
+                if not busy:
+                    self._wake.wait(self.refresh_s)
+                    self._wake.clear()
+        except BaseException as e:  # a bug in the loop: report unhealthy, fail everyone
+            log.exception("the engine loop died")
+            self.failure = e
+        finally:
+            for a in list(self.active.values()):
+                a.handle.push(Finished("error", a.prompt_tokens, 0, 0,
+                                       error="the server is shutting down"))
+            self.active.clear()
+            while True:  # answer commands that will never run
+                try:
+                    _, fut = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(RuntimeError("the engine loop stopped"))
