@@ -281,3 +281,20 @@ def test_abort_frees_blocks_and_bad_requests_change_nothing() -> None:
         SchedulerConfig(prefix_caching="sometimes")
     with pytest.raises(ValueError, match="swap_space"):
         Scheduler(SchedulerConfig(preemption="swap"), s.cache)
+
+
+def test_accounting_balances_with_a_pinned_prefix() -> None:
+    """A pinned prefix holds references outside any sequence; the books still balance."""
+    from kvheat.cache import CacheConfig, KVCacheManager
+    from kvheat.engine.scheduler import Scheduler, SchedulerConfig
+
+    cache = KVCacheManager(CacheConfig(num_blocks=32, block_size=4))
+    sched = Scheduler(SchedulerConfig(), cache)
+    prompt = list(range(12))
+    warm = cache.make_request("warm", prompt)
+    cache.allocate(warm)
+    cache.free(warm)
+    assert cache.pin_prefix(prompt) == 12
+    sched.check_accounting()
+    assert cache.unpin_prefix(prompt) == 12
+    sched.check_accounting()

@@ -101,7 +101,8 @@ class KVCacheManager:
         self.free_stack: list[Block] = self.blocks[::-1]  # uncached, unreferenced blocks
         self.cached: dict[bytes, Block] = {}
         self.requests: dict[str, Request] = {}
-        self.sessions: dict[str, list[bytes]] = {}  # session -> keys of its latest turn
+        self.sessions: dict[str, list[bytes]] = {}
+        self.pins: dict[str, Request] = {}  # pinned prefixes: holders of an extra reference  # session -> keys of its latest turn
         self.policy = policy if policy is not None else make_policy(config.policy)
         self.policy.bind(config.num_blocks)
         # Tenants with a block quota get a policy of their own (a partition); the rest share
@@ -372,6 +373,9 @@ class KVCacheManager:
         r = self.requests.pop(rid, None)
         if r is None:
             raise UnknownRequest(f"free of unknown request {rid!r}")
+        self._release(r)
+
+    def _release(self, r: Request) -> None:
         now = self.clock()
         parts, policy = self.partitions, self.policy
         on_release = policy.on_release
@@ -478,14 +482,14 @@ class KVCacheManager:
         if not hit:
             return 0
         pin_id = "pin:" + hit[-1].key.hex()  # type: ignore[union-attr]
-        if pin_id in self.requests:
+        if pin_id in self.pins:
             return sum(b.num_tokens for b in hit)
         holder = Request(pin_id, tenant, probe.root, probe.keys[:len(hit)],
                          probe.contents[:len(hit)], [b.num_tokens for b in hit],
                          sum(b.num_tokens for b in hit))
         holder.blocks = list(hit)
         holder.num_cached_tokens = self._acquire(hit, self.clock())
-        self.requests[pin_id] = holder
+        self.pins[pin_id] = holder
         return holder.num_cached_tokens
 
     def unpin_prefix(self, tokens: Sequence[int], tenant: str | None = None,
@@ -494,16 +498,15 @@ class KVCacheManager:
         probe = self.make_request("", tokens, tenant, lora)
         n = 0
         for key in reversed(probe.keys):
-            pin = self.requests.get("pin:" + key.hex())
+            pin = self.pins.pop("pin:" + key.hex(), None)
             if pin is not None:
                 n = max(n, pin.num_tokens)
-                self.free(pin)
+                self._release(pin)
         return n
 
     def pinned(self) -> list[tuple[str, str | None, int]]:
         """(pin id, tenant, tokens) of every pinned prefix."""
-        return [(r.request_id, r.tenant, r.num_tokens) for r in self.requests.values()
-                if r.request_id.startswith("pin:")]
+        return [(r.request_id, r.tenant, r.num_tokens) for r in self.pins.values()]
 
     # ---- internals --------------------------------------------------------------------
     def _take_free_block(self, tenant: str | None = None) -> Block:
@@ -592,7 +595,7 @@ class KVCacheManager:
         free_ids = {b.block_id for b in self.free_stack}
         assert len(free_ids) == len(self.free_stack), "a block is twice in the free pool"
         held: dict[int, int] = {}
-        for r in self.requests.values():
+        for r in [*self.requests.values(), *self.pins.values()]:
             for b in r.blocks:
                 held[b.block_id] = held.get(b.block_id, 0) + 1
         children: dict[int, int] = {}

@@ -517,6 +517,8 @@ class Scheduler:
             held.update(req.block_table)
         for s in self.waiting:
             assert s.cache_req is None and s.status is SeqStatus.WAITING, s
+        for pin in cache.pins.values():  # pinned prefixes hold references of their own
+            held.update(pin.block_table)
         assert held == {b.block_id for b in cache.blocks if b.ref_cnt > 0}
         assert len(cache.requests) == len(self.running)
 
