@@ -1,0 +1,97 @@
+"""Policy decision overhead per block access, measured inside the real cache.
+
+Every policy hook (insert, hit, acquire, release, leaf, victim, evict) is wrapped with a
+nanosecond timer; per request the time spent in hooks is divided by the request's block
+accesses. The timer's own cost (an empty wrapped call, calibrated here) is subtracted.
+
+    .venv/bin/python bench/heat_overhead.py --trace conv --json docs/heat_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from heat_replay import BLOCK, get_trace
+
+import kvheat.heat  # noqa: F401
+from kvheat.cache import CacheConfig, KVCacheManager, make_policy
+
+HOOKS = ("on_insert", "on_hit", "on_acquire", "on_release", "on_leaf", "victim", "on_evict")
+
+
+def _calibrate(n: int = 200_000) -> float:
+    acc = [0]
+
+    def empty() -> None:
+        return None
+
+    def timed() -> None:
+        t = time.perf_counter_ns()
+        empty()
+        acc[0] += time.perf_counter_ns() - t
+
+    for _ in range(n):
+        timed()
+    return acc[0] / n
+
+
+def measure(trace_name: str, policy: str, capacity_tokens: int) -> dict[str, float]:
+    trace = get_trace(trace_name)
+    pol = make_policy(policy)
+    acc = [0]
+    calls = [0]
+    for name in HOOKS:
+        fn = getattr(pol, name)
+
+        def wrapped(*a, _fn=fn):  # type: ignore[no-untyped-def]
+            t = time.perf_counter_ns()
+            r = _fn(*a)
+            acc[0] += time.perf_counter_ns() - t
+            calls[0] += 1
+            return r
+
+        setattr(pol, name, wrapped)
+    now = [0.0]
+    mgr = KVCacheManager(CacheConfig(capacity_tokens // BLOCK, BLOCK), pol, clock=lambda: now[0])
+    per_access: list[float] = []
+    timer_ns = _calibrate()
+    for i, r in enumerate(trace):
+        now[0] = r.timestamp_ms / 1000
+        if len(r.hash_ids) > mgr.config.num_blocks:
+            continue
+        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length)
+        acc[0] = calls[0] = 0
+        mgr.allocate(req)
+        mgr.free(req)
+        per_access.append(max(0.0, acc[0] - calls[0] * timer_ns) / len(r.hash_ids) / 1000.0)
+    per_access.sort()
+    return {"median_us": statistics.median(per_access),
+            "p99_us": per_access[int(0.99 * (len(per_access) - 1))],
+            "mean_us": statistics.fmean(per_access), "timer_ns": timer_ns}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trace", default="conv")
+    ap.add_argument("--policies", default="lru,arc,s3fifo,twoq,lruk,kvheat")
+    ap.add_argument("--capacity", default="1M")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    cap = int(float(a.capacity.rstrip("M")) * 1_000_000)
+    rows = []
+    print(f"{'policy':10s} {'median µs':>10s} {'p99 µs':>8s} {'mean µs':>8s}  (per block access, {a.trace} @ {a.capacity})")
+    for p in a.policies.split(","):
+        m = min((measure(a.trace, p, cap) for _ in range(a.repeat)), key=lambda r: r["median_us"])
+        rows.append({"trace": a.trace, "policy": p, "capacity": cap, **m})
+        print(f"{p:10s} {m['median_us']:10.2f} {m['p99_us']:8.2f} {m['mean_us']:8.2f}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""Heat: decay functions, decayed entropy, scores, tuning, drift and the heat policies."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+import kvheat.heat  # noqa: F401  (registers the heat policies)
+from kvheat.cache import CacheConfig, KVCacheManager, make_policy, policy_names
+from kvheat.heat import (
+    Decay,
+    DriftDetector,
+    EntropyTracker,
+    HotnessCounter,
+    KVHeat,
+    LRUKHistory,
+    OnlineTuner,
+    Regime,
+    exponential,
+    fused_score,
+    hyperbolic,
+    logarithmic,
+    shannon_bits,
+)
+from kvheat.replay.traces import WorkloadConfig, generate_workload
+
+
+# ---- decay -----------------------------------------------------------------------------
+def test_decay_matches_seed_table() -> None:
+    # SPEC §2.2 / seed table: λ = α = 0.2 at t = 1, 5, 10.
+    assert [round(exponential(t, 0.2), 2) for t in (1, 5, 10)] == [0.82, 0.37, 0.14]
+    assert [round(hyperbolic(t, 0.2), 2) for t in (1, 5, 10)] == [0.83, 0.50, 0.33]
+
+
+def test_decay_vectorised_equals_scalar_and_log_decreases() -> None:
+    t = np.array([0.0, 1.0, 5.0, 10.0, 100.0])
+    for kind in ("exp", "hyperbolic", "log"):
+        d = Decay(kind, 0.2)
+        vec = d(t)
+        assert vec.shape == t.shape
+        assert np.allclose(vec, [d(float(x)) for x in t])
+        assert vec[0] == 1.0 and np.all(np.diff(vec) < 0), kind
+        assert d(d.half_life()) == pytest.approx(0.5)
+    assert logarithmic(10.0, 1.0) == pytest.approx(1 / (1 + math.log(11)))
+
+
+def test_decay_rejects_bad_input() -> None:
+    with pytest.raises(ValueError):
+        Decay("linear", 0.2)
+    with pytest.raises(ValueError):
+        Decay("exp", 0.0)
+    with pytest.raises(ValueError):
+        exponential(-1.0)
+    with pytest.raises(ValueError):
+        hyperbolic(np.array([1.0, -2.0]))
+
+
+# ---- entropy ---------------------------------------------------------------------------
+def test_entropy_incremental_equals_from_scratch_after_1e6_updates() -> None:
+    # A short half-life forces several rebases of the growing weights along the way.
+    tr = EntropyTracker(half_life=300)
+    rng = random.Random(7)
+    for _ in range(1_000_000):
+        tr.update(rng.randrange(5000) if rng.random() < 0.5 else int(rng.paretovariate(1.0)))
+    assert len(tr.shifts) > 1, "test should exercise rebasing"
+    fast, ref = tr.entropy(), tr.entropy_from_scratch()
+    assert ref > 1.0
+    assert abs(fast - ref) / ref < 1e-9
+
+
+def test_entropy_of_uniform_and_single_key() -> None:
+    tr = EntropyTracker(half_life=1e12)
+    for i in range(4096):
+        tr.update(i % 256)
+    assert tr.bits() == pytest.approx(8.0, abs=1e-6)
+    one = EntropyTracker()
+    for t in range(100):
+        one.update("k", now=float(t))
+    assert one.bits() == pytest.approx(0.0, abs=1e-9)
+    assert EntropyTracker().bits() == 0.0
+
+
+def test_entropy_decay_forgets_old_keys() -> None:
+    tr = EntropyTracker(half_life=10.0)
+    for i in range(1000):
+        tr.update(i, now=0.0)  # 1000 distinct keys: ~10 bits
+    assert tr.bits() > 9.9
+    for t in range(1, 500):
+        tr.update("hot", now=float(t))  # then a single key for 50 half-lives
+    assert tr.bits() < 0.01
+    assert tr.probability("hot") > 0.999
+
+
+def test_entropy_adaptive_sampling_error_is_small() -> None:
+    rng = random.Random(3)
+    keys = [int(rng.paretovariate(1.5)) for _ in range(200_000)]  # low entropy (< 4.2 bits)
+    full, sampled = EntropyTracker(half_life=1e9), EntropyTracker(half_life=1e9, sample_low=0.25)
+    for k in keys:
+        full.update(k)
+        sampled.update(k)
+    assert full.bits() < 4.2
+    assert sampled.recorded < 0.3 * sampled.updates
+    assert abs(sampled.bits() - full.bits()) < 0.05
+
+
+def test_shannon_bits() -> None:
+    assert shannon_bits(np.array([1, 1, 1, 1])) == pytest.approx(2.0)
+    assert shannon_bits(np.array([0, 5])) == 0.0
+
+
+# ---- scores ----------------------------------------------------------------------------
+def test_fused_score_gate() -> None:
+    h = np.linspace(0, 1, 11)
+    s = fused_score(h, np.full(11, 0.7))
+    assert np.all((s >= 0) & (s <= 1))
+    # Low entropy: the recency term dominates; high entropy: (1 - H) does.
+    assert fused_score(0.0, 1.0) > fused_score(0.0, 0.0)
+    assert fused_score(1.0, 1.0) == pytest.approx(fused_score(1.0, 0.0), abs=0.3)
+    g = 1 / (1 + math.exp(2.0 * (0.3 - 0.5)))
+    assert fused_score(0.3, 0.6) == pytest.approx(g * 0.6 + (1 - g) * 0.7)
+    with pytest.raises(ValueError):
+        fused_score(1.5, 0.5)
+
+
+def test_hotness_counter_per_second_decay() -> None:
+    c = HotnessCounter(0.995)
+    assert c.half_life() == pytest.approx(138.3, abs=0.1)
+    c.hit("chunk", 0.0)
+    assert c.heat("chunk", c.half_life()) == pytest.approx(0.5)
+    c.hit("chunk", 10.0)
+    assert c.heat("chunk", 10.0) == pytest.approx(1 + 0.995 ** 10)
+    d = HotnessCounter(0.995, dedup_s=5.0)
+    d.hit("s", 0.0)
+    d.hit("s", 1.0)  # within the dedup window: not counted again
+    assert d.heat("s", 1.0) == pytest.approx(0.995)
+    c.hit("cold", 0.0)
+    assert [k for k, _ in c.hottest(10.0, 1)] == ["chunk"]
+    assert c.forget_below(10_000.0, 1e-3) == 2 and not c.heat_at
+    with pytest.raises(ValueError):
+        HotnessCounter(1.5)
+
+
+def test_lruk_history_and_regime() -> None:
+    h = LRUKHistory(2)
+    h.record(1.0)
+    assert h.kth_time() == -math.inf
+    h.record(5.0)
+    h.record(9.0)
+    assert h.kth_time() == 5.0
+    r = Regime()
+    assert [r.classify(b) for b in (0.5, 4.0, 9.0)] == ["low", "mid", "high"]
+
+
+# ---- tuning and drift ------------------------------------------------------------------
+def test_online_tuner_climbs_towards_the_better_value() -> None:
+    # Hit probability peaks at value = 50; start far below it.
+    t = OnlineTuner(5.0, 1.0, 500.0, step=0.2, step_events=2000)
+    rng = random.Random(0)
+    for _ in range(400_000):
+        p = max(0.05, 0.9 - 0.2 * abs(math.log(t.value / 50.0)))
+        t.record(rng.random() < p)
+    assert 20.0 < t.value < 125.0
+    assert t.moves > 0
+
+
+def test_drift_detector_fires_on_entropy_drop_only() -> None:
+    rng = random.Random(1)
+    d = DriftDetector(window=1000, threshold=1.0, min_count=100)
+    fired = [d.observe(rng.randrange(4096)) for _ in range(10_000)]
+    assert not any(fired)
+    fired = [d.observe(rng.randrange(8)) for _ in range(2000)]
+    assert any(fired) and d.drifts == 1
+    with pytest.raises(ValueError):
+        DriftDetector(window=10, min_count=20)
+
+
+# ---- policies in the real cache ---------------------------------------------------------
+HEAT_POLICIES = ["kvheat", "lruk", "fused"]
+
+
+def test_heat_policies_registered() -> None:
+    assert set(HEAT_POLICIES) <= set(policy_names())
+
+
+def _run(policy, trace, capacity_blocks: int, check_every: int = 0) -> KVCacheManager:
+    now = [0.0]
+    mgr = KVCacheManager(CacheConfig(capacity_blocks, 512), policy, clock=lambda: now[0])
+    for i, r in enumerate(trace):
+        now[0] = r.timestamp_ms / 1000
+        if len(r.hash_ids) > capacity_blocks:
+            continue
+        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length)
+        mgr.allocate(req)
+        mgr.free(req)
+        if check_every and i % check_every == 0:
+            mgr.check_invariants()
+    return mgr
+
+
+@pytest.mark.parametrize(("name", "kw"), [(n, {}) for n in HEAT_POLICIES] + [
+    ("kvheat", {"tune": True, "drift": True, "max_count": 3.0}),
+    ("kvheat", {"regime": False, "ghost": 0.0, "extension_penalty_s": 0.0}),
+])
+def test_heat_policy_keeps_cache_invariants(name: str, kw: dict) -> None:
+    trace = generate_workload(WorkloadConfig(num_conversations=150, seed=5))
+    mgr = _run(make_policy(name, **kw), trace, 64, check_every=25)
+    mgr.check_invariants()
+    assert mgr.stats.evicted_blocks > 0 and mgr.stats.hit_tokens > 0
+
+
+def test_kvheat_beats_lru_when_reuse_outlives_the_cache() -> None:
+    # Conversations come back after longer than LRU keeps them: history and decayed
+    # counts keep the returning ones.
+    cfg = WorkloadConfig(num_conversations=600, arrival_rate=4.0, think_time_s=120.0, seed=11)
+    trace = generate_workload(cfg)
+    lru = _run(make_policy("lru"), trace, 100).stats.hit_rate
+    heat = _run(make_policy("kvheat"), trace, 100).stats.hit_rate
+    assert heat > lru + 0.04, (heat, lru)
+
+
+def test_kvheat_demotes_the_partial_tail_block() -> None:
+    pol = KVHeat()
+    mgr = KVCacheManager(CacheConfig(3, 4), pol, clock=lambda: 0.0)
+    a = mgr.make_hashed_request("a", [1, 2], 6)  # second block is partial (2 of 4 tokens)
+    mgr.allocate(a)
+    mgr.free(a)
+    b = mgr.make_hashed_request("b", [9], 4)  # full block, released later
+    mgr.allocate(b)
+    mgr.free(b)
+    evicted = []
+    mgr.evict_listeners.append(lambda blk: evicted.append(blk.num_tokens))
+    mgr.evict(1)
+    assert evicted == [2]
+
+
+def test_kvheat_history_restores_heat_after_eviction() -> None:
+    now = [0.0]
+    pol = KVHeat(half_life_s=100.0)
+    mgr = KVCacheManager(CacheConfig(2, 4), pol, clock=lambda: now[0])
+    for t in range(5):  # block 1 gets hot
+        now[0] = float(t)
+        r = mgr.make_hashed_request(f"h{t}", [1], 4)
+        mgr.allocate(r)
+        mgr.free(r)
+    mgr.evict(1)
+    r = mgr.make_hashed_request("back", [1], 4)
+    mgr.allocate(r)
+    assert mgr.requests["back"].blocks[0].meta > math.log(4.5)  # count resumed, not 1
+    assert pol.ghost_hits == 1
+
+
+def test_lruk_evicts_blocks_with_fewer_than_k_accesses_first() -> None:
+    now = [0.0]
+    mgr = KVCacheManager(CacheConfig(3, 4), make_policy("lruk"), clock=lambda: now[0])
+    for t, bid in ((0.0, 1), (10.0, 1), (20.0, 2)):  # block 1 twice (older), block 2 once
+        now[0] = t
+        r = mgr.make_hashed_request(f"r{t}", [bid], 4)
+        mgr.allocate(r)
+        mgr.free(r)
+    evicted: list[bytes] = []
+    mgr.evict_listeners.append(lambda b: evicted.append(b.content))
+    mgr.evict(1)
+    assert evicted == [(2).to_bytes(8, "little")]
+
+
+def test_kvheat_drift_detector_resets_stale_heat() -> None:
+    now = [0.0]
+    pol = KVHeat(drift=True, drift_window=64, drift_threshold=1.0)
+    mgr = KVCacheManager(CacheConfig(200, 4), pol, clock=lambda: now[0])
+    for i in range(256):  # phase A: 64 distinct conversations under one root, hot root
+        now[0] = float(i)
+        r = mgr.make_hashed_request(f"a{i}", [0, 1000 + i % 64], 8)
+        mgr.allocate(r)
+        mgr.free(r)
+    root = mgr.match_prefix(mgr.make_hashed_request("q", [0], 4))[0]
+    assert root.meta > 3.0  # the root got hot
+    for i in range(256):  # phase B: a single conversation takes over
+        now[0] = 256.0 + i
+        r = mgr.make_hashed_request(f"b{i}", [7, 9], 8)
+        mgr.allocate(r)
+        mgr.free(r)
+    assert pol.stats()["drifts"] >= 1
+    assert root.key is None or root.meta <= 0.0  # the stale heat was dropped (or evicted)
+    mgr.check_invariants()
+
+
+def test_kvheat_learns_extension_penalty_from_reuse() -> None:
+    # Documents queried with a new question each time: the question block extends a known
+    # prefix and is never reused, while fresh documents are: the penalty goes up.
+    rng = random.Random(2)
+    now = [0.0]
+    pol = KVHeat()
+    mgr = KVCacheManager(CacheConfig(400, 4), pol, clock=lambda: now[0])
+    for i in range(3000):
+        now[0] = i * 0.5
+        doc = rng.randrange(300)
+        ids = [10_000 + doc * 8 + j for j in range(4)] + [1_000_000 + i]
+        r = mgr.make_hashed_request(str(i), ids, 20)
+        mgr.allocate(r)
+        mgr.free(r)
+    assert pol.extension_penalty_s > 0.5 * pol.max_extension_penalty_s
+    # Growing conversations: every extension is reused by the next turn: no penalty.
+    pol2 = KVHeat()
+    mgr2 = KVCacheManager(CacheConfig(400, 4), pol2, clock=lambda: now[0])
+    convs: dict[int, list[int]] = {}
+    for i in range(3000):
+        now[0] = i * 0.5
+        c = rng.randrange(100)
+        hist = convs.setdefault(c, [])
+        if len(hist) > 20:
+            hist.clear()
+        hist.append(i + 1)  # a new block id per turn
+        r = mgr2.make_hashed_request(str(i), [0, *hist], 4 * (len(hist) + 1))
+        mgr2.allocate(r)
+        mgr2.free(r)
+    assert pol2.extension_penalty_s < 0.25 * pol2.max_extension_penalty_s
+
+
+def test_drift_detector_time_windows_need_min_count() -> None:
+    rng = random.Random(4)
+    d = DriftDetector(threshold=1.0, min_count=200, window_s=10.0)
+    t = 0.0
+    for _ in range(3000):  # 100 accesses/s over 1024 keys
+        t += 0.01
+        assert not d.observe(rng.randrange(1024), t)
+    for _ in range(50):  # sparse: 5 accesses/s on 2 keys, windows too small to judge
+        t += 0.2
+        assert not d.observe(rng.randrange(2), t)
+    for _ in range(3000):  # dense again on 4 keys: the drop is judged against nothing
+        t += 0.01
+        d.observe(rng.randrange(4), t)
+    assert d.drifts == 0
+    for _ in range(3000):  # back to 1024 keys, then down to 4: a real drop
+        t += 0.01
+        d.observe(rng.randrange(1024), t)
+    fired = [d.observe(rng.randrange(4), t + 0.01 * (i + 1)) for i in range(3000)]
+    assert any(fired) and d.drifts == 1
+    with pytest.raises(ValueError):
+        d.observe(1)
