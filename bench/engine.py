@@ -3,7 +3,11 @@
 1. Overhead at 0% hit rate: the same engine with the block cache on and off, on prompts
    that share nothing; prefill time (TTFT of single requests, max_tokens=1), plus the
    share of each step spent in the scheduler and cache bookkeeping.
-2. Prefill time at 50% and 90% prefix hit against the ideal (1 - h) x cold time.
+2. Prefill time at 50% and 90% prefix hit against the ideal (1 - h) x cold time, and
+   against the attention-aware ideal (what a cold run spends past the cached length), on
+   the tiny default Llama (hidden 256, attention a large share of compute) and on a
+   model of representative width (hidden 2048, 16 heads / 4 KV heads, intermediate 5632,
+   2 layers, seeded random weights: linear layers dominate as in real 1-8B models).
 3. DeepSeek MLA: TTFT cold vs with a cached prefix (vLLM's CPU build turns prefix
    caching off for MLA).
 4. Optional peer run against vLLM's CPU build (`--vllm-python PATH`, a python with
@@ -28,12 +32,14 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kvheat.engine.config import ModelConfig
 from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams
-from kvheat.engine.loader import load_model, save_tiny_model
+from kvheat.engine.loader import build_model, init_random_weights, load_model, save_tiny_model
 from kvheat.engine.scheduler import SchedulerConfig
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -86,22 +92,37 @@ def overhead(model: torch.nn.Module, vocab: int, length: int, trials: int, rng: 
 
 
 def partial_hits(model: torch.nn.Module, vocab: int, length: int, trials: int,
-                 rng: random.Random, hits: tuple[float, ...] = (0.5, 0.9)) -> dict:
+                 rng: random.Random, hits: tuple[float, ...] = (0.5, 0.9),
+                 batch: int = 8) -> dict:
     """Prefill time with a fraction h of the prompt cached, against (1 - h) x cold. Also
     timed: a fresh prompt as long as the uncached suffix (its cost without attending to
     the cached prefix), and a fresh prompt as long as the prefix, so that cold minus it is
     what a cold run spends on the positions the cache leaves (attention grows with the
-    position, so those cost more than (1 - h) of the cold run)."""
+    position, so those cost more than (1 - h) of the cold run). And, at the highest h,
+    `batch` requests sharing one cached prefix with suffixes of their own, run in one
+    step: a lone short suffix runs the linear layers on few rows, where a CPU GEMM does
+    less per row than on a whole prompt's; batched, the rows add up as in a server."""
     e = make_engine(model, "block")
     timed_prefill(e, rand_prompt(rng, length, vocab))
     cached_of = {f"{h:.2f}": int(h * length) // 16 * 16 for h in hits}
+    top = max(cached_of, key=lambda k: cached_of[k])
     keys = ["cold", *cached_of, *(f"suffix{k}" for k in cached_of),
-            *(f"prefix{k}" for k in cached_of)]
+            *(f"prefix{k}" for k in cached_of), *([f"batched{top}"] if batch > 1 else [])]
     res: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(trials):
         order = list(keys)
         rng.shuffle(order)
         for key in order:
+            if key.startswith("batched"):
+                n = cached_of[key[7:]]
+                head = rand_prompt(rng, n, vocab)
+                e.generate([head], ONE)
+                ps = [head + rand_prompt(rng, length - n, vocab) for _ in range(batch)]
+                t0 = clock()
+                outs = e.generate(ps, ONE)
+                res[key].append((clock() - t0) / batch)  # per request
+                assert all(o.metrics.num_cached_tokens == n for o in outs)
+                continue
             if key.startswith("suffix"):
                 p = rand_prompt(rng, length - cached_of[key[6:]], vocab)
             elif key.startswith("prefix"):
@@ -114,16 +135,57 @@ def partial_hits(model: torch.nn.Module, vocab: int, length: int, trials: int,
             assert cached == cached_of.get(key, 0), (key, cached)
             res[key].append(dt)
     cold = statistics.median(res["cold"])
-    out = {"prompt_tokens": length, "trials": trials, "cold_s": cold, "hits": {}}
+    # The attention-aware ideal: what a cold run spends past the cached positions. Cold
+    # prefill time is a n + b n^2 (linear layers, attention); fitted to the cold runs of
+    # the whole prompt and of each prefix, it is T(length) - T(cached). The fit uses all
+    # three lengths, steadier than the difference of two close runs on a shared machine.
+    fit = cold_time_fit([(length, cold), *((c, statistics.median(res[f"prefix{k}"]))
+                                           for k, c in cached_of.items())])
+    out = {"prompt_tokens": length, "trials": trials, "cold_s": cold, "hits": {},
+           "samples_s": res}
     for k, cached in cached_of.items():
         t = statistics.median(res[k])
         ideal = (1 - cached / length) * cold
+        aware = fit(length) - fit(cached)
         out["hits"][k] = {"cached_tokens": cached, "median_s": t, "ideal_s": ideal,
                           "vs_ideal": t / ideal - 1.0,
                           "suffix_alone_s": statistics.median(res[f"suffix{k}"]),
-                          # what a cold run spends past the cached positions
-                          "cold_minus_prefix_s": cold - statistics.median(res[f"prefix{k}"])}
+                          # the two runs' direct difference, noisy when they are close
+                          "cold_minus_prefix_s": cold - statistics.median(res[f"prefix{k}"]),
+                          "attention_aware_ideal_s": aware, "vs_attention_aware": t / aware - 1.0}
+        if f"batched{k}" in res:
+            tb = statistics.median(res[f"batched{k}"])
+            out["hits"][k].update({"batch": batch, "batched_per_request_s": tb,
+                                   "batched_vs_ideal": tb / ideal - 1.0})
     return out
+
+
+def cold_time_fit(points: list[tuple[int, float]]) -> Callable[[int], float]:
+    """Least-squares T(n) = a n + b n^2 through (tokens, seconds) points."""
+    s22 = sum(n ** 2 for n, _ in points)
+    s23 = sum(n ** 3 for n, _ in points)
+    s24 = sum(n ** 4 for n, _ in points)
+    y1 = sum(n * t for n, t in points)
+    y2 = sum(n * n * t for n, t in points)
+    det = s22 * s24 - s23 * s23
+    a, b = (y1 * s24 - y2 * s23) / det, (s22 * y2 - s23 * y1) / det
+    return lambda n: a * n + b * n * n
+
+
+def wide_llama(layers: int, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
+    """A Llama of representative width (TinyLlama-1.1B's layer shape: hidden 2048, 16 heads
+    of 128, 4 KV heads, intermediate 5632) with few layers and seeded random weights, so
+    the split of compute between linear layers and attention is that of a real 1-8B model
+    at CPU cost. Built from a config by kvheat.engine.loader; nothing is downloaded."""
+    cfg = ModelConfig(model_type="llama", vocab_size=32000, hidden_size=2048,
+                      intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=4, head_dim=128, max_position_embeddings=4096,
+                      rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=0,
+                      eos_token_id=1)
+    model = build_model(cfg)
+    init_random_weights(model, seed)
+    model.tie_weights()
+    return model.eval(), cfg
 
 
 def mla_ttft(vocab_seed: int, length: int, trials: int, rng: random.Random) -> dict | None:
@@ -240,6 +302,9 @@ def main() -> None:
                     help="threads for both engines in the peer run (vLLM's OpenMP threads are bound)")
     ap.add_argument("--skip-local", action="store_true", help="only the peer run")
     ap.add_argument("--skip-mla", action="store_true")
+    ap.add_argument("--wide-layers", type=int, default=2,
+                    help="layers of the representative-width Llama (0: skip it)")
+    ap.add_argument("--wide-trials", type=int, default=7)
     ap.add_argument("--json", default=None)
     ap.add_argument("--clock", choices=sorted(CLOCK), default="cpu",
                     help="cpu: this thread's CPU time (needs --threads 1); wall: elapsed time")
@@ -257,6 +322,15 @@ def main() -> None:
     if not a.skip_local:
         report["overhead_0pct"] = overhead(model, cfg.vocab_size, a.length, a.trials, rng)
         report["partial_hits"] = partial_hits(model, cfg.vocab_size, a.length, a.trials, rng)
+        if a.wide_layers:
+            wide, wcfg = wide_llama(a.wide_layers)
+            report["partial_hits_wide"] = {
+                "model": {"hidden_size": wcfg.hidden_size, "heads": wcfg.num_attention_heads,
+                          "kv_heads": wcfg.num_key_value_heads, "head_dim": wcfg.head_dim,
+                          "intermediate_size": wcfg.intermediate_size,
+                          "layers": wcfg.num_hidden_layers},
+                **partial_hits(wide, wcfg.vocab_size, a.length, a.wide_trials, rng)}
+            del wide
     if not a.skip_mla and not a.skip_local:
         report["mla"] = mla_ttft(0, a.length, max(3, a.trials // 2), rng)
     spec = peer_spec(rng, cfg.vocab_size)
@@ -296,13 +370,23 @@ def print_local(r: dict) -> None:
           f" -> overhead {100 * o['overhead']:+.1f}% (target <= 5%); share of step time in the "
           f"scheduler + block cache {100 * o['scheduler_cache_share_on']:.2f}%, batching and "
           f"sampling {100 * o['other_share_on']:.2f}%")
-    p = r["partial_hits"]
-    print(f"prefill at partial prefix hits (cold {1000 * p['cold_s']:.1f} ms):")
-    for k, v in p["hits"].items():
-        print(f"  h={k}: {1000 * v['median_s']:.1f} ms vs ideal {1000 * v['ideal_s']:.1f} ms "
-              f"-> {100 * v['vs_ideal']:+.1f}% (target within 15%); cold minus a cold prefix: "
-              f"{1000 * v['cold_minus_prefix_s']:.1f} ms; the suffix alone, without the cached "
-              f"context to attend to: {1000 * v['suffix_alone_s']:.1f} ms")
+    for key, name in (("partial_hits", "tiny Llama, hidden 256"),
+                      ("partial_hits_wide", "representative-width Llama, hidden 2048")):
+        if key not in r:
+            continue
+        p = r[key]
+        print(f"prefill at partial prefix hits, {name} ({p['prompt_tokens']} tokens, median of "
+              f"{p['trials']}; cold {1000 * p['cold_s']:.1f} ms):")
+        for k, v in p["hits"].items():
+            print(f"  h={k}: {1000 * v['median_s']:.1f} ms vs (1 - h) x cold "
+                  f"{1000 * v['ideal_s']:.1f} ms -> {100 * v['vs_ideal']:+.1f}% (target within "
+                  f"15%); vs the attention-aware ideal {1000 * v['attention_aware_ideal_s']:.1f} ms -> "
+                  f"{100 * v['vs_attention_aware']:+.1f}%; the suffix alone, without the cached "
+                  f"context to attend to: {1000 * v['suffix_alone_s']:.1f} ms")
+            if "batched_per_request_s" in v:
+                print(f"  h={k}, {v['batch']} requests on one cached prefix in one step: "
+                      f"{1000 * v['batched_per_request_s']:.1f} ms per request -> "
+                      f"{100 * v['batched_vs_ideal']:+.1f}% vs (1 - h) x cold")
     m = r.get("mla")
     if m:
         if "skipped" in m:

@@ -227,3 +227,32 @@ def test_blocks_after_a_recomputed_last_block_are_still_cached() -> None:
     m.free(again)
     assert m.match_tokens(prompt + [50, 51, 52, 53]) == 12
     m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "twoq", "s3fifo", "lfu"])
+def test_discard_uncaches_blocks_whose_kv_was_never_written(policy: str) -> None:
+    m = mgr(num_blocks=8, policy=policy)
+    evicted: list[int] = []
+    m.evict_listeners.append(lambda b: evicted.append(b.block_id))
+    base = list(range(8))  # two full blocks, written by a request still running
+    m.allocate(m.make_request("a", base))
+    toks = base + list(range(100, 110))  # + two full blocks and two tokens
+    r = m.make_request("r", toks)
+    table = m.allocate(r)
+    assert m.num_cached == 4
+    with pytest.raises(CacheError):  # the shared prefix is not this request's to drop
+        m.discard(r, 1)
+    assert m.num_cached == 4
+    m.free("a")
+    assert m.discard(r, 2) == 2  # the step that was to write blocks 2 and 3 failed
+    assert m.num_cached == 2 and r.block_table == table
+    m.check_invariants()
+    m.free(r)
+    assert evicted == []  # never-written KV is not demoted to a lower tier
+    assert m.num_free == 6 and m.num_cached == 2
+    again = m.make_request("again", toks)
+    m.allocate(again)
+    assert again.num_cached_tokens == 8  # only the written prefix is found
+    m.check_invariants()
+    with pytest.raises(UnknownRequest):
+        m.discard(r, 0)

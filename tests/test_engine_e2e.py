@@ -224,3 +224,33 @@ def test_host_tier_serves_blocks_the_device_evicted(llama: tuple) -> None:
     # From the host tier: the whole 64-token prompt but its last token (run again for its
     # logits), and the four full blocks of the 71-token one.
     assert outs[64] == [63, 64]
+
+
+def test_failed_forward_aborts_only_its_step(llama: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    p1, p2 = prompts(9, 2, 70, 70)[0], prompts(10, 1, 40, 40)[0]
+    e = engine(llama, max_num_batched_tokens=64)
+    r1 = e.add_request(p1, GREEDY)
+    e.step()  # p1's first 64 tokens: 4 full blocks with their KV
+    r2 = e.add_request(p2, GREEDY)
+    real_forward = e.runner.forward
+    calls = []
+
+    def fail_once(batch):  # a forward pass that dies (out of memory, a kernel error)
+        calls.append([len(it.token_ids) for it in batch])
+        if len(calls) == 1:
+            raise RuntimeError("simulated device failure")
+        return real_forward(batch)
+
+    monkeypatch.setattr(e.runner, "forward", fail_once)
+    with pytest.raises(RuntimeError, match="simulated"):
+        e.step()  # p1's last 6 tokens and p2's 40, which registered 2 full blocks
+    assert sorted(calls[0]) == [6, 40]
+    e.check_accounting()
+    assert e.cache.num_referenced == 0 and not e.has_unfinished
+    assert e.release(r1).finish_reason == "error" and e.release(r2).finish_reason == "error"
+    assert e.cache.num_cached == 4 and e.stats.failed_steps == 1
+    # The engine goes on; p2's unwritten blocks are not served, p1's written ones are.
+    again = e.generate([p1, p2], GREEDY)
+    assert [o.metrics.num_cached_tokens for o in again] == [64, 0]
+    ref = engine(llama, prefix_caching="off").generate([p1, p2], GREEDY)
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in ref]

@@ -367,6 +367,38 @@ class KVCacheManager:
                                    parent_key if i else None)
         return new_ids
 
+    def discard(self, req: Request, from_block: int) -> int:
+        """Un-cache `req.blocks[from_block:]`, registered but never given their KV (the
+        forward pass that was to write it failed): their keys go, without eviction
+        listeners, and they stay held by `req` as private blocks that `free` releases
+        uncached. Returns how many were un-cached. Raises CacheError and changes nothing
+        when another holder or a block outside the tail depends on one of them."""
+        if self.requests.get(req.request_id) is not req:
+            raise UnknownRequest(f"request {req.request_id!r} holds no blocks")
+        tail = req.blocks[max(from_block, 0):]
+        for b in tail:
+            if b.key is not None and (b.ref_cnt != 1 or b.num_children != sum(
+                    1 for c in tail if c.parent is b)):
+                raise CacheError(f"block {b.block_id} is shared; its KV cannot be discarded")
+        n = 0
+        for b in reversed(tail):  # children first, so the tree stays whole
+            if b.key is None:
+                continue
+            self._pol(b).forget(b)
+            del self.cached[b.key]
+            parent = b.parent
+            if parent is not None:
+                parent.num_children -= 1
+                if parent.num_children == 0 and parent.ref_cnt == 0:
+                    self._pol(parent).on_leaf(parent)
+            b.key = b.content = b.parent = None
+            b.state = b.freq = 0
+            b.parked = None
+            b.heap_ver += 1
+            n += 1
+        del req.keys[from_block:], req.contents[from_block:]
+        return n
+
     def free(self, req: Request | str) -> None:
         """Release a request's blocks, tail-first, so its first block ends most recent."""
         rid = req if isinstance(req, str) else req.request_id

@@ -155,6 +155,21 @@ class SeqSpan:
     # blocks covering num_computed + q_len tokens; a list from the caller, made an int64
     # tensor on the pool's device by build_metadata for the prefills that read it
     block_table: torch.Tensor | list[int]
+    # bool [q_len, context_len] for a prefill on a cached prefix, built once per step by
+    # build_metadata and shared by all layers (None: no prefix, plain causal)
+    prefix_mask: torch.Tensor | None = None
+    prefix_bias: torch.Tensor | None = None  # the mask as 0 / -inf of the model's dtype
+
+    def attention_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """prefix_mask as an additive bias, made on the first layer and reused by the
+        others (SDPA converts a bool mask on every call)."""
+        if self.prefix_mask is None:
+            return None
+        if self.prefix_bias is None or self.prefix_bias.dtype != dtype:
+            self.prefix_bias = torch.zeros(self.prefix_mask.shape, dtype=dtype,
+                                           device=self.prefix_mask.device)
+            self.prefix_bias.masked_fill_(~self.prefix_mask, float("-inf"))
+        return self.prefix_bias
 
     @property
     def context_len(self) -> int:
@@ -193,6 +208,8 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) 
             decodes.append((s, table[:-(-s.context_len // bs)]))
         else:
             s.block_table = torch.tensor(table, dtype=torch.int64, device=device)
+            if s.num_computed > 0:
+                s.prefix_mask = _causal_offset_mask(s.q_len, s.num_computed, device)
             prefills.append(s)
     if len(set(slots)) != len(slots):
         raise ValueError("two new tokens of this batch would write the same KV slot")
@@ -223,31 +240,44 @@ def _causal_offset_mask(q_len: int, num_computed: int, device: torch.device,
     return torch.arange(end, device=device)[None, :] <= q_pos[:, None]
 
 
-PREFILL_CHUNK = 128  # query rows per attention call in a prefill
+PREFILL_CHUNK = 256  # query rows per attention call in a prefill on a cached prefix (CPU)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: int,
-                     scale: float) -> torch.Tensor:
-    """Causal attention of new tokens on top of `num_computed` earlier ones.
-    q [H, L, D] at positions num_computed ..; k/v [H, num_computed + L, *].
-    Returns [H, L, Dv].
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of L new tokens, on top of the earlier tokens whose keys lead k/v.
+    q [H, L, D]; k/v [KVH, S, *] with KVH dividing H (grouped heads share a K/V head,
+    no copy); prefix_mask: None when S == L (no earlier tokens), else bool [L, S] (query
+    i sees keys up to S - L + i), or that mask as an additive bias. Returns [H, L, Dv].
 
-    On CPU the query runs in chunks, each against the keys up to its last position
-    only: SDPA's kernels there compute the whole masked-out triangle (is_causal=True is
-    about 3x slower than this for 1k tokens). On GPU one fused call does it."""
-    n_new = q.shape[1]
-    if q.device.type != "cpu":
-        mask = None if num_computed == 0 else _causal_offset_mask(n_new, num_computed, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                              is_causal=mask is None, scale=scale)
+    Inputs go to SDPA as 4-D [1, heads, len, dim]: with 3-D ones torch's CPU dispatch
+    takes the math path (a masked score matrix, a safe softmax, ~2.3x slower), with 4-D
+    its flash kernel, which also takes grouped K/V heads (`enable_gqa`) as they are. On
+    CPU a prefix prefill runs in query chunks, each against the keys up to its last
+    position only, so the masked-out triangle of a long suffix is not computed."""
+    gqa = k.shape[0] != q.shape[0]
+    dv = v.shape[-1]
+    # The flash kernel wants one head dim for q, k and v (MLA: 192 vs 128 in DeepSeek-V3);
+    # zero padding changes no dot product and no output column we keep.
+    width = max(q.shape[-1], dv)
+    q4, k4, v4 = (x[None] if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))[None]
+                  for x in (q, k, v))
+    if prefix_mask is None:
+        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
+                                           enable_gqa=gqa)
+        return o[0, ..., :dv]
+    n_new, n_ctx = q.shape[1], k.shape[1]
+    if q.device.type != "cpu" or n_new <= PREFILL_CHUNK:
+        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=prefix_mask, scale=scale,
+                                              enable_gqa=gqa)[0, ..., :dv]
     outs = []
     for first in range(0, n_new, PREFILL_CHUNK):
         n = min(PREFILL_CHUNK, n_new - first)
-        end = num_computed + first + n
-        mask = _causal_offset_mask(n, num_computed, q.device, first)
-        outs.append(F.scaled_dot_product_attention(q[:, first:first + n], k[:, :end],
-                                                   v[:, :end], attn_mask=mask, scale=scale))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        end = n_ctx - n_new + first + n
+        outs.append(F.scaled_dot_product_attention(
+            q4[:, :, first:first + n], k4[:, :, :end], v4[:, :, :end],
+            attn_mask=prefix_mask[first:first + n, :end], scale=scale, enable_gqa=gqa)[0])
+    return torch.cat(outs, dim=1)[..., :dv]
 
 
 def latent_attention(q: torch.Tensor, ctx: torch.Tensor, value_width: int, scale: float,
@@ -271,14 +301,9 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
 
 
 # ---- GQA (Llama family) ---------------------------------------------------------------------
-# SDPA's `enable_gqa` falls back to the slow math kernel on CPU, so grouped heads are
-# handled here: prefills repeat each KV head for its query heads (a copy of this
-# sequence's K/V only); decodes fold a group's query heads into the query-length axis,
-# which needs no copy since one decode query of every head sees the same keys.
-def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
-    return x if group == 1 else x.repeat_interleave(group, dim=0)
-
-
+# Prefills hand grouped K/V heads to SDPA's flash kernel as they are (see causal_attention);
+# decodes fold a group's query heads into the query-length axis, which needs no copy
+# since one decode query of every head sees the same keys.
 def paged_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -295,12 +320,11 @@ def paged_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         sl = slice(s.q_start, s.q_start + s.q_len)
         if s.num_computed == 0:
             ks, vs = k[sl], v[sl]
-        else:
+        else:  # one index_select per cache, the only copy of the sequence's K/V
             ks = gather_blocks(k_cache, s.block_table, s.context_len).to(q.dtype)
             vs = gather_blocks(v_cache, s.block_table, s.context_len).to(q.dtype)
-        ks = _repeat_kv(ks.transpose(0, 1), group)
-        vs = _repeat_kv(vs.transpose(0, 1), group)
-        o = causal_attention(q[sl].transpose(0, 1), ks, vs, s.num_computed, scale)
+        o = causal_attention(q[sl].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                             scale, s.attention_bias(q.dtype))
         out[sl] = o.transpose(0, 1)
     if meta.num_decodes:
         n = meta.num_decodes
@@ -355,7 +379,9 @@ def paged_mla_attention(
         if absorb_prefill or (s.num_computed > 0 and absorbed_cost < expanded_cost):
             q_lat = torch.einsum("thd,hdr->htr", q_nope[sl], w_uk)
             q = torch.cat((q_lat, q_rope[sl].transpose(0, 1)), dim=-1)  # [H, L, r + dr]
-            mask = _causal_offset_mask(s.q_len, s.num_computed, q.device)
+            mask = s.prefix_mask
+            if mask is None:  # absorb_prefill without a prefix
+                mask = _causal_offset_mask(s.q_len, s.num_computed, q.device)
             o = latent_attention(q, ctx, r, scale, mask)  # [H, L, r]
             out[sl] = torch.einsum("htr,hvr->thv", o, w_uv)
             continue
@@ -363,7 +389,7 @@ def paged_mla_attention(
         k_rope = ctx[:, None, r:].expand(-1, heads, -1)
         k = torch.cat((k_nope, k_rope), dim=-1).transpose(0, 1)
         q = torch.cat((q_nope[sl], q_rope[sl]), dim=-1).transpose(0, 1)
-        o = causal_attention(q, k, v.transpose(0, 1), s.num_computed, scale)
+        o = causal_attention(q, k, v.transpose(0, 1), scale, s.attention_bias(q.dtype))
         out[sl] = o.transpose(0, 1)
     if meta.num_decodes:
         n = meta.num_decodes

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..cache import CacheConfig, EvictionPolicy, KVCacheManager, make_policy, policy_names
+from ..cache import (
+    CacheConfig,
+    CacheError,
+    EvictionPolicy,
+    KVCacheManager,
+    make_policy,
+    policy_names,
+)
 from ..tiers.device import DeviceKVPool
 from .runner import ModelRunner, SeqBatchItem
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SeqStatus
@@ -158,6 +165,7 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
     decode_tokens: int = 0
     preemptions: int = 0
+    failed_steps: int = 0  # forward passes that raised (their requests ended with "error")
     # For "KV memory saved": blocks the running sequences hold, summed over steps, as
     # logical references and as distinct physical blocks.
     logical_blocks: int = 0
@@ -311,8 +319,7 @@ class LLMEngine:
         try:
             logits = self.runner.forward(batch)
         except BaseException as e:
-            # Blocks registered for this step hold no KV now; the cache cannot be trusted.
-            self._failed = e
+            self._abort_failed_step(out, e)
             raise
         t2 = time.perf_counter()
         self.stats.forward_seconds += t2 - t1
@@ -324,6 +331,27 @@ class LLMEngine:
         self.stats.other_seconds += (t1 - t0) + (t4 - t3)
         self.stats.step_seconds += t4 - t_start
         return results
+
+    def _abort_failed_step(self, out: SchedulerOutput, error: BaseException) -> None:
+        """A forward pass raised: the blocks this step registered never got their KV.
+        They leave the cache and this step's requests end with reason "error"; the
+        engine goes on with the others. Only if that is impossible (a block shared
+        after all) does it refuse further steps."""
+        bs = self.kv_pool.block_size
+        try:
+            for it in out.items:
+                req = it.seq.cache_req
+                if req is not None:
+                    self.cache.discard(req, it.num_computed // bs)
+        except CacheError:
+            self._failed = error
+            return
+        now = self.clock()
+        for it in out.items:
+            self.scheduler.finish(it.seq, "error")
+            self.requests[it.seq.seq_id].metrics.finished = now
+        self.scheduler.fresh.clear()
+        self.stats.failed_steps += 1
 
     def _count_memory(self) -> None:
         st = self.stats
