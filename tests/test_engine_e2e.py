@@ -254,3 +254,33 @@ def test_failed_forward_aborts_only_its_step(llama: tuple, monkeypatch: pytest.M
     assert [o.metrics.num_cached_tokens for o in again] == [64, 0]
     ref = engine(llama, prefix_caching="off").generate([p1, p2], GREEDY)
     assert [o.output_token_ids for o in again] == [o.output_token_ids for o in ref]
+
+
+def test_extreme_sampling_parameters_still_sample() -> None:
+    """top_p below float32's smallest value and a vanishing temperature must not make the
+    sampler drop every token (found by fuzzing the server)."""
+    from kvheat.engine.engine import LLMEngine, SamplingParams
+
+    eng = LLMEngine.from_pretrained(None, "llama")
+    outs = eng.generate([[1, 2, 3, 4, 5]] * 2, [SamplingParams(max_tokens=3, temperature=1.0, top_p=1e-300, seed=1, ignore_eos=True),
+                                                SamplingParams(max_tokens=3, temperature=1e-300, seed=2, ignore_eos=True)])
+    greedy = eng.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [len(o.output_token_ids) for o in outs] == [3, 3]
+    assert outs[0].output_token_ids == outs[1].output_token_ids == greedy[0].output_token_ids  # both reduce to argmax
+
+
+def test_request_that_can_never_get_its_blocks_ends_with_error(llama: tuple) -> None:
+    """A tenant whose quota is below its prompt, in a pool full of another tenant's cached
+    blocks, cannot evict them: its request ends with "error" and the engine keeps serving."""
+    e = engine(llama, num_blocks=8)
+    for p in prompts(5, 4, lo=32, hi=32):  # tenant a caches 2 full blocks per prompt
+        e.generate([p], SamplingParams(max_tokens=1), tenant="a")
+    assert e.cache.tenant_usage("a") == 8 and e.cache.num_free == 0
+    e.cache.set_tenant_quota("b", 1)
+    rid = e.add_request(prompts(6, 1, lo=40, hi=40)[0], SamplingParams(max_tokens=2), tenant="b")
+    e.run()
+    assert e.release(rid).finish_reason == "error"
+    assert e.stats.unschedulable == 1
+    again = e.generate([prompts(7, 1, lo=10, hi=10)[0]], SamplingParams(max_tokens=2), tenant="a")
+    assert again[0].finish_reason == "length"
+    e.scheduler.check_accounting()

@@ -166,6 +166,7 @@ class EngineStats:
     decode_tokens: int = 0
     preemptions: int = 0
     failed_steps: int = 0  # forward passes that raised (their requests ended with "error")
+    unschedulable: int = 0  # requests that could never get their blocks (ended with "error")
     # For "KV memory saved": blocks the running sequences hold, summed over steps, as
     # logical references and as distinct physical blocks.
     logical_blocks: int = 0
@@ -311,7 +312,13 @@ class LLMEngine:
         self.stats.preemptions += len(out.preempted)
         if out.empty:
             if sched.has_work and not sched.running:
-                raise RuntimeError("nothing could be scheduled although requests wait")
+                # Nothing runs and the oldest waiting request still cannot get its blocks
+                # (a tenant quota below its prompt, a pool held by pinned prefixes): it can
+                # never run, so it ends with reason "error" and the others go on.
+                head = sched.waiting[0]
+                sched.finish(head, "error")
+                self.requests[head.seq_id].metrics.finished = self.clock()
+                self.stats.unschedulable += 1
             return []
         self._count_memory()
         batch = [SeqBatchItem(it.token_ids, it.num_computed, it.block_table) for it in out.items]
@@ -399,7 +406,7 @@ class LLMEngine:
         out: list[int] = []
         for i, r in enumerate(reqs):
             p = r.params
-            if p.temperature == 0:
+            if p.temperature < 1e-5:  # below this, dividing logits overflows: greedy
                 out.append(int(greedy[i]))
                 continue
             row = logits[i].float() / p.temperature
@@ -411,6 +418,7 @@ class LLMEngine:
                 sp, idx = torch.sort(probs, descending=True)
                 # keep the smallest set whose mass reaches top_p (the first token always)
                 drop = sp.cumsum(0) - sp >= p.top_p
+                drop[0] = False  # a top_p below float32's smallest value must keep one token
                 sp = sp.masked_fill(drop, 0.0)
                 probs = torch.zeros_like(probs).scatter_(0, idx, sp)
             out.append(int(torch.multinomial(probs, 1, generator=r.generator).item()))
