@@ -10,17 +10,19 @@ import json
 from functools import partial
 from pathlib import Path
 
-from heat_replay import get_trace, replay
+from heat_replay import prepared
 
 from kvheat.heat import KVHeat
+from kvheat.replay import replay
 
 OFF = dict(ghost=0, tail_penalty_s=0, regime=False, extension_penalty_s=0, adapt_extension=False)
+GHOST = 8.0  # the default: keeps the last ~8x capacity evictions (5.3-10.7x)
 VARIANTS = {
     "LRU-like (hl=1s, nothing else)": dict(OFF, half_life_s=1.0),
     "decayed count (hl=150s)": dict(OFF),
-    "+ history (ghost 8x capacity)": dict(OFF, ghost=8.0),
-    "+ partial-tail demotion": dict(OFF, ghost=8.0, tail_penalty_s=1000.0),
-    "+ entropy regime (one-off demotion)": dict(OFF, ghost=8.0, tail_penalty_s=1000.0, regime=True),
+    "+ history (ghost ~8x capacity)": dict(OFF, ghost=GHOST),
+    "+ partial-tail demotion": dict(OFF, ghost=GHOST, tail_penalty_s=1000.0),
+    "+ entropy regime (one-off demotion)": dict(OFF, ghost=GHOST, tail_penalty_s=1000.0, regime=True),
     "+ fixed extension demotion (200s)": dict(extension_penalty_s=200.0, adapt_extension=False),
     "+ learned extension demotion = kvheat default": dict(),
     "default + online half-life tuning": dict(tune=True),
@@ -40,9 +42,9 @@ def main() -> None:
     caps = [int(float(c[:-1]) * 1_000_000) for c in a.capacity.split(",")]
     rows = []
     for tname in a.trace.split(","):
-        trace = get_trace(tname)
+        trace = prepared(tname)
         for label, kw in VARIANTS.items():
-            hits = [replay(trace, partial(KVHeat, **kw), c)["hit_rate"] for c in caps]
+            hits = [replay(trace, partial(KVHeat, **kw), c).hit_rate for c in caps]
             rows.append({"trace": tname, "variant": label, "capacities": caps, "hit_rate": hits})
             print(f"{tname:6s} {label:46s} " + "  ".join(f"{100 * h:6.2f}%" for h in hits), flush=True)
     if a.json:

@@ -39,7 +39,7 @@ def memory_per_key(n: int = 100_000) -> dict[str, float]:
     tracemalloc.stop()
     used = sum(s.size_diff for s in snap.compare_to(base, "filename"))
     return {"keys": n, "bytes_per_key_structure": used / n,
-            "bytes_per_key_arrays": (tr.u.nbytes + tr.epoch.nbytes) / n,
+            "bytes_per_key_arrays": tr.array_bytes() / n,
             "note": "key objects themselves (16-byte bytes, ~49 B each) are owned by the cache"}
 
 
@@ -74,7 +74,7 @@ def main() -> None:
           f"relative error vs from-scratch {acc['relative_error']:.2e}, {acc['us_per_update']:.2f} µs/update")
     mem = memory_per_key()
     print(f"memory: {mem['bytes_per_key_structure']:.1f} B/key (dict slot + arrays), "
-          f"{mem['bytes_per_key_arrays']:.1f} B/key in the numpy arrays")
+          f"{mem['bytes_per_key_arrays']:.1f} B/key in the typed arrays")
     samp = sampling_error()
     print("entropy-adaptive sampling (25% below 4.2 bits):")
     for s in samp:

@@ -1,8 +1,8 @@
-"""A small, self-contained trace replayer for tuning the heat policies.
+"""Trace loading for the heat benchmarks, and a quick policy grid on the project replayer.
 
-It drives `KVCacheManager` exactly as the project's replayer does (one request at a time,
-allocate then free, cache clock = trace time) and feeds Belady its oracle. Used by the
-heat benchmarks; `kvheat replay` is the user-facing tool.
+Every heat benchmark replays through `kvheat.replay.replay` on a `PreparedTrace` (keys
+hashed once per trace; Belady's oracle and the miss breakdown come from the replayer), as
+`kvheat replay` does.
 
     .venv/bin/python bench/heat_replay.py --trace conv --policies lru,twoq,kvheat
 """
@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import kvheat.heat  # noqa: F401  (registers the heat policies)
-from kvheat.cache import CacheConfig, EvictionPolicy, KVCacheManager, make_policy
+from kvheat.replay import PreparedTrace, parse_tokens, replay
 from kvheat.replay.traces import TraceRequest, WorkloadConfig, generate_workload, load_trace
 
 TRACES_DIR = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -35,43 +34,10 @@ def get_trace(name: str) -> list[TraceRequest]:
     return load_trace(TRACES_DIR / TRACE_FILES.get(name, name), BLOCK)
 
 
-def next_uses(trace: list[TraceRequest]) -> list[list[float]]:
-    """For each request and block position, the index of the next request using that
-    prefix (inf when none): Belady's oracle."""
-    last: dict[int, int] = {}
-    out: list[list[float]] = [[] for _ in trace]
-    for i in range(len(trace) - 1, -1, -1):
-        ids = trace[i].hash_ids
-        out[i] = [float(last.get(h, float("inf"))) for h in ids]
-        for h in ids:
-            last[h] = i
-    return out
-
-
-def replay(trace: list[TraceRequest], policy: str | Callable[[], EvictionPolicy],
-           capacity_tokens: int, oracle: list[list[float]] | None = None) -> dict[str, float]:
-    pol = make_policy(policy) if isinstance(policy, str) else policy()
-    now = [0.0]
-    mgr = KVCacheManager(CacheConfig(capacity_tokens // BLOCK, BLOCK), pol, clock=lambda: now[0])
-    if pol.needs_future and oracle is None:
-        oracle = next_uses(trace)
-    skipped = 0
-    t0 = time.perf_counter()
-    for i, r in enumerate(trace):
-        now[0] = r.timestamp_ms / 1000.0
-        if len(r.hash_ids) > mgr.config.num_blocks:
-            skipped += 1
-            continue
-        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant, r.session)
-        if oracle is not None:
-            nu = pol.next_use  # type: ignore[attr-defined]
-            for k, v in zip(req.keys, oracle[i]):
-                nu[k] = v
-        mgr.allocate(req)
-        mgr.free(req)
-    wall = time.perf_counter() - t0
-    return {"hit_rate": mgr.stats.hit_rate, "wall_s": wall, "skipped": skipped,
-            **{k: float(v) for k, v in pol.stats().items()}}
+@cache
+def prepared(name: str) -> PreparedTrace:
+    """The named trace with its keys computed once per process."""
+    return PreparedTrace(get_trace(name), BLOCK)
 
 
 def main() -> None:
@@ -81,17 +47,16 @@ def main() -> None:
     ap.add_argument("--capacity", default="1M,3M,10M")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    caps = [int(float(c[:-1]) * 1_000_000) if c.endswith("M") else int(c) for c in a.capacity.split(",")]
+    caps = [parse_tokens(c) for c in a.capacity.split(",")]
     results = []
     for tname in a.trace.split(","):
-        trace = get_trace(tname)
-        oracle = next_uses(trace)
+        pt = prepared(tname)
         for pname in a.policies.split(","):
             row = []
             for cap in caps:
-                r = replay(trace, pname, cap, oracle if pname == "belady" else None)
-                results.append({"trace": tname, "policy": pname, "capacity": cap, **r})
-                row.append(f"{100 * r['hit_rate']:6.2f}% ({r['wall_s']:.1f}s)")
+                r = replay(pt, pname, cap)
+                results.append({"trace": tname, **r.as_dict()})
+                row.append(f"{100 * r.hit_rate:6.2f}% ({r.seconds:.1f}s)")
             print(f"{tname:6s} {pname:10s} " + "  ".join(row), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))

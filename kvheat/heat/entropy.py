@@ -9,7 +9,7 @@ e^{λ(t - base)}. With u_k the summed weights of key k, U = Σu_k and V = Σu_k�
 An access to k changes u_k by x, U by x and V by (u+x)ln(u+x) - u ln u, computed as
 u·log1p(x/u) + x·ln(u+x) to avoid cancellation; U and V are Kahan-compensated sums. When
 the exponent grows large the base moves (U and V rescale exactly, keys lazily through an
-epoch stamp), so weights never overflow. Per-key state lives in numpy arrays indexed by
+epoch stamp), so weights never overflow. Per-key state lives in flat typed arrays indexed by
 a dict slot: no Python object per key beyond the dict entry.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+from array import array
 from collections.abc import Hashable
 
 import numpy as np
@@ -52,7 +53,7 @@ class EntropyTracker:
     of accesses is recorded, each with weight 1/`sample_low` (unbiased counts).
     """
 
-    def __init__(self, half_life: float = 1000.0, capacity: int = 1024,
+    def __init__(self, half_life: float = 1000.0, capacity: int = 1024,  # noqa: ARG002 (kept for callers; arrays grow per key)
                  sample_low: float = 1.0, low_bits: float = 4.2, seed: int = 0) -> None:
         if half_life <= 0:
             raise ValueError("half_life must be positive")
@@ -60,8 +61,10 @@ class EntropyTracker:
             raise ValueError("sample_low must be in (0, 1]")
         self.lam = LN2 / half_life
         self.slot: dict[Hashable, int] = {}
-        self.u = np.zeros(capacity, dtype=np.float64)
-        self.epoch = np.zeros(capacity, dtype=np.int32)
+        # Flat typed arrays (8 + 4 bytes per key), read as plain Python numbers: no numpy
+        # scalar arithmetic on the per-access path.
+        self.u = array("d")
+        self.epoch = array("i")
         self.shifts: list[float] = [0.0]  # cumulative base shift (in exponent) per epoch
         self.base = 0.0  # time whose weight is e^0
         self.U = _Kahan()
@@ -78,9 +81,9 @@ class EntropyTracker:
 
     def _weight(self, i: int) -> float:
         """Current stored weight of slot i, brought to the current epoch."""
-        e = int(self.epoch[i])
+        e = self.epoch[i]
         cur = len(self.shifts) - 1
-        u = float(self.u[i])
+        u = self.u[i]
         if e != cur:
             u *= math.exp(-(self.shifts[cur] - self.shifts[e]))
             self.u[i] = u
@@ -115,19 +118,28 @@ class EntropyTracker:
         i = self.slot.get(key)
         if i is None:
             i = len(self.slot)
-            if i == len(self.u):
-                self.u = np.concatenate([self.u, np.zeros(len(self.u), dtype=np.float64)])
-                self.epoch = np.concatenate([self.epoch, np.zeros(len(self.epoch), dtype=np.int32)])
             self.slot[key] = i
-            self.epoch[i] = len(self.shifts) - 1
+            self.u.append(0.0)
+            self.epoch.append(len(self.shifts) - 1)
             u = 0.0
+        elif self.epoch[i] == len(self.shifts) - 1:
+            u = self.u[i]  # same epoch: no rescaling
         else:
             u = self._weight(i)
         new = u + x
         dv = (u * math.log1p(x / u) if u > 0 else 0.0) + x * math.log(new)
         self.u[i] = new
-        self.U.add(x)
-        self.V.add(dv)
+        # Kahan additions inlined (this runs once per tracked access).
+        K = self.U
+        y = x - K.c
+        t = K.s + y
+        K.c = (t - K.s) - y
+        K.s = t
+        K = self.V
+        y = dv - K.c
+        t = K.s + y
+        K.c = (t - K.s) - y
+        K.s = t
 
     def entropy(self) -> float:
         """Current entropy in nats (0 for no accesses)."""
@@ -144,7 +156,7 @@ class EntropyTracker:
         n = len(self.slot)
         for i in range(n):
             self._weight(i)
-        u = self.u[:n]
+        u = np.frombuffer(self.u, dtype=np.float64)[:n]
         u = u[u > 0]
         U = math.fsum(u.tolist())
         if U <= 0:
@@ -157,7 +169,11 @@ class EntropyTracker:
 
     def memory_bytes(self) -> int:
         """Bytes held: the arrays plus the dict's table (keys themselves not counted)."""
-        return int(self.u.nbytes + self.epoch.nbytes + sys.getsizeof(self.slot))
+        return int(self.array_bytes() + sys.getsizeof(self.slot))
+
+    def array_bytes(self) -> int:
+        """Bytes of the per-key weight and epoch arrays."""
+        return len(self.u) * self.u.itemsize + len(self.epoch) * self.epoch.itemsize
 
 
 def shannon_bits(counts: np.ndarray) -> float:

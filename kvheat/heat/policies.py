@@ -1,10 +1,11 @@
 """Heat-driven eviction policies the block cache runs (registered on import).
 
 - `kvheat`: the default heat policy. A block's heat is its exponentially decayed access
-  count (half-life `half_life_s`), kept in log space against a growing base so that the
-  eviction key ln Σe^{λ t_i} never needs refreshing while the block sits idle (LRFU);
-  the coldest evictable leaf goes first (a min-heap, lazy deletion, parking for blocks
-  that are referenced or still have cached children). On top of that:
+  count (half-life `half_life_s`), kept against a growing base so that the eviction key
+  Σe^{λ(t_i − base)} never needs refreshing while the block sits idle (LRFU); the
+  coldest evictable leaf goes first (a min-heap of floats with equal-key buckets, lazy
+  deletion, parking for blocks that are referenced or still have cached children). On
+  top of that:
   * history: evicted blocks leave their heat in a ghost map, so a prefix that comes back
     resumes its count instead of starting cold (what makes frequency work at all when
     reuse distances exceed the cache, as in multi-turn chat);
@@ -32,7 +33,7 @@ from ..cache.block import Block, BlockQueue
 from ..cache.policy import EvictionPolicy, register_policy
 from .decay import rate_for_half_life
 from .drift import DriftDetector
-from .entropy import EntropyTracker
+from .entropy import LN2, EntropyTracker
 from .scoring import HIGH, LOW, Regime
 from .tuning import OnlineTuner
 
@@ -42,32 +43,109 @@ PINNED, ONE_OFF, EXTENSION, FRESH = 1, 2, 4, 8
 
 
 class _HeapPolicy(EvictionPolicy):
-    """Evict the evictable leaf with the smallest key; subclasses define `_key`."""
+    """Evict the evictable leaf with the smallest key; subclasses define `_key`.
+
+    The heap holds bare floats (C-speed comparisons, no tuples); `owner` maps each to
+    a bucket: the blocks pushed with that key, in push order. Consecutive pushes of an
+    equal key (a request's blocks, inserted at one time) share one bucket and one heap
+    entry; other equal keys step to the next float up. Ties thus go to the earlier push
+    (the cache releases a request tail-first, so a chain's tail leaves before its head).
+    An entry is live while it equals `block.heap_ver` (lazy invalidation: a newer push
+    supersedes it; NaN: none)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.heap: list[tuple[float, int, int, Block]] = []  # key, seq, version, block
-        self._seq = 0
+        self.heap: list[float] = []
+        self.owner: dict[float, list[Block]] = {}
+        self._last_key = math.nan
+        self._last_slot = math.nan
+        self._cur: list[Block] = []  # the bucket `victim` is draining (left of heap)
+        self._cur_i = 0
+        self._cur_u = math.nan
+        self._entries = 0  # pushes since the last compaction, plus what it kept
+        self._compact_at = 1024
 
     def _key(self, b: Block) -> float:
         raise NotImplementedError
 
     def _push(self, b: Block) -> None:
-        b.heap_ver += 1
-        self._seq += 1
-        # Ties go to the earlier push: the cache releases a request tail-first, so a
-        # chain's tail leaves before its head.
-        heapq.heappush(self.heap, (self._key(b), self._seq, b.heap_ver, b))
+        self._push_key(b, self._key(b))
+
+    def _push_key(self, b: Block, k: float) -> None:
+        owner = self.owner
+        if k == self._last_key:
+            bucket = owner.get(self._last_slot)
+            if bucket is not None:
+                bucket.append(b)
+                b.heap_ver = self._last_slot
+                self._entries += 1
+                return
+        u = k
+        while u in owner:
+            u = math.nextafter(u, math.inf)
+        self._last_key = k
+        self._last_slot = u
+        owner[u] = [b]
+        b.heap_ver = u
+        heapq.heappush(self.heap, u)
+        self._entries += 1
+        if self._entries > self._compact_at:
+            self._compact()
+
+    def _park_bucket(self) -> None:
+        """Return the rest of the bucket being drained to the heap (before later pushes
+        of the same key)."""
+        rest = self._cur[self._cur_i:]
+        self._cur, self._cur_i = [], 0
+        if rest:
+            u = self._cur_u
+            later = self.owner.get(u)
+            if later is None:
+                self.owner[u] = rest
+                heapq.heappush(self.heap, u)
+            else:
+                self.owner[u] = rest + later
+
+    def _live(self) -> list[Block]:
+        self._park_bucket()
+        seen: dict[int, Block] = {}
+        for u, bucket in self.owner.items():
+            for b in bucket:
+                if u == b.heap_ver and b.key is not None:
+                    seen[id(b)] = b
+        return list(seen.values())
 
     def _rebuild(self) -> None:
-        live = [e[3] for e in self.heap if e[2] == e[3].heap_ver and e[3].key is not None]
+        live = self._live()
         self.heap = []
+        self.owner = {}
+        self._last_key = math.nan
+        self._entries = 0
         for b in live:
             self._push(b)
 
+    def _compact(self) -> None:
+        """Drop superseded entries (keys unchanged, so one heapify): keeps the heap, and
+        the log n of every push, near the number of evictable blocks."""
+        self._park_bucket()
+        owner: dict[float, list[Block]] = {}
+        kept = 0
+        for u, bucket in self.owner.items():
+            live = [b for b in bucket if u == b.heap_ver and b.key is not None]
+            if live:
+                owner[u] = live
+                kept += len(live)
+        self.owner = owner
+        self.heap = heap = list(owner)
+        heapq.heapify(heap)
+        self._last_key = math.nan
+        self._entries = kept
+        self._compact_at = kept + max(kept // 2, self.capacity // 2) + 256
+
     def on_acquire(self, b: Block) -> None:
-        b.heap_ver += 1  # invalidates its heap entry
-        b.parked = None
+        # Nothing to do: a referenced block's entry is skipped (parked) by `victim`, and
+        # its release pushes a fresh entry that supersedes the old one.
+        pass
 
     def on_release(self, b: Block, now: float) -> None:
         b.parked = None
@@ -80,16 +158,37 @@ class _HeapPolicy(EvictionPolicy):
 
     def victim(self) -> Block | None:
         heap = self.heap
-        while heap:
-            _, _, ver, b = heapq.heappop(heap)
-            if ver != b.heap_ver or b.key is None:
+        while True:
+            cur, i = self._cur, self._cur_i
+            if i >= len(cur):
+                if not heap:
+                    self._cur, self._cur_i = [], 0
+                    return None
+                u = heapq.heappop(heap)
+                cur = self._cur = self.owner.pop(u)
+                i = 0
+                self._cur_u = u
+            elif heap and heap[0] < self._cur_u:  # a smaller key arrived meanwhile
+                self._park_bucket()
                 continue
-            if b.ref_cnt or b.num_children:
-                b.parked = _PARKED
-                continue
-            b.heap_ver += 1
-            return b
-        return None
+            u = self._cur_u
+            n = len(cur)
+            while i < n:
+                b = cur[i]
+                i += 1
+                if u != b.heap_ver or b.key is None:
+                    continue
+                if b.ref_cnt or b.num_children:
+                    b.parked = _PARKED
+                    continue
+                self._cur_i = i
+                b.heap_ver = math.nan
+                return b
+            self._cur_i = i
+
+    def forget(self, b: Block) -> None:
+        b.heap_ver = math.nan
+        b.parked = None
 
 
 class _Ghost:
@@ -114,11 +213,17 @@ class _Ghost:
 class KVHeat(_HeapPolicy):
     """Decayed-frequency heat with history, suffix demotion and optional adaptation.
 
-    Per block: `meta` = ln(decayed count) at time `next_use` (the block's own heat clock).
-    Heap key = meta + λ·next_use = ln Σ_i e^{λ t_i}, comparable across blocks at any time.
+    Per block: `meta` = Σ_i e^{λ(t_i − base)}, the decayed access count scaled by the
+    common growing factor e^{λ(now − base)} (LRFU with a growing base), so a hit is one
+    addition of the per-timestamp weight `_w`, idle blocks never need refreshing and keys
+    of different blocks compare directly. Penalties are constant factors e^{−λ·penalty}.
+    `next_use` = last access time, `freq` = the generation (base, λ) `meta` is relative
+    to: when the exponent nears overflow the base moves, and the tuner may change λ;
+    blocks convert lazily on their next touch, through their count at last access.
     """
 
     name = "kvheat"
+    REBASE_AT = 600.0  # λ·(now − base) beyond which the base moves (e^709 overflows)
 
     # Defaults chosen on the synthetic Mooncake trace and the generator, then confirmed
     # on the conversation trace (docs/heat.md): the regime helps everywhere, tuning and
@@ -129,12 +234,27 @@ class KVHeat(_HeapPolicy):
                  tune: bool = False, drift: bool = False, entropy_half_life_s: float = 300.0,
                  drift_window: int = 2048, drift_threshold: float = 1.0,
                  extension_penalty_s: float = 400.0, adapt_extension: bool = True,
-                 max_count: float = math.inf) -> None:
+                 max_count: float = math.inf, entropy_sample: int = 1) -> None:
         super().__init__()
+        if entropy_sample < 1:
+            raise ValueError("entropy_sample must be >= 1")
+        self.entropy_sample = entropy_sample
+        self._entropy_n = entropy_sample - 1  # the first access is recorded
         self.half_life_s = half_life_s
         self.lam = rate_for_half_life(half_life_s)
+        self.base = 0.0
+        self.gen = 0  # index of the current (base, λ) in `gens`
+        self.gens: list[tuple[float, float]] = [(0.0, self.lam)]
+        self._t = math.nan  # timestamp `_w` belongs to
+        self._w = 1.0  # e^{λ(_t − base)}: the weight of an access now
+        self._cap = math.inf
         self.ghost_mult = ghost
-        self.ghost: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
+        # History in two generations of plain dicts (O(1), no per-entry links): new
+        # entries go to `ghost`; when it holds `ghost_limit` keys (2/3 of `ghost` ×
+        # capacity) it becomes `ghost_old` and the older one is dropped, so the last
+        # 2/3..4/3 × `ghost` × capacity evictions are kept, `ghost` × capacity on average.
+        self.ghost: dict[bytes, tuple[float, int, float, int]] = {}
+        self.ghost_old: dict[bytes, tuple[float, int, float, int]] = {}
         self.ghost_limit = 0
         self.tail_penalty_s = tail_penalty_s
         self.block_size = 0  # largest block seen: a smaller last block is a partial tail
@@ -149,9 +269,10 @@ class KVHeat(_HeapPolicy):
         self.adapt_extension = adapt_extension
         self.extension_penalty_s = 0.0 if adapt_extension else extension_penalty_s
         self.reuse = [1.0, 4.0, 1.0, 4.0]  # extension reused, inserted; fresh reused, inserted
-        self._first_seen = 0
+        self._first_seen = 0  # first-seen full blocks since the last update
+        self._ext_seen = 0  # of which extensions
         # Saturating the count lets a burst that ended cool down in a few half-lives.
-        self.log_max_count = math.log(max_count)
+        self.max_count = max_count
         self.mode = "mid"
         self.tracker = EntropyTracker(entropy_half_life_s) if (regime or drift) else None
         self.tuner = OnlineTuner(half_life_s, half_life_s / 8, half_life_s * 8) if tune else None
@@ -160,27 +281,72 @@ class KVHeat(_HeapPolicy):
         self.retunes = 0
         self._feedback = regime or drift  # entropy regime / drift watch depth-1 keys
         self._extensions = extension_penalty_s > 0
+        self._factors()
         self._set_mode("mid")
 
     # -- heat ------------------------------------------------------------------------
-    def _key(self, b: Block) -> float:
-        k = b.meta + self.lam * b.next_use  # type: ignore[operator]
-        if b.num_tokens < self.block_size:
-            k -= self.lam * self.tail_penalty_s
-        st = b.state
-        if st:  # flags set at insert: pinned root, first-seen in high H, extension
+    def _factors(self) -> None:
+        """Key multipliers, precomputed: per flag combination and for a partial tail."""
+        lam = self.lam
+        self._tail = math.exp(-lam * self.tail_penalty_s)
+        f = []
+        for st in range(16):
+            s = 0.0
             if st & PINNED:
-                k += self.lam * self.pin_bonus_s
+                s += self.pin_bonus_s
             if st & ONE_OFF:
-                k -= self.lam * self.admit_penalty_s
+                s -= self.admit_penalty_s
             if st & EXTENSION:
-                k -= self.lam * self.extension_penalty_s
-        return k
+                s -= self.extension_penalty_s
+            f.append(math.exp(lam * s))
+        self._flag = f
+
+    def _key(self, b: Block) -> float:
+        if b.freq != self.gen:
+            self._rescale(b)
+        k = b.meta * self._flag[b.state]  # type: ignore[operator]
+        return k * self._tail if b.num_tokens < self.block_size else k
+
+    def _advance(self, now: float) -> None:
+        """A new timestamp: the weight of an access now (moving the base if needed)."""
+        x = self.lam * (now - self.base)
+        if x > self.REBASE_AT:
+            self._rebase(now)
+            x = 0.0
+        self._t = now
+        self._w = w = math.exp(x)
+        self._cap = self.max_count * w  # the saturated count, as a sum now
+
+    def _new_gen(self, base: float) -> None:
+        self.base = base
+        self.gen += 1
+        self.gens.append((base, self.lam))
+        self._t = math.nan
+        self._rebuild()  # live heap keys convert now (via _key), other blocks on next touch
+
+    def _rebase(self, now: float) -> None:
+        self._new_gen(now)
+
+    def _convert(self, m: float, gen: int, t: float) -> float:
+        """A sum relative to generation `gen`, last access `t`, in the current one: the
+        count at `t` is kept (in the old λ), then weighted as of `t` in the new one."""
+        base, lam = self.gens[gen]
+        return m * math.exp(lam * (base - t) + self.lam * (t - self.base))
+
+    def _rescale(self, b: Block) -> None:
+        b.meta = self._convert(b.meta, b.freq, b.next_use)  # type: ignore[arg-type]
+        b.freq = self.gen
+
+    def log_count(self, b: Block, now: float) -> float:
+        """ln of `b`'s decayed access count at time `now` (for inspection and tests)."""
+        base, lam = self.gens[b.freq]  # type: ignore[index]
+        return math.log(b.meta) - lam * (now - base)  # type: ignore[arg-type]
 
     def _set_half_life(self, half_life_s: float) -> None:
         self.half_life_s = half_life_s
         self.lam = rate_for_half_life(half_life_s)
-        self._rebuild()  # keys depend on λ; per-block state does not
+        self._factors()
+        self._new_gen(self.base)
         self.retunes += 1
 
     def _observe(self, b: Block, now: float, hit: bool) -> None:
@@ -190,7 +356,17 @@ class KVHeat(_HeapPolicy):
         if b.depth == 1:  # the key right under a root names a conversation or document
             if self.tracker is not None:
                 self.tracker.update(b.key, now)
-                self._set_mode(self.regime.classify(self.tracker.bits()))
+                # The regime is a coarse, slow signal: re-read it every
+                # `entropy_sample`-th update only (sampling the updates themselves
+                # would see fewer distinct keys and bias the entropy down).
+                self._entropy_n += 1
+                if self._entropy_n >= self.entropy_sample:
+                    self._entropy_n = 0
+                    U = self.tracker.U.s  # entropy() inlined: H = ln U − V/U
+                    bits = max(0.0, math.log(U) - self.tracker.V.s / U) / LN2 if U > 0 else 0.0
+                    mode = self.regime.classify(bits)
+                    if mode != self.mode:
+                        self._set_mode(mode)
             if self.detector is not None and self.detector.observe(b.key):
                 self._on_drift()
 
@@ -204,107 +380,129 @@ class KVHeat(_HeapPolicy):
         """A few new prefixes took over: the heat the old ones built up is stale and would
         hold them for ln(count) half-lives, so every count drops to at most one access
         and the ghost history is forgotten (O(cached blocks), once per drift)."""
-        for e in self.heap:
-            b = e[3]
-            if e[2] == b.heap_ver and b.meta > 0.0:  # type: ignore[operator]
-                b.meta = 0.0
+        lam, base = self.lam, self.base
+        for b in self._live():
+            if b.freq != self.gen:
+                self._rescale(b)
+            one = math.exp(lam * (b.next_use - base))  # type: ignore[operator]
+            if b.meta > one:  # type: ignore[operator]
+                b.meta = one
         self.ghost.clear()
+        self.ghost_old.clear()
         self._rebuild()
 
     def on_insert(self, b: Block, now: float) -> None:
         # Runs once per block filled: flags precomputed, few attribute lookups.
+        if now != self._t:
+            self._advance(now)
+        w = self._w
         n = b.num_tokens
-        if n > self.block_size:
-            self.block_size = n
-        full = n == self.block_size
-        g = self.ghost.pop(b.key, None)  # type: ignore[arg-type]
+        bs = self.block_size
+        if n > bs:
+            self.block_size = bs = n
+        key = b.key
+        g = self.ghost.pop(key, None)  # type: ignore[arg-type]
+        if g is None and self.ghost_old:
+            g = self.ghost_old.pop(key, None)  # type: ignore[arg-type]
         if g is None:
-            b.meta = 0.0
             st = self._new_flags
             p = b.parent
             if p is not None and self._extensions:
                 # A new block extending a prefix known before this request (hit now, or
-                # back from the ghost: log-count > 0) below depth 0 is an appended
-                # suffix; a new parent passes its flag on down the chain.
-                if p.inserted_at != now or p.meta > 0.0:  # type: ignore[operator]
+                # back from the ghost: count > 1) below depth 0 is an appended suffix; a
+                # new parent passes its flag on down the chain.
+                if p.inserted_at != now or p.meta != w:
                     if p.depth >= 1:
                         st |= EXTENSION
                 else:
                     st |= p.state & EXTENSION
-            if full and self.adapt_extension:
-                r = self.reuse
+            if n == bs and self.adapt_extension:
+                # Inserted counts are added to `reuse` in batches of 64 (exact: the
+                # smoothing only applies at the batch end).
                 if st & EXTENSION:
-                    r[1] += 1.0
+                    self._ext_seen += 1
                 else:
                     st |= FRESH
-                    r[3] += 1.0
                 self._first_seen += 1
                 if self._first_seen >= 64:
                     self._update_extension_penalty()
+            b.meta = w
         else:
             self.ghost_hits += 1
-            ln_count, t, st = g
-            c = ln_count - self.lam * (now - t)
-            b.meta = c + math.log1p(math.exp(-c)) if c > 0 else math.log1p(math.exp(c))
+            m, gen, t, st = g
+            if gen != self.gen:
+                m = self._convert(m, gen, t)
+            b.meta = m + w
             if st & (EXTENSION | FRESH):
                 self.reuse[0 if st & EXTENSION else 2] += 1.0
             st = 0
         if self._pin_roots and b.depth == 0:
             st |= PINNED
+        b.freq = self.gen
         b.next_use = now
         b.state = st
-        if self.tuner is not None or (self._feedback and b.depth == 1):
+        if (b.depth == 1 and self._feedback) or self.tuner is not None:
             self._observe(b, now, False)
 
     def on_hit(self, b: Block, now: float) -> None:
-        c = b.meta - self.lam * (now - b.next_use)  # type: ignore[operator]
-        c = c + math.log1p(math.exp(-c)) if c > 0 else math.log1p(math.exp(c))  # ln(1 + e^c)
-        b.meta = c if c < self.log_max_count else self.log_max_count
+        if now != self._t:
+            self._advance(now)
+        if b.freq != self.gen:
+            self._rescale(b)
+        m = b.meta + self._w  # type: ignore[operator]
+        b.meta = m if m < self._cap else self._cap
         b.next_use = now
-        if b.state > PINNED:
-            if b.state & (EXTENSION | FRESH):
-                self.reuse[0 if b.state & EXTENSION else 2] += 1.0
-            b.state &= PINNED  # seen again: no longer a one-off
-        if self.tuner is not None or (self._feedback and b.depth == 1):
+        st = b.state
+        if st > PINNED:
+            if st & (EXTENSION | FRESH):
+                self.reuse[0 if st & EXTENSION else 2] += 1.0
+            b.state = st & PINNED  # seen again: no longer a one-off
+        if (b.depth == 1 and self._feedback) or self.tuner is not None:
             self._observe(b, now, True)
 
     def _update_extension_penalty(self) -> None:
         """Every 64 first-seen inserts: penalty ∝ how much rarer extension reuse is."""
-        self._first_seen = 0
         r = self.reuse
+        r[1] += self._ext_seen
+        r[3] += self._first_seen - self._ext_seen
+        self._first_seen = self._ext_seen = 0
         ratio = (r[0] / r[1]) / (r[2] / r[3])
         self.extension_penalty_s = self.max_extension_penalty_s * min(1.0, max(0.0, 1.0 - ratio))
         for i in range(4):
             r[i] *= 0.95  # the seed's smoothing (§2.4)
+        f, e = self._flag, math.exp(-self.lam * self.extension_penalty_s)
+        for st in range(16):
+            if st & EXTENSION:
+                f[st] = f[st & ~EXTENSION] * e
 
     def on_release(self, b: Block, now: float) -> None:
         # _push with the key computed inline: this runs once per block access.
         b.parked = None
-        lam = self.lam
-        k = b.meta + lam * b.next_use  # type: ignore[operator]
+        if b.freq != self.gen:
+            self._rescale(b)
+        k = b.meta * self._flag[b.state]  # type: ignore[operator]
         if b.num_tokens < self.block_size:
-            k -= lam * self.tail_penalty_s
-        st = b.state
-        if st:
-            if st & ONE_OFF:
-                k -= lam * self.admit_penalty_s
-            if st & EXTENSION:
-                k -= lam * self.extension_penalty_s
-            if st & PINNED:
-                k += lam * self.pin_bonus_s
-        b.heap_ver += 1
-        self._seq += 1
-        heapq.heappush(self.heap, (k, self._seq, b.heap_ver, b))
+            k *= self._tail
+        if k == self._last_key:  # the same key as the previous push: same bucket
+            bucket = self.owner.get(self._last_slot)
+            if bucket is not None:
+                bucket.append(b)
+                b.heap_ver = self._last_slot
+                self._entries += 1
+                return
+        self._push_key(b, k)
 
     def on_evict(self, b: Block) -> None:
         ghost = self.ghost
-        ghost[b.key] = (b.meta, b.next_use, b.state)  # type: ignore[index]
-        if len(ghost) > self.ghost_limit:
-            ghost.popitem(last=False)
+        ghost[b.key] = (b.meta, b.freq, b.next_use, b.state)  # type: ignore[index]
+        if len(ghost) >= self.ghost_limit:
+            self.ghost_old = ghost if self.ghost_limit else {}
+            self.ghost = {}
 
     def bind(self, capacity_blocks: int) -> None:
         super().bind(capacity_blocks)
-        self.ghost_limit = int(self.ghost_mult * capacity_blocks)
+        self.ghost_limit = int(self.ghost_mult * capacity_blocks * 2 / 3)
+        self._compact_at = 2 * capacity_blocks + 256
 
     def stats(self) -> dict[str, float]:
         out = {"half_life_s": self.half_life_s, "ghost_hits": self.ghost_hits,

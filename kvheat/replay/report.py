@@ -83,9 +83,11 @@ def plot(summary: dict, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p in pols:
         xs = [c for c in caps if (p, c) in cell]
-        style = {"linestyle": "--", "color": "black"} if p == "belady" else {"marker": "o"}
+        # kvheat: bold black squares, unlike any colour of the default cycle (arc gets
+        # tab:red from it); Belady: the dashed grey ceiling.
+        style = {"linestyle": "--", "color": "dimgray"} if p == "belady" else {"marker": "o"}
         if p == "kvheat":
-            style = {"marker": "s", "linewidth": 2.5, "color": "tab:red"}
+            style = {"marker": "s", "linewidth": 2.5, "color": "black", "zorder": 3}
         ax.plot(xs, [100 * cell[(p, c)] for c in xs], label=p, **style)
     ax.axhline(100 * summary["infinite"], color="grey", linestyle=":", label="infinite cache")
     ax.set_xscale("log")
