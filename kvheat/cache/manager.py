@@ -114,6 +114,8 @@ class KVCacheManager:
         self._on_hit = None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
         self._on_insert = (None if type(self.policy).on_insert is EvictionPolicy.on_insert
                            else self.policy.on_insert)
+        self._on_acquire = (None if type(self.policy).on_acquire is EvictionPolicy.on_acquire
+                            else self.policy.on_acquire)
         self.clock = clock
         self.num_referenced = 0
         self.stats = CacheStats()
@@ -258,7 +260,10 @@ class KVCacheManager:
             pol = parts.get(b.tenant, policy) if parts else policy
             if b.ref_cnt == 0:
                 self.num_referenced += 1
-                pol.on_acquire(b)
+                if pol is not policy:
+                    pol.on_acquire(b)
+                elif self._on_acquire is not None:
+                    self._on_acquire(b)
             b.ref_cnt += 1
             b.last_access = now
             if pol is not policy:

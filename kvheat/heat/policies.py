@@ -142,10 +142,8 @@ class _HeapPolicy(EvictionPolicy):
         self._entries = kept
         self._compact_at = kept + max(kept // 2, self.capacity // 2) + 256
 
-    def on_acquire(self, b: Block) -> None:
-        # Nothing to do: a referenced block's entry is skipped (parked) by `victim`, and
-        # its release pushes a fresh entry that supersedes the old one.
-        pass
+    # No on_acquire: a referenced block's entry is skipped (parked) by `victim`, and its
+    # release pushes a fresh entry that supersedes the old one (the cache skips the call).
 
     def on_release(self, b: Block, now: float) -> None:
         b.parked = None
