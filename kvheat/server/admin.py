@@ -51,12 +51,6 @@ def admin_router(server: KVHeatServer) -> APIRouter:
             raise ApiError(404, f"unknown tenant {name!r}", param="tenant")
         return name
 
-    def cache_method(name: str) -> None:
-        eng = next(iter(worker.engines.values()))
-        if not hasattr(eng.cache, name):
-            raise ApiError(501, f"this kvheat cache has no {name}()", "server_error",
-                           code="not_implemented")
-
     async def on_engines(fn: Any) -> dict[str, Any]:
         try:
             return await worker.acall(lambda: {arm: fn(eng) for arm, eng in
@@ -126,7 +120,6 @@ def admin_router(server: KVHeatServer) -> APIRouter:
     async def flush(tenant: str, request: Request) -> Response:
         check(request)
         t = tenant_of(tenant)
-        cache_method("flush_tenant")
         evicted = await on_engines(lambda eng: eng.cache.flush_tenant(t))
         return _json({"tenant": tenant, "evicted_blocks": evicted})
 
@@ -136,7 +129,6 @@ def admin_router(server: KVHeatServer) -> APIRouter:
         t = tenant_of(tenant)
         if t is None:
             raise ApiError(400, "quotas need tenants (none are configured)")
-        cache_method("set_tenant_quota")
 
         def apply(eng: Any) -> int:
             eng.cache.set_tenant_quota(t, body.blocks)
@@ -150,7 +142,6 @@ def admin_router(server: KVHeatServer) -> APIRouter:
     async def pin(body: PinRequest, request: Request) -> Response:
         check(request)
         t = tenant_of(body.tenant)
-        cache_method("pin_prefix")
         prompt = prompt_of(body)
         if len(prompt) >= server.max_model_len:
             raise ApiError(400, f"the prefix has {len(prompt)} tokens; the context length is "
@@ -175,7 +166,6 @@ def admin_router(server: KVHeatServer) -> APIRouter:
     async def unpin(body: PinRequest, request: Request) -> Response:
         check(request)
         t = tenant_of(body.tenant)
-        cache_method("unpin_prefix")
         prompt = prompt_of(body)
         unpinned = await on_engines(lambda eng: eng.cache.unpin_prefix(prompt, t))
         return _json({"tenant": t, "unpinned": unpinned})
