@@ -11,6 +11,7 @@ import torch
 
 from kvheat.tiers import DeviceKVPool, DiskStore, HostStore
 from kvheat.tiers.codec import CorruptValue, decode, encode, namespace_digest
+from kvheat.tiers.numa import NumaNode, numa_nodes, parse_cpulist, placement
 
 torch.set_num_threads(1)
 
@@ -101,6 +102,94 @@ def test_host_detects_corrupted_slot_and_foreign_namespace() -> None:
     assert host.stats.corrupt_checksum == 1
     assert not host.contains(key(1), salt="tenant:a")  # dropped, slot reusable
     assert len(host.free_slots) == 2
+
+
+def test_host_batches_match_single_calls_and_leave_failed_outputs_unserved() -> None:
+    pool = random_pool("gqa", 6)
+    host = HostStore(4 * pool.bytes_per_block, pool.bytes_per_block)
+    assert host.put_many([(key(b), pool.block_view(b)) for b in range(5)]) == [True] * 4 + [False]
+    assert host.stats.puts == 4 and host.stats.put_refused == 1
+    outs = [torch.empty_like(pool.read_block(0)) for _ in range(5)]
+    host.pool[2, 0] ^= 0x01  # corrupt the third slot
+    got = host.get_many([key(b) for b in range(5)], outs=outs)
+    assert [t is None for t in got] == [False, False, True, False, True]
+    for b in (0, 1, 3):
+        assert got[b] is outs[b] and same_bytes(outs[b], pool.read_block(b))
+    assert host.stats.corrupt_checksum == 1 and host.stats.hits == 3
+    with pytest.raises(ValueError, match="output tensors"):
+        host.get_many([key(0)], outs=[])
+
+
+# ---- NUMA placement -----------------------------------------------------------------------
+def fake_sysfs(root: Path, cpulists: dict[int, str]) -> Path:
+    for node, cpus in cpulists.items():
+        (root / f"node{node}").mkdir(parents=True)
+        (root / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    (root / "possible").write_text("0-9\n")  # not a node directory
+    return root
+
+
+def test_numa_topology_and_placement(tmp_path: Path) -> None:
+    assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpulist("") == set()
+    nodes = numa_nodes(fake_sysfs(tmp_path, {0: "0-3", 1: "4-7", 2: "", 10: "8"}))
+    assert [(n.id, sorted(n.cpus)) for n in nodes] == [(0, [0, 1, 2, 3]), (1, [4, 5, 6, 7]),
+                                                       (10, [8])]  # node 2 has no CPUs
+    assert numa_nodes(tmp_path / "missing") == []
+    allowed = sorted(os.sched_getaffinity(0))
+    two = [NumaNode(0, frozenset(allowed[:1])), NumaNode(1, frozenset(allowed[1:] or allowed))]
+    assert placement("auto", two[:1]) == [None]  # one node: nothing to bind
+    assert placement("off", two) == placement(None, two) == [None]
+    assert placement("interleave", two) == two
+    assert placement(1, two) == [two[1]]
+    with pytest.raises(ValueError, match="no NUMA node 7"):
+        placement(7, two)
+    with pytest.raises(ValueError, match="numa must be"):
+        placement("spread", two)
+    # A node none of whose CPUs this process may use is never chosen.
+    assert placement("interleave", [*two, NumaNode(5, frozenset({10_000}))]) == two
+
+
+def test_host_pool_interleaved_over_nodes_round_trips_and_restores_affinity() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    two = [NumaNode(0, frozenset(allowed[:1])), NumaNode(1, frozenset(allowed[1:] or allowed))]
+    pool = random_pool("mla", 5)
+    before = os.sched_getaffinity(0)
+    host = HostStore(5 * pool.bytes_per_block, pool.bytes_per_block, numa="interleave",
+                     topology=two)
+    assert os.sched_getaffinity(0) == before
+    assert host.segment_nodes == [0, 1] and [s.shape[0] for s in host.segments] == [3, 2]
+    assert [host.slot_node(s) for s in range(5)] == [0, 1, 0, 1, 0]
+    for b in range(5):
+        assert host.put(key(b), pool.block_view(b))
+    used = {host.slot_node(s) for s in host.entries.values()}
+    assert used == {0, 1}
+    for b in range(5):
+        assert same_bytes(host.get(key(b)), pool.read_block(b))
+
+
+def vma_nodes(ptr: int) -> str:
+    """The numa_maps line of the mapping holding address `ptr`."""
+    starts = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= ptr < hi:
+            starts[lo] = True
+    for line in Path("/proc/self/numa_maps").read_text().splitlines():
+        if int(line.split()[0], 16) in starts:
+            return line
+    raise AssertionError("mapping not found")
+
+
+@pytest.mark.skipif(not Path("/proc/self/numa_maps").exists() or not numa_nodes(),
+                    reason="the kernel exposes no NUMA placement")
+def test_host_pool_pages_lie_on_the_chosen_node() -> None:
+    node = numa_nodes()[-1]
+    host = HostStore(64 << 20, 1 << 20, numa=node.id)
+    assert host.segment_nodes == [node.id]
+    line = vma_nodes(host.pool.data_ptr())
+    counts = dict(f.split("=") for f in line.split()[1:] if f.startswith("N"))
+    assert counts and set(counts) == {f"N{node.id}"}, line  # every touched page on the node
 
 
 # ---- disk ---------------------------------------------------------------------------------

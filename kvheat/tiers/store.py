@@ -162,8 +162,19 @@ class KVStore:
         st.get_bytes += n
         return t
 
-    def get_many(self, keys: Sequence[bytes], salt: str | None = None) -> list[torch.Tensor | None]:
-        return [self.get(k, salt) for k in keys]
+    def get_many(self, keys: Sequence[bytes], salt: str | None = None,
+                 outs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
+        """`get` for each key, into `outs[i]` when given (stores that can batch override)."""
+        if outs is None:
+            return [self.get(k, salt) for k in keys]
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} output tensors")
+        return [self.get(k, salt, o) for k, o in zip(keys, outs, strict=True)]
+
+    def put_many(self, items: Sequence[tuple[bytes, torch.Tensor]],
+                 salt: str | None = None) -> list[bool]:
+        """`put` for each (key, kv); stores that can batch override."""
+        return [self.put(k, kv, salt) for k, kv in items]
 
     def contains(self, key: bytes, salt: str | None = None) -> bool:
         raise NotImplementedError
