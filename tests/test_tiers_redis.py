@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_tiers import key, random_pool, same_bytes
 
-from kvheat.tiers.redis_store import RedisStore, connect
+from kvheat.tiers.redis_store import DIRECT_MIN_BYTES, RedisStore, connect
 
 torch.set_num_threads(1)
 
@@ -31,10 +31,21 @@ def test_redis_round_trip_pipelined(redis_server, layout: str) -> None:
     pool = random_pool(layout, 6)
     st = make_store(redis_server, layout=layout)
     blocks = [pool.read_block(b) for b in range(6)]
-    assert st.put_many([key(b) for b in range(6)], blocks, salt="tenant:a") == 6
+    items = [(key(b), blk) for b, blk in enumerate(blocks)]
+    assert st.put_many(items, salt="tenant:a") == [True] * 6
     got = st.get_many([key(b) for b in range(6)] + [key(77)], salt="tenant:a")
     assert all(same_bytes(g, blk) for g, blk in zip(got[:6], blocks, strict=True))
     assert got[6] is None
+    # Straight into output buffers (device blocks), and read-only views for copying from.
+    outs = [torch.empty_like(blk) for blk in blocks] + [torch.empty_like(blocks[0])]
+    got = st.get_many([key(b) for b in range(6)] + [key(77)], salt="tenant:a", outs=outs)
+    assert all(g is o and same_bytes(o, blk) for g, o, blk in zip(got, outs, blocks[:6]))
+    assert got[6] is None
+    views = st.get_many([key(b) for b in range(6)], salt="tenant:a", readonly_ok=True)
+    assert all(same_bytes(v, blk) for v, blk in zip(views, blocks, strict=True))
+    owned = st.get(key(1), salt="tenant:a")
+    owned.view(torch.uint8).view(-1)[0] ^= 1  # a plain get returns a private, writable copy
+    assert same_bytes(st.get(key(1), salt="tenant:a"), blocks[1])
     assert st.contains(key(2), salt="tenant:a") and st.delete(key(2), salt="tenant:a")
     assert st.get(key(2), salt="tenant:a") is None
     assert st.used_bytes() == sum(st.entry_bytes(b, key(0)) for b in blocks[:5])
@@ -75,6 +86,71 @@ def test_redis_corrupted_value_is_a_counted_miss(redis_server) -> None:
     assert st.get(key(5)) is None and st.stats.corrupt_torn + st.stats.corrupt_format == 1
 
 
+def big_chunks(n: int, seed: int = 0) -> list[torch.Tensor]:
+    """256-token GQA chunks of 512 KiB: above DIRECT_MIN_BYTES, so reads are direct."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn((2, 2, 256, 2, 128), generator=g).half() for _ in range(n)]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_redis_large_chunks_direct_and_through_redis_py(redis_server, direct: bool) -> None:
+    st = make_store(redis_server)
+    st.direct_io = direct
+    chunks = big_chunks(4)
+    assert chunks[0].nbytes >= DIRECT_MIN_BYTES
+    keys = [key(b) for b in range(4)]
+    assert st.put_many(list(zip(keys, chunks, strict=True)), salt="t") == [True] * 4
+    # What one path wrote, the other reads (the same bytes on the wire).
+    other = make_store(redis_server)
+    other.direct_io = not direct
+    outs = [torch.empty_like(c) for c in chunks] + [torch.empty_like(chunks[0])]
+    for reader in (st, other):
+        got = reader.get_many([*keys, key(99)], salt="t", outs=outs)
+        assert all(g is o and same_bytes(o, c) for g, o, c in zip(got, outs, chunks))
+        assert got[4] is None
+        fresh = reader.get_many(keys, salt="t")
+        assert all(same_bytes(g, c) for g, c in zip(fresh, chunks, strict=True))
+        assert same_bytes(reader.get(key(2), salt="t"), chunks[2])
+    # An output buffer of another shape is the caller's mistake: a clear error.
+    with pytest.raises(ValueError, match="out has"):
+        st.get_many(keys[:1], salt="t", outs=[torch.empty(3, dtype=torch.float16)])
+    assert same_bytes(st.get(key(1), salt="t"), chunks[1])  # the connection still works
+
+
+def test_redis_direct_reads_reject_corrupt_and_foreign_values_and_stay_in_step(redis_server) -> None:
+    st = make_store(redis_server)
+    chunks = big_chunks(4, seed=1)
+    keys = [key(b) for b in range(4)]
+    assert all(st.put_many(list(zip(keys, chunks, strict=True))))
+    rk = [st.rkey(k, None) for k in keys]
+    size = st.client.strlen(rk[0])
+    st.client.setrange(rk[0], size - 100, b"\xff\xfe")  # payload bit rot
+    st.client.set(rk[1], b"x" * size)  # someone else's value under our key
+    st.client.set(rk[2], st.client.get(rk[3]))  # another key's value: poisoning
+    outs = [torch.empty_like(c) for c in chunks]
+    got = st.get_many(keys, outs=outs)
+    assert [g is None for g in got] == [True, True, True, False]
+    assert same_bytes(outs[3], chunks[3])
+    s = st.stats
+    assert (s.corrupt_checksum, s.corrupt_format + s.corrupt_torn, s.corrupt_key) == (1, 1, 1)
+    # Every reply byte was consumed: the next commands on the pooled connection are sane.
+    assert same_bytes(st.get(key(3)), chunks[3])
+    assert st.client.ping()
+
+
+def test_redis_direct_io_server_dies(redis_server) -> None:
+    st = make_store(redis_server)
+    chunks = big_chunks(2, seed=2)
+    assert all(st.put_many([(key(0), chunks[0]), (key(1), chunks[1])]))
+    redis_server.stop()
+    outs = [torch.empty_like(c) for c in chunks]
+    assert st.get_many([key(0), key(1)], outs=outs) == [None, None]  # no exception
+    assert st.down and st.stats.went_down == 1
+    st.retry_at = 0.0
+    assert st.put_many([(key(2), chunks[0])]) == [False]  # direct MSET: refused, no exception
+    assert st.stats.io_errors == 2
+
+
 def test_redis_down_then_back_with_backoff(redis_server) -> None:
     clock = Clock()
     pool = random_pool("gqa", 3)
@@ -107,7 +183,7 @@ def test_redis_cluster_round_trip_and_node_loss(redis_cluster) -> None:
     st = RedisStore(connect(url, cluster=True, timeout_s=0.5), 1 << 24, model="tiny")
     keys = [key(b) for b in range(8)]
     blocks = [pool.read_block(b) for b in range(8)]
-    assert st.put_many(keys, blocks, salt="tenant:a") == 8
+    assert st.put_many(list(zip(keys, blocks, strict=True)), salt="tenant:a") == [True] * 8
     nodes_used = {st.client.get_node_from_key(st.rkey(k, "tenant:a")).port for k in keys}
     assert len(nodes_used) >= 2
     got = st.get_many(keys, salt="tenant:a")

@@ -11,6 +11,7 @@ Tensors are rebuilt with `torch.frombuffer`; nothing is unpickled.
 from __future__ import annotations
 
 import struct
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,12 @@ DTYPES: dict[int, torch.dtype] = {
     9: torch.float8_e4m3fn, 10: torch.float8_e5m2,
 }
 DTYPE_CODES: dict[torch.dtype, int] = {v: k for k, v in DTYPES.items()}
+
+# `decode_readonly` views immutable bytes on purpose (its tensors are only copied from).
+# torch warns about that once per process; spend the warning here, silenced.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
 class CorruptValue(ValueError):
@@ -119,7 +126,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     numel = 1
     for s in shape:
         numel *= s
-    if numel * torch.empty((), dtype=dtype).element_size() != plen:
+    if numel * dtype.itemsize != plen:
         raise CorruptValue("format", "shape and dtype disagree with the payload length")
     return Header(dtype, tuple(shape), key, ns, plen, csum, off)
 
@@ -129,20 +136,50 @@ def verify(buf: bytes | bytearray | memoryview, hdr: Header, key: bytes, ns: byt
     if len(buf) != hdr.body_offset + hdr.payload_len:
         raise CorruptValue("torn", f"{len(buf)} bytes, header says "
                                    f"{hdr.body_offset + hdr.payload_len}")
+    mv = memoryview(buf)
+    verify_parts(mv[:hdr.body_offset], mv[hdr.body_offset:], hdr, key, ns)
+
+
+def verify_parts(head: bytes | bytearray | memoryview, payload: bytes | bytearray | memoryview,
+                 hdr: Header, key: bytes, ns: bytes) -> None:
+    """`verify` for a value received in two places: its header bytes (through the
+    namespace) and its payload (e.g. received straight into an output tensor)."""
     if hdr.key != key or hdr.ns != ns:
         raise CorruptValue("key", "value was stored under another key or namespace")
+    if len(head) != hdr.body_offset or len(payload) != hdr.payload_len:
+        raise CorruptValue("torn", "value length disagrees with its header")
     h = xxhash.xxh3_64()
-    mv = memoryview(buf)
+    mv = memoryview(head)
     h.update(mv[:HEAD_SIZE - 8])
     h.update(mv[HEAD_SIZE:])
+    h.update(payload)
     if h.intdigest() != hdr.checksum:
         raise CorruptValue("checksum", "checksum mismatch")
+
+
+def header_size(prefix: bytes | bytearray | memoryview) -> int:
+    """Bytes of header (through the namespace) of a value starting with `prefix`, which
+    holds at least HEAD_SIZE bytes; the values are checked later by `decode_header`."""
+    _magic, _version, _code, ndim, klen, _plen, _csum = _HEAD.unpack_from(prefix, 0)
+    return HEAD_SIZE + 4 * ndim + klen + NS_SIZE
 
 
 def decode(buf: bytearray | memoryview, key: bytes, ns: bytes) -> torch.Tensor:
     """The tensor stored in `buf` for (key, ns), viewing `buf` (no copy); or CorruptValue.
     `buf` must be writable (a bytearray or a writable memoryview) so the tensor does not
     alias read-only memory."""
+    hdr = decode_header(buf)
+    verify(buf, hdr, key, ns)
+    if hdr.payload_len == 0:
+        return torch.empty(hdr.shape, dtype=hdr.dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, offset=hdr.body_offset, count=hdr.payload_len)
+    return raw.view(hdr.dtype).view(hdr.shape)
+
+
+def decode_readonly(buf: bytes | bytearray | memoryview, key: bytes, ns: bytes) -> torch.Tensor:
+    """As `decode`, but `buf` may be immutable (a `bytes` straight from a socket): the
+    tensor views it without a copy and must only be read (copied into a device block or
+    an output buffer); writing to it is undefined."""
     hdr = decode_header(buf)
     verify(buf, hdr, key, ns)
     if hdr.payload_len == 0:

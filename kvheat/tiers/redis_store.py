@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -31,11 +32,14 @@ from .codec import (
     MAX_NDIM,
     NS_SIZE,
     CorruptValue,
-    decode,
     decode_header,
+    decode_readonly,
     encode_prefix,
+    header_size,
+    tensor_bytes,
+    verify_parts,
 )
-from .store import KVStore, log
+from .store import KVStore, copy_out, log
 
 T = TypeVar("T")
 _DOWN_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
@@ -63,6 +67,136 @@ def connect(url: str = "redis://127.0.0.1:6379/0", cluster: bool = False,
         return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **kw)
 
 
+# Direct I/O on a single node (a cluster always goes through redis-py). redis-py packs
+# commands and parses replies well, but moves large values slowly: it sends each value
+# with its own `sendall` and turns every reply value into a `bytes` copy. So an MSET is
+# sent here as one scatter-gather `sendmsg` of the header and tensor buffers, and values
+# of at least DIRECT_MIN_BYTES are received straight into their destination tensors.
+# Measured on 2 cores: about 2.2x redis-py's MSET throughput at 64 KiB and 1 MiB, and 2x
+# its MGET at 1 MiB; below 256 KiB hiredis parses MGET replies faster than Python can.
+# Connections still come from (and go back to) redis-py's pool, which connects, AUTHs and
+# SELECTs; one that fails mid-command is disconnected, never reused.
+DIRECT_MIN_BYTES = 256 << 10
+_IOV_MAX = 1024
+
+
+@contextlib.contextmanager
+def _raw_socket(client: Any) -> Iterator[socket.socket]:
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.connect()  # no-op when connected
+        sock = getattr(conn, "_sock", None)
+        if sock is None:
+            raise ConnectionError("redis-py connection has no socket")
+        yield sock
+    except BaseException:
+        conn.disconnect()  # the stream may be mid-command: never reuse it
+        raise
+    finally:
+        pool.release(conn)
+
+
+def _bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+def _send(sock: socket.socket, bufs: list[memoryview]) -> None:
+    """Send every buffer, in order, with as few `sendmsg` calls as the kernel allows."""
+    i = 0
+    while i < len(bufs):
+        n = sock.sendmsg(bufs[i:i + _IOV_MAX])
+        while n and i < len(bufs):
+            if n >= len(bufs[i]):
+                n -= len(bufs[i])
+                i += 1
+            else:
+                bufs[i] = bufs[i][n:]
+                n = 0
+
+
+class _ReplyReader:
+    """Reads replies (RESP2 or RESP3) from a socket: a status line, or an MGET array of bulk
+    strings and nils whose payloads are received straight into destination buffers (an
+    output tensor's bytes, e.g. a device block) instead of through hiredis, a `bytes`
+    object and a copy.
+
+    Each value comes back as (header bytes, payload view) for the codec to verify; a value
+    whose header cannot be parsed is drained from the socket and returned as raw bytes,
+    so the stream stays in step and the codec reports it as corrupt."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def _fill(self, n: int) -> None:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(max(65536, n - len(self.buf)))
+            if not chunk:
+                raise ConnectionError("connection closed inside a reply")
+            self.buf += chunk
+
+    def _line(self) -> bytes:
+        start = 0
+        while (i := self.buf.find(b"\r\n", start)) < 0:
+            start = max(0, len(self.buf) - 1)
+            self._fill(len(self.buf) + 1)
+        line = bytes(self.buf[:i])
+        del self.buf[:i + 2]
+        return line
+
+    def _read_into(self, dst: memoryview) -> None:
+        """Exactly len(dst) bytes of the stream into dst: what is buffered, then the socket."""
+        k = min(len(self.buf), len(dst))
+        dst[:k] = self.buf[:k]
+        del self.buf[:k]
+        while k < len(dst):
+            n = self.sock.recv_into(dst[k:])
+            if n == 0:
+                raise ConnectionError("connection closed inside a value")
+            k += n
+
+    def status(self) -> None:
+        """Read a `+OK`-style reply; raise on an error reply."""
+        line = self._line()
+        if line[:1] == b"-":
+            raise rexc.ResponseError(line[1:].decode(errors="replace"))
+        if line[:1] != b"+":
+            raise rexc.InvalidResponse(f"unexpected reply {line[:32]!r}")
+
+    def read_array(self, dests: Sequence[memoryview | None]) -> list[tuple[bytes, memoryview] | None]:
+        line = self._line()
+        if line[:1] == b"-":
+            raise rexc.ResponseError(line[1:].decode(errors="replace"))
+        if line[:1] != b"*" or int(line[1:]) != len(dests):
+            raise rexc.InvalidResponse(f"unexpected MGET reply {line[:32]!r}")
+        return [self._value(d) for d in dests]
+
+    def _value(self, dest: memoryview | None) -> tuple[bytes, memoryview] | None:
+        line = self._line()
+        if line == b"_":  # RESP3 null (redis-py may speak either protocol)
+            return None
+        if line[:1] != b"$":
+            raise rexc.InvalidResponse(f"unexpected bulk header {line[:32]!r}")
+        n = int(line[1:])
+        if n < 0:  # RESP2 null
+            return None
+        first = min(n, HEAD_SIZE)
+        self._fill(first)
+        head_len = header_size(self.buf) if first == HEAD_SIZE else n
+        if not HEAD_SIZE <= head_len <= min(n, _MAX_HEADER):
+            head_len = n  # not our format: keep all of it for the codec to reject
+        self._fill(min(n, head_len))
+        head = bytes(self.buf[:head_len])
+        del self.buf[:head_len]
+        size = n - head_len
+        body = dest if dest is not None and len(dest) == size else memoryview(bytearray(size))
+        self._read_into(body)
+        self._fill(2)
+        del self.buf[:2]  # the bulk string's CRLF
+        return head, body
+
+
 class RedisStore(KVStore):
     name = "redis"
     pipelined = True
@@ -84,6 +218,9 @@ class RedisStore(KVStore):
         # What this process stored (the tier's used bytes and its eviction index).
         self.sizes: dict[str, int] = {}
         self._used = 0
+        # Direct I/O for MSET and large MGETs on a single node (see DIRECT_MIN_BYTES);
+        # False keeps every command on redis-py.
+        self.direct_io = not self.cluster
         self._lock = threading.Lock()
 
     def rkey(self, key: bytes, salt: str | None) -> str:
@@ -128,54 +265,76 @@ class RedisStore(KVStore):
         return kv.numel() * kv.element_size() + HEAD_SIZE + 4 * kv.dim() + len(key) + NS_SIZE
 
     def _put(self, key: bytes, kv: torch.Tensor, salt: str | None) -> bool:
-        return self.put_many([key], [kv], salt) == 1
+        return self.put_many([(key, kv)], salt)[0]
 
-    def put_many(self, keys: Sequence[bytes], kvs: Sequence[torch.Tensor],
-                 salt: str | None = None) -> int:
-        """Stores a batch in one round trip; returns how many were stored (all or none)."""
+    def put_many(self, items: Sequence[tuple[bytes, torch.Tensor]],
+                 salt: str | None = None) -> list[bool]:
+        """Stores a batch in one round trip (one MSET); the items that fit the capacity
+        are stored, in order, all or none of them; a True/False per item."""
         ns = self.ns(salt)
-        values: list[tuple[str, bytes]] = []
+        values: list[tuple[str, bytes, memoryview]] = []
         with self._lock:
             used = self._used
-            for key, kv in zip(keys, kvs, strict=True):
+            for key, kv in items:
                 head, payload = encode_prefix(kv, key, ns)
                 rk = self.rkey(key, salt)
                 size = len(head) + len(payload)
                 if used - self.sizes.get(rk, 0) + size > self.capacity_bytes:
                     break
                 used += size - self.sizes.get(rk, 0)
-                values.append((rk, head + payload))
-        if not values:
-            return 0
+                values.append((rk, head, payload))
 
         def run() -> bool:
             # One MSET per batch (split by slot on a cluster): fewer commands to pack and
             # parse than a pipeline of SETs, same single round trip.
             if self.cluster:
-                self.client.mset_nonatomic(dict(values))
+                self.client.mset_nonatomic({rk: head + bytes(payload)
+                                            for rk, head, payload in values})
+            elif not self.direct_io:
+                self.client.mset({rk: head + bytes(payload) for rk, head, payload in values})
             else:
-                self.client.mset(dict(values))
+                bufs = [memoryview(b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(values)))]
+                for rk, head, payload in values:
+                    bufs += [memoryview(_bulk(rk.encode()) + b"$%d\r\n" % (len(head) + len(payload))
+                                        + head), payload, memoryview(b"\r\n")]
+                with _raw_socket(self.client) as sock:
+                    _send(sock, bufs)
+                    _ReplyReader(sock).status()
             return True
 
-        if not self._call(run, False):
-            return 0
-        with self._lock:
-            for rk, v in values:
-                self._used += len(v) - self.sizes.get(rk, 0)
-                self.sizes[rk] = len(v)
-        return len(values)
+        ok = bool(values) and self._call(run, False)
+        stored = len(values) if ok else 0
+        if ok:
+            with self._lock:
+                for rk, head, payload in values:
+                    size = len(head) + len(payload)
+                    self._used += size - self.sizes.get(rk, 0)
+                    self.sizes[rk] = size
+            self.stats.puts += stored
+            self.stats.put_bytes += sum(kv.nbytes for _, kv in items[:stored])
+        self.stats.put_refused += len(items) - stored
+        return [i < stored for i in range(len(items))]
+
+    def put(self, key: bytes, kv: torch.Tensor, salt: str | None = None) -> bool:
+        t0 = time.perf_counter()
+        ok = self.put_many([(key, kv)], salt)[0]
+        if ok:
+            self.write_model.record(kv.nbytes, time.perf_counter() - t0)
+        return ok
 
     def _get(self, key: bytes, salt: str | None, out: torch.Tensor | None) -> torch.Tensor | None:
-        t = self._fetch([key], salt)[0]
-        if t is not None and out is not None:
-            out.copy_(t)
-            return out
-        return t
+        return self._fetch([key], salt, [out], readonly_ok=False)[0]
 
-    def get_many(self, keys: Sequence[bytes], salt: str | None = None) -> list[torch.Tensor | None]:
-        """One round trip (MGET) for all keys; each value verified on its own."""
+    def get_many(self, keys: Sequence[bytes], salt: str | None = None,
+                 outs: Sequence[torch.Tensor | None] | None = None,
+                 readonly_ok: bool = False) -> list[torch.Tensor | None]:
+        """One round trip (MGET) for all keys; each value verified on its own, then copied
+        into `outs[i]` when given. `readonly_ok`: the caller only copies from the tensors,
+        so they may view the received bytes (no copy at all)."""
+        if outs is not None and len(outs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} output tensors")
         t0 = time.perf_counter()
-        res = self._fetch(keys, salt)
+        res = self._fetch(keys, salt, outs, readonly_ok)
         n = 0
         for t in res:
             self.stats.gets += 1
@@ -183,14 +342,20 @@ class RedisStore(KVStore):
                 self.stats.misses += 1
             else:
                 self.stats.hits += 1
-                n += t.numel() * t.element_size()
+                n += t.nbytes
         self.stats.get_bytes += n
         if n:
             self.read_model.record(n, time.perf_counter() - t0)
         return res
 
-    def _fetch(self, keys: Sequence[bytes], salt: str | None) -> list[torch.Tensor | None]:
+    def _fetch(self, keys: Sequence[bytes], salt: str | None,
+               outs: Sequence[torch.Tensor | None] | None,
+               readonly_ok: bool) -> list[torch.Tensor | None]:
         rks = [self.rkey(k, salt) for k in keys]
+        if not self.cluster and self.direct_io and any(
+                (o.nbytes if o is not None else self.sizes.get(rk, 0)) >= DIRECT_MIN_BYTES
+                for o, rk in zip(outs or [None] * len(keys), rks, strict=True)):
+            return self._fetch_direct(keys, rks, salt, outs)
 
         def run() -> list[bytes | None]:
             if self.cluster:
@@ -201,18 +366,71 @@ class RedisStore(KVStore):
         if raw is None:
             return [None] * len(keys)
         ns = self.ns(salt)
-        out: list[torch.Tensor | None] = []
-        for key, rk, v in zip(keys, rks, raw, strict=True):
+        res: list[torch.Tensor | None] = []
+        for i, (key, rk, v) in enumerate(zip(keys, rks, raw, strict=True)):
             if v is None:
                 self._forget(rk)
-                out.append(None)
+                res.append(None)
                 continue
             try:
-                out.append(decode(bytearray(v), key, ns))
+                # Checked in place in the received bytes, then copied once to where it goes.
+                t = decode_readonly(v, key, ns)
             except CorruptValue as e:
                 self._count_corrupt(e.kind, key, str(e))
-                out.append(None)
-        return out
+                res.append(None)
+                continue
+            out = outs[i] if outs is not None else None
+            if out is not None:
+                res.append(copy_out(t, out))
+            else:
+                res.append(t if readonly_ok else t.clone())
+        return res
+
+    def _fetch_direct(self, keys: Sequence[bytes], rks: list[str], salt: str | None,
+                      outs: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+        """`_fetch` with each payload received straight into its output tensor (or a
+        private buffer), then verified there; see `_ReplyReader`."""
+        outs = outs if outs is not None else [None] * len(keys)
+        dests = [tensor_bytes(o) if o is not None and o.device.type == "cpu"
+                 and o.is_contiguous() else None for o in outs]
+
+        def run() -> list[tuple[bytes, memoryview] | None]:
+            args = [b"MGET", *(rk.encode() for rk in rks)]
+            with _raw_socket(self.client) as sock:
+                _send(sock, [memoryview(b"*%d\r\n" % len(args) + b"".join(map(_bulk, args)))])
+                reader = _ReplyReader(sock)
+                got = reader.read_array(dests)
+                if reader.buf:
+                    raise rexc.InvalidResponse("bytes after the MGET reply")
+                return got
+
+        raw = self._call(run, None)
+        if raw is None:
+            return [None] * len(keys)
+        ns = self.ns(salt)
+        res: list[torch.Tensor | None] = []
+        for key, rk, item, out, dest in zip(keys, rks, raw, outs, dests, strict=True):
+            if item is None:
+                self._forget(rk)
+                res.append(None)
+                continue
+            head, body = item
+            try:
+                hdr = decode_header(head)
+                verify_parts(head, body, hdr, key, ns)
+            except CorruptValue as e:  # `out` may hold the rejected bytes: not served
+                self._count_corrupt(e.kind, key, str(e))
+                res.append(None)
+                continue
+            if hdr.payload_len == 0:
+                t = torch.empty(hdr.shape, dtype=hdr.dtype)
+            else:
+                t = torch.frombuffer(body, dtype=torch.uint8).view(hdr.dtype).view(hdr.shape)
+            if out is not None and body is dest and out.dtype == t.dtype and out.shape == t.shape:
+                res.append(out)  # received in place
+            else:
+                res.append(copy_out(t, out) if out is not None else t)
+        return res
 
     def contains(self, key: bytes, salt: str | None = None) -> bool:
         rk = self.rkey(key, salt)
