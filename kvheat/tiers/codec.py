@@ -33,7 +33,7 @@ DTYPES: dict[int, torch.dtype] = {
 }
 DTYPE_CODES: dict[torch.dtype, int] = {v: k for k, v in DTYPES.items()}
 
-# `decode_readonly` views immutable bytes on purpose (its tensors are only copied from).
+# `decode` may view immutable bytes on purpose (such tensors are only copied from).
 # torch warns about that once per process; spend the warning here, silenced.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
@@ -164,22 +164,11 @@ def header_size(prefix: bytes | bytearray | memoryview) -> int:
     return HEAD_SIZE + 4 * ndim + klen + NS_SIZE
 
 
-def decode(buf: bytearray | memoryview, key: bytes, ns: bytes) -> torch.Tensor:
+def decode(buf: bytes | bytearray | memoryview, key: bytes, ns: bytes) -> torch.Tensor:
     """The tensor stored in `buf` for (key, ns), viewing `buf` (no copy); or CorruptValue.
-    `buf` must be writable (a bytearray or a writable memoryview) so the tensor does not
-    alias read-only memory."""
-    hdr = decode_header(buf)
-    verify(buf, hdr, key, ns)
-    if hdr.payload_len == 0:
-        return torch.empty(hdr.shape, dtype=hdr.dtype)
-    raw = torch.frombuffer(buf, dtype=torch.uint8, offset=hdr.body_offset, count=hdr.payload_len)
-    return raw.view(hdr.dtype).view(hdr.shape)
-
-
-def decode_readonly(buf: bytes | bytearray | memoryview, key: bytes, ns: bytes) -> torch.Tensor:
-    """As `decode`, but `buf` may be immutable (a `bytes` straight from a socket): the
-    tensor views it without a copy and must only be read (copied into a device block or
-    an output buffer); writing to it is undefined."""
+    From a writable `buf` (bytearray, writable memoryview) the tensor is an ordinary one;
+    from immutable `bytes` (straight from a socket) it must only be read, e.g. copied into
+    a device block or an output buffer: writing to it is undefined."""
     hdr = decode_header(buf)
     verify(buf, hdr, key, ns)
     if hdr.payload_len == 0:

@@ -32,8 +32,8 @@ from .codec import (
     MAX_NDIM,
     NS_SIZE,
     CorruptValue,
+    decode,
     decode_header,
-    decode_readonly,
     encode_prefix,
     header_size,
     tensor_bytes,
@@ -374,7 +374,7 @@ class RedisStore(KVStore):
                 continue
             try:
                 # Checked in place in the received bytes, then copied once to where it goes.
-                t = decode_readonly(v, key, ns)
+                t = decode(v, key, ns)
             except CorruptValue as e:
                 self._count_corrupt(e.kind, key, str(e))
                 res.append(None)
