@@ -284,3 +284,74 @@ def test_request_that_can_never_get_its_blocks_ends_with_error(llama: tuple) -> 
     again = e.generate([prompts(7, 1, lo=10, hi=10)[0]], SamplingParams(max_tokens=2), tenant="a")
     assert again[0].finish_reason == "length"
     e.scheduler.check_accounting()
+
+
+def test_disk_tier_survives_a_restart_and_never_serves_other_weights(llama: tuple,
+                                                                     tmp_path) -> None:
+    model, tok, _ = llama
+    rng = random.Random(9)
+    ps = [[rng.randrange(2, 1000) for _ in range(64 + 7 * (i % 2))] for i in range(6)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def cfg() -> EngineConfig:  # 12 device blocks cannot keep six 4-5 block prompts
+        return EngineConfig(num_blocks=12, disk_tier_dir=str(tmp_path / "kv"),
+                            disk_tier_bytes=1 << 24)
+
+    e1 = LLMEngine(model, tok, cfg())
+    first = e1.generate(ps, sp)
+    assert (e1.prefill_tokens_per_s() or 0) > 0
+    e1.close()  # writes the pending demotions
+    # A new engine on the same folder (a restarted process) loads the first two prompts'
+    # blocks from disk: the same tokens, without recomputing them.
+    e2 = LLMEngine(model, tok, cfg())
+    ids = [e2.add_request(p, sp) for p in ps[:2]]
+    run_checked(e2)
+    again = [e2.release(i) for i in ids]
+    assert [a.output_token_ids for a in again] == [f.output_token_ids for f in first[:2]]
+    assert [a.metrics.num_cached_tokens for a in again] == [63, 64]
+    disk = e2.tiers.tiers[0]
+    assert disk.name == "disk" and disk.stats.hits >= 8
+    e2.close()
+    # Other weights on the same folder: the same prompts give the same block keys, but
+    # their KV is never read (another model's files are not even listed).
+    other, tok2, _ = load_model(None, "llama", seed=1)
+    e3 = LLMEngine(other, tok2, cfg())
+    assert e3.tiers.tiers[0].used_bytes() == 0
+    got = e3.generate(ps[:2], sp)
+    assert [g.metrics.num_cached_tokens for g in got] == [0, 0]
+    fresh = LLMEngine(other, tok2, EngineConfig(num_blocks=12)).generate(ps[:2], sp)
+    assert [g.output_token_ids for g in got] == [f.output_token_ids for f in fresh]
+    e3.close()
+
+
+def test_engine_tier_config_is_checked(llama: tuple, tmp_path) -> None:
+    with pytest.raises(ValueError, match="disk tier needs both"):
+        EngineConfig(disk_tier_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="Redis tier needs both"):
+        EngineConfig(redis_tier_bytes=1 << 20)
+    with pytest.raises(ValueError, match="tier_mode"):
+        EngineConfig(tier_mode="inclusive")
+
+
+def test_redis_tier_under_host_tier_and_redis_dying(llama: tuple, redis_server) -> None:
+    model, tok, _ = llama
+    rng = random.Random(10)
+    ps = [[rng.randrange(2, 1000) for _ in range(64)] for _ in range(6)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    # 12 device blocks, 4 host blocks: most evicted blocks go on down to Redis.
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, host_tier_blocks=4,
+                                           redis_tier_url=redis_server.url,
+                                           redis_tier_bytes=1 << 24))
+    first = e.generate(ps, sp)
+    e.tiers.flush()
+    host, red = e.tiers.tiers
+    assert red.name == "redis" and red.used_bytes() > 0
+    again = e.generate(ps[:2], sp)
+    assert [a.output_token_ids for a in again] == [f.output_token_ids for f in first[:2]]
+    assert [a.metrics.num_cached_tokens for a in again] == [63, 63]
+    assert red.stats.hits > 0
+    redis_server.stop()  # Redis dies: requests go on, recomputing what it held
+    more = e.generate(ps[2:4], sp)
+    assert [m.output_token_ids for m in more] == [f.output_token_ids for f in first[2:4]]
+    assert red.stats.went_down == 1
+    e.close()

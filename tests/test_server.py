@@ -591,6 +591,39 @@ def test_config_files(tmp_path: Any) -> None:
         KVHeatServer(ServerConfig(policy="belady"))
 
 
+def test_tier_config_sizes_and_arm_folders(tmp_path: Any) -> None:
+    from kvheat.server.config import ConfigError, load_config, parse_size
+
+    assert [parse_size(v, "x") for v in (0, 4096, "64GiB", "500 MB", "1.5k", "7")] == \
+        [0, 4096, 64 << 30, 500_000_000, 1500, 7]
+    for bad in ("-1", "ten GB", "5 parsecs", True, -3):
+        with pytest.raises(ConfigError):
+            parse_size(bad, "x")  # type: ignore[arg-type]
+    toml = tmp_path / "t.toml"
+    toml.write_text(f'disk_tier_dir = "{tmp_path / "kv"}"\ndisk_tier_bytes = "16MiB"\n'
+                    '[[arms]]\nname = "lru"\nshare = 50\n'
+                    '[[arms]]\nname = "heat"\nshare = 50\npolicy = "kvheat"\n')
+    cfg = load_config(toml)
+    assert cfg.disk_tier_bytes == 16 << 20
+    server = KVHeatServer(cfg)
+    try:
+        disks = {arm: eng.tiers.tiers[0] for arm, eng in server.worker.engines.items()}
+        assert {arm: d.root for arm, d in disks.items()} == \
+            {arm: tmp_path / "kv" / arm for arm in ("lru", "heat")}
+        assert all(d.capacity_bytes == 16 << 20 for d in disks.values())
+    finally:
+        server.stop()
+    for text in ('disk_tier_dir = "/tmp/x"\n', 'redis_tier_bytes = "1GiB"\n',
+                 'tier_mode = "inclusive"\n', '[[arms]]\nname = "../up"\nshare = 100\n'):
+        toml.write_text(text)
+        with pytest.raises(ConfigError):
+            load_config(toml)
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with pytest.raises(ConfigError, match="cannot set up"):
+        KVHeatServer(ServerConfig(disk_tier_dir=str(blocked), disk_tier_bytes=1 << 20))
+
+
 def test_arm_routing_is_stable_and_proportional() -> None:
     import xxhash
 

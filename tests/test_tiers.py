@@ -211,6 +211,9 @@ def test_disk_round_trip_and_restart(layout: str, tmp_path: Path) -> None:
     # Another model or tenant never reads these bytes.
     other_model = DiskStore(tmp_path, 1 << 20, model="other", layout=layout)
     assert other_model.get(key(1), salt="tenant:x") is None
+    # ... nor counts, lists or deletes them: one directory, separate stores.
+    assert other_model.used_bytes() == 0 and list(other_model.stored()) == []
+    assert other_model.rejected_on_open == 0 and again.used_bytes() == disk.used_bytes()
     assert again.get(key(1), salt="tenant:y") is None
 
 
@@ -225,19 +228,21 @@ def test_disk_restart_rejects_torn_corrupt_renamed_and_temp_files(tmp_path: Path
     with open(name[key(0)], "r+b") as f:
         f.truncate(name[key(0)].stat().st_size - 100)
     # renamed: a valid file under another key's name
-    os.replace(name[key(1)], tmp_path / ("0" * 32 + ".kv"))
+    os.replace(name[key(1)], tmp_path / (disk.prefix + "0" * 32 + ".kv"))
     # flipped payload byte: passes the cheap open check, caught on read
     with open(name[key(2)], "r+b") as f:
         f.seek(-10, os.SEEK_END)
         byte = f.read(1)
         f.seek(-10, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0x40]))
-    (tmp_path / ".tmp-deadbeef-1-1").write_bytes(b"half a value")
+    (tmp_path / f".tmp-{disk.prefix}deadbeef-1-1").write_bytes(b"half a value")
+    (tmp_path / ".tmp-feedface-2-2").write_bytes(b"another model's write in flight")
     assert len(files) == 4
     again = DiskStore(tmp_path, 1 << 20)
     assert again.rejected_on_open == 2  # torn + renamed deleted, never indexed
     assert again.stats.corrupt_torn == 1 and again.stats.corrupt_key == 1
-    assert not (tmp_path / ".tmp-deadbeef-1-1").exists()
+    assert not (tmp_path / f".tmp-{disk.prefix}deadbeef-1-1").exists()
+    assert (tmp_path / ".tmp-feedface-2-2").exists()  # not ours: left alone
     assert again.get(key(0)) is None and again.get(key(1)) is None
     assert again.get(key(2)) is None and again.stats.corrupt_checksum == 1
     assert not again.contains(key(2))  # dropped after the failed check

@@ -109,7 +109,20 @@ class EngineConfig:
     policy: str = "lru"  # eviction policy of the block cache
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     swap_space_blocks: int = 0  # host blocks for swap preemption (with preemption="swap")
-    host_tier_blocks: int = 0  # >0: a host KV tier of this many blocks under the device cache
+    # Lower KV tiers under the device cache (kvheat.tiers), in this order: host memory,
+    # local disk (survives a restart), Redis (shared by replicas).
+    host_tier_blocks: int = 0  # >0: a host tier of this many blocks
+    disk_tier_dir: str | None = None
+    disk_tier_bytes: int = 0
+    redis_tier_url: str | None = None
+    redis_tier_bytes: int = 0
+    redis_cluster: bool = False
+    tier_mode: str = "exclusive"  # or "write_through"
+    # Names the KV on disk and in Redis: None: a fingerprint of the weights, so KV of other
+    # weights is never served; `tier_namespace` separates engines that must not share it
+    # (the server's A/B arms).
+    model_id: str | None = None
+    tier_namespace: str = ""
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
@@ -119,6 +132,14 @@ class EngineConfig:
             raise ValueError("give num_blocks or kv_memory_bytes")
         if self.scheduler.preemption == "swap" and self.swap_space_blocks <= 0:
             raise ValueError("preemption='swap' needs swap_space_blocks > 0")
+        if self.host_tier_blocks < 0:
+            raise ValueError("host_tier_blocks must be >= 0")
+        if (self.disk_tier_dir is None) != (self.disk_tier_bytes <= 0):
+            raise ValueError("a disk tier needs both disk_tier_dir and disk_tier_bytes > 0")
+        if (self.redis_tier_url is None) != (self.redis_tier_bytes <= 0):
+            raise ValueError("a Redis tier needs both redis_tier_url and redis_tier_bytes > 0")
+        if self.tier_mode not in ("exclusive", "write_through"):
+            raise ValueError("tier_mode must be 'exclusive' or 'write_through'")
 
 
 class HostSwapSpace:
@@ -211,15 +232,9 @@ class LLMEngine:
                                     policy=policy)
         self.swap_space = (HostSwapSpace(pool, cfg.swap_space_blocks)
                            if cfg.scheduler.preemption == "swap" else None)
-        self.tiers: TieredCache | None = None
-        if cfg.host_tier_blocks > 0:
-            from ..tiers import HostStore, TierConfig, TieredCache
-
-            host = HostStore(cfg.host_tier_blocks * pool.bytes_per_block, pool.bytes_per_block)
-            # Synchronous copies (the host tier is a memory copy) and always load: on this
-            # tier loading beats recomputing (bench/tiers.py measures it).
-            self.tiers = TieredCache(self.cache, pool, [host],
-                                     TierConfig(async_io=False, calibrate=False))
+        self._prefill_speed: float | None = None  # tokens/s, a moving average
+        self.tiers: TieredCache | None = self._make_tiers(model) if (
+            cfg.host_tier_blocks > 0 or cfg.disk_tier_dir or cfg.redis_tier_url) else None
         self.clock = clock
         self.scheduler = Scheduler(cfg.scheduler, self.cache, self.swap_space, clock,
                                    self.tiers)
@@ -229,6 +244,44 @@ class LLMEngine:
         eos = self.model_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._failed: BaseException | None = None
+
+    def _make_tiers(self, model: torch.nn.Module) -> TieredCache:
+        from ..tiers import DiskStore, HostStore, KVStore, TierConfig, TieredCache
+
+        cfg, pool = self.config, self.kv_pool
+        stores: list[KVStore] = []
+        if cfg.host_tier_blocks > 0:
+            stores.append(HostStore(cfg.host_tier_blocks * pool.bytes_per_block,
+                                    pool.bytes_per_block))
+        model_id = cfg.model_id or model_fingerprint(model)
+        if cfg.tier_namespace:
+            model_id += "/" + cfg.tier_namespace
+        layout = f"{pool.layout}-b{pool.block_size}-{str(pool.dtype).removeprefix('torch.')}"
+        if cfg.disk_tier_dir:
+            stores.append(DiskStore(cfg.disk_tier_dir, cfg.disk_tier_bytes, model=model_id,
+                                    layout=layout))
+        if cfg.redis_tier_url:
+            from ..tiers.redis_store import RedisStore, connect
+
+            stores.append(RedisStore(connect(cfg.redis_tier_url, cluster=cfg.redis_cluster),
+                                     cfg.redis_tier_bytes, model=model_id, layout=layout))
+        slow = any(not st.inline for st in stores)
+        # Host only: synchronous copies, always loaded (a memory copy beats recomputing,
+        # bench/tiers.py). With disk or Redis: background demotion, prefetch, and loads
+        # only where they beat this engine's measured prefill speed.
+        tc = TierConfig(mode=cfg.tier_mode, async_io=slow, calibrate=slow,
+                        prefill_tokens_per_s=self.prefill_tokens_per_s if slow else None)
+        return TieredCache(self.cache, pool, stores, tc)
+
+    def prefill_tokens_per_s(self) -> float | None:
+        """Measured prompt throughput of the forward pass (a moving average over steps
+        that prefill at least 32 tokens); None before the first such step."""
+        return self._prefill_speed
+
+    def close(self) -> None:
+        """Stop the tiers' background threads (pending demotions are written first)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, family: str = "llama", seed: int = 0,
@@ -330,6 +383,12 @@ class LLMEngine:
             raise
         t2 = time.perf_counter()
         self.stats.forward_seconds += t2 - t1
+        prefill = sum(len(it.token_ids) for it in out.items
+                      if it.num_computed < it.seq.num_prompt_tokens)
+        if prefill >= 32:
+            speed = prefill / max(t2 - t1, 1e-9)
+            self._prefill_speed = speed if self._prefill_speed is None \
+                else 0.8 * self._prefill_speed + 0.2 * speed
         sched.update(out)
         t3 = time.perf_counter()
         results = self._sample_and_finish(out, logits)  # finishing frees blocks: bookkeeping
@@ -470,3 +529,20 @@ def _policy_name(name: str) -> str:
         with contextlib.suppress(ImportError):  # heat policies register on import
             import kvheat.heat  # noqa: F401
     return name
+
+
+def model_fingerprint(model: torch.nn.Module, sample_bytes: int = 1 << 16) -> str:
+    """A short digest naming these weights: every tensor's name, shape and dtype, and its
+    first, middle and last `sample_bytes`. KV stored on disk or in Redis under one
+    fingerprint is never read by an engine running other weights."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\0".encode())
+        flat = t.detach().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0)
+        n = flat.numel()
+        mid = max(0, n // 2 - sample_bytes // 2)
+        for part in (flat[:sample_bytes], flat[mid:mid + sample_bytes], flat[-sample_bytes:]):
+            h.update(part.cpu().contiguous().numpy().tobytes())
+    return "w" + h.hexdigest()[:24]

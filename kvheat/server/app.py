@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,10 +148,22 @@ class KVHeatServer:
                                     max_num_seqs=config.max_num_seqs,
                                     prefix_caching=a.prefix_caching)
             host = config.host_tier_blocks if a.host_tier_blocks is None else a.host_tier_blocks
+            # Arms never share lower-tier KV (it would blur the A/B comparison): a disk
+            # folder and a Redis namespace each.
+            disk = str(Path(config.disk_tier_dir) / arm) if config.disk_tier_dir else None
             ecfg = EngineConfig(num_blocks=a.num_blocks or config.num_blocks,
                                 block_size=config.block_size, policy=a.policy,
-                                scheduler=sched, seed=config.seed, host_tier_blocks=host)
-            return ServingEngine(model, tok, ecfg)
+                                scheduler=sched, seed=config.seed, host_tier_blocks=host,
+                                disk_tier_dir=disk,
+                                disk_tier_bytes=int(config.disk_tier_bytes),
+                                redis_tier_url=config.redis_tier_url,
+                                redis_tier_bytes=int(config.redis_tier_bytes),
+                                redis_cluster=config.redis_cluster,
+                                tier_mode=config.tier_mode, tier_namespace=arm)
+            try:
+                return ServingEngine(model, tok, ecfg)
+            except (OSError, ValueError) as e:  # e.g. a disk tier folder it cannot write
+                raise ConfigError(f"arm {arm!r}: cannot set up its engine: {e}") from None
 
         self.metrics = ServerMetrics()
         self.router = ArmRouter(config.arm_list)

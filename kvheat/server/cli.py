@@ -30,6 +30,16 @@ from .config import ConfigError, load_config
 @click.option("--block-size", type=int, default=None, help="Tokens per block (16).")
 @click.option("--host-tier-blocks", type=int, default=None,
               help="Blocks of a host-memory KV tier under each arm's device pool (0: none).")
+@click.option("--disk-tier-dir", default=None,
+              help="A KV tier on local disk under this folder (kept across restarts).")
+@click.option("--disk-tier-size", "disk_tier_bytes", default=None,
+              help="Its size cap, e.g. 64GiB.")
+@click.option("--redis-tier-url", default=None, help="A KV tier in Redis, e.g. redis://host:6379/0.")
+@click.option("--redis-tier-size", "redis_tier_bytes", default=None,
+              help="How much of Redis it may use, e.g. 100GiB.")
+@click.option("--redis-cluster", is_flag=True, default=None, help="The Redis URL is a Cluster node.")
+@click.option("--tier-mode", type=click.Choice(["exclusive", "write_through"]), default=None,
+              help="A block in one tier at a time (exclusive) or kept below when promoted.")
 @click.option("--policy", default=None, help="Eviction policy when no arms are configured (lru).")
 @click.option("--max-num-seqs", type=int, default=None, help="Running sequences per arm (16).")
 @click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per step (256).")
@@ -44,7 +54,10 @@ from .config import ConfigError, load_config
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve_command(model: str | None, family: str | None, config_path: str | None, host: str,
                   port: int, served_model_name: str | None, num_blocks: int | None,
-                  block_size: int | None, host_tier_blocks: int | None, policy: str | None,
+                  block_size: int | None, host_tier_blocks: int | None,
+                  disk_tier_dir: str | None, disk_tier_bytes: str | None,
+                  redis_tier_url: str | None, redis_tier_bytes: str | None,
+                  redis_cluster: bool | None, tier_mode: str | None, policy: str | None,
                   max_num_seqs: int | None, max_num_batched_tokens: int | None,
                   max_tokens_limit: int | None,
                   threads: int | None, admin_token: str | None, otlp_endpoint: str | None,
@@ -59,6 +72,9 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
         cfg = load_config(config_path, model=model, family=family,
                           served_model_name=served_model_name, num_blocks=num_blocks,
                           block_size=block_size, host_tier_blocks=host_tier_blocks,
+                          disk_tier_dir=disk_tier_dir, disk_tier_bytes=disk_tier_bytes,
+                          redis_tier_url=redis_tier_url, redis_tier_bytes=redis_tier_bytes,
+                          redis_cluster=redis_cluster, tier_mode=tier_mode,
                           policy=policy, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           max_tokens_limit=max_tokens_limit, threads=threads,

@@ -25,6 +25,7 @@ one of their keys and each tenant's blocks are salted by its name (no cross-tena
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -84,8 +85,10 @@ class ArmConfig:
     prefix_caching: str = "block"  # "block", "exact" or "off"
 
     def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise ConfigError("an arm needs a non-empty name")
+        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+                                                               self.name):
+            raise ConfigError(f"an arm needs a name of letters, digits, '_', '.', '-' "
+                              f"(it names metrics and a disk tier folder), not {self.name!r}")
         if not isinstance(self.share, int) or not 0 <= self.share <= 100:
             raise ConfigError(f"arm {self.name!r}: share must be an integer percent in [0, 100]")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -105,6 +108,14 @@ class ServerConfig:
     num_blocks: int = 512
     block_size: int = 16
     host_tier_blocks: int = 0  # >0: a host-memory KV tier of this many blocks per arm
+    # A KV tier on local disk (kept across restarts; a folder per arm under the directory)
+    # and one in Redis; sizes in bytes or as "64GiB", "500MB".
+    disk_tier_dir: str | None = None
+    disk_tier_bytes: int | str = 0
+    redis_tier_url: str | None = None
+    redis_tier_bytes: int | str = 0
+    redis_cluster: bool = False
+    tier_mode: str = "exclusive"  # or "write_through"
     policy: str = "lru"  # the single arm's policy when no arms are configured
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -122,6 +133,14 @@ class ServerConfig:
             raise ConfigError("num_blocks and block_size must be positive")
         if self.host_tier_blocks < 0:
             raise ConfigError("host_tier_blocks must be >= 0")
+        self.disk_tier_bytes = parse_size(self.disk_tier_bytes, "disk_tier_bytes")
+        self.redis_tier_bytes = parse_size(self.redis_tier_bytes, "redis_tier_bytes")
+        if bool(self.disk_tier_dir) != (self.disk_tier_bytes > 0):
+            raise ConfigError("a disk tier needs both disk_tier_dir and disk_tier_bytes")
+        if bool(self.redis_tier_url) != (self.redis_tier_bytes > 0):
+            raise ConfigError("a Redis tier needs both redis_tier_url and redis_tier_bytes")
+        if self.tier_mode not in ("exclusive", "write_through"):
+            raise ConfigError("tier_mode must be exclusive or write_through")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.default_max_tokens < 1:
@@ -177,6 +196,25 @@ def _build(cls: type, data: Any, what: str) -> Any:
         return cls(**data)
     except TypeError as e:
         raise ConfigError(f"bad {what}: {e}") from None
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_size(value: int | str, name: str) -> int:
+    """Bytes from an int or a string such as "64GiB", "500 MB", "1.5g"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a size, not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{name} must be >= 0")
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{name}: cannot read {value!r} as a size (e.g. 64GiB, 500MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfig:

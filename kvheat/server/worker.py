@@ -148,6 +148,8 @@ class EngineWorker:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+        for eng in self.engines.values():
+            _close(eng)
 
     @property
     def alive(self) -> bool:
@@ -279,6 +281,7 @@ class EngineWorker:
     def _engine_failed(self, arm: str, exc: BaseException) -> None:
         log.exception("the engine of arm %s failed; rebuilding it", arm, exc_info=exc)
         self.metrics.engine_failures.labels(arm).inc()
+        _close(self.engines[arm])  # its tier threads; a disk tier's KV is found again below
         self.engines[arm] = self._new_engine(arm)  # before anyone hears of the failure
         for rid, a in list(self.active.items()):
             if a.arm != arm:
@@ -346,3 +349,10 @@ class EngineWorker:
                     break
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(RuntimeError("the engine loop stopped"))
+
+
+def _close(engine: ServingEngine) -> None:
+    try:
+        engine.close()
+    except Exception:  # shutting one engine down must not stop the others
+        log.exception("closing an engine failed")

@@ -47,6 +47,7 @@ class DiskStore(KVStore):
         super().__init__(capacity_bytes, model, layout)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.prefix = xxhash.xxh3_64_hexdigest(f"kvheat-disk/v1\0{model}\0{layout}".encode()) + "-"
         self.fsync = fsync
         self.full_backoff_s = full_backoff_s
         self.write_blocked_until = 0.0
@@ -59,19 +60,22 @@ class DiskStore(KVStore):
         self._rebuild_index()
 
     # ---- naming -----------------------------------------------------------------------
+    # Files are named <model+layout digest>-<namespace+key digest>.kv. The first part lets
+    # stores of several models or layouts share a directory without reading, counting or
+    # deleting each other's files (each has its own cap).
     def _name(self, key: bytes, ns: bytes) -> str:
-        return xxhash.xxh3_128_hexdigest(ns + key)
+        return self.prefix + xxhash.xxh3_128_hexdigest(ns + key)
 
     def _path(self, name: str) -> Path:
         return self.root / (name + _SUFFIX)
 
     def _rebuild_index(self) -> None:
         for entry in os.scandir(self.root):
-            if entry.name.startswith(_TMP):  # a write the process never finished
+            if entry.name.startswith(_TMP + self.prefix):  # a write never finished
                 self._unlink(Path(entry.path))
                 continue
-            if not entry.name.endswith(_SUFFIX):
-                continue
+            if not entry.name.startswith(self.prefix) or not entry.name.endswith(_SUFFIX):
+                continue  # another model's or layout's, or not ours at all
             name = entry.name[:-len(_SUFFIX)]
             try:
                 with open(entry.path, "rb") as f:
@@ -85,8 +89,7 @@ class DiskStore(KVStore):
                     raise CorruptValue("key", "file name does not match the key inside")
             except CorruptValue as e:
                 self.rejected_on_open += 1
-                self._count_corrupt(e.kind, bytes.fromhex(name) if len(name) == 32 else b"",
-                                    f"on open: {e}")
+                self._count_corrupt(e.kind, name[len(self.prefix):].encode(), f"on open: {e}")
                 self._unlink(Path(entry.path))
                 continue
             except OSError as e:
