@@ -476,6 +476,15 @@ def test_host_tier_serves_evicted_prefix() -> None:
             time.sleep(0.1)
         assert s.metric("kvheat_blocks", tier="host", state="used") > 0
         assert s.metric("kvheat_tier_bytes_total", tier="host", direction="write") > 0
+        # Once more: now on the device. The tiers' series add up to the cached tokens.
+        third = c.completions.create(model=MODEL, prompt=keep, max_tokens=1)
+        assert third.usage.prompt_tokens_details.cached_tokens >= 32
+        s.wait_idle()
+        deadline = time.monotonic() + 5
+        while s.metric("kvheat_tier_hit_tokens_total", tier="device") < 32:
+            assert time.monotonic() < deadline, "no device hits in /metrics"
+            time.sleep(0.1)
+        assert s.metric("kvheat_tier_hit_tokens_total") == s.metric("kvheat_cached_tokens_total")
     finally:
         stop(s)
 

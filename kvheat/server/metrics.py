@@ -138,8 +138,12 @@ class ServerMetrics:
         self._advance(self.evictions, (arm, "device"), cache.stats.evicted_blocks)
         self._advance(self.preemptions, (arm,), engine.stats.preemptions)
         tiered = getattr(engine, "tiers", None)
-        if tiered is not None and hasattr(tiered, "stats"):
-            self._refresh_tiers(arm, tiered.stats())
+        st = tiered.stats() if tiered is not None else {}
+        self._refresh_tiers(arm, st)
+        # The cache counts every prompt's hit tokens, lower-tier loads included; the
+        # tiers see only the requests they loaded for.
+        lower = sum(t.get("hit_tokens", 0) for t in (st.get("tiers") or {}).values())
+        self._advance(self.tier_hit_tokens, (arm, "device"), cache.stats.hit_tokens - lower)
 
     def refresh_tenants(self, arm: str, usage: Mapping[str, int]) -> None:
         for tenant, n in usage.items():
@@ -147,7 +151,6 @@ class ServerMetrics:
 
     def _refresh_tiers(self, arm: str, st: Mapping[str, Any]) -> None:
         """Lower-tier figures from `TieredCache.stats()`."""
-        self._advance(self.tier_hit_tokens, (arm, "device"), st.get("device_hit_tokens", 0))
         self._advance(self.load_decisions, (arm, "load"), st.get("decisions_load", 0))
         self._advance(self.load_decisions, (arm, "recompute"), st.get("decisions_recompute", 0))
         self._advance(self.load_decisions, (arm, "partial"), st.get("decisions_partial", 0))
