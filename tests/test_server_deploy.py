@@ -93,6 +93,12 @@ def test_configmap_server_config_loads(tmp_path: Path) -> None:
     assert [a.name for a in cfg.arms] == ["lru", "kvheat"]
     assert sum(a.share for a in cfg.arms) == 100
     assert {t.name for t in cfg.tenants} == {"team-a", "team-b"}
+    # The disk tier lives on a volume the deployment mounts, larger than its cap.
+    dep = _k8s()["Deployment/kvheat"]["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in dep["containers"][0]["volumeMounts"]}
+    vol = {v["name"]: v for v in dep["volumes"]}[mounts[cfg.disk_tier_dir]]
+    size = vol["emptyDir"]["sizeLimit"]
+    assert size.endswith("Gi") and int(size[:-2]) << 30 > int(cfg.disk_tier_bytes)
 
 
 def test_prometheus_scrape_config() -> None:
