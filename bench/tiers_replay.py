@@ -45,6 +45,32 @@ def kv_of(key: bytes, shape: tuple[int, ...], nbytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray((key * reps)[:nbytes]), dtype=torch.float16).view(shape)
 
 
+def unreachable(tc: TieredCache, parent_of: dict[bytes, bytes | None]) -> list[int]:
+    """Per lower tier, entries whose prefix has a block held by no tier nor the device:
+    a match stops there, so they can never be served again."""
+    held = set(tc.mgr.cached)
+    for idx in tc.indexes:
+        held.update(idx.entries)
+    ok: dict[bytes, bool] = {}
+
+    def reach(key: bytes) -> bool:
+        path = []
+        k: bytes | None = key
+        while k is not None and k not in ok:
+            if k not in held:
+                break
+            path.append(k)
+            k = parent_of.get(k)
+        res = k is None or ok.get(k, False)
+        for p in path:
+            ok[p] = res
+        if key not in ok:
+            ok[key] = res
+        return res
+
+    return [sum(1 for k in list(idx.entries) if not reach(k)) for idx in tc.indexes]
+
+
 def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens: int,
         host_tokens: int, disk_tokens: int, kv_bytes_per_token: int, limit: int | None,
         async_io: bool) -> dict:
@@ -64,12 +90,19 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
                                     prefill_tokens_per_s=prefill_tps, calibrate=True),
                          clock=lambda: now[0])
         wrong = 0
+        parent_of: dict[bytes, bytes | None] = {}  # the trace's own prefix tree
+        samples: list[int] = []
         t0 = time.perf_counter()
         for i, r in enumerate(trace):
             now[0] = r.timestamp_ms / 1000.0
             req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length)
             if len(req.block_tokens) > mgr.config.num_blocks:
                 continue
+            for j, key in enumerate(req.keys):
+                parent_of.setdefault(key, req.keys[j - 1] if j else None)
+            if i % 500 == 499:
+                tc.flush()
+                samples.append(sum(unreachable(tc, parent_of)))
             tc.allocate(req)
             cached = req.num_cached_tokens
             done = 0
@@ -86,6 +119,7 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
             mgr.free(req)
         tc.flush()
         wall = time.perf_counter() - t0
+        orphans_end = unreachable(tc, parent_of)
         st = tc.stats()
         tc.close()
     c = tc.counters
@@ -110,6 +144,13 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
         "load_failed": c.load_failed, "wrong_kv_blocks": wrong,
         "demotions": c.demotions, "demote_dropped": c.demote_dropped,
         "dropped_bottom": c.dropped_bottom, "fits": fits, "wall_s": wall,
+        # Lower-tier entries no prefix match can reach (an ancestor held nowhere), by tier
+        # at the end, and summed over tiers every 500 requests; `orphans_dropped` is the
+        # hierarchy's own cascade counter (absent before it had one).
+        "unreachable_end": orphans_end,
+        "unreachable_mean": sum(samples) / len(samples) if samples else 0.0,
+        "unreachable_max": max(samples, default=0),
+        "orphans_dropped": getattr(c, "orphans_dropped", None),
     }
 
 
@@ -144,6 +185,8 @@ def main() -> None:
                   f"total {r['total_hit_rate']:6.2%}  (found below {r['found_below_rate']:6.2%})  "
                   f"load/partial/recompute {r['decisions_load']}/{r['decisions_partial']}/"
                   f"{r['decisions_recompute']}  wrong KV {r['wrong_kv_blocks']}  "
+                  f"unreachable end {r['unreachable_end']} mean {r['unreachable_mean']:.0f} "
+                  f"max {r['unreachable_max']}  orphans_dropped {r['orphans_dropped']}  "
                   f"{r['wall_s']:.0f}s", flush=True)
     fit = rows[0]["fits"]
     print("measured read fits (first run):", json.dumps(fit))

@@ -305,9 +305,13 @@ def test_disconnect_while_waiting_for_a_full_response(served: Served) -> None:
                          headers={"Authorization": "Bearer sk-acme"})
     host, port = served.base.removeprefix("http://").split(":")
     head = "".join(f"{k}: {v}\r\n" for k, v in body.headers.items())
+    # Keep the engine thread busy meanwhile, so the request cannot finish before the
+    # server notices the client is gone (on a quiet machine 64 tokens take ~0.2 s).
+    busy = served.server.worker.call(lambda: time.sleep(0.5))
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\n{head}\r\n".encode() + body.read())
         time.sleep(0.02)  # the request is queued; now the client goes away
+    busy.result(timeout=10)
     deadline = time.monotonic() + 10
     while served.metric("kvheat_requests_total", finish_reason="abort") <= before:
         assert time.monotonic() < deadline, "the dropped request was not aborted"

@@ -203,6 +203,12 @@ def test_decision_picks_the_profitable_prefix(tmp_path: Path) -> None:
     assert eng.run(ps[0]) == 0  # all on disk: recompute everything
     assert tc.counters.decisions_recompute == 1 and tc.counters.recompute_chosen_blocks == 6
     assert tc.tier_hit_blocks == [2, 0]
+    # A tier judged too slow gets no reads; after `remeasure_s` without one, a single
+    # block is loaded anyway so its estimate can follow the tier getting faster.
+    assert loc[1] == [1, 1, 1, 1] and tc.counters.remeasure_loads == 0
+    tc.config.remeasure_s = 0.0
+    assert eng.run(ps[1]) == BS  # checked against the KV the stand-in wrote
+    assert tc.counters.remeasure_loads == 1 and len(disk.read_model.samples) == 2
 
 
 def test_fault_corrupt_disk_file_mid_replay(tmp_path: Path) -> None:
@@ -355,4 +361,216 @@ def test_allocating_a_head_of_a_prefetched_request(tmp_path: Path) -> None:
     assert not any(e.ref_cnt for idx in tc.indexes for e in idx.entries.values())
     assert all(any(k in idx.entries for idx in tc.indexes) for k in full.keys[2:])
     mgr.free(head)
+    tc.close()
+
+
+# ---- prefix links below: no unreachable entries, leaf-first at the bottom ----------------
+def unreachable(tc: TieredCache, key_lists: list[list[bytes]]) -> list[bytes]:
+    """Lower-tier entries of these prompts that no prefix match can reach: an earlier key of
+    their prompt is held by no tier nor the device (worked out from the prompts' own keys,
+    not from the hierarchy's links)."""
+    def held(k: bytes) -> bool:
+        return k in tc.mgr.cached or any(k in idx.entries for idx in tc.indexes)
+
+    out = []
+    for keys in key_lists:
+        broken = False
+        for k in keys:
+            if broken and any(k in idx.entries for idx in tc.indexes):
+                out.append(k)
+            broken = broken or not held(k)
+    return out
+
+
+def touch_below(tc: TieredCache, tokens: list[int], rid: str) -> None:
+    """Plan a prompt's lower-tier loads and drop the plan: its entries count as used, the
+    parent released before its child (so, on LRU, the child ends hotter)."""
+    assert tc.prefetch(tc.mgr.make_request(rid, tokens)) > 0
+    tc.cancel_prefetch(rid)
+
+
+def test_parent_dropped_at_bottom_takes_children_along(tmp_path: Path) -> None:
+    """A parent on the bottom tier (disk) whose child sits on the host: when the disk holds
+    no leaf and must make room, the parent goes and its host child with it (a match would
+    stop at the parent: the child could never be served), its bytes freed."""
+    tc, pool = build("gqa", None, tmp_path, async_io=False, device_blocks=4, host_blocks=3,
+                     disk_blocks=1)
+    eng = Engine(tc, pool)
+    host = tc.tiers[0]
+    a = prompts(1, 2)[0]
+    b = prompts(1, 4, seed=2)[0]
+    c, d, e = prompts(3, 1, seed=1)
+    ka = tc.mgr.make_request("ka", a).keys
+    eng.run(a)
+    eng.run(b)  # a's blocks go to the host, child first
+    assert set(tc.indexes[0].entries) == set(ka)
+    touch_below(tc, a, "t1")  # host LRU now: a0 (parent) colder than a1
+    eng.run(c)
+    eng.run(d)  # the host makes room: a0 to disk, a1 stays on the host
+    assert list(tc.indexes[1].entries) == [ka[0]] and ka[1] in tc.indexes[0].entries
+    assert tc.indexes[1].get(ka[0]).num_children == 1  # type: ignore[union-attr]
+    touch_below(tc, a, "t2")  # a1 hot on the host: the host's next victim is one of b's
+    used = host.used_bytes()
+    eng.run(e)  # a b block comes down to a full disk holding only a0, a parent
+    c_ = tc.counters
+    assert c_.dropped_bottom == 1 and ka[0] not in tc.indexes[1].entries
+    assert c_.orphans_dropped == 1 and tc.stats()["orphans_dropped"] == 1
+    assert ka[1] not in tc.indexes[0].entries and not host.contains(ka[1], None)
+    assert host.used_bytes() == used - pool.bytes_per_block  # one came in, a b block and a1 left
+    all_keys = [tc.mgr.make_request("k", p).keys for p in (a, b, c, d, e)]
+    assert unreachable(tc, all_keys) == []
+    assert eng.run(a) == 0  # nothing of a is left; recomputed and checked
+    tc.close()
+
+
+def test_refused_demotion_takes_children_along(tmp_path: Path) -> None:
+    """The device evicts a parent whose child is on the (only) lower tier, which cannot
+    take it (its one slot is pinned by a prefetch): the child goes, even while pinned."""
+    pool = make_pool("gqa", 4)
+    mgr = KVCacheManager(CacheConfig(4, BS))
+    host = HostStore(pool.bytes_per_block, pool.bytes_per_block)
+    tc = TieredCache(mgr, pool, [host], TierConfig(async_io=False, calibrate=False))
+    eng = Engine(tc, pool)
+    a, b = prompts(2, 2)
+    c, d = prompts(2, 1, seed=1)
+    ka = mgr.make_request("ka", a).keys
+    eng.run(a)
+    eng.run(b)
+    eng.run(c)  # device full: a1, the coldest leaf, goes to the host
+    assert list(tc.indexes[0].entries) == [ka[1]]
+    pending = mgr.make_request("pending", a)
+    assert tc.prefetch(pending) == BS  # a0 on the device, a1 planned from the host: pinned
+    eng.run(d)  # a0 leaves the device; the host's only slot is pinned: refused
+    assert tc.counters.demote_refused == 1
+    assert tc.counters.orphans_dropped == 1
+    tc.cancel_prefetch("pending")
+    assert len(tc.indexes[0]) == 0 and host.used_bytes() == 0
+    assert not any(e.ref_cnt for e in tc.indexes[0].entries.values())
+    assert eng.run(a) == 0
+    tc.close()
+
+
+def test_promoted_parent_keeps_children_reachable(tmp_path: Path) -> None:
+    """Exclusive mode: loading a parent moves it to the device and out of its tier; its
+    children below are still reachable through the device copy, so nothing is dropped."""
+    tc, pool = build("gqa", None, tmp_path, async_io=False, device_blocks=4, host_blocks=2)
+    eng = Engine(tc, pool)
+    a, b = prompts(2, 4)
+    ka = tc.mgr.make_request("ka", a).keys
+    eng.run(a)
+    eng.run(b)  # a: two blocks on the host, two on disk
+    assert all(any(k in idx.entries for idx in tc.indexes) for k in ka)
+    assert eng.run(a[:BS + 3]) == BS  # only a0 is loaded: it leaves its tier
+    assert not any(ka[0] in idx.entries for idx in tc.indexes) and ka[0] in tc.mgr.cached
+    assert tc.counters.orphans_dropped == 0
+    assert all(any(k in idx.entries for idx in tc.indexes) for k in ka[1:])
+    assert eng.run(a) == 4 * BS  # a0 on the device, a1..a3 loaded from below
+    assert tc.counters.orphans_dropped == 0 and tc.counters.load_failed == 0
+    tc.close()
+
+
+def test_bottom_tier_evicts_leaves_first(tmp_path: Path) -> None:
+    """On the bottom tier LRU alone would drop a0 (the coldest) and strand a1; a0 is
+    parked while a1 is held, a1 goes first, and once a0 is a leaf again it rejoins at the
+    cold end: the next victim. Leaves keep the policy's order among themselves."""
+    pool = make_pool("gqa", 4)
+    mgr = KVCacheManager(CacheConfig(4, BS))
+    host = HostStore(3 * pool.bytes_per_block, pool.bytes_per_block)
+    tc = TieredCache(mgr, pool, [host], TierConfig(async_io=False, calibrate=False))
+    idx = tc.indexes[0]
+    eng = Engine(tc, pool)
+    a = prompts(1, 2)[0]
+    b = prompts(1, 4, seed=1)[0]
+    c, d, e = prompts(3, 1, seed=2)
+    ka = mgr.make_request("ka", a).keys
+    kb = mgr.make_request("kb", b).keys
+    eng.run(a)
+    eng.run(b)  # host: a1, a0
+    touch_below(tc, a, "t")  # LRU: a0 coldest, then a1
+    eng.run(c)  # b3 comes down: the host (3 slots) is full
+    assert set(idx.entries) == {ka[0], ka[1], kb[3]}
+    eng.run(d)  # b2 comes down: LRU order a0, a1, b3; a0 has a child below: a1 goes
+    assert set(idx.entries) == {ka[0], kb[3], kb[2]}
+    assert tc.counters.orphans_dropped == 0 and tc.counters.dropped_bottom == 1
+    eng.run(e)  # b1 comes down: a0, a leaf again, is the coldest
+    assert set(idx.entries) == {kb[3], kb[2], kb[1]}
+    assert tc.counters.orphans_dropped == 0 and tc.counters.dropped_bottom == 2
+    tc.close()
+
+
+def test_write_through_drops_children_with_the_last_copy(tmp_path: Path) -> None:
+    """Write-through: a parent dropped by one tier but still on another keeps its children;
+    they go only when its last copy does."""
+    tc, pool = build("gqa", None, tmp_path, async_io=False, mode="write_through",
+                     device_blocks=4, host_blocks=2, disk_blocks=1)
+    eng = Engine(tc, pool)
+    host = tc.tiers[0]
+    a = prompts(1, 2)[0]
+    b = prompts(1, 4, seed=1)[0]
+    c = prompts(1, 1, seed=2)[0]
+    ka = tc.mgr.make_request("ka", a).keys
+    eng.run(a)
+    eng.run(b)  # a1, a0 to both tiers; the one-entry disk keeps a0 (a1 is on the host)
+    assert list(tc.indexes[1].entries) == [ka[0]] and set(tc.indexes[0].entries) == set(ka)
+    touch_below(tc, a, "t")  # host LRU: a0 colder than a1
+    eng.run(c)  # b3 down: the host drops a0 (the disk has it), then the disk drops a0
+    assert ka[0] not in tc.indexes[0].entries and ka[0] not in tc.indexes[1].entries
+    assert tc.counters.orphans_dropped == 1 and ka[1] not in tc.indexes[0].entries
+    assert not host.contains(ka[1], None)
+    tc.close()
+
+
+def test_write_through_parent_dropped_above_keeps_children(tmp_path: Path) -> None:
+    tc, pool = build("gqa", None, tmp_path, async_io=False, mode="write_through",
+                     device_blocks=4, host_blocks=2)
+    eng = Engine(tc, pool)
+    a = prompts(1, 2)[0]
+    b = prompts(1, 4, seed=1)[0]
+    c = prompts(1, 1, seed=2)[0]
+    ka = tc.mgr.make_request("ka", a).keys
+    eng.run(a)
+    eng.run(b)
+    touch_below(tc, a, "t")
+    eng.run(c)  # the host drops a0; the disk still has it
+    assert ka[0] not in tc.indexes[0].entries and ka[0] in tc.indexes[1].entries
+    assert tc.counters.orphans_dropped == 0
+    assert eng.run(a) == 2 * BS
+    tc.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "kvheat"])
+@pytest.mark.parametrize("async_io", [False, True])
+def test_replay_leaves_no_unreachable_entries(policy: str, async_io: bool,
+                                              tmp_path: Path) -> None:
+    """Prompts that share heads of many lengths, replayed in a random order through small
+    tiers: whatever each tier evicts, no lower-tier entry is left behind a missing key, and
+    the links agree with the indexes."""
+    import kvheat.heat  # noqa: F401  (registers the kvheat policy)
+
+    pool = make_pool("gqa", 6)
+    mgr = KVCacheManager(CacheConfig(6, BS, policy=policy))
+    host = HostStore(4 * pool.bytes_per_block, pool.bytes_per_block)
+    disk = DiskStore(tmp_path / "disk", 5 * (pool.bytes_per_block + 200), fsync=False)
+    tc = TieredCache(mgr, pool, [host, disk], TierConfig(policy=policy, async_io=async_io,
+                                                         calibrate=False))
+    eng = Engine(tc, pool)
+    rng = random.Random(7)
+    families = [prompts(4, 5, seed=s, shared=s % 4 + 1) for s in range(4)]
+    ps = [p[:rng.randrange(1, 6) * BS] for fam in families for p in fam]
+    keys = [mgr.make_request("k", p).keys for p in ps]
+    checks = 0
+    for step in range(300):
+        eng.run(rng.choice(ps))
+        if step % 20 == 19:
+            tc.flush()
+            assert unreachable(tc, keys) == []
+            below = {k for idx in tc.indexes for k in idx.entries}
+            assert set(tc._held) == below  # nothing in flight after flush
+            assert all(tc._held[k] == sum(k in idx.entries for idx in tc.indexes)
+                       for k in below)
+            checks += 1
+    assert checks == 15 and tc.counters.dropped_bottom > 0
+    assert tc.counters.worker_errors == 0
+    if not async_io:  # with the demotion thread, a load may race a disk write: a miss
+        assert tc.counters.load_failed == 0
     tc.close()

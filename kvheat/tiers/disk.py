@@ -121,9 +121,9 @@ class DiskStore(KVStore):
             old = self.index.get(name)
             if self._used - (old[2] if old else 0) + size > self.capacity_bytes:
                 return False  # the cap: the caller makes room first
-            # Reserve the bytes now so concurrent writers cannot overshoot the cap.
+            # Reserve the bytes now so concurrent writers cannot overshoot the cap. A value
+            # being rewritten stays readable: the rename swaps whole files atomically.
             self._used += size - (old[2] if old else 0)
-            self.index.pop(name, None)
         tmp = self.root / f"{_TMP}{name}-{os.getpid()}-{threading.get_ident()}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -139,10 +139,7 @@ class DiskStore(KVStore):
         except OSError as e:
             self._unlink(tmp)
             with self._lock:
-                self._used -= size
-                if old is not None and self._path(name).exists():
-                    self._used += old[2]  # the old file is still there and valid
-                    self.index[name] = old
+                self._used -= size - (old[2] if old else 0)  # the old file is untouched
             self.stats.io_errors += 1
             if e.errno in _FULL_ERRNOS:
                 self.full_events += 1
@@ -150,6 +147,8 @@ class DiskStore(KVStore):
             log.warning("disk tier: write failed (%s); demotion to disk paused", e)
             return False
         with self._lock:
+            if old is not None and self.index.get(name) is not old:
+                self._used += old[2]  # deleted meanwhile: its bytes were taken off already
             self.index[name] = (key, ns, size)
         return True
 

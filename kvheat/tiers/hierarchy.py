@@ -20,7 +20,15 @@ then host, disk and Redis stores below it.
 - Integrity: stores verify every read; a failed or missing load ends the loaded prefix
   there (the engine recomputes the rest), counted. Down tiers are skipped.
 
-Lower-tier entries are ordered flat (no parent links): a tier evicts by policy order only.
+- Prefix links below: every lower-tier entry keeps its parent key (taken from the device
+  block's parent at demotion, carried through the queue and between tiers; None for a first
+  block, and for entries found in a store at start-up, whose parent is unknown: they count
+  as roots). A key that leaves the hierarchy for good (dropped at the bottom, a failed load,
+  a refused or dropped demotion) while neither the device nor any tier holds it takes
+  every lower-tier descendant with it (`orphans_dropped`): a prefix match ends at the first
+  missing key, so they could never be served. The bottom tier evicts leaves first (entries
+  with no child held below), parking the others as the device does, so the policy still
+  orders the leaves; it evicts a parent, with its descendants, only when it holds no leaf.
 """
 
 from __future__ import annotations
@@ -49,13 +57,19 @@ class TierIndex:
     """The keys one lower tier holds, ordered for eviction by an `EvictionPolicy`.
 
     Entries are `Block` objects that never hold KV themselves; a pinned entry (being
-    loaded) has ref_cnt > 0, so the policy never picks it."""
+    loaded) has ref_cnt > 0, so the policy never picks it. With `leaf_first`, an entry's
+    `num_children` counts its children held on lower tiers: the policy parks such an entry
+    as it parks a device parent, and `inner` keeps them for when no leaf is left."""
 
-    def __init__(self, policy: EvictionPolicy, capacity_entries: int) -> None:
+    def __init__(self, policy: EvictionPolicy, capacity_entries: int,
+                 leaf_first: bool = False) -> None:
         self.policy = policy
         policy.bind(max(1, capacity_entries))
+        self.leaf_first = leaf_first
         self.entries: dict[bytes, Block] = {}
         self.sizes: dict[bytes, int] = {}
+        # Entries with children below, in the order they got their first (leaf_first only).
+        self.inner: dict[bytes, Block] = {}
         self._ids = 0
 
     def __len__(self) -> int:
@@ -64,24 +78,44 @@ class TierIndex:
     def get(self, key: bytes) -> Block | None:
         return self.entries.get(key)
 
-    def insert(self, key: bytes, salt: str | None, tokens: int, size: int, now: float) -> None:
+    def insert(self, key: bytes, salt: str | None, tokens: int, size: int, now: float,
+               children: int = 0) -> bool:
+        """Add `key` (True) or refresh it (False). `children`: its children held below."""
         b = self.entries.get(key)
         if b is not None:
             self.sizes[key] = size
             self.touch(b, now)
-            return
+            return False
         self._ids += 1
         b = Block(self._ids)
         b.key = key
         b.tenant = salt
         b.num_tokens = tokens
         b.last_access = b.inserted_at = now
+        if self.leaf_first and children:
+            b.num_children = children
+            self.inner[key] = b
         b.ref_cnt = 1  # as the manager does: inserted while held, then released
         self.policy.on_insert(b, now)
         b.ref_cnt = 0
         self.policy.on_release(b, now)
         self.entries[key] = b
         self.sizes[key] = size
+        return True
+
+    def set_children(self, key: bytes, n: int) -> None:
+        """`key` now has `n` children held below; at 0 it may be evicted again."""
+        b = self.entries.get(key)
+        if b is None or not self.leaf_first or b.num_children == n:
+            return
+        was = b.num_children
+        b.num_children = n
+        if n and not was:
+            self.inner[key] = b
+        elif was and not n:
+            del self.inner[key]
+            if b.ref_cnt == 0:
+                self.policy.on_leaf(b)
 
     def touch(self, b: Block, now: float) -> None:
         b.last_access = now
@@ -111,6 +145,7 @@ class TierIndex:
         if b is None:
             return None
         self.sizes.pop(key, None)
+        self.inner.pop(key, None)
         if b.ref_cnt == 0:
             self.policy.on_acquire(b)
         b.ref_cnt += 1
@@ -118,12 +153,17 @@ class TierIndex:
         return b
 
     def victim(self) -> Block | None:
+        """The policy's choice among evictable entries (leaves, with `leaf_first`); when
+        only parents are left, the one that became a parent first."""
         while True:
             b = self.policy.victim()
             if b is None:
-                return None
+                break
             if self.entries.get(b.key) is b:  # type: ignore[arg-type]
                 return b
+        # Rare (a full tier of parents whose children sit on other tiers): the caller's
+        # removal then drops the descendants too. Pinned ones are skipped, never many.
+        return next((b for b in self.inner.values() if b.ref_cnt == 0), None)
 
 
 @dataclass(slots=True)
@@ -137,6 +177,9 @@ class TierConfig:
     # None: always load.
     prefill_tokens_per_s: PrefillSpeed = None
     calibrate: bool = True  # measure each tier once at start (needs a prefill speed)
+    # A tier judged slower than recomputing gets no reads, so its estimate would never
+    # change: after this long without a read, one block is loaded anyway to measure again.
+    remeasure_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("exclusive", "write_through"):
@@ -181,6 +224,8 @@ class TierCounters:
     decisions_partial: int = 0  # loaded a prefix of what was found, recomputed the rest
     load_failed: int = 0  # planned loads that came back missing or unverified
     shape_mismatch: int = 0
+    orphans_dropped: int = 0  # lower-tier entries deleted because an ancestor left for good
+    remeasure_loads: int = 0  # blocks loaded only to measure a tier judged too slow again
     est_load_s: float = 0.0  # estimated seconds of the loads done
     est_recompute_saved_s: float = 0.0  # estimated prefill seconds they replaced
     demotions: int = 0
@@ -215,7 +260,13 @@ class TieredCache:
         self.tier_demotions = [0] * len(tiers)
         self.tier_evictions = [0] * len(tiers)
         self.indexes: list[TierIndex] = []
-        for st in tiers:
+        # Prefix links of the keys held below, all tiers together. A key is held while an
+        # index has it or a demotion of it is queued or moving between tiers (`_held`
+        # counts those); `_kids[k]` are the held keys whose parent is k.
+        self._held: dict[bytes, int] = {}
+        self._parent: dict[bytes, bytes | None] = {}
+        self._kids: dict[bytes, set[bytes]] = {}
+        for i, st in enumerate(tiers):
             slot = getattr(st, "slot_bytes", None)
             if slot is not None and slot < self.block_bytes:
                 raise ValueError(f"{st.name} tier slots hold {slot} bytes; a device block "
@@ -224,17 +275,22 @@ class TieredCache:
             if pol.needs_future:  # an offline oracle cannot order a live tier
                 pol = make_policy("lru")
             cap = st.capacity_bytes // max(1, self.block_bytes)
-            idx = TierIndex(pol, cap)
+            # Only the bottom tier's victims leave the hierarchy (in write-through mode the
+            # upper tiers' copies are on the bottom one too): there, leaves go first.
+            idx = TierIndex(pol, cap, leaf_first=i == len(tiers) - 1)
             now = self.clock()
             for key, ns in st.stored():  # entries that survived a restart
                 # Known tenants by salt; others by namespace digest (still evictable).
                 salt = self._salt_of_ns(st, ns)
-                idx.insert(key, ns if salt is _UNKNOWN else salt,  # type: ignore[arg-type]
-                           mgr.block_size, self.block_bytes, now)
+                if idx.insert(key, ns if salt is _UNKNOWN else salt,  # type: ignore[arg-type]
+                              mgr.block_size, self.block_bytes, now):
+                    # A store keeps no parent: a root here, never dropped with an ancestor.
+                    self._hold(key, None)
             self.indexes.append(idx)
         self._lock = threading.RLock()
         self._prefetched: dict[str, _Plan] = {}
-        self._queue: queue.Queue[tuple[int, bytes, str | None, int, torch.Tensor] | None] = \
+        self._queue: queue.Queue[
+            tuple[int, bytes, str | None, int, torch.Tensor, bytes | None] | None] = \
             queue.Queue(cfg.queue_size)
         self._pool: ThreadPoolExecutor | None = None
         self._worker: threading.Thread | None = None
@@ -257,12 +313,94 @@ class TieredCache:
                 return salt
         return _UNKNOWN
 
+    # ---- prefix links below -----------------------------------------------------------
+    # All called with `self._lock` held; store deletes they ask for run after, unlocked.
+    def _hold(self, key: bytes, parent: bytes | None) -> None:
+        """One more holding of `key` below (an index entry, a queued or moving demotion)."""
+        self._held[key] = self._held.get(key, 0) + 1
+        if parent is None:
+            if key not in self._parent:
+                self._parent[key] = None
+            return
+        # Also when already held: a restored root learns its parent, and a key whose parent
+        # left and came back while it was queued is linked to the parent's new life.
+        self._parent[key] = parent
+        kids = self._kids.get(parent)
+        if kids is None:
+            kids = self._kids[parent] = set()
+        if key not in kids:
+            kids.add(key)
+            self._mark(parent)
+
+    def _mark(self, key: bytes) -> None:
+        """Tell the leaf-first tiers holding `key` how many children it has below."""
+        n = len(self._kids.get(key, ()))
+        for idx in self.indexes:
+            if idx.leaf_first:
+                idx.set_children(key, n)
+
+    def _release(self, key: bytes, leaving_device: bool = False
+                 ) -> list[tuple[int, bytes, str | None]]:
+        """Drop one holding of `key`; when it was the last and the device does not hold the
+        key either (`leaving_device`: it is being evicted from there now), the key is gone
+        and its descendants below go too. Returns the (tier, key, salt) to delete."""
+        n = self._held.get(key, 0) - 1
+        if n > 0:
+            self._held[key] = n
+            return []
+        if n == 0:
+            del self._held[key]
+            parent = self._parent.pop(key, None)
+            if parent is not None:
+                kids = self._kids.get(parent)
+                if kids is not None and key in kids:
+                    kids.discard(key)
+                    if not kids:
+                        del self._kids[parent]
+                    self._mark(parent)
+        return self._settle(key, leaving_device)
+
+    def _settle(self, key: bytes, leaving_device: bool = False
+                ) -> list[tuple[int, bytes, str | None]]:
+        """If `key` is held nowhere (no tier, no queued demotion, not the device), delete
+        its descendants from every tier: O(descendants)."""
+        if key in self._held or (not leaving_device and key in self.mgr.cached):
+            return []
+        out: list[tuple[int, bytes, str | None]] = []
+        stack = [key]
+        while stack:
+            for c in self._kids.pop(stack.pop(), ()):
+                for t, idx in enumerate(self.indexes):
+                    e = idx.remove(c)
+                    if e is not None:
+                        out.append((t, c, e.tenant))
+                        self.counters.orphans_dropped += 1
+                        self._held[c] -= 1
+                if self._held.get(c, 1) == 0:
+                    del self._held[c]
+                    self._parent.pop(c, None)
+                # A copy still queued is dropped when placed (its parent is gone then);
+                # a key the device holds keeps its children reachable.
+                if c not in self._held and c not in self.mgr.cached:
+                    stack.append(c)
+        return out
+
+    def _orphan(self, parent: bytes | None) -> bool:
+        """Would an entry under `parent` be unreachable (the parent is held nowhere)?"""
+        return parent is not None and parent not in self._held and parent not in self.mgr.cached
+
+    def _delete(self, dels: list[tuple[int, bytes, str | None]]) -> None:
+        for t, key, salt in dels:
+            self.tiers[t].delete(key, salt)
+
     # ---- demotion ---------------------------------------------------------------------
     def _on_device_evict(self, b: Block) -> None:
         if not self.tiers or b.key is None:
             return
         salt = self.mgr.salt_of(b.tenant)
         view = self.device.block_view(b.block_id)  # type: ignore[attr-defined]
+        # The device evicts leaves first, so the parent is still cached there now.
+        parent = b.parent.key if b.parent is not None else None
         if self.config.mode == "write_through":
             copy: torch.Tensor | None = None
             for i, st in enumerate(self.tiers):
@@ -273,31 +411,46 @@ class TieredCache:
                             self.indexes[i].touch(e, self.clock())
                     continue
                 if st.inline:
-                    self._place(i, b.key, salt, b.num_tokens, view, cascade=False)
+                    self._place(i, b.key, salt, b.num_tokens, view, parent, cascade=False)
                 else:
                     if copy is None:
                         copy = _private(view)
-                    self._enqueue(i, b.key, salt, b.num_tokens, copy)
-            return
-        first = next((i for i, st in enumerate(self.tiers) if st.available()), None)
-        if first is None:
-            self.counters.demote_refused += 1
-            return
-        if self.tiers[first].inline:
-            self._place(first, b.key, salt, b.num_tokens, view, cascade=True)
+                    self._enqueue(i, b.key, salt, b.num_tokens, copy, parent)
         else:
-            self._enqueue(first, b.key, salt, b.num_tokens, _private(view))
+            first = next((i for i, st in enumerate(self.tiers) if st.available()), None)
+            if first is None:
+                self.counters.demote_refused += 1
+            elif self.tiers[first].inline:
+                self._place(first, b.key, salt, b.num_tokens, view, parent, cascade=True)
+            else:
+                self._enqueue(first, b.key, salt, b.num_tokens, _private(view), parent)
+        # Refused or dropped: the key leaves with the device block, and its children below.
+        with self._lock:
+            dels = self._settle(b.key, leaving_device=True)
+        self._delete(dels)
 
     def _enqueue(self, tier: int, key: bytes, salt: str | None, tokens: int,
-                 kv: torch.Tensor) -> None:
-        item = (tier, key, salt, tokens, kv)
+                 kv: torch.Tensor, parent: bytes | None) -> None:
+        """Hand a demotion to the background thread. The item holds `key` below from now
+        until it is placed, so a key moving between tiers is never taken for gone."""
+        with self._lock:
+            self._hold(key, parent)
+        item = (tier, key, salt, tokens, kv, parent)
         if self._worker is None:
-            self._place(*item, cascade=self.config.mode == "exclusive", owned=True)
+            try:
+                self._place(*item, cascade=self.config.mode == "exclusive", owned=True)
+            finally:
+                with self._lock:
+                    dels = self._release(key)
+                self._delete(dels)
             return
         try:
             self._queue.put_nowait(item)
         except queue.Full:
             self.counters.demote_dropped += 1
+            with self._lock:
+                dels = self._release(key)
+            self._delete(dels)
 
     def _work(self) -> None:
         while True:
@@ -310,24 +463,43 @@ class TieredCache:
                 self.counters.worker_errors += 1
                 log.exception("tier demotion failed")
             finally:
+                if item is not None:
+                    try:
+                        with self._lock:
+                            dels = self._release(item[1])
+                        self._delete(dels)
+                    except Exception:
+                        self.counters.worker_errors += 1
+                        log.exception("tier cleanup failed")
                 self._queue.task_done()
 
     def _place(self, tier: int, key: bytes, salt: str | None, tokens: int, kv: torch.Tensor,
-               cascade: bool, owned: bool = False) -> None:
+               parent: bytes | None, cascade: bool, owned: bool = False) -> None:
         """Put one block into `tier`, making room by evicting that tier's coldest entries
         (down to the next tier when `cascade`); a refused block itself goes down too.
         `owned`: `kv` is a private copy; otherwise it may view a device block that is
-        reused as soon as this returns, so anything queued is copied first."""
+        reused as soon as this returns, so anything queued is copied first. The caller
+        holds `key` meanwhile and settles it after (a refused key may be gone)."""
         st, idx = self.tiers[tier], self.indexes[tier]
         nxt = tier + 1 if cascade and tier + 1 < len(self.tiers) else None
+        with self._lock:
+            if self._orphan(parent):  # its parent left while it waited in the queue
+                self.counters.orphans_dropped += 1
+                return
+            e = idx.get(key)
+            if e is not None:
+                # Already there (a key names its KV): refresh it. Rewriting would hide the
+                # entry from readers while the store replaces it (a load then misses).
+                idx.touch(e, self.clock())
+                return
         if not st.available():
             if nxt is not None:
-                self._enqueue(nxt, key, salt, tokens, kv if owned else _private(kv))
+                self._enqueue(nxt, key, salt, tokens, kv if owned else _private(kv), parent)
             else:
                 self.counters.demote_refused += 1
             return
         need = st.entry_bytes(kv, key)
-        victims: list[Block] = []
+        victims: list[tuple[Block, bytes | None]] = []
         with self._lock:
             freed = 0
             held = idx.sizes.get(key, 0)
@@ -337,23 +509,38 @@ class TieredCache:
                     break
                 freed += idx.sizes.get(v.key, 0)  # type: ignore[arg-type]
                 idx.remove(v.key)  # type: ignore[arg-type]
-                victims.append(v)
-        for v in victims:
-            if nxt is not None and self.tiers[nxt].available():
-                t = st.get(v.key, v.tenant)  # type: ignore[arg-type]
-                if t is not None:
-                    self._enqueue(nxt, v.key, v.tenant, v.num_tokens, t)  # type: ignore[arg-type]
-            elif tier == len(self.tiers) - 1:
-                self.counters.dropped_bottom += 1
-            st.delete(v.key, v.tenant)  # type: ignore[arg-type]
-            self.tier_evictions[tier] += 1
+                # Its holding stays until it is handed down or dropped (released below).
+                victims.append((v, self._parent.get(v.key)))  # type: ignore[arg-type]
+        for v, vparent in victims:
+            vkey: bytes = v.key  # type: ignore[assignment]
+            try:
+                if nxt is not None and self.tiers[nxt].available():
+                    t = st.get(vkey, v.tenant)
+                    if t is not None:
+                        self._enqueue(nxt, vkey, v.tenant, v.num_tokens, t, vparent)
+                elif tier == len(self.tiers) - 1:
+                    self.counters.dropped_bottom += 1
+                st.delete(vkey, v.tenant)
+                self.tier_evictions[tier] += 1
+            finally:
+                with self._lock:
+                    dels = self._release(vkey)
+                self._delete(dels)
         if st.put(key, kv, salt):
             with self._lock:
-                idx.insert(key, salt, tokens, need, self.clock())
+                # Checked again: making room above may have dropped the parent meanwhile.
+                orphan = self._orphan(parent)
+                if not orphan and idx.insert(key, salt, tokens, need, self.clock(),
+                                             len(self._kids.get(key, ()))):
+                    self._hold(key, parent)
+            if orphan:
+                self.counters.orphans_dropped += 1
+                st.delete(key, salt)
+                return
             self.tier_demotions[tier] += 1
             self.counters.demotions += 1
         elif nxt is not None:
-            self._enqueue(nxt, key, salt, tokens, kv if owned else _private(kv))
+            self._enqueue(nxt, key, salt, tokens, kv if owned else _private(kv), parent)
         else:
             self.counters.demote_refused += 1
 
@@ -421,6 +608,7 @@ class TieredCache:
         per_tier = [0] * len(self.tiers)
         tokens = 0
         best_k, best_gain, best = 0, 0.0, (0.0, 0.0)
+        first = best
         for k, s in enumerate(plan.steps, 1):
             per_tier[s.tier] += 1
             tokens += s.tokens
@@ -430,8 +618,15 @@ class TieredCache:
                     est = self.estimate_load_s(t, n)
                     load += est if est is not None else 0.0
             recompute = tokens / speed
+            if k == 1:
+                first = (load, recompute)
             if recompute - load > best_gain:
                 best_k, best_gain, best = k, recompute - load, (load, recompute)
+        if best_k == 0 and plan.steps:
+            model = self.tiers[plan.steps[0].tier].read_model
+            if time.monotonic() - model.last_at > self.config.remeasure_s:
+                best_k, best = 1, first
+                self.counters.remeasure_loads += 1
         plan.est_load_s, plan.est_recompute_s = best
         return best_k
 
@@ -478,7 +673,8 @@ class TieredCache:
                 j = i
                 while j < len(steps) and steps[j].tier == steps[i].tier:
                     j += 1
-                got = st.get_many([s.key for s in steps[i:j]], salt)
+                # Only copied into device blocks: views of the received bytes will do.
+                got = st.get_many([s.key for s in steps[i:j]], salt, readonly_ok=True)
                 out.extend(got)
                 if any(g is None for g in got):
                     break
@@ -614,8 +810,9 @@ class TieredCache:
             if t is None:
                 failed = True
                 self.counters.load_failed += 1
-                with self._lock:
-                    self.indexes[s.tier].remove(s.key)  # stale or corrupt: forget it
+                with self._lock:  # stale or corrupt: forget it
+                    dels = self._release(s.key) if self.indexes[s.tier].remove(s.key) else []
+                self._delete(dels)  # descendants, if nothing else holds the key
                 break
             loaded += s.tokens
             done.append(s)
@@ -630,8 +827,11 @@ class TieredCache:
         if self.config.mode == "exclusive":
             for s in done:  # the block now lives on the device only
                 with self._lock:
-                    self.indexes[s.tier].remove(s.key)
+                    # On the device now, so its children below stay reachable (no cascade
+                    # unless the manager kept the block private).
+                    dels = self._release(s.key) if self.indexes[s.tier].remove(s.key) else []
                 self.tiers[s.tier].delete(s.key, plan.salt)
+                self._delete(dels)
         return loaded
 
     # ---- introspection ----------------------------------------------------------------

@@ -118,8 +118,10 @@ class HostStore(KVStore):
         return t
 
     def get_many(self, keys: Sequence[bytes], salt: str | None = None,
-                 outs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
-        """`get` for each key (into `outs[i]` when given), under one lock."""
+                 outs: Sequence[torch.Tensor | None] | None = None,
+                 readonly_ok: bool = False) -> list[torch.Tensor | None]:
+        """`get` for each key (into `outs[i]` when given), under one lock. Results are
+        always private copies (a slot may be reused as soon as the lock is released)."""
         t0 = time.perf_counter()
         ns = self.ns(salt)
         outs = outs if outs is not None else [None] * len(keys)

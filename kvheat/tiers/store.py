@@ -45,19 +45,33 @@ class StoreStats:
         return asdict(self)
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
 class TransferModel:
-    """Fits seconds = latency + bytes / bandwidth over a window of measured transfers
-    (least squares; with one transfer size, latency 0 and the mean throughput)."""
+    """Fits seconds = latency + bytes / bandwidth over a window of measured transfers.
+
+    Robust to outliers: one transfer stalled by a garbage-collection pause or a page-cache
+    miss must not decide every load after it (with a mean, one 200 ms stall in 256 samples
+    of 100 us turned every later disk load into a recompute). Samples are grouped by size
+    (powers of two); each group's median size and time make one point, weighted by the
+    group's size, for least squares. With one size group: latency 0 and the median
+    throughput."""
 
     def __init__(self, window: int = 256) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._fit: tuple[float, float] | None = None
+        self.last_at = float("-inf")  # time.monotonic() of the latest sample
 
     def record(self, nbytes: int, seconds: float) -> None:
         # No lock: deque.append and list(deque) are atomic under the GIL, and this runs
         # on every tier operation.
         self.samples.append((nbytes, seconds))
         self._fit = None
+        self.last_at = time.monotonic()
 
     def fit(self) -> tuple[float, float] | None:
         """(latency seconds, bandwidth bytes/s), or None before any sample."""
@@ -66,17 +80,22 @@ class TransferModel:
         samples = [s for s in list(self.samples) if s[0] > 0 and s[1] > 0]
         if not samples:
             return None
-        xs = [s[0] for s in samples]
-        ys = [s[1] for s in samples]
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
+        groups: dict[int, list[tuple[int, float]]] = {}
+        for x, y in samples:
+            groups.setdefault(x.bit_length(), []).append((x, y))
+        points = [(_median([x for x, _ in g]), _median([y for _, y in g]), len(g))
+                  for g in groups.values()]
         lat, slope = 0.0, 0.0
-        if sxx > 0 and (max(xs) > 1.5 * min(xs)):
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+        xs = [p[0] for p in points]
+        if len(points) > 1 and max(xs) > 1.5 * min(xs):
+            w = sum(p[2] for p in points)
+            mx = sum(x * n for x, _, n in points) / w
+            my = sum(y * n for _, y, n in points) / w
+            sxx = sum(n * (x - mx) ** 2 for x, _, n in points)
+            slope = sum(n * (x - mx) * (y - my) for x, y, n in points) / sxx
             lat = my - slope * mx
         if slope <= 0 or lat < 0:  # one size, or noise: throughput only
-            lat, slope = 0.0, sum(ys) / sum(xs)
+            lat, slope = 0.0, _median([y / x for x, y in samples])
         fit = (lat, 1.0 / slope)
         self._fit = fit
         return fit
@@ -163,8 +182,11 @@ class KVStore:
         return t
 
     def get_many(self, keys: Sequence[bytes], salt: str | None = None,
-                 outs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
-        """`get` for each key, into `outs[i]` when given (stores that can batch override)."""
+                 outs: Sequence[torch.Tensor | None] | None = None,
+                 readonly_ok: bool = False) -> list[torch.Tensor | None]:
+        """`get` for each key, into `outs[i]` when given (stores that can batch override).
+        `readonly_ok`: the caller only copies from the results, so a store may return
+        views of its own read buffers instead of private copies."""
         if outs is None:
             return [self.get(k, salt) for k in keys]
         if len(outs) != len(keys):
