@@ -51,14 +51,22 @@ def _median(xs: list[float]) -> float:
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
+def _trimmed_mean(xs: list[float], drop: float = 0.1) -> float:
+    """Mean of `xs` without its largest `drop` share (rounded down; all of a short list)."""
+    xs = sorted(xs)[:len(xs) - int(drop * len(xs))]
+    return sum(xs) / len(xs)
+
+
 class TransferModel:
     """Fits seconds = latency + bytes / bandwidth over a window of measured transfers.
 
-    Robust to outliers: one transfer stalled by a garbage-collection pause or a page-cache
-    miss must not decide every load after it (with a mean, one 200 ms stall in 256 samples
-    of 100 us turned every later disk load into a recompute). Samples are grouped by size
-    (powers of two); each group's median size and time make one point, weighted by the
-    group's size, for least squares. With one size group: latency 0 and the median
+    Robust to rare stalls: one transfer held up by a garbage-collection pause must not
+    decide every load after it (with a plain mean, one 200 ms stall among 256 samples of
+    100 us turned every later disk load into a recompute), while a cost that recurs (a
+    page-cache miss every few reads) must count. So each estimate is a trimmed mean that
+    drops the slowest tenth of the samples. Samples are grouped by size (powers of two);
+    each group's median size and trimmed-mean time make one point, weighted by the group's
+    size, for least squares. With one size group: latency 0 and the trimmed-mean
     throughput."""
 
     def __init__(self, window: int = 256) -> None:
@@ -83,7 +91,7 @@ class TransferModel:
         groups: dict[int, list[tuple[int, float]]] = {}
         for x, y in samples:
             groups.setdefault(x.bit_length(), []).append((x, y))
-        points = [(_median([x for x, _ in g]), _median([y for _, y in g]), len(g))
+        points = [(_median([x for x, _ in g]), _trimmed_mean([y for _, y in g]), len(g))
                   for g in groups.values()]
         lat, slope = 0.0, 0.0
         xs = [p[0] for p in points]
@@ -95,7 +103,7 @@ class TransferModel:
             slope = sum(n * (x - mx) * (y - my) for x, y, n in points) / sxx
             lat = my - slope * mx
         if slope <= 0 or lat < 0:  # one size, or noise: throughput only
-            lat, slope = 0.0, _median([y / x for x, y in samples])
+            lat, slope = 0.0, _trimmed_mean([y / x for x, y in samples])
         fit = (lat, 1.0 / slope)
         self._fit = fit
         return fit
