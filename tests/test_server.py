@@ -68,6 +68,15 @@ class Served:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def wait_metric(self, name: str, at_least: float, timeout_s: float = 5.0,
+                    **labels: str) -> None:
+        """Wait until /metrics shows `name` (summed over `labels`) at `at_least` or more:
+        the engine thread refreshes the figures between steps."""
+        deadline = time.monotonic() + timeout_s
+        while self.metric(name, **labels) < at_least:
+            assert time.monotonic() < deadline, f"{name}{labels} stayed below {at_least}"
+            time.sleep(0.1)
+
     def wait_idle(self, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s
         while self.server.worker.num_active and time.monotonic() < deadline:
@@ -474,20 +483,14 @@ def test_host_tier_serves_evicted_prefix() -> None:
         again = c.completions.create(model=MODEL, prompt=keep, max_tokens=1)
         assert again.usage.prompt_tokens_details.cached_tokens >= 32
         s.wait_idle()
-        deadline = time.monotonic() + 5
-        while s.metric("kvheat_tier_hit_tokens_total", tier="host") < 16:
-            assert time.monotonic() < deadline, "no host-tier hits in /metrics"
-            time.sleep(0.1)
+        s.wait_metric("kvheat_tier_hit_tokens_total", 16, tier="host")
         assert s.metric("kvheat_blocks", tier="host", state="used") > 0
         assert s.metric("kvheat_tier_bytes_total", tier="host", direction="write") > 0
         # Once more: now on the device. The tiers' series add up to the cached tokens.
         third = c.completions.create(model=MODEL, prompt=keep, max_tokens=1)
         assert third.usage.prompt_tokens_details.cached_tokens >= 32
         s.wait_idle()
-        deadline = time.monotonic() + 5
-        while s.metric("kvheat_tier_hit_tokens_total", tier="device") < 32:
-            assert time.monotonic() < deadline, "no device hits in /metrics"
-            time.sleep(0.1)
+        s.wait_metric("kvheat_tier_hit_tokens_total", 32, tier="device")
         assert s.metric("kvheat_tier_hit_tokens_total") == s.metric("kvheat_cached_tokens_total")
     finally:
         stop(s)
