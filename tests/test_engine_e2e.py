@@ -355,3 +355,29 @@ def test_redis_tier_under_host_tier_and_redis_dying(llama: tuple, redis_server) 
     assert [m.output_token_ids for m in more] == [f.output_token_ids for f in first[2:4]]
     assert red.stats.went_down == 1
     e.close()
+
+
+def test_disk_loads_start_while_a_request_waits(llama: tuple, tmp_path) -> None:
+    model, tok, _ = llama
+    rng = random.Random(11)
+    ps = [[rng.randrange(2, 1000) for _ in range(64)] for _ in range(6)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, disk_tier_dir=str(tmp_path),
+                                           disk_tier_bytes=1 << 24,
+                                           scheduler=SchedulerConfig(max_num_seqs=1)))
+    first = e.generate(ps, sp)  # ps[0] and ps[1] end on disk
+    e.tiers.flush()
+    tc = e.tiers
+    plans = tc.counters.prefetch_plans
+    ids = [e.add_request(p, sp) for p in (ps[0], ps[1], ps[0] + [7])]
+    # Planned on arrival, the disk reads in flight while they wait (one runs at a time).
+    assert tc.counters.prefetch_plans == plans + 3 and len(tc._prefetched) == 3
+    e.abort(ids[2])  # a waiting request that goes away releases its pins
+    assert len(tc._prefetched) == 2
+    run_checked(e)
+    outs = [e.release(i) for i in ids[:2]]
+    assert [o.output_token_ids for o in outs] == [f.output_token_ids for f in first[:2]]
+    assert [o.metrics.num_cached_tokens for o in outs] == [63, 63]
+    assert tc.counters.prefetch_used >= 2 and not tc._prefetched
+    assert not any(b.ref_cnt for idx in tc.indexes for b in idx.entries.values())
+    e.close()

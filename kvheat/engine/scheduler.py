@@ -78,10 +78,15 @@ class SchedulerConfig:
     # Aging guard: a request waiting (or still in prefill) this long goes first, and while
     # it cannot get its blocks no younger request is admitted.
     aging_s: float = 5.0
+    # Lower tiers: a request arriving with fewer than this many ahead of it in the queue
+    # starts its disk / Redis loads at once (its plan pins those entries until it runs).
+    prefetch_queue_depth: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.prefetch_queue_depth < 0:
+            raise ValueError("prefetch_queue_depth must be >= 0")
         if self.prefix_caching not in ("block", "exact", "off"):
             raise ValueError(f"prefix_caching must be block, exact or off, not {self.prefix_caching!r}")
         if self.preemption not in ("recompute", "swap"):
@@ -230,6 +235,12 @@ class Scheduler:
             seq.arrival = self.clock()
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        # Lower tiers: start loading the request's blocks from disk or Redis now, while it
+        # waits, so the reads overlap the steps before its admission. Only near the head of
+        # the queue: a plan pins its entries on the tiers until the request runs.
+        if self.tiers is not None and cfg.prefix_caching == "block" \
+                and len(self.waiting) <= cfg.prefetch_queue_depth:
+            self.tiers.prefetch(self._full_request(seq))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (done or aborted): its blocks are freed, full ones stay cached."""
@@ -240,6 +251,8 @@ class Scheduler:
             self._release(seq)
         else:
             self.waiting.remove(seq)
+            if self.tiers is not None:
+                self.tiers.cancel_prefetch(seq.seq_id)  # its pins, if a plan was made
         if seq.swapped_tokens and self.swap_space is not None:
             self.swap_space.discard(seq.seq_id)
             seq.swapped_tokens = 0
@@ -380,8 +393,7 @@ class Scheduler:
         cfg = self.config
         cache = self.cache
         bs = self.block_size
-        full = cache.make_request(seq.seq_id, seq.token_ids, self._key_tenant(seq), seq.lora,
-                                  seq.session)
+        full = self._full_request(seq)
         match = [] if cfg.prefix_caching == "off" else cache.match_prefix(full)
         if any(b.block_id in self.fresh for b in match):
             return 0  # its KV is written by this step's forward pass: start next step
@@ -403,6 +415,8 @@ class Scheduler:
             # All of it below: load it all and run the last token again (its logits), its KV
             # rewritten into a block this request alone holds.
             start = min(hit + planned, len(seq.token_ids) - 1)
+        elif self.tiers is not None:
+            self.tiers.cancel_prefetch(seq.seq_id)  # an early plan it does not need now
         n = min(limit, len(seq.token_ids) - start)
         if n <= 0:
             return 0
@@ -491,6 +505,11 @@ class Scheduler:
             self.cache.free(seq.cache_req)
             seq.cache_req = None
         seq.num_computed = 0
+
+    def _full_request(self, seq: Sequence) -> Request:
+        """The cache's view of the whole sequence (keys of all its full blocks)."""
+        return self.cache.make_request(seq.seq_id, seq.token_ids, self._key_tenant(seq),
+                                       seq.lora, seq.session)
 
     def _key_tenant(self, seq: Sequence) -> str | None:
         """The tenant the block keys are salted with. "exact" mode salts them with the

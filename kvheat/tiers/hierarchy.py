@@ -702,10 +702,19 @@ class TieredCache:
         """Plan a waiting request's lower-tier loads and start the slow ones now; returns
         the tokens planned. `allocate` picks the plan up; `cancel_prefetch` drops it."""
         with self._lock:
+            hit = len(self.mgr.match_prefix(req))
             old = self._prefetched.pop(req.request_id, None)
             if old is not None:
+                # Planned earlier (when the request arrived): keep it, and its loads in
+                # flight, while it still starts where the device prefix ends.
+                rest = [s for s in old.steps if s.index >= hit]
+                if rest and rest[0].index == hit:
+                    self._unpin([s for s in old.steps if s.index < hit])
+                    old.steps = rest
+                    self._prefetched[req.request_id] = old
+                    return sum(s.tokens for s in rest)
                 self._unpin(old.steps)
-            plan = self._make_plan(req, len(self.mgr.match_prefix(req)))
+            plan = self._make_plan(req, hit)
             if not plan.steps:
                 return 0
             self._prefetched[req.request_id] = plan
