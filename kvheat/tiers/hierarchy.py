@@ -211,6 +211,9 @@ class _Plan:
 
 @dataclass(slots=True)
 class TierCounters:
+    # Of the requests that went through `allocate` (the engine's scheduler sends only
+    # those with a lower-tier plan, so its whole-prompt hit rates live in the cache's
+    # own stats); the per-tier hit counts are absolute.
     requests: int = 0
     query_tokens: int = 0
     device_hit_tokens: int = 0
