@@ -110,6 +110,7 @@ class Sequence:
         "seq_id", "token_ids", "num_prompt_tokens", "max_tokens", "tenant", "session", "lora",
         "arrival", "status", "num_computed", "cache_req", "load_class", "num_cached_tokens",
         "num_preemptions", "swapped_tokens", "admitted_seq", "prompt_done", "finish_reason",
+        "full_req",
     )
 
     def __init__(self, seq_id: str, prompt_token_ids: Seq[int], max_tokens: int,
@@ -126,6 +127,7 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.num_computed = 0  # leading tokens whose KV is in the pool
         self.cache_req: Request | None = None  # the manager's view while blocks are held
+        self.full_req: Request | None = None  # all its tokens hashed, while their count holds
         self.load_class = REGULAR
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
         self.num_preemptions = 0
@@ -507,9 +509,13 @@ class Scheduler:
         seq.num_computed = 0
 
     def _full_request(self, seq: Sequence) -> Request:
-        """The cache's view of the whole sequence (keys of all its full blocks)."""
-        return self.cache.make_request(seq.seq_id, seq.token_ids, self._key_tenant(seq),
-                                       seq.lora, seq.session)
+        """The cache's view of the whole sequence (keys of all its full blocks), hashed
+        again only when tokens were added: a waiting request is looked at every step."""
+        req = seq.full_req
+        if req is None or req.num_tokens != len(seq.token_ids):
+            req = seq.full_req = self.cache.make_request(
+                seq.seq_id, seq.token_ids, self._key_tenant(seq), seq.lora, seq.session)
+        return req
 
     def _key_tenant(self, seq: Sequence) -> str | None:
         """The tenant the block keys are salted with. "exact" mode salts them with the

@@ -171,7 +171,13 @@ def decode(buf: bytes | bytearray | memoryview, key: bytes, ns: bytes) -> torch.
     a device block or an output buffer: writing to it is undefined."""
     hdr = decode_header(buf)
     verify(buf, hdr, key, ns)
+    return payload_tensor(buf, hdr, hdr.body_offset)
+
+
+def payload_tensor(buf: bytes | bytearray | memoryview, hdr: Header, offset: int = 0
+                   ) -> torch.Tensor:
+    """The tensor `hdr` describes, viewing its payload in `buf` from `offset` (no copy)."""
     if hdr.payload_len == 0:
         return torch.empty(hdr.shape, dtype=hdr.dtype)
-    raw = torch.frombuffer(buf, dtype=torch.uint8, offset=hdr.body_offset, count=hdr.payload_len)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=hdr.payload_len)
     return raw.view(hdr.dtype).view(hdr.shape)

@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from .numa import NumaNode, alloc_on_node, numa_nodes, placement
-from .store import KVStore
+from .store import KVStore, copy_out
 
 _ALIGN = 64  # slot starts stay aligned for any dtype and for cache lines
 _hash = xxhash.xxh3_64_intdigest
@@ -94,7 +94,7 @@ class HostStore(KVStore):
         # at 64 KiB the clock and the record cost 5% of a put.
         self._calls += 1
         t0 = time.perf_counter() if not self._calls % _TIME_EVERY else 0.0
-        ns = self._ns_cache.get(salt) or self.ns(salt)
+        ns = self.ns(salt)
         with self._lock:
             n = self._put_locked(key, kv, ns)
         if n and t0:
@@ -116,7 +116,7 @@ class HostStore(KVStore):
             out: torch.Tensor | None = None) -> torch.Tensor | None:
         self._calls += 1
         t0 = time.perf_counter() if not self._calls % _TIME_EVERY else 0.0
-        ns = self._ns_cache.get(salt) or self.ns(salt)
+        ns = self.ns(salt)
         with self._lock:
             t = self._get_locked(key, ns, out)
         if t is not None and t0:
@@ -176,13 +176,7 @@ class HostStore(KVStore):
             return None
         v = self._views[slot]
         assert v is not None
-        if out is None:
-            t = v.tensor.clone()
-        elif out.shape != v.shape or out.dtype != v.dtype:
-            raise ValueError(f"out has {tuple(out.shape)} {out.dtype}, the value is "
-                             f"{tuple(v.shape)} {v.dtype}")
-        else:
-            t = out.copy_(v.tensor)
+        t = copy_out(v.tensor, out)
         # Checked after the copy, while the slot is still in cache: one pass over memory
         # instead of two. On a mismatch `out` holds bytes nobody may use.
         if self.verify and _hash(v.raw) != self._slot_sum[slot]:

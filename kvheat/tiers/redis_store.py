@@ -36,6 +36,7 @@ from .codec import (
     decode_header,
     encode_prefix,
     header_size,
+    payload_tensor,
     tensor_bytes,
     verify_parts,
 )
@@ -264,9 +265,6 @@ class RedisStore(KVStore):
     def entry_bytes(self, kv: torch.Tensor, key: bytes) -> int:
         return kv.numel() * kv.element_size() + HEAD_SIZE + 4 * kv.dim() + len(key) + NS_SIZE
 
-    def _put(self, key: bytes, kv: torch.Tensor, salt: str | None) -> bool:
-        return self.put_many([(key, kv)], salt)[0]
-
     def put_many(self, items: Sequence[tuple[bytes, torch.Tensor]],
                  salt: str | None = None) -> list[bool]:
         """Stores a batch in one round trip (one MSET); the items that fit the capacity
@@ -422,10 +420,7 @@ class RedisStore(KVStore):
                 self._count_corrupt(e.kind, key, str(e))
                 res.append(None)
                 continue
-            if hdr.payload_len == 0:
-                t = torch.empty(hdr.shape, dtype=hdr.dtype)
-            else:
-                t = torch.frombuffer(body, dtype=torch.uint8).view(hdr.dtype).view(hdr.shape)
+            t = payload_tensor(body, hdr)
             if out is not None and body is dest and out.dtype == t.dtype and out.shape == t.shape:
                 res.append(out)  # received in place
             else:
