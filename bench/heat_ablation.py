@@ -15,21 +15,25 @@ from heat_replay import prepared
 from kvheat.heat import KVHeat
 from kvheat.replay import replay
 
-OFF = dict(ghost=0, tail_penalty_s=0, regime=False, extension_penalty_s=0, adapt_extension=False)
+OFF = dict(ghost=0, tail_penalty=0, regime=False, extension_penalty=0, adapt_extension=False)
 GHOST = 8.0  # the default: keeps the last ~8x capacity evictions (5.3-10.7x)
+# Every time is in the policy's own units: block accesses, or half-lives (the half-life
+# itself is the workload's median reuse gap, measured online).
 VARIANTS = {
-    "LRU-like (hl=1s, nothing else)": dict(OFF, half_life_s=1.0),
-    "decayed count (hl=150s)": dict(OFF),
+    "LRU-like (half-life 1 access, nothing else)": dict(OFF, half_life=1.0),
+    "decayed count (half-life = median reuse gap)": dict(OFF),
     "+ history (ghost ~8x capacity)": dict(OFF, ghost=GHOST),
-    "+ partial-tail demotion": dict(OFF, ghost=GHOST, tail_penalty_s=1000.0),
-    "+ entropy regime (one-off demotion)": dict(OFF, ghost=GHOST, tail_penalty_s=1000.0, regime=True),
-    "+ fixed extension demotion (200s)": dict(extension_penalty_s=200.0, adapt_extension=False),
+    "+ partial-tail demotion": dict(OFF, ghost=GHOST, tail_penalty=6.67),
+    "+ entropy regime (one-off demotion)": dict(OFF, ghost=GHOST, tail_penalty=6.67, regime=True),
+    "+ fixed extension demotion (1.33 half-lives)": dict(extension_penalty=1.33, adapt_extension=False),
     "+ learned extension demotion = kvheat default": dict(),
-    "default + online half-life tuning": dict(tune=True),
+    "default, half-life 0.5x the reuse gap": dict(reuse_mult=0.5),
+    "default, half-life 2x the reuse gap": dict(reuse_mult=2.0),
+    "default, admission penalty 0.8 (was the default)": dict(admit_penalty=0.8),
+    "default, admission penalty fading with eviction age": dict(admit_fade=1.0),
+    "default + online tuning of the multiplier": dict(tune=True),
     "default + drift detector": dict(drift=True),
     "default, counts capped at 3": dict(max_count=3.0),
-    "default, half-life 75s": dict(half_life_s=75.0),
-    "default, half-life 300s": dict(half_life_s=300.0),
 }
 
 

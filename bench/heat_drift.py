@@ -66,7 +66,7 @@ def main() -> None:
                          "hit_rate_after_drift": hit_b, "hit_rate_first_1000_after": hit_near,
                          "policy_stats": whole.policy_stats})
             extra = "".join(f" {k}={v:.0f}" for k, v in whole.policy_stats.items()
-                            if k in ("drifts", "retunes", "half_life_s"))
+                            if k in ("drifts", "retunes", "half_life_accesses"))
             print(f"{cap:>9,} {label:26s} whole {100 * whole.hit_rate:6.2f}%  after drift "
                   f"{100 * hit_b:6.2f}%  next 1000 {100 * hit_near:6.2f}%{extra}", flush=True)
     if a.json:

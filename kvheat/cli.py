@@ -30,13 +30,16 @@ def _load_heat() -> None:
 @click.option("--block-tokens", default=512, show_default=True, help="Tokens per block.")
 @click.option("--hold", is_flag=True, help="Hold each request's blocks for its modelled duration.")
 @click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Multiply every timestamp by K: what if the traffic were 1/K times as fast.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the results as one JSON object here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of hit rate against capacity here.")
 @click.option("--misses/--no-misses", default=True, help="Print the miss breakdown.")
 def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bool,
-           limit: int | None, json_path: str | None, plot_path: str | None, misses: bool) -> None:
+           limit: int | None, time_scale: float, json_path: str | None, plot_path: str | None,
+           misses: bool) -> None:
     """Replay TRACE (a Mooncake JSONL file, or 'builtin' for the generator) through the cache."""
     from rich.progress import Progress
 
@@ -64,6 +67,8 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
         except (OSError, TraceError) as e:
             raise click.ClickException(str(e)) from None
         name = Path(trace).name
+    if time_scale != 1:
+        name += f" (timestamps x{time_scale:g})"
     if limit is not None:
         reqs = reqs[:limit]
     pt = PreparedTrace(reqs, block_tokens)
@@ -73,7 +78,7 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
         for c in caps:
             for p in pols:
                 prog.update(task, description=f"{p} @ {c:,} tokens")
-                results.append(run_replay(pt, p, c, block_tokens, hold=hold))
+                results.append(run_replay(pt, p, c, block_tokens, hold=hold, time_scale=time_scale))
                 prog.advance(task, len(reqs))
     summary = summarize(name, block_tokens, pt.infinite_hit_rate(), results)
     print_table(summary)

@@ -213,7 +213,8 @@ def test_host_tier_serves_blocks_the_device_evicted(llama: tuple) -> None:
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     outs = {}
     for host in (0, 64):  # 12 device blocks cannot keep six 4-5 block prompts
-        e = LLMEngine(model, tok, EngineConfig(num_blocks=12, host_tier_blocks=host))
+        # LRU: which blocks the device evicts is the premise here, not the policy under test.
+        e = LLMEngine(model, tok, EngineConfig(num_blocks=12, host_tier_blocks=host, policy="lru"))
         first = e.generate(ps, sp)
         ids = [e.add_request(p, sp) for p in ps[:2]]
         run_checked(e)
@@ -294,7 +295,7 @@ def test_disk_tier_survives_a_restart_and_never_serves_other_weights(llama: tupl
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
 
     def cfg() -> EngineConfig:  # 12 device blocks cannot keep six 4-5 block prompts
-        return EngineConfig(num_blocks=12, disk_tier_dir=str(tmp_path / "kv"),
+        return EngineConfig(num_blocks=12, policy="lru", disk_tier_dir=str(tmp_path / "kv"),
                             disk_tier_bytes=1 << 24)
 
     e1 = LLMEngine(model, tok, cfg())

@@ -7,6 +7,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvheat.heat  # noqa: F401  (registers the heat policies)
 from kvheat.cache import CacheConfig, KVCacheManager, make_policy, policy_names
@@ -25,6 +27,8 @@ from kvheat.heat import (
     logarithmic,
     shannon_bits,
 )
+from kvheat.heat.reuse import ReuseGapEstimator
+from kvheat.replay import PreparedTrace, replay
 from kvheat.replay.traces import WorkloadConfig, generate_workload
 
 
@@ -202,7 +206,8 @@ def _run(policy, trace, capacity_blocks: int, check_every: int = 0) -> KVCacheMa
 
 @pytest.mark.parametrize(("name", "kw"), [(n, {}) for n in HEAT_POLICIES] + [
     ("kvheat", {"tune": True, "drift": True, "max_count": 3.0}),
-    ("kvheat", {"regime": False, "ghost": 0.0, "extension_penalty_s": 0.0}),
+    ("kvheat", {"regime": False, "ghost": 0.0, "extension_penalty": 0.0}),
+    ("kvheat", {"half_life": 50.0}),
 ])
 def test_heat_policy_keeps_cache_invariants(name: str, kw: dict) -> None:
     trace = generate_workload(WorkloadConfig(num_conversations=150, seed=5))
@@ -238,7 +243,7 @@ def test_kvheat_demotes_the_partial_tail_block() -> None:
 
 def test_kvheat_history_restores_heat_after_eviction() -> None:
     now = [0.0]
-    pol = KVHeat(half_life_s=100.0)
+    pol = KVHeat(half_life=100.0)
     mgr = KVCacheManager(CacheConfig(2, 4), pol, clock=lambda: now[0])
     for t in range(5):  # block 1 gets hot
         now[0] = float(t)
@@ -248,7 +253,7 @@ def test_kvheat_history_restores_heat_after_eviction() -> None:
     mgr.evict(1)
     r = mgr.make_hashed_request("back", [1], 4)
     mgr.allocate(r)
-    assert pol.log_count(mgr.requests["back"].blocks[0], now[0]) > math.log(4.5)  # count resumed, not 1
+    assert pol.log_count(mgr.requests["back"].blocks[0]) > math.log(4.5)  # count resumed, not 1
     assert pol.ghost_hits == 1
 
 
@@ -301,7 +306,7 @@ def test_kvheat_learns_extension_penalty_from_reuse() -> None:
         r = mgr.make_hashed_request(str(i), ids, 20)
         mgr.allocate(r)
         mgr.free(r)
-    assert pol.extension_penalty_s > 0.5 * pol.max_extension_penalty_s
+    assert pol.extension_penalty > 0.5 * pol.max_extension_penalty
     # Growing conversations: every extension is reused by the next turn: no penalty.
     pol2 = KVHeat()
     mgr2 = KVCacheManager(CacheConfig(400, 4), pol2, clock=lambda: now[0])
@@ -316,7 +321,7 @@ def test_kvheat_learns_extension_penalty_from_reuse() -> None:
         r = mgr2.make_hashed_request(str(i), [0, *hist], 4 * (len(hist) + 1))
         mgr2.allocate(r)
         mgr2.free(r)
-    assert pol2.extension_penalty_s < 0.25 * pol2.max_extension_penalty_s
+    assert pol2.extension_penalty < 0.25 * pol2.max_extension_penalty
 
 
 def test_drift_detector_time_windows_need_min_count() -> None:
@@ -362,9 +367,9 @@ def _eviction_log(pol: KVHeat, seed: int = 5) -> tuple[list[bytes], float]:
 
 
 def test_kvheat_base_moves_without_changing_decisions() -> None:
-    # The heat sums grow as e^{λ t}; moving their base (here every ~3 minutes of trace
-    # time instead of every ~36 hours) rescales them and must not change any eviction.
-    plain, moved = KVHeat(), KVHeat()
+    # The heat sums grow as e^{λ v}; moving their base (here every few hundred accesses
+    # instead of every ~865 half-lives) rescales them and must not change any eviction.
+    plain, moved = KVHeat(half_life=200.0), KVHeat(half_life=200.0)
     moved.REBASE_AT = 1.0  # type: ignore[misc]
     ev_plain, hit_plain = _eviction_log(plain)
     ev_moved, hit_moved = _eviction_log(moved)
@@ -390,3 +395,88 @@ def test_kvheat_equal_keys_leave_tail_first_and_a_colder_newcomer_cuts_in() -> N
     mgr.evict(3)
     assert evicted == [3, 9, 2, 1]
     mgr.check_invariants()
+
+
+# ---- scale-free: the traffic rate changes nothing ----------------------------------------
+def _scaled_eviction_log(policy: str, trace, scale: float, capacity_blocks: int) -> list[bytes]:
+    """Evicted keys, in order, replaying `trace` with every timestamp multiplied by `scale`."""
+    now = [0.0]
+    mgr = KVCacheManager(CacheConfig(capacity_blocks, 512), make_policy(policy), clock=lambda: now[0])
+    evicted: list[bytes] = []
+    mgr.evict_listeners.append(lambda b: evicted.append(b.key))
+    for i, r in enumerate(trace):
+        now[0] = r.timestamp_ms * scale / 1000
+        if len(r.hash_ids) > capacity_blocks:
+            continue
+        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length)
+        mgr.allocate(req)
+        mgr.free(req)
+    mgr.check_invariants()
+    return evicted
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), j=st.integers(-8, 8), capacity=st.integers(24, 160),
+       think=st.floats(5.0, 600.0))
+def test_kvheat_makes_the_same_evictions_at_every_traffic_rate(seed: int, j: int, capacity: int,
+                                                               think: float) -> None:
+    # Multiplying every timestamp by 2^j is exact in floating point: a scale-free policy
+    # must evict exactly the same blocks in the same order.
+    cfg = WorkloadConfig(num_conversations=120, seed=seed, think_time_s=think, single_turn_frac=0.4)
+    trace = generate_workload(cfg)
+    base = _scaled_eviction_log("kvheat", trace, 1.0, capacity)
+    scaled = _scaled_eviction_log("kvheat", trace, 2.0 ** j, capacity)
+    assert len(base) > 0
+    assert scaled == base
+
+
+def test_reuse_gap_estimator_finds_the_period() -> None:
+    # 512 keys accessed round-robin: every gap is 512 accesses, so is every quantile.
+    est = ReuseGapEstimator(rate=1.0, window=64)
+    keys = [bytes([i % 256, i // 256]) + b"k" for i in range(512)]
+    v = 0
+    for _ in range(6):
+        for k in keys:
+            est.observe(k, float(v))
+            v += 1
+    assert est.estimate is not None
+    assert 512 / 2 ** 0.25 <= est.estimate <= 512 * 2 ** 0.25
+    # Spatial sampling: only keys whose first byte is below rate * 256 are followed.
+    sparse = ReuseGapEstimator(rate=1 / 16)
+    assert sparse.sampled(bytes([3])) and not sparse.sampled(bytes([16]))
+    with pytest.raises(ValueError):
+        ReuseGapEstimator(rate=0.0)
+
+
+def test_kvheat_half_life_follows_the_workloads_reuse_gap() -> None:
+    # Documents revisited in shuffled rounds: the reuse gap is about the number of
+    # documents (in accesses, whatever the clock says), and the half-life follows it.
+    def learned(docs: int) -> float:
+        rng = random.Random(docs)
+        pol = KVHeat()
+        now = [0.0]
+        mgr = KVCacheManager(CacheConfig(64, 4), pol, clock=lambda: now[0])
+        for rnd in range(40):
+            order = list(range(docs))
+            rng.shuffle(order)
+            for d in order:
+                now[0] += 1.0
+                r = mgr.make_hashed_request(f"{rnd}-{d}", [10_000 + d], 4)
+                mgr.allocate(r)
+                mgr.free(r)
+        assert pol.gaps is not None and pol.gaps.estimate is not None
+        assert docs / 2 < pol.gaps.estimate < 2 * docs
+        return pol.half_life
+
+    assert learned(1600) > 4 * learned(200)
+
+
+def test_reduced_grid_kvheat_is_scale_free_and_beats_lru() -> None:
+    # A reduced form of bench/heat_grid.py: the generator at two capacities and three
+    # time scales through the project's replayer.
+    pt = PreparedTrace(generate_workload(WorkloadConfig(num_conversations=500, seed=7)), 512)
+    for cap in (100_000, 300_000):
+        lru = replay(pt, "lru", cap).hit_rate
+        heat = {k: replay(pt, "kvheat", cap, time_scale=k).hit_rate for k in (0.01, 1.0, 100.0)}
+        assert len(set(heat.values())) == 1, heat
+        assert heat[1.0] > lru, (heat, lru)

@@ -427,7 +427,8 @@ def test_admin_api(served: Served) -> None:
 
 
 def test_quota_evicts_own_blocks_not_others() -> None:
-    cfg = ServerConfig(num_blocks=40, threads=1, max_num_seqs=4,
+    # LRU: the control below needs the flood to reach the other tenant's prefix.
+    cfg = ServerConfig(num_blocks=40, threads=1, max_num_seqs=4, policy="lru",
                        tenants=[TenantConfig("small", ["sk-small"], quota_blocks=8),
                                 TenantConfig("other", ["sk-other"])])
     s = start(cfg)

@@ -106,7 +106,7 @@ class EngineConfig:
     num_blocks: int | None = 512  # device KV blocks; or size the pool by kv_memory_bytes
     kv_memory_bytes: int | None = None
     block_size: int = 16
-    policy: str = "lru"  # eviction policy of the block cache
+    policy: str = "kvheat"  # eviction policy of the block cache (kvheat.heat's scale-free heat)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     swap_space_blocks: int = 0  # host blocks for swap preemption (with preemption="swap")
     # Lower KV tiers under the device cache (kvheat.tiers), in this order: host memory,

@@ -31,9 +31,9 @@ from collections import OrderedDict
 
 from ..cache.block import Block, BlockQueue
 from ..cache.policy import EvictionPolicy, register_policy
-from .decay import rate_for_half_life
 from .drift import DriftDetector
 from .entropy import LN2, EntropyTracker
+from .reuse import ReuseGapEstimator
 from .scoring import HIGH, LOW, Regime
 from .tuning import OnlineTuner
 
@@ -209,42 +209,61 @@ class _Ghost:
 
 @register_policy("kvheat")
 class KVHeat(_HeapPolicy):
-    """Decayed-frequency heat with history, suffix demotion and optional adaptation.
+    """Decayed-frequency heat with history, suffix demotion and optional adaptation, on the
+    cache's own clock.
 
-    Per block: `meta` = Σ_i e^{λ(t_i − base)}, the decayed access count scaled by the
-    common growing factor e^{λ(now − base)} (LRFU with a growing base), so a hit is one
+    Time is virtual: the number of block accesses before the current timestamp (the
+    cache's `now` only tells which accesses happen together), so the same requests at any
+    traffic rate make the same decisions. The half-life is `reuse_mult` times the
+    workload's typical reuse gap, measured online (`ReuseGapEstimator`), unless
+    `half_life` fixes it (in block accesses); every penalty is a number of half-lives.
+
+    Per block: `meta` = Σ_i e^{λ(v_i − base)}, the decayed access count scaled by the
+    common growing factor e^{λ(v − base)} (LRFU with a growing base), so a hit is one
     addition of the per-timestamp weight `_w`, idle blocks never need refreshing and keys
-    of different blocks compare directly. Penalties are constant factors e^{−λ·penalty}.
-    `next_use` = last access time, `freq` = the generation (base, λ) `meta` is relative
-    to: when the exponent nears overflow the base moves, and the tuner may change λ;
-    blocks convert lazily on their next touch, through their count at last access.
+    of different blocks compare directly. Penalties are constant factors 2^{−penalty}.
+    `next_use` = virtual time of the last access, `freq` = the generation (base, λ)
+    `meta` is relative to: when the exponent nears overflow the base moves, and a new
+    half-life changes λ; blocks convert lazily on their next touch, through their count at
+    last access.
     """
 
     name = "kvheat"
-    REBASE_AT = 600.0  # λ·(now − base) beyond which the base moves (e^709 overflows)
+    REBASE_AT = 600.0  # λ·(v − base) beyond which the base moves (e^709 overflows)
 
-    # Defaults chosen on the synthetic Mooncake trace and the generator, then confirmed
-    # on the conversation trace (docs/heat.md): the regime helps everywhere, tuning and
-    # drift only on workloads that change, so they stay opt-in.
-    def __init__(self, half_life_s: float = 150.0, ghost: float = 8.0,
-                 tail_penalty_s: float = 1000.0, regime: bool = True,
-                 admit_penalty_s: float = 120.0, pin_bonus_s: float = 600.0,
-                 tune: bool = False, drift: bool = False, entropy_half_life_s: float = 300.0,
+    # Every default is dimensionless (a multiple of the learned half-life, a count of
+    # depth-1 accesses for the entropy window, bits for the regime): docs/heat.md has the
+    # measurements behind each, at every time scale and capacity.
+    def __init__(self, half_life: float | None = None, reuse_mult: float = 1.0,
+                 reuse_quantile: float = 0.5, ghost: float = 8.0, tail_penalty: float = 6.67,
+                 regime: bool = True, admit_penalty: float = 1.6, pin_bonus: float = 4.0,
+                 tune: bool = False, drift: bool = False, entropy_half_life: float = 1024.0,
                  drift_window: int = 2048, drift_threshold: float = 1.0,
-                 extension_penalty_s: float = 400.0, adapt_extension: bool = True,
-                 max_count: float = math.inf, entropy_sample: int = 1) -> None:
+                 extension_penalty: float = 2.67, adapt_extension: bool = True,
+                 max_count: float = math.inf, entropy_sample: int = 1,
+                 admit_fade: float = math.inf, fade_extension: bool = False) -> None:
         super().__init__()
         if entropy_sample < 1:
             raise ValueError("entropy_sample must be >= 1")
+        if half_life is not None and half_life <= 0:
+            raise ValueError("half_life must be positive (block accesses)")
+        if reuse_mult <= 0:
+            raise ValueError("reuse_mult must be positive")
         self.entropy_sample = entropy_sample
         self._entropy_n = entropy_sample - 1  # the first access is recorded
-        self.half_life_s = half_life_s
-        self.lam = rate_for_half_life(half_life_s)
+        self.fixed_half_life = half_life
+        self.reuse_mult = reuse_mult
+        self.gaps = ReuseGapEstimator(quantile=reuse_quantile) if half_life is None else None
+        self._sample_below = self.gaps.threshold if self.gaps is not None else 0
+        self.half_life = half_life if half_life is not None else 1024.0  # until bound/measured
+        self.lam = LN2 / self.half_life
         self.base = 0.0
         self.gen = 0  # index of the current (base, λ) in `gens`
         self.gens: list[tuple[float, float]] = [(0.0, self.lam)]
         self._t = math.nan  # timestamp `_w` belongs to
-        self._w = 1.0  # e^{λ(_t − base)}: the weight of an access now
+        self._v = 0.0  # virtual time of `_t`: block accesses before it
+        self._acc = 0  # block accesses so far
+        self._w = 1.0  # e^{λ(_v − base)}: the weight of an access now
         self._cap = math.inf
         self.ghost_mult = ghost
         # History in two generations of plain dicts (O(1), no per-entry links): new
@@ -254,49 +273,57 @@ class KVHeat(_HeapPolicy):
         self.ghost: dict[bytes, tuple[float, int, float, int]] = {}
         self.ghost_old: dict[bytes, tuple[float, int, float, int]] = {}
         self.ghost_limit = 0
-        self.tail_penalty_s = tail_penalty_s
+        self.tail_penalty = tail_penalty
         self.block_size = 0  # largest block seen: a smaller last block is a partial tail
         self.use_regime = regime
         self.regime = Regime()
-        self.admit_penalty_s = admit_penalty_s
-        self.pin_bonus_s = pin_bonus_s
+        self.max_admit_penalty = admit_penalty
+        self.admit_penalty = admit_penalty
+        # The admission penalty fades as the cache's eviction age (in accesses) reaches
+        # `admit_fade` typical reuse gaps: a cache that holds most reuses anyway loses by
+        # being choosy about what it admits.
+        self.admit_fade = admit_fade
+        self.fade_extension = fade_extension
+        self.evict_age = 0.0  # mean age at eviction since last access, accesses (EWMA)
+        self.pin_bonus = pin_bonus
         # Extension demotion, learned (§2.4): the penalty scales with how much less often
         # appended suffixes are reused than fresh prompts, measured online (hits and ghost
         # hits of first-seen blocks), updated every 64 first-seen inserts, smoothing 0.95.
-        self.max_extension_penalty_s = extension_penalty_s
+        self.max_extension_penalty = extension_penalty
         self.adapt_extension = adapt_extension
-        self.extension_penalty_s = 0.0 if adapt_extension else extension_penalty_s
+        self.extension_penalty = 0.0 if adapt_extension else extension_penalty
         self.reuse = [1.0, 4.0, 1.0, 4.0]  # extension reused, inserted; fresh reused, inserted
         self._first_seen = 0  # first-seen full blocks since the last update
         self._ext_seen = 0  # of which extensions
         # Saturating the count lets a burst that ended cool down in a few half-lives.
         self.max_count = max_count
         self.mode = "mid"
-        self.tracker = EntropyTracker(entropy_half_life_s) if (regime or drift) else None
-        self.tuner = OnlineTuner(half_life_s, half_life_s / 8, half_life_s * 8) if tune else None
+        # The entropy window counts depth-1 accesses (about one per request), not seconds.
+        self.tracker = EntropyTracker(entropy_half_life) if (regime or drift) else None
+        self.tuner = OnlineTuner(reuse_mult, reuse_mult / 8, reuse_mult * 8) if tune else None
         self.detector = DriftDetector(drift_window, drift_threshold, drift_window // 4) if drift else None
         self.ghost_hits = 0
         self.retunes = 0
         self._feedback = regime or drift  # entropy regime / drift watch depth-1 keys
-        self._extensions = extension_penalty_s > 0
+        self._extensions = extension_penalty > 0
         self._factors()
         self._set_mode("mid")
 
     # -- heat ------------------------------------------------------------------------
     def _factors(self) -> None:
-        """Key multipliers, precomputed: per flag combination and for a partial tail."""
-        lam = self.lam
-        self._tail = math.exp(-lam * self.tail_penalty_s)
+        """Key multipliers, precomputed: per flag combination and for a partial tail. A
+        penalty of p half-lives is a factor 2^-p, whatever the half-life."""
+        self._tail = 2.0 ** -self.tail_penalty
         f = []
         for st in range(16):
             s = 0.0
             if st & PINNED:
-                s += self.pin_bonus_s
+                s += self.pin_bonus
             if st & ONE_OFF:
-                s -= self.admit_penalty_s
+                s -= self.admit_penalty
             if st & EXTENSION:
-                s -= self.extension_penalty_s
-            f.append(math.exp(lam * s))
+                s -= self.extension_penalty
+            f.append(2.0 ** s)
         self._flag = f
 
     def _key(self, b: Block) -> float:
@@ -306,12 +333,15 @@ class KVHeat(_HeapPolicy):
         return k * self._tail if b.num_tokens < self.block_size else k
 
     def _advance(self, now: float) -> None:
-        """A new timestamp: the weight of an access now (moving the base if needed)."""
-        x = self.lam * (now - self.base)
+        """A new timestamp: virtual time moves to the accesses so far, and the weight of an
+        access now follows (moving the base if needed)."""
+        v = float(self._acc)
+        x = self.lam * (v - self.base)
         if x > self.REBASE_AT:
-            self._rebase(now)
+            self._new_gen(v)
             x = 0.0
         self._t = now
+        self._v = v
         self._w = w = math.exp(x)
         self._cap = self.max_count * w  # the saturated count, as a sum now
 
@@ -319,41 +349,53 @@ class KVHeat(_HeapPolicy):
         self.base = base
         self.gen += 1
         self.gens.append((base, self.lam))
-        self._t = math.nan
         self._rebuild()  # live heap keys convert now (via _key), other blocks on next touch
 
-    def _rebase(self, now: float) -> None:
-        self._new_gen(now)
-
-    def _convert(self, m: float, gen: int, t: float) -> float:
-        """A sum relative to generation `gen`, last access `t`, in the current one: the
-        count at `t` is kept (in the old λ), then weighted as of `t` in the new one."""
+    def _convert(self, m: float, gen: int, v: float) -> float:
+        """A sum relative to generation `gen`, last access `v`, in the current one: the
+        count at `v` is kept (in the old λ), then weighted as of `v` in the new one."""
         base, lam = self.gens[gen]
-        return m * math.exp(lam * (base - t) + self.lam * (t - self.base))
+        return m * math.exp(lam * (base - v) + self.lam * (v - self.base))
 
     def _rescale(self, b: Block) -> None:
         b.meta = self._convert(b.meta, b.freq, b.next_use)  # type: ignore[arg-type]
         b.freq = self.gen
 
-    def log_count(self, b: Block, now: float) -> float:
-        """ln of `b`'s decayed access count at time `now` (for inspection and tests)."""
+    def log_count(self, b: Block, vtime: float | None = None) -> float:
+        """ln of `b`'s decayed access count at virtual time `vtime` (default: now)."""
         base, lam = self.gens[b.freq]  # type: ignore[index]
-        return math.log(b.meta) - lam * (now - base)  # type: ignore[arg-type]
+        v = self._acc if vtime is None else vtime
+        return math.log(b.meta) - lam * (v - base)  # type: ignore[arg-type]
 
-    def _set_half_life(self, half_life_s: float) -> None:
-        self.half_life_s = half_life_s
-        self.lam = rate_for_half_life(half_life_s)
-        self._factors()
-        self._new_gen(self.base)
+    def _set_half_life(self, half_life: float) -> None:
+        self.half_life = half_life
+        self.lam = LN2 / half_life
+        self._new_gen(self._v)  # the base moves to now: same timestamp, new λ
         self.retunes += 1
+        self._w = 1.0
+        self._cap = self.max_count
+
+    def _measured_half_life(self) -> None:
+        """The reuse-gap estimate moved: follow it when the half-life it implies is more
+        than a quarter octave away (each change re-keys the heap once)."""
+        est = self.gaps.estimate  # type: ignore[union-attr]
+        if est is None:
+            return
+        mult = self.tuner.value if self.tuner is not None else self.reuse_mult
+        hl = max(1.0, mult * est)
+        if abs(math.log2(hl / self.half_life)) > 0.25:
+            self._set_half_life(hl)
 
     def _observe(self, b: Block, now: float, hit: bool) -> None:
         """Feedback for the optional tuner, entropy regime and drift detector."""
         if self.tuner is not None and self.tuner.record(hit):
-            self._set_half_life(self.tuner.value)
+            if self.gaps is not None:
+                self._measured_half_life()
+            else:
+                self._set_half_life(self.tuner.value / self.reuse_mult * self.fixed_half_life)  # type: ignore[operator]
         if b.depth == 1:  # the key right under a root names a conversation or document
             if self.tracker is not None:
-                self.tracker.update(b.key, now)
+                self.tracker.update(b.key)
                 # The regime is a coarse, slow signal: re-read it every
                 # `entropy_sample`-th update only (sampling the updates themselves
                 # would see fewer distinct keys and bias the entropy down).
@@ -393,12 +435,16 @@ class KVHeat(_HeapPolicy):
         # Runs once per block filled: flags precomputed, few attribute lookups.
         if now != self._t:
             self._advance(now)
+        self._acc += 1
         w = self._w
         n = b.num_tokens
         bs = self.block_size
         if n > bs:
             self.block_size = bs = n
         key = b.key
+        if key[0] < self._sample_below and self.gaps.observe(key, self._v):  # type: ignore[index,union-attr,arg-type]
+            self._measured_half_life()
+            w = self._w
         g = self.ghost.pop(key, None)  # type: ignore[arg-type]
         if g is None and self.ghost_old:
             g = self.ghost_old.pop(key, None)  # type: ignore[arg-type]
@@ -427,9 +473,9 @@ class KVHeat(_HeapPolicy):
             b.meta = w
         else:
             self.ghost_hits += 1
-            m, gen, t, st = g
+            m, gen, v, st = g
             if gen != self.gen:
-                m = self._convert(m, gen, t)
+                m = self._convert(m, gen, v)
             b.meta = m + w
             if st & (EXTENSION | FRESH):
                 self.reuse[0 if st & EXTENSION else 2] += 1.0
@@ -437,7 +483,7 @@ class KVHeat(_HeapPolicy):
         if self._pin_roots and b.depth == 0:
             st |= PINNED
         b.freq = self.gen
-        b.next_use = now
+        b.next_use = self._v
         b.state = st
         if (b.depth == 1 and self._feedback) or self.tuner is not None:
             self._observe(b, now, False)
@@ -445,11 +491,15 @@ class KVHeat(_HeapPolicy):
     def on_hit(self, b: Block, now: float) -> None:
         if now != self._t:
             self._advance(now)
+        self._acc += 1
+        key = b.key
+        if key[0] < self._sample_below and self.gaps.observe(key, self._v):  # type: ignore[index,union-attr,arg-type]
+            self._measured_half_life()
         if b.freq != self.gen:
             self._rescale(b)
         m = b.meta + self._w  # type: ignore[operator]
         b.meta = m if m < self._cap else self._cap
-        b.next_use = now
+        b.next_use = self._v
         st = b.state
         if st > PINNED:
             if st & (EXTENSION | FRESH):
@@ -465,13 +515,16 @@ class KVHeat(_HeapPolicy):
         r[3] += self._first_seen - self._ext_seen
         self._first_seen = self._ext_seen = 0
         ratio = (r[0] / r[1]) / (r[2] / r[3])
-        self.extension_penalty_s = self.max_extension_penalty_s * min(1.0, max(0.0, 1.0 - ratio))
         for i in range(4):
             r[i] *= 0.95  # the seed's smoothing (§2.4)
-        f, e = self._flag, math.exp(-self.lam * self.extension_penalty_s)
-        for st in range(16):
-            if st & EXTENSION:
-                f[st] = f[st & ~EXTENSION] * e
+        fade = 1.0
+        gap = self.gaps.estimate if self.gaps is not None else None
+        if gap and self.admit_fade < math.inf:
+            fade = max(0.0, 1.0 - self.evict_age / (gap * self.admit_fade))
+        self.admit_penalty = self.max_admit_penalty * fade
+        self.extension_penalty = self.max_extension_penalty * min(1.0, max(0.0, 1.0 - ratio)) * (
+            fade if self.fade_extension else 1.0)
+        self._factors()
 
     def on_release(self, b: Block, now: float) -> None:
         # _push with the key computed inline: this runs once per block access.
@@ -491,6 +544,7 @@ class KVHeat(_HeapPolicy):
         self._push_key(b, k)
 
     def on_evict(self, b: Block) -> None:
+        self.evict_age += (self._acc - b.next_use - self.evict_age) * 0.004  # type: ignore[operator]
         ghost = self.ghost
         ghost[b.key] = (b.meta, b.freq, b.next_use, b.state)  # type: ignore[index]
         if len(ghost) >= self.ghost_limit:
@@ -501,12 +555,19 @@ class KVHeat(_HeapPolicy):
         super().bind(capacity_blocks)
         self.ghost_limit = int(self.ghost_mult * capacity_blocks * 2 / 3)
         self._compact_at = 2 * capacity_blocks + 256
+        if self.fixed_half_life is None and self.gaps.estimate is None:  # type: ignore[union-attr]
+            # Until the first reuse gaps are in: the cache's own size, in accesses.
+            self.half_life = float(max(capacity_blocks, 1))
+            self.lam = LN2 / self.half_life
+            self.gens[self.gen] = (self.base, self.lam)
 
     def stats(self) -> dict[str, float]:
-        out = {"half_life_s": self.half_life_s, "ghost_hits": self.ghost_hits,
-               "admit_penalty_s": self.admit_penalty_s,
-               "extension_penalty_s": self.extension_penalty_s,
+        out = {"half_life_accesses": self.half_life, "ghost_hits": self.ghost_hits,
+               "admit_penalty": self.admit_penalty, "evict_age": self.evict_age,
+               "extension_penalty": self.extension_penalty,
                "retunes": self.retunes}
+        if self.gaps is not None and self.gaps.estimate is not None:
+            out["reuse_gap_accesses"] = self.gaps.estimate
         if self.tracker is not None:
             out["entropy_bits"] = self.tracker.bits()
         if self.detector is not None:

@@ -138,8 +138,14 @@ def _policy(spec: PolicySpec) -> EvictionPolicy:
 
 def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capacity_tokens: int,
            block_tokens: int = 512, hold: bool = False, prefill_tps: float = 20_000.0,
-           decode_tps: float = 50.0, progress: Callable[[int], None] | None = None) -> ReplayResult:
-    """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks."""
+           decode_tps: float = 50.0, progress: Callable[[int], None] | None = None,
+           time_scale: float = 1.0) -> ReplayResult:
+    """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks.
+
+    `time_scale` multiplies every timestamp: the same requests in the same order, with
+    traffic `1 / time_scale` times as fast (0.1: ten times the request rate)."""
+    if not time_scale > 0:
+        raise ValueError(f"time_scale must be positive, got {time_scale}")
     pt = trace if isinstance(trace, PreparedTrace) else PreparedTrace(trace, block_tokens)
     bt = pt.block_tokens
     num_blocks = capacity_tokens // bt
@@ -157,7 +163,7 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
     running: list[tuple[float, int, Request]] = []
     t0 = time.perf_counter()
     for i, r in enumerate(pt.trace):
-        now[0] = r.timestamp_ms / 1000.0
+        now[0] = r.timestamp_ms * time_scale / 1000.0
         if hold:
             while running and running[0][0] <= now[0]:
                 mgr.free(heapq.heappop(running)[2])

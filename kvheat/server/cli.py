@@ -40,7 +40,7 @@ from .config import ConfigError, load_config
 @click.option("--redis-cluster", is_flag=True, default=None, help="The Redis URL is a Cluster node.")
 @click.option("--tier-mode", type=click.Choice(["exclusive", "write_through"]), default=None,
               help="A block in one tier at a time (exclusive) or kept below when promoted.")
-@click.option("--policy", default=None, help="Eviction policy when no arms are configured (lru).")
+@click.option("--policy", default=None, help="Eviction policy when no arms are configured (kvheat; lru for the baseline).")
 @click.option("--max-num-seqs", type=int, default=None, help="Running sequences per arm (16).")
 @click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per step (256).")
 @click.option("--max-tokens-limit", type=int, default=None, help="Refuse larger max_tokens.")

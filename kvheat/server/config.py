@@ -79,7 +79,7 @@ class TenantConfig:
 class ArmConfig:
     name: str
     share: int  # percent of users (the arms' shares add up to 100)
-    policy: str = "lru"
+    policy: str = "kvheat"
     num_blocks: int | None = None  # None: the server's num_blocks
     host_tier_blocks: int | None = None  # None: the server's host_tier_blocks
     prefix_caching: str = "block"  # "block", "exact" or "off"
@@ -116,7 +116,7 @@ class ServerConfig:
     redis_tier_bytes: int | str = 0
     redis_cluster: bool = False
     tier_mode: str = "exclusive"  # or "write_through"
-    policy: str = "lru"  # the single arm's policy when no arms are configured
+    policy: str = "kvheat"  # the single arm's policy when no arms are configured
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     default_max_tokens: int = 64  # when a request gives none
