@@ -74,6 +74,7 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # the same, by tier
     num_preemptions: int = 0
 
     @property
@@ -445,6 +446,7 @@ class LLMEngine:
             if m.first_token is None:
                 m.first_token = now
                 m.num_cached_tokens = seq.num_cached_tokens
+                m.cached_by_tier = dict(seq.cached_by_tier)
             m.token_times.append(now)
             m.num_preemptions = seq.num_preemptions
             reason = None

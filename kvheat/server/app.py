@@ -37,7 +37,7 @@ from .arms import ArmRouter, ArmStats
 from .config import ConfigError, ServerConfig, TenantConfig
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .tracing import Tracing
+from .tracing import Tracing, end_span
 from .worker import EngineWorker, Finished, RequestHandle, ServingEngine
 
 log = logging.getLogger("kvheat.server")
@@ -297,10 +297,10 @@ class KVHeatServer:
         try:
             await self.worker.submit(handle, prompt, params, bias)
         except ValueError as e:
-            span.end()
+            end_span(span)
             raise ApiError(400, str(e)) from None
         except RuntimeError as e:
-            span.end()
+            end_span(span)
             raise ApiError(503, f"the engine is not available: {e}", "server_error") from None
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         job = _Job(handle, kind, self.model_name, int(time.time()), body.stop_list(),
@@ -334,7 +334,7 @@ class KVHeatServer:
             watcher.cancel()
             if h.finished is None:  # cancelled: the client went away
                 self.worker.abort(h)
-            h.span.end()
+            end_span(h.span)
         fin = item
         if fin.error is not None:
             return error_response(500, fin.error, "server_error")
@@ -398,7 +398,7 @@ class KVHeatServer:
         finally:
             if h.finished is None:  # the client disconnected mid-stream
                 self.worker.abort(h)
-            h.span.end()
+            end_span(h.span)
 
     # ---- the app ----------------------------------------------------------------------
     def _build_app(self) -> FastAPI:

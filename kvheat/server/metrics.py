@@ -38,7 +38,8 @@ class ServerMetrics:
             "computed.", ["arm", "tenant"], registry=r)
         self.tier_hit_tokens = Counter(
             "kvheat_tier_hit_tokens", "Prompt tokens served from cache, by the tier that held "
-            "them (when the engine has lower tiers).", ["arm", "tier"], registry=r)
+            "them (when the engine has lower tiers); the tiers add up to "
+            "kvheat_cached_tokens_total.", ["arm", "tier"], registry=r)
         self.generation_tokens = Counter(
             "kvheat_generation_tokens", "Generated tokens.", ["arm", "tenant"], registry=r)
         self.miss_tokens = Counter(
@@ -89,6 +90,10 @@ class ServerMetrics:
         self.engine_failures = Counter(
             "kvheat_engine_failures", "Engine steps that raised (the arm's engine is rebuilt).",
             ["arm"], registry=r)
+        self.internal_errors = Counter(
+            "kvheat_internal_errors", "Errors in metrics, tracing or bookkeeping that were "
+            "logged and skipped (serving went on), by where they happened.", ["where"],
+            registry=r)
         # Last seen values of monotone engine counters, to turn them into Counter increments.
         self._last: dict[tuple[str, ...], float] = {}
 
@@ -96,7 +101,8 @@ class ServerMetrics:
     def observe_request(self, arm: str, tenant: str, endpoint: str, finish_reason: str,
                         prompt_tokens: int, cached_tokens: int, generated: int,
                         ttft: float | None, itls: list[float], e2e: float | None,
-                        misses: Mapping[str, int] | None) -> None:
+                        misses: Mapping[str, int] | None,
+                        cached_by_tier: Mapping[str, int] | None = None) -> None:
         self.requests.labels(arm, tenant, endpoint, finish_reason).inc()
         self.prompt_tokens.labels(arm, tenant).inc(prompt_tokens)
         self.cached_tokens.labels(arm, tenant).inc(cached_tokens)
@@ -104,6 +110,9 @@ class ServerMetrics:
         if misses is not None:
             for kind in MISS_KINDS:
                 self.miss_tokens.labels(arm, tenant, kind).inc(misses.get(kind, 0))
+        for tier, n in (cached_by_tier or {}).items():
+            if n > 0:
+                self.tier_hit_tokens.labels(arm, tier).inc(n)
         if ttft is not None:
             self.ttft.labels(arm, tenant).observe(ttft)
         h = self.itl.labels(arm)
@@ -113,15 +122,15 @@ class ServerMetrics:
             self.e2e.labels(arm, tenant).observe(e2e)
 
     def _advance(self, counter: Counter, labels: tuple[str, ...], value: float) -> None:
-        """Raise a Counter to an engine's running total (a reset engine starts again)."""
+        """Raise a Counter to an engine's running total (a reset engine starts again).
+        Never raises for a value that went down: that is a rebuilt engine, not an error."""
         key = (str(id(counter)), *labels)
         last = self._last.get(key, 0.0)
-        if value >= last:
-            if value > last:
-                counter.labels(*labels).inc(value - last)
-        else:  # the engine was rebuilt: its totals restarted from zero
+        if value > last:
+            counter.labels(*labels).inc(value - last)
+        elif value < last and value > 0:  # the engine was rebuilt: its totals restarted
             counter.labels(*labels).inc(value)
-        self._last[key] = value
+        self._last[key] = max(value, 0.0)
 
     # ---- refreshed from the engine thread ----------------------------------------------
     def refresh_arm(self, arm: str, engine: Any) -> None:
@@ -140,10 +149,6 @@ class ServerMetrics:
         tiered = getattr(engine, "tiers", None)
         st = tiered.stats() if tiered is not None else {}
         self._refresh_tiers(arm, st)
-        # The cache counts every prompt's hit tokens, lower-tier loads included; the
-        # tiers see only the requests they loaded for.
-        lower = sum(t.get("hit_tokens", 0) for t in (st.get("tiers") or {}).values())
-        self._advance(self.tier_hit_tokens, (arm, "device"), cache.stats.hit_tokens - lower)
 
     def refresh_tenants(self, arm: str, usage: Mapping[str, int]) -> None:
         for tenant, n in usage.items():
@@ -162,7 +167,6 @@ class ServerMetrics:
             self._advance(self.tier_bytes, (arm, tier, "write"), t.get("put_bytes", 0))
             self._advance(self.tier_bytes, (arm, tier, "read"), t.get("get_bytes", 0))
             self._advance(self.checksum_failures, (arm, tier), t.get("corrupt_checksum", 0))
-            self._advance(self.tier_hit_tokens, (arm, tier), t.get("hit_tokens", 0))
             for direction, field_name in (("read", "read_bandwidth_Bps"),
                                           ("write", "write_bandwidth_Bps")):
                 bw = t.get(field_name)

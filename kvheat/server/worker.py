@@ -123,6 +123,7 @@ class EngineWorker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # the loop itself died (a bug)
+        self._logged: dict[str, float] = {}  # where -> when a side error was last logged
 
     def _new_engine(self, arm: str) -> ServingEngine:
         eng = self.engine_factory(arm)
@@ -230,24 +231,44 @@ class EngineWorker:
         self._complete(a)
 
     def _complete(self, a: _Active) -> None:
-        """Release a finished (or aborted) request and record it."""
+        """Release a finished (or aborted) request, record it, and answer it. Whatever
+        the recording does, the request gets its `Finished` (and the loop goes on)."""
         eng = self.engines[a.arm]
         rid = a.handle.request_id
         self.active.pop(rid, None)
         eng.logit_bias.pop(rid, None)
-        out = eng.release(rid)
+        try:
+            out = eng.release(rid)
+        except Exception as e:  # not finished in the engine: a bug, but answer the client
+            self._side_error("release", e)
+            a.handle.push(Finished("error", a.prompt_tokens, 0, 0,
+                                   error=f"the request could not be released: {e}"))
+            return
         m = out.metrics
         reason = a.finish_override or out.finish_reason or "abort"
-        tenant = a.handle.tenant or "none"
         cached = m.num_cached_tokens if m.first_token is not None else 0
+        self._guard("metrics", lambda: self._record(a, eng, out, reason, cached))
+        self._guard("tracing", lambda: self._trace(a, eng, out, reason, cached))
+        a.handle.push(Finished(reason, a.prompt_tokens, cached, len(out.output_token_ids)))
+
+    def _record(self, a: _Active, eng: ServingEngine, out: Any, reason: str,
+                cached: int) -> None:
+        m = out.metrics
+        tenant = a.handle.tenant or "none"
         misses = (self.classifiers[a.arm].classify(a.miss_kinds, a.prompt_tokens, cached)
                   if m.first_token is not None else None)
+        by_tier = m.cached_by_tier if getattr(eng, "tiers", None) is not None \
+            and m.first_token is not None else None
         e2e = (m.finished - m.arrival) if m.finished is not None else None
         self.metrics.observe_request(a.arm, tenant, a.handle.endpoint, reason, a.prompt_tokens,
                                      cached, len(out.output_token_ids), m.ttft,
-                                     m.inter_token_latencies, e2e, misses)
+                                     m.inter_token_latencies, e2e, misses, by_tier)
         if m.first_token is not None:
             self.arm_stats.record(a.arm, m.ttft, a.prompt_tokens, cached)
+
+    def _trace(self, a: _Active, eng: ServingEngine, out: Any, reason: str,
+               cached: int) -> None:
+        m = out.metrics
         span = a.handle.span
         if span is not None and self.tracing.enabled:
             tr = self.tracing
@@ -267,7 +288,25 @@ class EngineWorker:
             span.set_attribute("kvheat.arm", a.arm)
             span.set_attribute("kvheat.cached_tokens", cached)
             span.set_attribute("kvheat.finish_reason", reason)
-        a.handle.push(Finished(reason, a.prompt_tokens, cached, len(out.output_token_ids)))
+
+    # ---- side work that must never stop serving ---------------------------------------
+    def _guard(self, where: str, fn: Callable[[], Any]) -> None:
+        """Run metrics, tracing or logging work; an error there is logged and counted,
+        never raised into the engine loop."""
+        try:
+            fn()
+        except Exception as e:
+            self._side_error(where, e)
+
+    def _side_error(self, where: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        # At most one traceback per place every 60 s: a broken exporter must not flood logs.
+        if now - self._logged.get(where, float("-inf")) >= 60.0:
+            self._logged[where] = now
+            with contextlib.suppress(Exception):
+                log.error("%s failed (serving goes on): %r", where, exc, exc_info=exc)
+        with contextlib.suppress(Exception):
+            self.metrics.internal_errors.labels(where).inc()
 
     def _dispatch(self, arm: str, outs: list[TokenOutput]) -> None:
         for o in outs:
@@ -279,8 +318,9 @@ class EngineWorker:
                 self._complete(a)
 
     def _engine_failed(self, arm: str, exc: BaseException) -> None:
-        log.exception("the engine of arm %s failed; rebuilding it", arm, exc_info=exc)
-        self.metrics.engine_failures.labels(arm).inc()
+        self._guard("logging", lambda: log.error("the engine of arm %s failed; rebuilding it",
+                                                 arm, exc_info=exc))
+        self._guard("metrics", lambda: self.metrics.engine_failures.labels(arm).inc())
         _close(self.engines[arm])  # its tier threads; a disk tier's KV is found again below
         self.engines[arm] = self._new_engine(arm)  # before anyone hears of the failure
         for rid, a in list(self.active.items()):
@@ -305,10 +345,13 @@ class EngineWorker:
 
     def refresh_gauges(self) -> None:
         for arm, eng in self.engines.items():
-            self.metrics.refresh_arm(arm, eng)
-            usage = getattr(eng.cache, "tenant_usage", None)
-            if usage is not None and self.tenant_quotas:
-                self.metrics.refresh_tenants(arm, {t: usage(t) for t in self.tenant_quotas})
+            self._guard("gauges", lambda arm=arm, eng=eng: self._refresh_arm(arm, eng))
+
+    def _refresh_arm(self, arm: str, eng: ServingEngine) -> None:
+        self.metrics.refresh_arm(arm, eng)
+        usage = getattr(eng.cache, "tenant_usage", None)
+        if usage is not None and self.tenant_quotas:
+            self.metrics.refresh_tenants(arm, {t: usage(t) for t in self.tenant_quotas})
 
     def _run(self) -> None:
         last_refresh = 0.0
