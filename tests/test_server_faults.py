@@ -82,3 +82,71 @@ def test_failing_metrics_and_tracing_do_not_stop_serving() -> None:
         assert s.metric("kvheat_internal_errors_total", where="gauges") >= 1
     finally:
         stop(s)
+
+
+# ---- 2. every request ends with a response ------------------------------------------------
+def _stream_events(s: Served, body: dict[str, Any], key: str | None = None,
+                   ) -> tuple[int, list[str]]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.stream("POST", s.base + "/v1/completions", headers=headers, timeout=30,
+                      json={"model": MODEL, "stream": True, **body}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+        return r.status_code, lines
+
+
+def test_requests_that_fill_the_pool_or_never_fit_get_answers() -> None:
+    s = start(ServerConfig(num_blocks=32, threads=1, admin_token="adm"))
+    try:
+        # Prompt + max_tokens fill the whole pool; the repeat (its prefix cached) hung.
+        whole = {"prompt": _ids(1, 480), "max_tokens": 32, "ignore_eos": True,
+                 "temperature": 0}
+        first = httpx.post(s.base + "/v1/completions", timeout=60,
+                           json={"model": MODEL, **whole})
+        assert first.status_code == 200, first.text
+        again = httpx.post(s.base + "/v1/completions", timeout=60,
+                           json={"model": MODEL, **whole})
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        status, lines = _stream_events(s, whole)
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        # Pinned prefixes leave 32 - 20 = 12 blocks: a 128-token prompt + 64 tokens (12
+        # blocks) fits, 13 blocks never can: a 400, streaming too, at once.
+        pinned = _ids(2, 320)
+        assert _complete(s, pinned).status_code == 200
+        r = httpx.post(s.base + "/admin/pin", headers={"Authorization": "Bearer adm"},
+                       json={"token_ids": pinned}, timeout=30)
+        assert r.status_code == 200 and r.json()["pinned_tokens"] == {"default": 320}
+        assert _complete(s, _ids(3, 128), max_tokens=64).status_code == 200
+        r = _complete(s, _ids(4, 128), max_tokens=65)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "pinned" in err["message"]
+        status, lines = _stream_events(s, {"prompt": _ids(5, 128), "max_tokens": 80})
+        assert status == 400
+        # Pinned after the request was queued: the engine cannot schedule it and ends it;
+        # the server answers it (it waited forever before).
+        r = httpx.post(s.base + "/admin/unpin", headers={"Authorization": "Bearer adm"},
+                       json={"token_ids": pinned}, timeout=30)
+        assert r.status_code == 200
+        w = s.server.worker
+        big = _ids(6, 300)  # 18 full blocks: 14 left, and the request needs 15
+        assert _complete(s, big).status_code == 200
+        hold = w.call(lambda: __import__("time").sleep(0.5))  # queue the next two behind it
+        import threading
+        got: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: got.append(_complete(s, _ids(7, 100),
+                                                                 max_tokens=140)))
+        t.start()
+        __import__("time").sleep(0.2)
+        eng = w.engines["default"]
+        w.call(lambda: eng.cache.pin_prefix(big)).result(timeout=10)
+        hold.result(timeout=10)
+        t.join(timeout=30)
+        assert not t.is_alive(), "the request hung"
+        assert got[0].status_code == 400, got[0].text
+        assert got[0].json()["error"]["code"] == "context_length_exceeded"
+        s.wait_idle()
+        assert httpx.get(s.base + "/health").json()["active_requests"] == 0
+        assert s.metric("kvheat_requests_total", finish_reason="error") == 1
+    finally:
+        stop(s)

@@ -38,7 +38,7 @@ from .config import ConfigError, ServerConfig, TenantConfig
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .tracing import Tracing, end_span
-from .worker import EngineWorker, Finished, RequestHandle, ServingEngine
+from .worker import EngineWorker, Finished, RequestHandle, RequestTooLarge, ServingEngine
 
 log = logging.getLogger("kvheat.server")
 _GREEDY_BELOW = 1e-5
@@ -296,6 +296,10 @@ class KVHeatServer:
         handle = RequestHandle(asyncio.get_running_loop(), rid, arm, tenant_name, kind, span)
         try:
             await self.worker.submit(handle, prompt, params, bias)
+        except RequestTooLarge as e:
+            end_span(span)
+            raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") \
+                from None
         except ValueError as e:
             end_span(span)
             raise ApiError(400, str(e)) from None
@@ -306,9 +310,27 @@ class KVHeatServer:
         job = _Job(handle, kind, self.model_name, int(time.time()), body.stop_list(),
                    include_usage)
         if body.stream:
-            return StreamingResponse(self._stream(job), media_type="text/event-stream",
+            # The status line waits for the first token: a request the engine ends before
+            # it (one that cannot be scheduled) gets a real error status, not a 200 stream.
+            first = await self._first(job, request)
+            if isinstance(first, Finished) and first.error is not None:
+                end_span(handle.span)
+                return _finished_error(first)
+            return StreamingResponse(self._stream(job, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await self._collect(job, request)
+
+    async def _first(self, job: _Job, request: Request) -> int | Finished:
+        h = job.handle
+        watcher = asyncio.create_task(self._watch_disconnect(request, h))
+        try:
+            return await h.next()
+        except BaseException:  # cancelled: the client went away before the first token
+            self.worker.abort(h)
+            end_span(h.span)
+            raise
+        finally:
+            watcher.cancel()
 
     async def _watch_disconnect(self, request: Request, h: RequestHandle) -> None:
         """Abort a non-streaming request whose client went away (nothing cancels it)."""
@@ -337,7 +359,7 @@ class KVHeatServer:
             end_span(h.span)
         fin = item
         if fin.error is not None:
-            return error_response(500, fin.error, "server_error")
+            return _finished_error(fin)
         text.flush()
         out = text.text
         reason = "stop" if text.stopped else _openai_reason(fin.finish_reason)
@@ -352,7 +374,7 @@ class KVHeatServer:
         return _json({"id": h.request_id, "object": obj, "created": job.created,
                       "model": job.model, "choices": [choice], "usage": _usage(fin)})
 
-    async def _stream(self, job: _Job) -> AsyncIterator[bytes]:
+    async def _stream(self, job: _Job, first: int | Finished) -> AsyncIterator[bytes]:
         h = job.handle
         text = TextAssembler(self.tokenizer, job.stops)
         chat = job.kind == "chat"
@@ -373,8 +395,8 @@ class KVHeatServer:
         try:
             if chat:
                 yield chunk(None, None, role=True)
+            item: int | Finished = first
             while True:
-                item = await h.next()
                 if isinstance(item, Finished):
                     break
                 delta = text.add(item)
@@ -382,9 +404,10 @@ class KVHeatServer:
                     self.worker.abort(h, "stop")
                 if delta:
                     yield chunk(delta, None)
+                item = await h.next()
             if item.error is not None:
-                yield _sse({"error": {"message": item.error, "type": "server_error",
-                                      "param": None, "code": None}})
+                yield _sse({"error": {"message": item.error, "type": _error_type(item.status),
+                                      "param": None, "code": item.code}})
             else:
                 tail = text.flush()
                 if tail:
@@ -492,6 +515,20 @@ def _check_policy(name: str) -> None:
         raise ConfigError(f"unknown cache policy {name!r}: {e}") from None
     if getattr(pol, "needs_future", False):
         raise ConfigError(f"policy {name!r} needs the future (an offline bound); it cannot serve")
+
+
+def _error_type(status: int) -> str:
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def _finished_error(fin: Finished) -> JSONResponse:
+    """The answer to a request the engine ended with an error."""
+    resp = error_response(fin.status, fin.error or "the request failed", _error_type(fin.status),
+                          "max_tokens" if fin.code == "context_length_exceeded" else None,
+                          fin.code)
+    if fin.retry_after_s is not None:
+        resp.headers["Retry-After"] = str(fin.retry_after_s)
+    return resp
 
 
 def _openai_reason(reason: str) -> str:

@@ -51,6 +51,11 @@ class ServingEngine(LLMEngine):
         return super()._sample(logits, reqs)
 
 
+class RequestTooLarge(ValueError):
+    """The request can never fit this arm's KV pool (pool, quota or pinned prefixes): a
+    400 with code `context_length_exceeded`."""
+
+
 @dataclass(slots=True)
 class Finished:
     """The last item of a request's stream."""
@@ -60,6 +65,9 @@ class Finished:
     cached_tokens: int
     completion_tokens: int
     error: str | None = None
+    status: int = 500  # the HTTP status of an error
+    code: str | None = None  # OpenAI's error code, when there is one
+    retry_after_s: int | None = None  # with a 503: when the request could fit again
 
 
 class RequestHandle:
@@ -96,6 +104,8 @@ class _Active:
     match_start: float
     match_end: float
     predicted_hit_tokens: int
+    prompt: list[int]
+    max_tokens: int
     finish_override: str | None = None
 
 
@@ -199,14 +209,9 @@ class EngineWorker:
             bias = torch.zeros(vocab)
             for t, v in logit_bias.items():
                 bias[t] = v
-        quota = getattr(eng.cache, "quotas", {}).get(handle.tenant)
-        bs = eng.cache.block_size
-        need = -(-(len(prompt) + params.max_tokens) // bs)
-        if quota is not None and need > quota:
-            # Alone in a full pool it could never be admitted (it may only evict its own).
-            raise ValueError(f"the request needs up to {need} KV blocks (prompt {len(prompt)} + "
-                             f"max_tokens {params.max_tokens} tokens, {bs} per block); the "
-                             f"tenant's quota is {quota} blocks")
+        too_large = _too_large(eng, prompt, params.max_tokens, handle.tenant)
+        if too_large is not None:
+            raise RequestTooLarge(too_large)
         eng.add_request(prompt, params, tenant=handle.tenant, request_id=rid)
         if bias is not None:
             eng.logit_bias[rid] = bias
@@ -218,7 +223,8 @@ class EngineWorker:
             if k != "cached":
                 break
             predicted += eng.cache.block_size
-        self.active[rid] = _Active(handle, handle.arm, len(prompt), kinds, t0, t1, predicted)
+        self.active[rid] = _Active(handle, handle.arm, len(prompt), kinds, t0, t1, predicted,
+                                   prompt, params.max_tokens)
 
     def _abort(self, rid: str, reason: str) -> None:
         a = self.active.get(rid)
@@ -249,7 +255,20 @@ class EngineWorker:
         cached = m.num_cached_tokens if m.first_token is not None else 0
         self._guard("metrics", lambda: self._record(a, eng, out, reason, cached))
         self._guard("tracing", lambda: self._trace(a, eng, out, reason, cached))
-        a.handle.push(Finished(reason, a.prompt_tokens, cached, len(out.output_token_ids)))
+        fin = Finished(reason, a.prompt_tokens, cached, len(out.output_token_ids))
+        if reason == "error":  # the engine could not schedule it (nothing else ends so)
+            self._explain_unschedulable(fin, eng, a)
+        a.handle.push(fin)
+
+    @staticmethod
+    def _explain_unschedulable(fin: Finished, eng: ServingEngine, a: _Active) -> None:
+        why = _too_large(eng, a.prompt, a.max_tokens, a.handle.tenant)
+        if why is not None:  # e.g. prefixes pinned after it arrived
+            fin.error, fin.status, fin.code = why, 400, "context_length_exceeded"
+        else:
+            fin.error = ("the KV pool cannot hold this request now (blocks are held by "
+                         "pinned prefixes or cached under quotas); retry later")
+            fin.status, fin.code, fin.retry_after_s = 503, "kv_pool_exhausted", 1
 
     def _record(self, a: _Active, eng: ServingEngine, out: Any, reason: str,
                 cached: int) -> None:
@@ -370,6 +389,10 @@ class EngineWorker:
                         self._engine_failed(arm, e)
                         continue
                     self._dispatch(arm, outs)
+                    for rid in eng.pop_ended():  # ended without a token: answer them too
+                        a = self.active.get(rid)
+                        if a is not None:
+                            self._complete(a)
                 now = time.monotonic()
                 if now - last_refresh >= self.refresh_s:
                     self.refresh_gauges()
@@ -392,6 +415,33 @@ class EngineWorker:
                     break
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(RuntimeError("the engine loop stopped"))
+
+
+def _too_large(eng: ServingEngine, prompt: list[int], max_tokens: int,
+               tenant: str | None) -> str | None:
+    """Why the request can never be admitted to this engine's pool, or None. It needs
+    blocks for prompt + max_tokens; it may use the whole pool but for blocks pinned by
+    prefixes it does not share, and no more than its tenant's quota (a tenant at its
+    quota evicts only its own blocks)."""
+    cache = eng.cache
+    bs = cache.block_size
+    need = -(-(len(prompt) + max_tokens) // bs)
+    what = f"the request needs up to {need} KV blocks (prompt {len(prompt)} + max_tokens " \
+           f"{max_tokens} tokens, {bs} per block)"
+    pool = len(cache.blocks)
+    if need > pool:
+        return f"{what}; the KV pool has {pool} blocks"
+    quota = getattr(cache, "quotas", {}).get(tenant)
+    if quota is not None and need > quota:
+        return f"{what}; the tenant's quota is {quota} blocks"
+    pins = getattr(cache, "pins", None)
+    if pins:
+        pinned = {b.block_id for p in pins.values() for b in p.blocks}
+        shared = {b.block_id for b in cache.match_prefix(cache.make_request("", prompt, tenant))}
+        held = len(pinned - shared)
+        if need > pool - held:
+            return f"{what}; pinned prefixes hold {held} of the pool's {pool} blocks"
+    return None
 
 
 def _close(engine: ServingEngine) -> None:
