@@ -150,3 +150,47 @@ def test_requests_that_fill_the_pool_or_never_fit_get_answers() -> None:
         assert s.metric("kvheat_requests_total", finish_reason="error") == 1
     finally:
         stop(s)
+
+
+# ---- 3. tenants learn nothing of each other's prompts ---------------------------------------
+def _public_view(s: Served, tenant: str) -> dict[str, float]:
+    """What anyone reads about a tenant in /metrics (it needs no key)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(s.base + "/metrics").text.splitlines():
+        if not line.startswith("#") and f'tenant="{tenant}"' in line \
+                and "_seconds" not in line and "_created" not in line:  # clocks, not state
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_no_public_metric_says_what_another_tenant_sent() -> None:
+    """Tenant B sends two prompts of the same length: one tenant A sent before, one no
+    one did. Everything B (or anyone) can read must be the same for both; it was not:
+    /metrics counted the first prompt's blocks as `isolation` misses."""
+    from kvheat.server.config import TenantConfig
+
+    tenants = [TenantConfig("a", ["sk-a"]), TenantConfig("b", ["sk-b"])]
+    views, answers, isolation = [], [], []
+    for sent_by_a in (True, False):
+        s = start(ServerConfig(num_blocks=64, threads=1, admin_token="adm", tenants=tenants))
+        try:
+            prompt = _ids(11, 96)
+            if sent_by_a:
+                assert _complete(s, prompt, "sk-a").status_code == 200
+            r = _complete(s, prompt, "sk-b", temperature=0, max_tokens=2)
+            assert r.status_code == 200
+            body = r.json()
+            answers.append((body["usage"], body["choices"][0]["text"],
+                            sorted(k for k in r.headers if k not in ("date", "content-length"))))
+            s.wait_idle()
+            s.on_engine_thread(s.server.worker.refresh_gauges)  # gauges up to date
+            views.append(_public_view(s, "b"))
+            st = httpx.get(s.base + "/admin/stats", headers={"Authorization": "Bearer adm"})
+            isolation.append(st.json()["arms"]["default"].get("misses", {}).get("b", {}))
+        finally:
+            stop(s)
+    assert answers[0] == answers[1]
+    assert views[0] == views[1] and views[0]
+    # Operators still see it, in the admin API.
+    assert [m.get("isolation") for m in isolation] == [96, 0]

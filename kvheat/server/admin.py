@@ -108,6 +108,12 @@ def admin_router(server: KVHeatServer) -> APIRouter:
             return out
 
         arms = await on_engines(one)
+        # Miss classes per tenant, isolation included: only here, never in /metrics.
+        misses = await worker.acall(lambda: {a: {t: dict(k) for t, k in per.items()}
+                                             for a, per in worker.misses.items()})
+        for arm, per in misses.items():
+            if arm in arms:
+                arms[arm]["misses"] = per
         return _json({"model": server.model_name, "arms": arms,
                       "active_requests": worker.num_active})
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .misses import MISS_KINDS
+from .misses import PUBLIC_MISS_KINDS, public_misses
 
 # Latency buckets in seconds: a CPU engine's TTFT runs from milliseconds to seconds.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -44,7 +44,8 @@ class ServerMetrics:
             "kvheat_generation_tokens", "Generated tokens.", ["arm", "tenant"], registry=r)
         self.miss_tokens = Counter(
             "kvheat_prefix_miss_tokens", "Prompt tokens not served from cache, by cause "
-            "(compulsory, capacity, sub_block, isolation).", ["arm", "tenant", "kind"], registry=r)
+            "(compulsory: never seen under this tenant's salt, capacity, sub_block).",
+            ["arm", "tenant", "kind"], registry=r)
         self.hit_rate = Gauge(
             "kvheat_prefix_hit_rate", "Token-weighted prefix hit rate since start (the cache's "
             "own count).", ["arm"], registry=r)
@@ -108,8 +109,9 @@ class ServerMetrics:
         self.cached_tokens.labels(arm, tenant).inc(cached_tokens)
         self.generation_tokens.labels(arm, tenant).inc(generated)
         if misses is not None:
-            for kind in MISS_KINDS:
-                self.miss_tokens.labels(arm, tenant, kind).inc(misses.get(kind, 0))
+            public = public_misses(dict(misses))
+            for kind in PUBLIC_MISS_KINDS:
+                self.miss_tokens.labels(arm, tenant, kind).inc(public[kind])
         for tier, n in (cached_by_tier or {}).items():
             if n > 0:
                 self.tier_hit_tokens.labels(arm, tier).inc(n)

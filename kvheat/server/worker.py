@@ -27,7 +27,7 @@ import torch
 from ..engine.engine import LLMEngine, SamplingParams, TokenOutput
 from .arms import ArmStats
 from .metrics import ServerMetrics
-from .misses import MissClassifier
+from .misses import MISS_KINDS, MissClassifier
 from .tracing import Tracing
 
 log = logging.getLogger("kvheat.server")
@@ -134,6 +134,9 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # the loop itself died (a bug)
         self._logged: dict[str, float] = {}  # where -> when a side error was last logged
+        # arm -> tenant -> miss class -> tokens, isolation included (engine thread; shown
+        # by the admin API only: it says which prompts other tenants sent)
+        self.misses: dict[str, dict[str, dict[str, int]]] = {}
 
     def _new_engine(self, arm: str) -> ServingEngine:
         eng = self.engine_factory(arm)
@@ -279,6 +282,10 @@ class EngineWorker:
         by_tier = m.cached_by_tier if getattr(eng, "tiers", None) is not None \
             and m.first_token is not None else None
         e2e = (m.finished - m.arrival) if m.finished is not None else None
+        if misses is not None:  # all classes, isolation too: for the admin API only
+            per = self.misses.setdefault(a.arm, {}).setdefault(tenant, dict.fromkeys(MISS_KINDS, 0))
+            for kind, n in misses.items():
+                per[kind] += n
         self.metrics.observe_request(a.arm, tenant, a.handle.endpoint, reason, a.prompt_tokens,
                                      cached, len(out.output_token_ids), m.ttft,
                                      m.inter_token_latencies, e2e, misses, by_tier)
