@@ -194,3 +194,86 @@ def test_no_public_metric_says_what_another_tenant_sent() -> None:
     assert views[0] == views[1] and views[0]
     # Operators still see it, in the admin API.
     assert [m.get("isolation") for m in isolation] == [96, 0]
+
+
+# ---- 4. big bodies never freeze the server --------------------------------------------------
+def _raw(s: Served, head: str, body: bytes = b"", chunks: list[bytes] | None = None) -> str:
+    """Send a raw request (headers, then maybe a body) and return the status line and
+    the response body."""
+    import socket
+
+    host, port = s.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + b"\r\n" + body)
+        for c in chunks or []:
+            try:
+                sock.sendall(b"%x\r\n" % len(c) + c + b"\r\n")
+            except OSError:  # the server answered and closed: what we want
+                break
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            part = sock.recv(65536)
+            if not part:
+                break
+            data += part
+    return data.decode("latin-1")
+
+
+def test_big_bodies_are_refused_before_they_are_read() -> None:
+    from kvheat.server.config import TenantConfig
+
+    s = start(ServerConfig(num_blocks=64, threads=1, max_body_bytes="1MiB",
+                           tenants=[TenantConfig("a", ["sk-a"])]))
+    try:
+        post = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        # 20 MB declared and never sent: the answer comes from the headers alone.
+        out = _raw(s, post + "Authorization: Bearer sk-a\r\nContent-Length: 20000000\r\n")
+        assert out.startswith("HTTP/1.1 413") and "body_too_large" in out
+        out = _raw(s, post + "Content-Length: 30000000\r\n")  # no key: 401 first
+        assert out.startswith("HTTP/1.1 401")
+        # Chunked, no length: counted as it arrives, refused past the limit.
+        out = _raw(s, post + "Authorization: Bearer sk-a\r\nTransfer-Encoding: chunked\r\n",
+                   chunks=[b'{"model": "m", "prompt": "' + b"x" * 65536] * 40)
+        assert out.startswith("HTTP/1.1 413"), out[:200]
+        # Under the body limit but too long to fit the context: refused by its byte
+        # length, before tokenizing (the message counts bytes, not tokens).
+        text = "word " * (s.server.prompt_byte_limit // 5 + 1)
+        r = _complete(s, text, "sk-a")
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "bytes" in err["message"]
+        r = httpx.post(s.base + "/v1/chat/completions", headers={"Authorization": "Bearer sk-a"},
+                       json={"model": MODEL, "messages": [{"role": "user", "content": text}]},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert s.metric("kvheat_rejected_requests_total", status="413") == 2
+        assert httpx.get(s.base + "/health").status_code == 200
+    finally:
+        stop(s)
+
+
+def test_prompts_are_tokenized_off_the_event_loop() -> None:
+    import threading
+
+    s = start(ServerConfig(num_blocks=64, threads=1))
+    try:
+        tok = s.server.tokenizer
+        seen: list[str] = []
+        encode = tok.encode
+
+        def recording(text: str, *a: Any, **k: Any) -> list[int]:
+            seen.append(threading.current_thread().name)
+            return encode(text, *a, **k)
+
+        tok.encode = recording  # type: ignore[method-assign]
+        try:
+            assert _complete(s, "hello there").status_code == 200
+            r = httpx.post(s.base + "/v1/chat/completions", timeout=30,
+                           json={"model": MODEL, "max_tokens": 1,
+                                 "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200
+        finally:
+            del tok.encode
+        assert len(seen) == 2 and all(n.startswith("kvheat-tokenize") for n in seen), seen
+    finally:
+        stop(s)

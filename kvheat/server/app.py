@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
@@ -35,12 +37,14 @@ from ..engine.loader import load_model
 from ..engine.scheduler import SchedulerConfig
 from .arms import ArmRouter, ArmStats
 from .config import ConfigError, ServerConfig, TenantConfig
+from .guard import RequestGuard
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .tracing import Tracing, end_span
 from .worker import EngineWorker, Finished, RequestHandle, RequestTooLarge, ServingEngine
 
 log = logging.getLogger("kvheat.server")
+T = TypeVar("T")
 _GREEDY_BELOW = 1e-5
 
 
@@ -139,6 +143,9 @@ class KVHeatServer:
         self.max_model_len = mcfg.max_position_embeddings
         self.model_name = config.model_name
         self.created = int(time.time())
+        self.max_token_bytes = _max_token_bytes(tok)
+        self.prompt_byte_limit = 2 * self.max_token_bytes * self.max_model_len
+        self._cpu = ThreadPoolExecutor(2, thread_name_prefix="kvheat-tokenize")
         self.keys: dict[str, TenantConfig] = {k: t for t in config.tenants for k in t.api_keys}
         self.tenants: dict[str, TenantConfig] = {t.name: t for t in config.tenants}
 
@@ -180,18 +187,68 @@ class KVHeatServer:
     def stop(self) -> None:
         self.worker.stop()
         self.tracing.shutdown()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
 
     # ---- request checks ---------------------------------------------------------------
     def authenticate(self, request: Request) -> TenantConfig | None:
         """The caller's tenant; None when no tenants are configured (open API)."""
+        return self.tenant_for(request.headers.get("authorization", ""))
+
+    def tenant_for(self, authorization: str) -> TenantConfig | None:
         if not self.keys:
             return None
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        scheme, _, key = authorization.partition(" ")
         tenant = self.keys.get(key.strip()) if scheme.lower() == "bearer" else None
         if tenant is None:
             raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                            "authentication_error", code="invalid_api_key")
         return tenant
+
+    def check_admin(self, authorization: str) -> None:
+        token = self.config.admin_token
+        if not token:
+            raise ApiError(404, "the admin API is off (start the server with an admin token)",
+                           code="admin_disabled")
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 token.encode()):
+            raise ApiError(401, "missing or invalid admin token", "authentication_error")
+
+    def _early_check(self, path: str, authorization: str) -> JSONResponse | None:
+        """Before the body is read: the key (API or admin) the path needs."""
+        try:
+            if path.startswith("/v1/"):
+                self.tenant_for(authorization)
+            elif path.startswith("/admin/"):
+                self.check_admin(authorization)
+        except ApiError as e:
+            self._count_rejected(e.status)
+            return e.response()
+        return None
+
+    def _body_too_large(self, declared: int) -> JSONResponse:
+        self._count_rejected(413)
+        return error_response(413, f"the request body has {declared} bytes; this server's "
+                              f"limit is {self.config.max_body_bytes}", code="body_too_large")
+
+    def _count_rejected(self, status: int) -> None:
+        with contextlib.suppress(Exception):  # metrics never fail a request
+            self.metrics.rejected.labels(str(status)).inc()
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU work (tokenizing, checking token ids) off the event loop, so one big
+        prompt never stalls /health or other requests."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def check_text_size(self, n_bytes: int, param: str) -> None:
+        """Refuse a text that cannot fit the context before tokenizing it: no token of
+        this vocabulary spans more than `max_token_bytes` bytes (x2: text a tokenizer's
+        normalizer drops)."""
+        if n_bytes > self.prompt_byte_limit:
+            raise ApiError(400, f"the {param} has {n_bytes} bytes; at most "
+                           f"{self.max_token_bytes} bytes per token, it cannot fit this "
+                           f"model's context length of {self.max_model_len} tokens",
+                           param=param, code="context_length_exceeded")
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -199,6 +256,7 @@ class KVHeatServer:
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
     def encode(self, text: str) -> list[int]:
+        self.check_text_size(len(text.encode("utf-8", "surrogatepass")), "prompt")
         try:
             return self.tokenizer.encode(text)
         except Exception as e:  # e.g. lone surrogates the tokenizer cannot take
@@ -207,6 +265,8 @@ class KVHeatServer:
     def chat_prompt(self, messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in messages]
+        self.check_text_size(sum(len(m["content"].encode("utf-8", "surrogatepass"))
+                                 for m in msgs), "messages")
         try:
             return self.tokenizer.apply_chat_template(msgs, add_generation_prompt)
         except Exception as e:  # template errors and untokenizable text
@@ -435,16 +495,17 @@ class KVHeatServer:
 
         app = FastAPI(title="kvheat", version="0.1.0", lifespan=lifespan,
                       description="OpenAI-compatible server on the kvheat KV cache.")
-        metrics = self.metrics
+        app.add_middleware(RequestGuard, max_body_bytes=self.config.max_body_bytes,
+                           early_check=self._early_check, too_large=self._body_too_large)
 
         @app.exception_handler(ApiError)
         async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-            metrics.rejected.labels(str(exc.status)).inc()
+            self._count_rejected(exc.status)
             return exc.response()
 
         @app.exception_handler(RequestValidationError)
         async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-            metrics.rejected.labels("400").inc()
+            self._count_rejected(400)
             errs = exc.errors()
             parts = []
             for e in errs[:5]:
@@ -458,7 +519,7 @@ class KVHeatServer:
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            metrics.rejected.labels(str(exc.status_code)).inc()
+            self._count_rejected(exc.status_code)
             return error_response(exc.status_code, str(exc.detail),
                                   "invalid_request_error" if exc.status_code < 500
                                   else "server_error")
@@ -469,7 +530,7 @@ class KVHeatServer:
             self.check_model(body.model)
             if body.echo:
                 raise ApiError(400, "echo is not supported", param="echo")
-            prompt = self.completion_prompt(body.prompt)
+            prompt = await self.offload(self.completion_prompt, body.prompt)
             return await self.generate(request, body, prompt, tenant, "completions",
                                        body.max_tokens)
 
@@ -479,7 +540,7 @@ class KVHeatServer:
             self.check_model(body.model)
             if body.logprobs:
                 raise ApiError(400, "logprobs are not supported", param="logprobs")
-            prompt = self.chat_prompt(body.messages)
+            prompt = await self.offload(self.chat_prompt, body.messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await self.generate(request, body, prompt, tenant, "chat", max_tokens)
 
@@ -498,12 +559,23 @@ class KVHeatServer:
 
         @app.get("/metrics")
         async def prometheus_metrics() -> Response:
-            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            return Response(generate_latest(self.metrics.registry),
+                            media_type=CONTENT_TYPE_LATEST)
 
         from .admin import admin_router
 
         app.include_router(admin_router(self))
         return app
+
+
+def _max_token_bytes(tok: Any) -> int:
+    """The most UTF-8 bytes one token of the vocabulary decodes to (at least 4)."""
+    try:
+        n = int(tok.vocab_size)
+        return max(4, max(len(tok.decode([i], skip_special_tokens=False).encode("utf-8"))
+                          for i in range(n)))
+    except Exception:  # a tokenizer without these: a generous bound
+        return 64
 
 
 def _check_policy(name: str) -> None:

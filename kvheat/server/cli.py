@@ -45,6 +45,8 @@ from .config import ConfigError, load_config
 @click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per step (256).")
 @click.option("--max-tokens-limit", type=int, default=None, help="Refuse larger max_tokens.")
 @click.option("--threads", type=int, default=None, help="torch threads for the engine.")
+@click.option("--max-body-size", "max_body_bytes", default=None,
+              help="Refuse larger request bodies with 413 (8MiB).")
 @click.option("--admin-token", envvar="KVHEAT_ADMIN_TOKEN", default=None,
               help="Bearer token of the admin API (or $KVHEAT_ADMIN_TOKEN); off when unset.")
 @click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
@@ -60,7 +62,8 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                   redis_cluster: bool | None, tier_mode: str | None, policy: str | None,
                   max_num_seqs: int | None, max_num_batched_tokens: int | None,
                   max_tokens_limit: int | None,
-                  threads: int | None, admin_token: str | None, otlp_endpoint: str | None,
+                  threads: int | None, max_body_bytes: str | None,
+                  admin_token: str | None, otlp_endpoint: str | None,
                   seed: int | None, log_level: str) -> None:
     """Serve an OpenAI-compatible API on the kvheat cache."""
     import uvicorn
@@ -78,6 +81,7 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                           policy=policy, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           max_tokens_limit=max_tokens_limit, threads=threads,
+                          max_body_bytes=max_body_bytes,
                           admin_token=admin_token, otlp_endpoint=otlp_endpoint, seed=seed)
         server = KVHeatServer(cfg)
     except ConfigError as e:

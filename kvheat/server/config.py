@@ -122,6 +122,7 @@ class ServerConfig:
     default_max_tokens: int = 64  # when a request gives none
     max_tokens_limit: int | None = None  # a cap on max_tokens (None: the context length)
     max_queued_requests: int = 1024  # more in flight: 503, the client retries
+    max_body_bytes: int | str = "8MiB"  # larger request bodies: 413, never read whole
     threads: int | None = None  # torch intra-op threads for the engine
     admin_token: str | None = None  # None: the admin API is off
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None: tracing off
@@ -135,6 +136,9 @@ class ServerConfig:
             raise ConfigError("host_tier_blocks must be >= 0")
         self.disk_tier_bytes = parse_size(self.disk_tier_bytes, "disk_tier_bytes")
         self.redis_tier_bytes = parse_size(self.redis_tier_bytes, "redis_tier_bytes")
+        self.max_body_bytes = parse_size(self.max_body_bytes, "max_body_bytes")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes must be at least 1KiB")
         if bool(self.disk_tier_dir) != (self.disk_tier_bytes > 0):
             raise ConfigError("a disk tier needs both disk_tier_dir and disk_tier_bytes")
         if bool(self.redis_tier_url) != (self.redis_tier_bytes > 0):
