@@ -277,3 +277,86 @@ def test_prompts_are_tokenized_off_the_event_loop() -> None:
         assert len(seen) == 2 and all(n.startswith("kvheat-tokenize") for n in seen), seen
     finally:
         stop(s)
+
+
+# ---- 5. tier faults show in /metrics ---------------------------------------------------------
+def _fill_device(s: Served, seed: int, n: int = 4) -> None:
+    """Prompts enough to push earlier ones off a 24-block device pool (to the tiers)."""
+    for j in range(n):
+        assert _complete(s, _ids(seed + j, 200)).status_code == 200
+
+
+def test_disk_faults_found_at_start_up_are_exported(tmp_path: Path) -> None:
+    cfg = ServerConfig(num_blocks=24, threads=1, disk_tier_dir=str(tmp_path / "kv"),
+                       disk_tier_bytes="64MiB")
+    s = start(cfg)
+    try:
+        _fill_device(s, 100, 5)
+    finally:
+        stop(s)  # pending demotions are written first
+    files = sorted((tmp_path / "kv" / "default").glob("*.kv"))
+    assert len(files) >= 3
+    with open(files[0], "r+b") as f:  # torn: cut short
+        f.truncate(f.seek(0, 2) // 2)
+    with open(files[1], "r+b") as f:  # bad magic
+        f.write(b"XXXX")
+    s = start(cfg)
+    try:
+        s.wait_metric("kvheat_tier_faults_total", 1, tier="disk", kind="corrupt_torn")
+        assert s.metric("kvheat_tier_faults_total", tier="disk", kind="corrupt_format") == 1
+        assert s.metric("kvheat_tier_faults_total", tier="disk", kind="rejected_on_open") == 2
+        assert s.metric("kvheat_tier_writable", tier="disk") == 1
+    finally:
+        stop(s)
+
+
+def test_a_full_disk_shows_in_metrics(tmp_path: Path) -> None:
+    import subprocess
+
+    import pytest
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    # A real file system that fills up: 512 KiB holds about seven 64 KiB blocks.
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        s = start(ServerConfig(num_blocks=24, threads=1, disk_tier_dir=str(mnt),
+                               disk_tier_bytes="64MiB"))
+        try:
+            _fill_device(s, 200, 6)
+            s.wait_metric("kvheat_tier_faults_total", 1, tier="disk", kind="full_events")
+            assert s.metric("kvheat_tier_faults_total", tier="disk", kind="io_errors") >= 1
+            s.wait_metric("kvheat_tier_faults_total", 1, tier="disk", kind="put_refused")
+            # Writes stay paused for a while after the file system said full.
+            deadline = __import__("time").monotonic() + 5
+            while s.metric("kvheat_tier_writable", tier="disk") != 0:
+                assert __import__("time").monotonic() < deadline, "writable stayed 1"
+                _fill_device(s, 300, 1)
+            assert s.metric("kvheat_tier_up", tier="disk") == 1  # still readable
+            assert httpx.get(s.base + "/health").status_code == 200
+        finally:
+            stop(s)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_redis_faults_show_in_metrics(redis_server: Any) -> None:
+    s = start(ServerConfig(num_blocks=24, threads=1, redis_tier_url=redis_server.url,
+                           redis_tier_bytes="64MiB"))
+    try:
+        keep = _ids(400, 160)
+        assert _complete(s, keep).status_code == 200
+        _fill_device(s, 410)
+        eng = s.server.worker.engines["default"]
+        s.on_engine_thread(lambda: eng.tiers.flush())
+        assert s.on_engine_thread(lambda: len(eng.tiers.indexes[0])) > 0
+        redis_server.stop()  # its entries are gone; the tier's index still lists them
+        redis_server.start()
+        r = _complete(s, keep)
+        assert r.status_code == 200  # recomputed: never wrong, never an error
+        s.wait_metric("kvheat_tier_load_faults_total", 1, kind="load_failed")
+        assert httpx.get(s.base + "/health").status_code == 200
+    finally:
+        stop(s)

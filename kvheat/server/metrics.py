@@ -15,6 +15,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .misses import PUBLIC_MISS_KINDS, public_misses
 
+# Fault counters each lower-tier store keeps (`StoreStats`, and a disk store's own), and
+# those of the hierarchy above them (`TierCounters`): each is a `kind` of
+# kvheat_tier_faults_total / kvheat_tier_load_faults_total, with a Grafana panel and an
+# alert rule in deploy/.
+STORE_FAULTS = ("put_refused", "corrupt_checksum", "corrupt_key", "corrupt_torn",
+                "corrupt_format", "io_errors", "skipped_down", "went_down", "full_events",
+                "rejected_on_open")
+HIERARCHY_FAULTS = ("load_failed", "shape_mismatch", "demote_refused", "demote_dropped",
+                    "orphans_dropped", "worker_errors")
+
 # Latency buckets in seconds: a CPU engine's TTFT runs from milliseconds to seconds.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
@@ -88,6 +98,21 @@ class ServerMetrics:
         self.tier_up = Gauge(
             "kvheat_tier_up", "1 when a lower tier (e.g. Redis) is reachable, else 0.",
             ["arm", "tier"], registry=r)
+        self.tier_writable = Gauge(
+            "kvheat_tier_writable", "1 while a lower tier takes writes; 0 while it refuses them "
+            "(a full disk: demotion paused).", ["arm", "tier"], registry=r)
+        self.tier_faults = Counter(
+            "kvheat_tier_faults", "Faults a lower-tier store counted, by kind: put_refused (no "
+            "room or down), corrupt_checksum/key/torn/format (values that failed a check: "
+            "served as misses), io_errors, skipped_down, went_down, full_events (the file "
+            "system said full), rejected_on_open (bad files dropped at start-up).",
+            ["arm", "tier", "kind"], registry=r)
+        self.tier_load_faults = Counter(
+            "kvheat_tier_load_faults", "Faults of the tier hierarchy, by kind: load_failed "
+            "(planned loads that came back missing or unverified, e.g. Redis lost them), "
+            "shape_mismatch, demote_refused (no tier took a block), demote_dropped (the "
+            "demotion queue was full), orphans_dropped, worker_errors.", ["arm", "kind"],
+            registry=r)
         self.engine_failures = Counter(
             "kvheat_engine_failures", "Engine steps that raised (the arm's engine is rebuilt).",
             ["arm"], registry=r)
@@ -161,6 +186,9 @@ class ServerMetrics:
         self._advance(self.load_decisions, (arm, "load"), st.get("decisions_load", 0))
         self._advance(self.load_decisions, (arm, "recompute"), st.get("decisions_recompute", 0))
         self._advance(self.load_decisions, (arm, "partial"), st.get("decisions_partial", 0))
+        for kind in HIERARCHY_FAULTS:
+            if kind in st:
+                self._advance(self.tier_load_faults, (arm, kind), st[kind])
         for name, t in (st.get("tiers") or {}).items():
             tier = str(name).split(":", 1)[-1]
             self.blocks.labels(arm, tier, "used").set(t.get("entries", 0))
@@ -169,6 +197,10 @@ class ServerMetrics:
             self._advance(self.tier_bytes, (arm, tier, "write"), t.get("put_bytes", 0))
             self._advance(self.tier_bytes, (arm, tier, "read"), t.get("get_bytes", 0))
             self._advance(self.checksum_failures, (arm, tier), t.get("corrupt_checksum", 0))
+            self.tier_writable.labels(arm, tier).set(1 if t.get("writable", True) else 0)
+            for kind in STORE_FAULTS:
+                if kind in t:
+                    self._advance(self.tier_faults, (arm, tier, kind), t[kind])
             for direction, field_name in (("read", "read_bandwidth_Bps"),
                                           ("write", "write_bandwidth_Bps")):
                 bw = t.get(field_name)
