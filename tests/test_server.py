@@ -88,8 +88,7 @@ def start(cfg: ServerConfig) -> Served:
     exporter = InMemorySpanExporter()
     server = KVHeatServer(cfg, span_exporter=exporter)
     port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port,
-                                       log_level="warning", access_log=False))
+    uv = server.uvicorn("127.0.0.1", port, "warning")  # as `kvheat serve` runs it
     th = threading.Thread(target=uv.run, daemon=True)
     th.start()
     deadline = time.monotonic() + 30

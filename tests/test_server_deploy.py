@@ -99,6 +99,8 @@ def test_configmap_server_config_loads(tmp_path: Path) -> None:
     vol = {v["name"]: v for v in dep["volumes"]}[mounts[cfg.disk_tier_dir]]
     size = vol["emptyDir"]["sizeLimit"]
     assert size.endswith("Gi") and int(size[:-2]) << 30 > int(cfg.disk_tier_bytes)
+    # The kill comes after the server's drain deadline, with time to close up.
+    assert dep["terminationGracePeriodSeconds"] >= cfg.drain_timeout_s + 3
 
 
 def test_prometheus_scrape_config() -> None:

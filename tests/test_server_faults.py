@@ -360,3 +360,45 @@ def test_redis_faults_show_in_metrics(redis_server: Any) -> None:
         assert httpx.get(s.base + "/health").status_code == 200
     finally:
         stop(s)
+
+
+# ---- 6. shutdown drains under a deadline ------------------------------------------------------
+def test_shutdown_ends_long_streams_at_the_drain_deadline() -> None:
+    import threading
+    import time
+
+    s = start(ServerConfig(num_blocks=512, threads=1, drain_timeout_s=1.0))
+    results: dict[str, Any] = {}
+
+    def stream(i: int) -> None:
+        status, lines = _stream_events(s, {"prompt": f"story {i}", "max_tokens": 4000,
+                                           "ignore_eos": True})
+        results[f"s{i}"] = (status, lines)
+
+    def whole() -> None:
+        results["whole"] = _complete(s, "a long one", max_tokens=4000, ignore_eos=True)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    threads.append(threading.Thread(target=whole))
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while s.server.worker.num_active < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)  # they are generating
+    t0 = time.monotonic()
+    s.uv.should_exit = True  # what SIGTERM does
+    s.thread.join(timeout=30)
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(timeout=10)
+    assert not s.thread.is_alive() and took < 10, took  # not the 4000 tokens' time
+    for i in range(3):
+        status, lines = results[f"s{i}"]
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        assert '"code":"shutting_down"' in lines[-2]
+        assert len(lines) > 3  # it was streaming tokens before
+    r = results["whole"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert r.headers["retry-after"] == "1"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -178,11 +179,35 @@ class KVHeatServer:
         self.tracing = Tracing(config.otlp_endpoint, span_exporter)
         self.worker = EngineWorker(engine_for, self.router.names, self.metrics, self.arm_stats,
                                    self.tracing, {t.name: t.quota_blocks for t in config.tenants})
+        self.draining = False
         self.app = self._build_app()
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         self.worker.start()
+
+    def uvicorn(self, host: str = "127.0.0.1", port: int = 8000,
+                log_level: str = "info") -> uvicorn.Server:
+        """A uvicorn server for this app that drains on shutdown (see `begin_drain`)."""
+        cfg = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                             access_log=False,
+                             # A backstop only: the drain ends every request before it.
+                             timeout_graceful_shutdown=self.config.drain_timeout_s + 5)
+        return _DrainingServer(cfg, self)
+
+    async def begin_drain(self) -> None:
+        """Shutdown started (uvicorn no longer accepts connections): new requests get 503,
+        requests in flight get `drain_timeout_s` to finish, then end with a 503 error
+        (a stream: a final error event and [DONE])."""
+        if self.draining:
+            return
+        self.draining = True
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.worker.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.worker.num_active:
+            log.warning("drain deadline passed: ending %d request(s)", self.worker.num_active)
+            self.worker.end_all("the server is shutting down; retry on another replica")
 
     def stop(self) -> None:
         self.worker.stop()
@@ -341,6 +366,9 @@ class KVHeatServer:
                        tenant: TenantConfig | None, kind: str,
                        max_tokens: int | None) -> Response:
         params, bias = self.sampling(body, tenant, len(prompt), max_tokens)
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another replica",
+                           "server_error", code="shutting_down")
         if self.worker.num_active >= self.config.max_queued_requests:
             raise ApiError(503, "the server is at capacity; retry later", "server_error",
                            code="overloaded")
@@ -555,6 +583,8 @@ class KVHeatServer:
         async def health() -> Response:
             if not self.worker.alive:
                 return error_response(503, "the engine loop is not running", "server_error")
+            if self.draining:
+                return error_response(503, "the server is shutting down", "server_error")
             return _json({"status": "ok", "active_requests": self.worker.num_active})
 
         @app.get("/metrics")
@@ -566,6 +596,21 @@ class KVHeatServer:
 
         app.include_router(admin_router(self))
         return app
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, but its shutdown drains the app's requests under a deadline first."""
+
+    def __init__(self, config: uvicorn.Config, app: KVHeatServer) -> None:
+        super().__init__(config)
+        self.kvheat = app
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        drain = asyncio.create_task(self.kvheat.begin_drain())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
 
 
 def _max_token_bytes(tok: Any) -> int:

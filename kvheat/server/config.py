@@ -123,6 +123,9 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # a cap on max_tokens (None: the context length)
     max_queued_requests: int = 1024  # more in flight: 503, the client retries
     max_body_bytes: int | str = "8MiB"  # larger request bodies: 413, never read whole
+    # On shutdown (SIGTERM): requests in flight get this long to finish, then end with an
+    # error (streams: a final error event). Keep k8s terminationGracePeriodSeconds above it.
+    drain_timeout_s: float = 25.0
     threads: int | None = None  # torch intra-op threads for the engine
     admin_token: str | None = None  # None: the admin API is off
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None: tracing off
@@ -151,6 +154,8 @@ class ServerConfig:
             raise ConfigError("default_max_tokens must be at least 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ConfigError("max_tokens_limit must be at least 1")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ConfigError("drain_timeout_s must be in [0, 3600]")
         if self.max_queued_requests < 1:
             raise ConfigError("max_queued_requests must be at least 1")
         self.tenants = [t if isinstance(t, TenantConfig) else _build(TenantConfig, t, "tenant")

@@ -229,6 +229,20 @@ class EngineWorker:
         self.active[rid] = _Active(handle, handle.arm, len(prompt), kinds, t0, t1, predicted,
                                    prompt, params.max_tokens)
 
+    def end_all(self, message: str) -> None:
+        """End every request in flight with a 503 (shutdown past its drain deadline)."""
+        if self.alive:
+            self.call(lambda: self._end_all(message))
+
+    def _end_all(self, message: str) -> None:
+        for rid, a in list(self.active.items()):
+            eng = self.engines[a.arm]
+            if rid in eng.requests:
+                eng.abort(rid)
+            a.finish_override = "abort"
+            self._complete(a, Finished("abort", 0, 0, 0, error=message, status=503,
+                                       code="shutting_down", retry_after_s=1))
+
     def _abort(self, rid: str, reason: str) -> None:
         a = self.active.get(rid)
         if a is None:
@@ -239,7 +253,7 @@ class EngineWorker:
         a.finish_override = reason
         self._complete(a)
 
-    def _complete(self, a: _Active) -> None:
+    def _complete(self, a: _Active, error: Finished | None = None) -> None:
         """Release a finished (or aborted) request, record it, and answer it. Whatever
         the recording does, the request gets its `Finished` (and the loop goes on)."""
         eng = self.engines[a.arm]
@@ -259,7 +273,10 @@ class EngineWorker:
         self._guard("metrics", lambda: self._record(a, eng, out, reason, cached))
         self._guard("tracing", lambda: self._trace(a, eng, out, reason, cached))
         fin = Finished(reason, a.prompt_tokens, cached, len(out.output_token_ids))
-        if reason == "error":  # the engine could not schedule it (nothing else ends so)
+        if error is not None:
+            fin.error, fin.status, fin.code = error.error, error.status, error.code
+            fin.retry_after_s = error.retry_after_s
+        elif reason == "error":  # the engine could not schedule it (nothing else ends so)
             self._explain_unschedulable(fin, eng, a)
         a.handle.push(fin)
 
@@ -413,7 +430,8 @@ class EngineWorker:
         finally:
             for a in list(self.active.values()):
                 a.handle.push(Finished("error", a.prompt_tokens, 0, 0,
-                                       error="the server is shutting down"))
+                                       error="the server is shutting down", status=503,
+                                       code="shutting_down", retry_after_s=1))
             self.active.clear()
             while True:  # answer commands that will never run
                 try:
