@@ -402,3 +402,33 @@ def test_shutdown_ends_long_streams_at_the_drain_deadline() -> None:
     r = results["whole"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     assert r.headers["retry-after"] == "1"
+
+
+# ---- 7. no U+FFFD where a token ends inside a character ---------------------------------------
+def test_text_never_ends_with_a_replacement_character() -> None:
+    from kvheat.engine.loader import Tokenizer
+    from kvheat.server.app import TextAssembler
+
+    tok = Tokenizer.tiny()
+    euro = tok.encode("€", add_special_tokens=False)
+    hi = tok.encode(" hi", add_special_tokens=False)
+    assert len(euro) == 3  # one byte-level token per byte
+    ta = TextAssembler(tok, [])
+    out = [ta.add(t) for t in hi + euro[:2]]  # ends two bytes into "€"
+    assert "".join(out) + ta.flush() == " hi"  # was " hi\ufffd"
+    ta = TextAssembler(tok, [])
+    ids = hi + euro + hi + euro[:1]
+    text = "".join(ta.add(t) for t in ids) + ta.flush()
+    assert text == " hi€ hi" == tok.decode(ids[:-1])
+    # Through the server: every token the first byte of "€", streamed and not.
+    s = start(ServerConfig(num_blocks=64, threads=1))
+    try:
+        body = {"prompt": "Price:", "max_tokens": 2, "logit_bias": {str(euro[0]): 100},
+                "temperature": 0}
+        r = httpx.post(s.base + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
+        assert r.status_code == 200 and "\ufffd" not in r.json()["choices"][0]["text"]
+        status, lines = _stream_events(s, body)
+        assert status == 200 and "\\ufffd" not in "".join(lines) and "\ufffd" not in \
+            "".join(lines)
+    finally:
+        stop(s)
