@@ -242,7 +242,7 @@ BAD_BODIES: list[tuple[str, bytes | dict, int]] = [
     ("/v1/completions", {"model": MODEL, "prompt": [5] * 4090, "max_tokens": 10}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": [999999], "max_tokens": 1}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": [-1], "max_tokens": 1}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 1}, 200),  # just <bos>
+    ("/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 1}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 1}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 3}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400),

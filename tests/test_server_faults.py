@@ -432,3 +432,60 @@ def test_text_never_ends_with_a_replacement_character() -> None:
             "".join(lines)
     finally:
         stop(s)
+
+
+# ---- 8. validation gaps ----------------------------------------------------------------------
+def test_loose_input_is_refused_with_clear_errors() -> None:
+    from kvheat.server.config import ConfigError, TenantConfig
+
+    s = start(ServerConfig(num_blocks=16, threads=1, admin_token="adm",
+                           tenants=[TenantConfig("a", ["sk-a"])]))
+    try:
+        auth = {"Authorization": "Bearer sk-a"}
+
+        def post(body: dict[str, Any] | bytes) -> httpx.Response:
+            kw: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {
+                "json": {"model": MODEL, "max_tokens": 1, **body}}
+            return httpx.post(s.base + "/v1/completions", timeout=30, **kw,
+                              headers={**auth, "Content-Type": "application/json"})
+
+        cases: list[tuple[dict[str, Any] | bytes, str | None]] = [
+            ({"prompt": ""}, "prompt"),
+            ({"prompt": [""]}, "prompt"),
+            ({"prompt": [True, False]}, "prompt"),  # not token ids 1 and 0
+            ({"prompt": "hi", "stream": "yes"}, "stream"),
+            ({"prompt": "hi", "stream": 1}, "stream"),
+            ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+            ({"prompt": "hi", "temperature": "0.5"}, "temperature"),
+            ({"prompt": "hi", "logit_bias": {"5_0": 1}}, "logit_bias"),  # not token 50
+            ({"prompt": "hi", "logit_bias": {" 5": 1}}, "logit_bias"),
+            ({"prompt": "hi", "stream_options": {"include_usage": "no"}}, "stream_options"),
+            (b'{"model": "kvheat-tiny-llama", "prompt": ', None),  # not a char offset
+        ]
+        for body, param in cases:
+            r = post(body)
+            assert r.status_code == 400, (body, r.status_code, r.text)
+            assert r.json()["error"]["param"] == param, (body, r.json())
+        assert "not valid JSON" in post(cases[-1][0]).json()["error"]["message"]
+        # Still fine: an int temperature, a real token-id list, a decimal logit_bias key.
+        ok = post({"prompt": [5, 6, 7], "temperature": 0, "logit_bias": {"50": 1}})
+        assert ok.status_code == 200, ok.text
+        # More than the KV pool (16 blocks) holds: the code the docs promise.
+        r = post({"prompt": _ids(9, 200), "max_tokens": 100})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        adm = {"Authorization": "Bearer adm"}
+        for blocks in (10**23, 0, True, "5"):
+            r = httpx.put(s.base + "/admin/tenants/a/quota", headers=adm,
+                          json={"blocks": blocks})
+            assert r.status_code == 400, (blocks, r.text)
+        r = httpx.put(s.base + "/admin/tenants/a/quota", headers=adm, json={"blocks": 8})
+        assert r.status_code == 200
+    finally:
+        stop(s)
+    import pytest
+
+    for bad in ({"5_0": 1.0}, {" 5": 1.0}, {"x": 1.0}):
+        with pytest.raises(ConfigError):
+            TenantConfig("t", ["k"], logit_bias=bad)
+    with pytest.raises(ConfigError):
+        TenantConfig("t", ["k"], quota_blocks=10**23)

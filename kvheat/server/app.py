@@ -309,12 +309,14 @@ class KVHeatServer:
                 from None
 
     def completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
         if isinstance(prompt, str):
+            if not prompt:  # the tokenizer would make it <bos> alone: refuse, as []
+                raise ApiError(400, "the prompt is empty", param="prompt")
             ids = self.encode(prompt)
         elif prompt and isinstance(prompt[0], int):
             ids = list(prompt)
-        elif prompt and isinstance(prompt[0], str):
-            ids = self.encode(prompt[0])
         else:
             ids = list(prompt[0])
         vocab = self.model_config.vocab_size
@@ -548,9 +550,13 @@ class KVHeatServer:
             parts = []
             for e in errs[:5]:
                 loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-                parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+                if e.get("type") == "json_invalid":
+                    parts.append(f"the body is not valid JSON (at character {loc}): "
+                                 f"{e.get('ctx', {}).get('error', e.get('msg', ''))}")
+                else:
+                    parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
             param = None
-            if errs:
+            if errs and errs[0].get("type") != "json_invalid":  # its loc is a char offset
                 loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
                 param = loc[0] if loc else None
             return error_response(400, "; ".join(parts) or "invalid request", param=param)

@@ -58,8 +58,10 @@ class TenantConfig:
         if not self.api_keys or not all(isinstance(k, str) and k for k in self.api_keys):
             raise ConfigError(f"tenant {self.name!r} needs at least one non-empty api key")
         if self.quota_blocks is not None and (not isinstance(self.quota_blocks, int)
-                                              or self.quota_blocks < 1):
-            raise ConfigError(f"tenant {self.name!r}: quota_blocks must be a positive integer")
+                                              or isinstance(self.quota_blocks, bool)
+                                              or not 1 <= self.quota_blocks <= 2**31 - 1):
+            raise ConfigError(f"tenant {self.name!r}: quota_blocks must be an integer in "
+                              f"[1, 2**31 - 1]")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             raise ConfigError(f"tenant {self.name!r}: temperature must be in [0, 2]")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -67,8 +69,11 @@ class TenantConfig:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"tenant {self.name!r}: max_tokens must be at least 1")
         try:
+            # Keys in decimal only: int() would also read "5_0" as 50.
+            if any(not re.fullmatch(r"[0-9]{1,10}", str(k)) for k in self.logit_bias):
+                raise ValueError
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, AttributeError):
             raise ConfigError(f"tenant {self.name!r}: logit_bias maps token ids to numbers") \
                 from None
         if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
