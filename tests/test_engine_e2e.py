@@ -282,8 +282,26 @@ def test_request_that_can_never_get_its_blocks_ends_with_error(llama: tuple) -> 
     e.run()
     assert e.release(rid).finish_reason == "error"
     assert e.stats.unschedulable == 1
+    assert e.pop_ended() == [rid] and e.pop_ended() == []  # the server answers these
     again = e.generate([prompts(7, 1, lo=10, hi=10)[0]], SamplingParams(max_tokens=2), tenant="a")
     assert again[0].finish_reason == "length"
+    e.scheduler.check_accounting()
+
+
+def test_a_repeat_that_fills_the_whole_pool_still_runs(llama: tuple) -> None:
+    """Issue 12.2: a block-aligned prompt that is fully cached reruns its last block as a
+    private copy, and the blocks it decodes hang off the cached original, which then
+    cannot be evicted. With prompt + max_tokens filling the whole pool, the repeat ran out
+    of blocks, preempted itself, and was ended as unschedulable within the same step."""
+    e = engine(llama, num_blocks=32)
+    prompt = prompts(8, 1, lo=480, hi=480)[0]  # 30 blocks; + 32 tokens = the whole pool
+    sp = SamplingParams(max_tokens=32, ignore_eos=True)
+    first = e.generate([prompt], sp)[0]
+    again = e.generate([prompt], sp)[0]
+    assert first.finish_reason == again.finish_reason == "length"
+    assert again.metrics.num_cached_tokens == 464
+    assert again.output_token_ids == first.output_token_ids
+    assert e.stats.unschedulable == 0 and e.pop_ended() == []
     e.scheduler.check_accounting()
 
 

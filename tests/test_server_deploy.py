@@ -99,6 +99,8 @@ def test_configmap_server_config_loads(tmp_path: Path) -> None:
     vol = {v["name"]: v for v in dep["volumes"]}[mounts[cfg.disk_tier_dir]]
     size = vol["emptyDir"]["sizeLimit"]
     assert size.endswith("Gi") and int(size[:-2]) << 30 > int(cfg.disk_tier_bytes)
+    # The kill comes after the server's drain deadline, with time to close up.
+    assert dep["terminationGracePeriodSeconds"] >= cfg.drain_timeout_s + 3
 
 
 def test_prometheus_scrape_config() -> None:
@@ -124,4 +126,35 @@ def test_grafana_dashboard_queries_served_metrics() -> None:
         for t in p["targets"]:
             refs = _metric_refs(t["expr"])
             assert refs and refs <= exported, (p["title"], refs - exported)
-            assert 'arm=~"$arm"' in t["expr"], "every panel splits by arm"
+            if not refs <= _NO_ARM:
+                assert 'arm=~"$arm"' in t["expr"], "every panel splits by arm"
+
+
+_NO_ARM = {"kvheat_internal_errors_total", "kvheat_rejected_requests_total"}
+
+
+def test_every_tier_fault_has_a_panel_and_an_alert() -> None:
+    from kvheat.server.metrics import HIERARCHY_FAULTS, STORE_FAULTS
+
+    dash = json.loads((DEPLOY / "grafana" / "kvheat-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    (conf,) = _docs(DEPLOY / "prometheus" / "prometheus.yml")
+    assert "kvheat-alerts.yml" in conf["rule_files"]
+    (alerts,) = _docs(DEPLOY / "prometheus" / "kvheat-alerts.yml")
+    rules = [r for g in alerts["groups"] for r in g["rules"]]
+    names = [r["alert"] for r in rules]
+    assert len(set(names)) == len(names)
+    exported = _exported_names()
+    for r in rules:
+        assert {"alert", "expr", "for", "labels", "annotations"} <= set(r), r
+        assert r["labels"]["severity"] in ("info", "warning", "critical")
+        assert _metric_refs(r["expr"]) and _metric_refs(r["expr"]) <= exported, r
+    for metric, kinds in (("kvheat_tier_faults_total", STORE_FAULTS),
+                          ("kvheat_tier_load_faults_total", HIERARCHY_FAULTS)):
+        for kind in kinds:
+            sel = f'kind="{kind}"'
+            assert any(metric in e and sel in e for e in exprs), (metric, kind)
+            assert any(metric in r["expr"] and sel in r["expr"] for r in rules), (metric, kind)
+    for metric in ("kvheat_tier_writable", "kvheat_tier_up", "kvheat_engine_failures_total",
+                   "kvheat_internal_errors_total"):
+        assert any(metric in e for e in exprs) and any(metric in r["expr"] for r in rules)

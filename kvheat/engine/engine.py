@@ -74,6 +74,7 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # the same, by tier
     num_preemptions: int = 0
 
     @property
@@ -199,7 +200,7 @@ class EngineStats:
 
 
 class _Req:
-    __slots__ = ("seq", "params", "metrics", "generator", "eos")
+    __slots__ = ("seq", "params", "metrics", "generator", "eos", "stalled_at")
 
     def __init__(self, seq: SchedSequence, params: SamplingParams, metrics: RequestMetrics,
                  generator: torch.Generator | None, eos: set[int]) -> None:
@@ -208,6 +209,7 @@ class _Req:
         self.metrics = metrics
         self.generator = generator
         self.eos = eos
+        self.stalled_at = -1  # output tokens when it last stalled alone (one retry each)
 
 
 class LLMEngine:
@@ -244,6 +246,7 @@ class LLMEngine:
         eos = self.model_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._failed: BaseException | None = None
+        self.ended: list[str] = []  # ended inside `step` without a token: see pop_ended
 
     def _make_tiers(self, model: torch.nn.Module) -> TieredCache:
         from ..tiers import DiskStore, HostStore, KVStore, TierConfig, TieredCache
@@ -365,13 +368,7 @@ class LLMEngine:
         self.stats.preemptions += len(out.preempted)
         if out.empty:
             if sched.has_work and not sched.running:
-                # Nothing runs and the oldest waiting request still cannot get its blocks
-                # (a tenant quota below its prompt, a pool held by pinned prefixes): it can
-                # never run, so it ends with reason "error" and the others go on.
-                head = sched.waiting[0]
-                sched.finish(head, "error")
-                self.requests[head.seq_id].metrics.finished = self.clock()
-                self.stats.unschedulable += 1
+                self._end_unschedulable(out)
             return []
         self._count_memory()
         batch = [SeqBatchItem(it.token_ids, it.num_computed, it.block_table) for it in out.items]
@@ -397,6 +394,29 @@ class LLMEngine:
         self.stats.other_seconds += (t1 - t0) + (t4 - t3)
         self.stats.step_seconds += t4 - t_start
         return results
+
+    def _end_unschedulable(self, out: SchedulerOutput) -> None:
+        """Nothing runs and nothing could start. A sequence that was preempted in this very
+        step (alone, by its own growth) gets one more try without progress: the blocks it
+        freed (say, a private copy of a cached block) may be all it needs. Otherwise the
+        oldest waiting request cannot get its blocks (a tenant quota below its size, a pool
+        held by pinned prefixes): it can never run, so it ends with reason "error", is
+        listed in `ended` for whoever drives the engine, and the others go on."""
+        sched = self.scheduler
+        head = out.preempted[-1] if out.preempted else sched.waiting[0]
+        r = self.requests[head.seq_id]
+        if out.preempted and r.stalled_at != head.num_output_tokens:
+            r.stalled_at = head.num_output_tokens
+            return
+        sched.finish(head, "error")
+        r.metrics.finished = self.clock()
+        self.stats.unschedulable += 1
+        self.ended.append(head.seq_id)
+
+    def pop_ended(self) -> list[str]:
+        """Requests that steps ended without a token (reason "error"), since the last call."""
+        ended, self.ended = self.ended, []
+        return ended
 
     def _abort_failed_step(self, out: SchedulerOutput, error: BaseException) -> None:
         """A forward pass raised: the blocks this step registered never got their KV.
@@ -445,6 +465,7 @@ class LLMEngine:
             if m.first_token is None:
                 m.first_token = now
                 m.num_cached_tokens = seq.num_cached_tokens
+                m.cached_by_tier = dict(seq.cached_by_tier)
             m.token_times.append(now)
             m.num_preemptions = seq.num_preemptions
             reason = None

@@ -110,7 +110,7 @@ class Sequence:
         "seq_id", "token_ids", "num_prompt_tokens", "max_tokens", "tenant", "session", "lora",
         "arrival", "status", "num_computed", "cache_req", "load_class", "num_cached_tokens",
         "num_preemptions", "swapped_tokens", "admitted_seq", "prompt_done", "finish_reason",
-        "full_req",
+        "full_req", "cached_by_tier",
     )
 
     def __init__(self, seq_id: str, prompt_token_ids: Seq[int], max_tokens: int,
@@ -130,6 +130,9 @@ class Sequence:
         self.full_req: Request | None = None  # all its tokens hashed, while their count holds
         self.load_class = REGULAR
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
+        # The same tokens by the tier that held them ("device", "host", "disk", "redis"):
+        # taken together at admission, so the parts always add up to num_cached_tokens.
+        self.cached_by_tier: dict[str, int] = {}
         self.num_preemptions = 0
         self.swapped_tokens = 0  # tokens whose KV waits in the swap space
         self.admitted_seq = 0  # admission order; the youngest is preempted first
@@ -196,6 +199,10 @@ class LowerTiers(Protocol):
     def cancel_prefetch(self, request_id: str) -> None: ...
 
     def allocate(self, req: Request) -> list[int]: ...
+
+    @property
+    def last_loaded(self) -> list[tuple[str, int]]:
+        """(tier name, tokens) of each block the latest `allocate` loaded, in order."""
 
 
 class Scheduler:
@@ -423,9 +430,11 @@ class Scheduler:
         if n <= 0:
             return 0
         part = _head_request(full, start + n, bs)
+        loaded: list[tuple[str, int]] = []
         try:
             if planned:
                 self.tiers.allocate(part)  # type: ignore[union-attr]
+                loaded = self.tiers.last_loaded  # type: ignore[union-attr]
                 st = cache.stats  # counted there for this chunk; counted below for the prompt
                 st.requests -= 1
                 st.query_tokens -= part.num_tokens
@@ -455,6 +464,7 @@ class Scheduler:
             st.hit_tokens += start
             st.hit_blocks += start // bs
             seq.num_cached_tokens = start
+            seq.cached_by_tier = _by_tier(min(hit, start), loaded, start)
         seq.cache_req = part
         seq.num_computed = start
         seq.status = SeqStatus.RUNNING
@@ -546,6 +556,20 @@ class Scheduler:
             held.update(pin.block_table)
         assert held == {b.block_id for b in cache.blocks if b.ref_cnt > 0}
         assert len(cache.requests) == len(self.running)
+
+
+def _by_tier(device: int, loaded: list[tuple[str, int]], total: int) -> dict[str, int]:
+    """`total` cached tokens split by tier: the device prefix, then the loaded blocks in
+    order, cut where `total` ends (the last prompt token is recomputed for its logits)."""
+    out = {"device": device}
+    left = total - device
+    for name, n in loaded:
+        take = min(n, left)
+        if take <= 0:
+            break
+        out[name] = out.get(name, 0) + take
+        left -= take
+    return out
 
 
 def _head_request(full: Request, n_tokens: int, block_size: int) -> Request:

@@ -12,7 +12,6 @@ Every cache operation runs on the engine thread, between steps, on every arm.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -33,14 +32,7 @@ def admin_router(server: KVHeatServer) -> APIRouter:
     worker = server.worker
 
     def check(request: Request) -> None:
-        token = server.config.admin_token
-        if not token:
-            raise ApiError(404, "the admin API is off (start the server with an admin token)",
-                           code="admin_disabled")
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                 token.encode()):
-            raise ApiError(401, "missing or invalid admin token", "authentication_error")
+        server.check_admin(request.headers.get("authorization", ""))
 
     def tenant_of(name: str | None) -> str | None:
         if name is None or name == "none":
@@ -108,6 +100,12 @@ def admin_router(server: KVHeatServer) -> APIRouter:
             return out
 
         arms = await on_engines(one)
+        # Miss classes per tenant, isolation included: only here, never in /metrics.
+        misses = await worker.acall(lambda: {a: {t: dict(k) for t, k in per.items()}
+                                             for a, per in worker.misses.items()})
+        for arm, per in misses.items():
+            if arm in arms:
+                arms[arm]["misses"] = per
         return _json({"model": server.model_name, "arms": arms,
                       "active_requests": worker.num_active})
 
@@ -142,7 +140,7 @@ def admin_router(server: KVHeatServer) -> APIRouter:
     async def pin(body: PinRequest, request: Request) -> Response:
         check(request)
         t = tenant_of(body.tenant)
-        prompt = prompt_of(body)
+        prompt = await server.offload(prompt_of, body)
         if len(prompt) >= server.max_model_len:
             raise ApiError(400, f"the prefix has {len(prompt)} tokens; the context length is "
                            f"{server.max_model_len}", param="prompt")
@@ -166,7 +164,7 @@ def admin_router(server: KVHeatServer) -> APIRouter:
     async def unpin(body: PinRequest, request: Request) -> Response:
         check(request)
         t = tenant_of(body.tenant)
-        prompt = prompt_of(body)
+        prompt = await server.offload(prompt_of, body)
         unpinned = await on_engines(lambda eng: eng.cache.unpin_prefix(prompt, t))
         return _json({"tenant": t, "unpinned": unpinned})
 

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,12 +38,14 @@ from ..engine.loader import load_model
 from ..engine.scheduler import SchedulerConfig
 from .arms import ArmRouter, ArmStats
 from .config import ConfigError, ServerConfig, TenantConfig
+from .guard import RequestGuard
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .tracing import Tracing
-from .worker import EngineWorker, Finished, RequestHandle, ServingEngine
+from .tracing import Tracing, end_span
+from .worker import EngineWorker, Finished, RequestHandle, RequestTooLarge, ServingEngine
 
 log = logging.getLogger("kvheat.server")
+T = TypeVar("T")
 _GREEDY_BELOW = 1e-5
 
 
@@ -68,14 +73,22 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 class TextAssembler:
-    """Generated token ids to text deltas: holds back an incomplete UTF-8 character and
-    any text that could still become a stop string; ends the text at a stop string."""
+    """Generated token ids to text deltas, incrementally as vLLM's detokenizer and
+    transformers' `TextStreamer` do: each step decodes only a short window (the tokens
+    since the last emitted text, after a few tokens of context for tokenizers that
+    render a token differently at the start), and text that ends inside a multi-byte
+    character (U+FFFD) is held back until the character is complete. A character still
+    incomplete when the request ends is dropped, never sent as U+FFFD: a client that
+    resends the history must get the same tokens back. Also holds back text that could
+    still become a stop string, and ends the text at a stop string."""
 
     def __init__(self, tokenizer: Any, stops: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset]: context already in text
+        self.read_offset = 0
         self.text = ""
         self.sent = 0  # characters handed out
         self.stopped = False
@@ -84,22 +97,24 @@ class TextAssembler:
         if self.stopped:
             return ""
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""  # a character split across tokens: wait for the rest
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(window) <= len(prefix) or window.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character split across tokens: wait
+        start = len(self.text)
+        self.text += window[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         for s in self.stops:
-            i = text.find(s, max(0, self.sent - len(s)))
+            i = self.text.find(s, max(0, min(self.sent, start) - len(s)))
             if i >= 0:
                 self.stopped = True
-                self.text = text[:i]
+                self.text = self.text[:i]
                 return self._take(len(self.text))
-        self.text = text
-        return self._take(len(text) - self.hold)
+        return self._take(len(self.text) - self.hold)
 
     def flush(self) -> str:
-        """The rest of the text, once the request is over."""
-        if not self.stopped and self.ids:
-            self.text = self.tokenizer.decode(self.ids)
+        """The rest of the text, once the request is over (without an incomplete
+        character at the end)."""
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
@@ -139,6 +154,9 @@ class KVHeatServer:
         self.max_model_len = mcfg.max_position_embeddings
         self.model_name = config.model_name
         self.created = int(time.time())
+        self.max_token_bytes = _max_token_bytes(tok)
+        self.prompt_byte_limit = 2 * self.max_token_bytes * self.max_model_len
+        self._cpu = ThreadPoolExecutor(2, thread_name_prefix="kvheat-tokenize")
         self.keys: dict[str, TenantConfig] = {k: t for t in config.tenants for k in t.api_keys}
         self.tenants: dict[str, TenantConfig] = {t.name: t for t in config.tenants}
 
@@ -171,27 +189,101 @@ class KVHeatServer:
         self.tracing = Tracing(config.otlp_endpoint, span_exporter)
         self.worker = EngineWorker(engine_for, self.router.names, self.metrics, self.arm_stats,
                                    self.tracing, {t.name: t.quota_blocks for t in config.tenants})
+        self.draining = False
         self.app = self._build_app()
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         self.worker.start()
 
+    def uvicorn(self, host: str = "127.0.0.1", port: int = 8000,
+                log_level: str = "info") -> uvicorn.Server:
+        """A uvicorn server for this app that drains on shutdown (see `begin_drain`)."""
+        cfg = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                             access_log=False,
+                             # A backstop only: the drain ends every request before it.
+                             timeout_graceful_shutdown=self.config.drain_timeout_s + 5)
+        return _DrainingServer(cfg, self)
+
+    async def begin_drain(self) -> None:
+        """Shutdown started (uvicorn no longer accepts connections): new requests get 503,
+        requests in flight get `drain_timeout_s` to finish, then end with a 503 error
+        (a stream: a final error event and [DONE])."""
+        if self.draining:
+            return
+        self.draining = True
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.worker.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.worker.num_active:
+            log.warning("drain deadline passed: ending %d request(s)", self.worker.num_active)
+            self.worker.end_all("the server is shutting down; retry on another replica")
+
     def stop(self) -> None:
         self.worker.stop()
         self.tracing.shutdown()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
 
     # ---- request checks ---------------------------------------------------------------
     def authenticate(self, request: Request) -> TenantConfig | None:
         """The caller's tenant; None when no tenants are configured (open API)."""
+        return self.tenant_for(request.headers.get("authorization", ""))
+
+    def tenant_for(self, authorization: str) -> TenantConfig | None:
         if not self.keys:
             return None
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        scheme, _, key = authorization.partition(" ")
         tenant = self.keys.get(key.strip()) if scheme.lower() == "bearer" else None
         if tenant is None:
             raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                            "authentication_error", code="invalid_api_key")
         return tenant
+
+    def check_admin(self, authorization: str) -> None:
+        token = self.config.admin_token
+        if not token:
+            raise ApiError(404, "the admin API is off (start the server with an admin token)",
+                           code="admin_disabled")
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 token.encode()):
+            raise ApiError(401, "missing or invalid admin token", "authentication_error")
+
+    def _early_check(self, path: str, authorization: str) -> JSONResponse | None:
+        """Before the body is read: the key (API or admin) the path needs."""
+        try:
+            if path.startswith("/v1/"):
+                self.tenant_for(authorization)
+            elif path.startswith("/admin/"):
+                self.check_admin(authorization)
+        except ApiError as e:
+            self._count_rejected(e.status)
+            return e.response()
+        return None
+
+    def _body_too_large(self, declared: int) -> JSONResponse:
+        self._count_rejected(413)
+        return error_response(413, f"the request body has {declared} bytes; this server's "
+                              f"limit is {self.config.max_body_bytes}", code="body_too_large")
+
+    def _count_rejected(self, status: int) -> None:
+        with contextlib.suppress(Exception):  # metrics never fail a request
+            self.metrics.rejected.labels(str(status)).inc()
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU work (tokenizing, checking token ids) off the event loop, so one big
+        prompt never stalls /health or other requests."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def check_text_size(self, n_bytes: int, param: str) -> None:
+        """Refuse a text that cannot fit the context before tokenizing it: no token of
+        this vocabulary spans more than `max_token_bytes` bytes (x2: text a tokenizer's
+        normalizer drops)."""
+        if n_bytes > self.prompt_byte_limit:
+            raise ApiError(400, f"the {param} has {n_bytes} bytes; at most "
+                           f"{self.max_token_bytes} bytes per token, it cannot fit this "
+                           f"model's context length of {self.max_model_len} tokens",
+                           param=param, code="context_length_exceeded")
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -199,6 +291,7 @@ class KVHeatServer:
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
     def encode(self, text: str) -> list[int]:
+        self.check_text_size(len(text.encode("utf-8", "surrogatepass")), "prompt")
         try:
             return self.tokenizer.encode(text)
         except Exception as e:  # e.g. lone surrogates the tokenizer cannot take
@@ -207,6 +300,8 @@ class KVHeatServer:
     def chat_prompt(self, messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in messages]
+        self.check_text_size(sum(len(m["content"].encode("utf-8", "surrogatepass"))
+                                 for m in msgs), "messages")
         try:
             return self.tokenizer.apply_chat_template(msgs, add_generation_prompt)
         except Exception as e:  # template errors and untokenizable text
@@ -214,12 +309,14 @@ class KVHeatServer:
                 from None
 
     def completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
         if isinstance(prompt, str):
+            if not prompt:  # the tokenizer would make it <bos> alone: refuse, as []
+                raise ApiError(400, "the prompt is empty", param="prompt")
             ids = self.encode(prompt)
         elif prompt and isinstance(prompt[0], int):
             ids = list(prompt)
-        elif prompt and isinstance(prompt[0], str):
-            ids = self.encode(prompt[0])
         else:
             ids = list(prompt[0])
         vocab = self.model_config.vocab_size
@@ -281,6 +378,9 @@ class KVHeatServer:
                        tenant: TenantConfig | None, kind: str,
                        max_tokens: int | None) -> Response:
         params, bias = self.sampling(body, tenant, len(prompt), max_tokens)
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another replica",
+                           "server_error", code="shutting_down")
         if self.worker.num_active >= self.config.max_queued_requests:
             raise ApiError(503, "the server is at capacity; retry later", "server_error",
                            code="overloaded")
@@ -296,19 +396,41 @@ class KVHeatServer:
         handle = RequestHandle(asyncio.get_running_loop(), rid, arm, tenant_name, kind, span)
         try:
             await self.worker.submit(handle, prompt, params, bias)
+        except RequestTooLarge as e:
+            end_span(span)
+            raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") \
+                from None
         except ValueError as e:
-            span.end()
+            end_span(span)
             raise ApiError(400, str(e)) from None
         except RuntimeError as e:
-            span.end()
+            end_span(span)
             raise ApiError(503, f"the engine is not available: {e}", "server_error") from None
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         job = _Job(handle, kind, self.model_name, int(time.time()), body.stop_list(),
                    include_usage)
         if body.stream:
-            return StreamingResponse(self._stream(job), media_type="text/event-stream",
+            # The status line waits for the first token: a request the engine ends before
+            # it (one that cannot be scheduled) gets a real error status, not a 200 stream.
+            first = await self._first(job, request)
+            if isinstance(first, Finished) and first.error is not None:
+                end_span(handle.span)
+                return _finished_error(first)
+            return StreamingResponse(self._stream(job, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await self._collect(job, request)
+
+    async def _first(self, job: _Job, request: Request) -> int | Finished:
+        h = job.handle
+        watcher = asyncio.create_task(self._watch_disconnect(request, h))
+        try:
+            return await h.next()
+        except BaseException:  # cancelled: the client went away before the first token
+            self.worker.abort(h)
+            end_span(h.span)
+            raise
+        finally:
+            watcher.cancel()
 
     async def _watch_disconnect(self, request: Request, h: RequestHandle) -> None:
         """Abort a non-streaming request whose client went away (nothing cancels it)."""
@@ -334,10 +456,10 @@ class KVHeatServer:
             watcher.cancel()
             if h.finished is None:  # cancelled: the client went away
                 self.worker.abort(h)
-            h.span.end()
+            end_span(h.span)
         fin = item
         if fin.error is not None:
-            return error_response(500, fin.error, "server_error")
+            return _finished_error(fin)
         text.flush()
         out = text.text
         reason = "stop" if text.stopped else _openai_reason(fin.finish_reason)
@@ -352,7 +474,7 @@ class KVHeatServer:
         return _json({"id": h.request_id, "object": obj, "created": job.created,
                       "model": job.model, "choices": [choice], "usage": _usage(fin)})
 
-    async def _stream(self, job: _Job) -> AsyncIterator[bytes]:
+    async def _stream(self, job: _Job, first: int | Finished) -> AsyncIterator[bytes]:
         h = job.handle
         text = TextAssembler(self.tokenizer, job.stops)
         chat = job.kind == "chat"
@@ -373,8 +495,8 @@ class KVHeatServer:
         try:
             if chat:
                 yield chunk(None, None, role=True)
+            item: int | Finished = first
             while True:
-                item = await h.next()
                 if isinstance(item, Finished):
                     break
                 delta = text.add(item)
@@ -382,9 +504,10 @@ class KVHeatServer:
                     self.worker.abort(h, "stop")
                 if delta:
                     yield chunk(delta, None)
+                item = await h.next()
             if item.error is not None:
-                yield _sse({"error": {"message": item.error, "type": "server_error",
-                                      "param": None, "code": None}})
+                yield _sse({"error": {"message": item.error, "type": _error_type(item.status),
+                                      "param": None, "code": item.code}})
             else:
                 tail = text.flush()
                 if tail:
@@ -398,7 +521,7 @@ class KVHeatServer:
         finally:
             if h.finished is None:  # the client disconnected mid-stream
                 self.worker.abort(h)
-            h.span.end()
+            end_span(h.span)
 
     # ---- the app ----------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -412,30 +535,35 @@ class KVHeatServer:
 
         app = FastAPI(title="kvheat", version="0.1.0", lifespan=lifespan,
                       description="OpenAI-compatible server on the kvheat KV cache.")
-        metrics = self.metrics
+        app.add_middleware(RequestGuard, max_body_bytes=self.config.max_body_bytes,
+                           early_check=self._early_check, too_large=self._body_too_large)
 
         @app.exception_handler(ApiError)
         async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-            metrics.rejected.labels(str(exc.status)).inc()
+            self._count_rejected(exc.status)
             return exc.response()
 
         @app.exception_handler(RequestValidationError)
         async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-            metrics.rejected.labels("400").inc()
+            self._count_rejected(400)
             errs = exc.errors()
             parts = []
             for e in errs[:5]:
                 loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-                parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+                if e.get("type") == "json_invalid":
+                    parts.append(f"the body is not valid JSON (at character {loc}): "
+                                 f"{e.get('ctx', {}).get('error', e.get('msg', ''))}")
+                else:
+                    parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
             param = None
-            if errs:
+            if errs and errs[0].get("type") != "json_invalid":  # its loc is a char offset
                 loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
                 param = loc[0] if loc else None
             return error_response(400, "; ".join(parts) or "invalid request", param=param)
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            metrics.rejected.labels(str(exc.status_code)).inc()
+            self._count_rejected(exc.status_code)
             return error_response(exc.status_code, str(exc.detail),
                                   "invalid_request_error" if exc.status_code < 500
                                   else "server_error")
@@ -446,7 +574,7 @@ class KVHeatServer:
             self.check_model(body.model)
             if body.echo:
                 raise ApiError(400, "echo is not supported", param="echo")
-            prompt = self.completion_prompt(body.prompt)
+            prompt = await self.offload(self.completion_prompt, body.prompt)
             return await self.generate(request, body, prompt, tenant, "completions",
                                        body.max_tokens)
 
@@ -456,7 +584,7 @@ class KVHeatServer:
             self.check_model(body.model)
             if body.logprobs:
                 raise ApiError(400, "logprobs are not supported", param="logprobs")
-            prompt = self.chat_prompt(body.messages)
+            prompt = await self.offload(self.chat_prompt, body.messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await self.generate(request, body, prompt, tenant, "chat", max_tokens)
 
@@ -471,16 +599,44 @@ class KVHeatServer:
         async def health() -> Response:
             if not self.worker.alive:
                 return error_response(503, "the engine loop is not running", "server_error")
+            if self.draining:
+                return error_response(503, "the server is shutting down", "server_error")
             return _json({"status": "ok", "active_requests": self.worker.num_active})
 
         @app.get("/metrics")
         async def prometheus_metrics() -> Response:
-            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            return Response(generate_latest(self.metrics.registry),
+                            media_type=CONTENT_TYPE_LATEST)
 
         from .admin import admin_router
 
         app.include_router(admin_router(self))
         return app
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, but its shutdown drains the app's requests under a deadline first."""
+
+    def __init__(self, config: uvicorn.Config, app: KVHeatServer) -> None:
+        super().__init__(config)
+        self.kvheat = app
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        drain = asyncio.create_task(self.kvheat.begin_drain())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
+
+
+def _max_token_bytes(tok: Any) -> int:
+    """The most UTF-8 bytes one token of the vocabulary decodes to (at least 4)."""
+    try:
+        n = int(tok.vocab_size)
+        return max(4, max(len(tok.decode([i], skip_special_tokens=False).encode("utf-8"))
+                          for i in range(n)))
+    except Exception:  # a tokenizer without these: a generous bound
+        return 64
 
 
 def _check_policy(name: str) -> None:
@@ -492,6 +648,20 @@ def _check_policy(name: str) -> None:
         raise ConfigError(f"unknown cache policy {name!r}: {e}") from None
     if getattr(pol, "needs_future", False):
         raise ConfigError(f"policy {name!r} needs the future (an offline bound); it cannot serve")
+
+
+def _error_type(status: int) -> str:
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def _finished_error(fin: Finished) -> JSONResponse:
+    """The answer to a request the engine ended with an error."""
+    resp = error_response(fin.status, fin.error or "the request failed", _error_type(fin.status),
+                          "max_tokens" if fin.code == "context_length_exceeded" else None,
+                          fin.code)
+    if fin.retry_after_s is not None:
+        resp.headers["Retry-After"] = str(fin.retry_after_s)
+    return resp
 
 
 def _openai_reason(reason: str) -> str:

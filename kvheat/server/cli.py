@@ -45,6 +45,10 @@ from .config import ConfigError, load_config
 @click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per step (256).")
 @click.option("--max-tokens-limit", type=int, default=None, help="Refuse larger max_tokens.")
 @click.option("--threads", type=int, default=None, help="torch threads for the engine.")
+@click.option("--max-body-size", "max_body_bytes", default=None,
+              help="Refuse larger request bodies with 413 (8MiB).")
+@click.option("--drain-timeout", "drain_timeout_s", type=float, default=None,
+              help="Seconds requests in flight get to finish on shutdown (25).")
 @click.option("--admin-token", envvar="KVHEAT_ADMIN_TOKEN", default=None,
               help="Bearer token of the admin API (or $KVHEAT_ADMIN_TOKEN); off when unset.")
 @click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
@@ -60,11 +64,11 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                   redis_cluster: bool | None, tier_mode: str | None, policy: str | None,
                   max_num_seqs: int | None, max_num_batched_tokens: int | None,
                   max_tokens_limit: int | None,
-                  threads: int | None, admin_token: str | None, otlp_endpoint: str | None,
+                  threads: int | None, max_body_bytes: str | None,
+                  drain_timeout_s: float | None,
+                  admin_token: str | None, otlp_endpoint: str | None,
                   seed: int | None, log_level: str) -> None:
     """Serve an OpenAI-compatible API on the kvheat cache."""
-    import uvicorn
-
     from .app import KVHeatServer
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -78,6 +82,7 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                           policy=policy, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           max_tokens_limit=max_tokens_limit, threads=threads,
+                          max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s,
                           admin_token=admin_token, otlp_endpoint=otlp_endpoint, seed=seed)
         server = KVHeatServer(cfg)
     except ConfigError as e:
@@ -86,7 +91,7 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
     click.echo(f"kvheat: serving {cfg.model_name} on http://{host}:{port}  arms: {arms}  "
                f"tenants: {len(cfg.tenants) or 'none (open API)'}  admin API: "
                f"{'on' if cfg.admin_token else 'off'}", err=True)
-    uvicorn.run(server.app, host=host, port=port, log_level=log_level, access_log=False)
+    server.uvicorn(host, port, log_level).run()
 
 
 @click.command("arms")

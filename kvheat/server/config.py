@@ -58,8 +58,10 @@ class TenantConfig:
         if not self.api_keys or not all(isinstance(k, str) and k for k in self.api_keys):
             raise ConfigError(f"tenant {self.name!r} needs at least one non-empty api key")
         if self.quota_blocks is not None and (not isinstance(self.quota_blocks, int)
-                                              or self.quota_blocks < 1):
-            raise ConfigError(f"tenant {self.name!r}: quota_blocks must be a positive integer")
+                                              or isinstance(self.quota_blocks, bool)
+                                              or not 1 <= self.quota_blocks <= 2**31 - 1):
+            raise ConfigError(f"tenant {self.name!r}: quota_blocks must be an integer in "
+                              f"[1, 2**31 - 1]")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             raise ConfigError(f"tenant {self.name!r}: temperature must be in [0, 2]")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -67,8 +69,11 @@ class TenantConfig:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"tenant {self.name!r}: max_tokens must be at least 1")
         try:
+            # Keys in decimal only: int() would also read "5_0" as 50.
+            if any(not re.fullmatch(r"[0-9]{1,10}", str(k)) for k in self.logit_bias):
+                raise ValueError
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, AttributeError):
             raise ConfigError(f"tenant {self.name!r}: logit_bias maps token ids to numbers") \
                 from None
         if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
@@ -122,6 +127,10 @@ class ServerConfig:
     default_max_tokens: int = 64  # when a request gives none
     max_tokens_limit: int | None = None  # a cap on max_tokens (None: the context length)
     max_queued_requests: int = 1024  # more in flight: 503, the client retries
+    max_body_bytes: int | str = "8MiB"  # larger request bodies: 413, never read whole
+    # On shutdown (SIGTERM): requests in flight get this long to finish, then end with an
+    # error (streams: a final error event). Keep k8s terminationGracePeriodSeconds above it.
+    drain_timeout_s: float = 25.0
     threads: int | None = None  # torch intra-op threads for the engine
     admin_token: str | None = None  # None: the admin API is off
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None: tracing off
@@ -135,6 +144,9 @@ class ServerConfig:
             raise ConfigError("host_tier_blocks must be >= 0")
         self.disk_tier_bytes = parse_size(self.disk_tier_bytes, "disk_tier_bytes")
         self.redis_tier_bytes = parse_size(self.redis_tier_bytes, "redis_tier_bytes")
+        self.max_body_bytes = parse_size(self.max_body_bytes, "max_body_bytes")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes must be at least 1KiB")
         if bool(self.disk_tier_dir) != (self.disk_tier_bytes > 0):
             raise ConfigError("a disk tier needs both disk_tier_dir and disk_tier_bytes")
         if bool(self.redis_tier_url) != (self.redis_tier_bytes > 0):
@@ -147,6 +159,8 @@ class ServerConfig:
             raise ConfigError("default_max_tokens must be at least 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ConfigError("max_tokens_limit must be at least 1")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ConfigError("drain_timeout_s must be in [0, 3600]")
         if self.max_queued_requests < 1:
             raise ConfigError("max_queued_requests must be at least 1")
         self.tenants = [t if isinstance(t, TenantConfig) else _build(TenantConfig, t, "tenant")

@@ -13,7 +13,17 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .misses import MISS_KINDS
+from .misses import PUBLIC_MISS_KINDS, public_misses
+
+# Fault counters each lower-tier store keeps (`StoreStats`, and a disk store's own), and
+# those of the hierarchy above them (`TierCounters`): each is a `kind` of
+# kvheat_tier_faults_total / kvheat_tier_load_faults_total, with a Grafana panel and an
+# alert rule in deploy/.
+STORE_FAULTS = ("put_refused", "corrupt_checksum", "corrupt_key", "corrupt_torn",
+                "corrupt_format", "io_errors", "skipped_down", "went_down", "full_events",
+                "rejected_on_open")
+HIERARCHY_FAULTS = ("load_failed", "shape_mismatch", "demote_refused", "demote_dropped",
+                    "orphans_dropped", "worker_errors")
 
 # Latency buckets in seconds: a CPU engine's TTFT runs from milliseconds to seconds.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -38,12 +48,14 @@ class ServerMetrics:
             "computed.", ["arm", "tenant"], registry=r)
         self.tier_hit_tokens = Counter(
             "kvheat_tier_hit_tokens", "Prompt tokens served from cache, by the tier that held "
-            "them (when the engine has lower tiers).", ["arm", "tier"], registry=r)
+            "them (when the engine has lower tiers); the tiers add up to "
+            "kvheat_cached_tokens_total.", ["arm", "tier"], registry=r)
         self.generation_tokens = Counter(
             "kvheat_generation_tokens", "Generated tokens.", ["arm", "tenant"], registry=r)
         self.miss_tokens = Counter(
             "kvheat_prefix_miss_tokens", "Prompt tokens not served from cache, by cause "
-            "(compulsory, capacity, sub_block, isolation).", ["arm", "tenant", "kind"], registry=r)
+            "(compulsory: never seen under this tenant's salt, capacity, sub_block).",
+            ["arm", "tenant", "kind"], registry=r)
         self.hit_rate = Gauge(
             "kvheat_prefix_hit_rate", "Token-weighted prefix hit rate since start (the cache's "
             "own count).", ["arm"], registry=r)
@@ -86,9 +98,28 @@ class ServerMetrics:
         self.tier_up = Gauge(
             "kvheat_tier_up", "1 when a lower tier (e.g. Redis) is reachable, else 0.",
             ["arm", "tier"], registry=r)
+        self.tier_writable = Gauge(
+            "kvheat_tier_writable", "1 while a lower tier takes writes; 0 while it refuses them "
+            "(a full disk: demotion paused).", ["arm", "tier"], registry=r)
+        self.tier_faults = Counter(
+            "kvheat_tier_faults", "Faults a lower-tier store counted, by kind: put_refused (no "
+            "room or down), corrupt_checksum/key/torn/format (values that failed a check: "
+            "served as misses), io_errors, skipped_down, went_down, full_events (the file "
+            "system said full), rejected_on_open (bad files dropped at start-up).",
+            ["arm", "tier", "kind"], registry=r)
+        self.tier_load_faults = Counter(
+            "kvheat_tier_load_faults", "Faults of the tier hierarchy, by kind: load_failed "
+            "(planned loads that came back missing or unverified, e.g. Redis lost them), "
+            "shape_mismatch, demote_refused (no tier took a block), demote_dropped (the "
+            "demotion queue was full), orphans_dropped, worker_errors.", ["arm", "kind"],
+            registry=r)
         self.engine_failures = Counter(
             "kvheat_engine_failures", "Engine steps that raised (the arm's engine is rebuilt).",
             ["arm"], registry=r)
+        self.internal_errors = Counter(
+            "kvheat_internal_errors", "Errors in metrics, tracing or bookkeeping that were "
+            "logged and skipped (serving went on), by where they happened.", ["where"],
+            registry=r)
         # Last seen values of monotone engine counters, to turn them into Counter increments.
         self._last: dict[tuple[str, ...], float] = {}
 
@@ -96,14 +127,19 @@ class ServerMetrics:
     def observe_request(self, arm: str, tenant: str, endpoint: str, finish_reason: str,
                         prompt_tokens: int, cached_tokens: int, generated: int,
                         ttft: float | None, itls: list[float], e2e: float | None,
-                        misses: Mapping[str, int] | None) -> None:
+                        misses: Mapping[str, int] | None,
+                        cached_by_tier: Mapping[str, int] | None = None) -> None:
         self.requests.labels(arm, tenant, endpoint, finish_reason).inc()
         self.prompt_tokens.labels(arm, tenant).inc(prompt_tokens)
         self.cached_tokens.labels(arm, tenant).inc(cached_tokens)
         self.generation_tokens.labels(arm, tenant).inc(generated)
         if misses is not None:
-            for kind in MISS_KINDS:
-                self.miss_tokens.labels(arm, tenant, kind).inc(misses.get(kind, 0))
+            public = public_misses(dict(misses))
+            for kind in PUBLIC_MISS_KINDS:
+                self.miss_tokens.labels(arm, tenant, kind).inc(public[kind])
+        for tier, n in (cached_by_tier or {}).items():
+            if n > 0:
+                self.tier_hit_tokens.labels(arm, tier).inc(n)
         if ttft is not None:
             self.ttft.labels(arm, tenant).observe(ttft)
         h = self.itl.labels(arm)
@@ -113,15 +149,15 @@ class ServerMetrics:
             self.e2e.labels(arm, tenant).observe(e2e)
 
     def _advance(self, counter: Counter, labels: tuple[str, ...], value: float) -> None:
-        """Raise a Counter to an engine's running total (a reset engine starts again)."""
+        """Raise a Counter to an engine's running total (a reset engine starts again).
+        Never raises for a value that went down: that is a rebuilt engine, not an error."""
         key = (str(id(counter)), *labels)
         last = self._last.get(key, 0.0)
-        if value >= last:
-            if value > last:
-                counter.labels(*labels).inc(value - last)
-        else:  # the engine was rebuilt: its totals restarted from zero
+        if value > last:
+            counter.labels(*labels).inc(value - last)
+        elif value < last and value > 0:  # the engine was rebuilt: its totals restarted
             counter.labels(*labels).inc(value)
-        self._last[key] = value
+        self._last[key] = max(value, 0.0)
 
     # ---- refreshed from the engine thread ----------------------------------------------
     def refresh_arm(self, arm: str, engine: Any) -> None:
@@ -140,10 +176,6 @@ class ServerMetrics:
         tiered = getattr(engine, "tiers", None)
         st = tiered.stats() if tiered is not None else {}
         self._refresh_tiers(arm, st)
-        # The cache counts every prompt's hit tokens, lower-tier loads included; the
-        # tiers see only the requests they loaded for.
-        lower = sum(t.get("hit_tokens", 0) for t in (st.get("tiers") or {}).values())
-        self._advance(self.tier_hit_tokens, (arm, "device"), cache.stats.hit_tokens - lower)
 
     def refresh_tenants(self, arm: str, usage: Mapping[str, int]) -> None:
         for tenant, n in usage.items():
@@ -154,6 +186,9 @@ class ServerMetrics:
         self._advance(self.load_decisions, (arm, "load"), st.get("decisions_load", 0))
         self._advance(self.load_decisions, (arm, "recompute"), st.get("decisions_recompute", 0))
         self._advance(self.load_decisions, (arm, "partial"), st.get("decisions_partial", 0))
+        for kind in HIERARCHY_FAULTS:
+            if kind in st:
+                self._advance(self.tier_load_faults, (arm, kind), st[kind])
         for name, t in (st.get("tiers") or {}).items():
             tier = str(name).split(":", 1)[-1]
             self.blocks.labels(arm, tier, "used").set(t.get("entries", 0))
@@ -162,7 +197,10 @@ class ServerMetrics:
             self._advance(self.tier_bytes, (arm, tier, "write"), t.get("put_bytes", 0))
             self._advance(self.tier_bytes, (arm, tier, "read"), t.get("get_bytes", 0))
             self._advance(self.checksum_failures, (arm, tier), t.get("corrupt_checksum", 0))
-            self._advance(self.tier_hit_tokens, (arm, tier), t.get("hit_tokens", 0))
+            self.tier_writable.labels(arm, tier).set(1 if t.get("writable", True) else 0)
+            for kind in STORE_FAULTS:
+                if kind in t:
+                    self._advance(self.tier_faults, (arm, tier, kind), t[kind])
             for direction, field_name in (("read", "read_bandwidth_Bps"),
                                           ("write", "write_bandwidth_Bps")):
                 bw = t.get(field_name)

@@ -24,6 +24,16 @@ from ..cache import KVCacheManager
 from ..cache.hashing import block_keys, root_key
 
 MISS_KINDS = ("compulsory", "capacity", "sub_block", "isolation")
+# What /metrics shows (it needs no key, so every tenant reads it): an isolation miss
+# says another tenant sent the prompt, so publicly it is a compulsory one (never seen
+# under this tenant's salt). The full classes go to the admin API only.
+PUBLIC_MISS_KINDS = ("compulsory", "capacity", "sub_block")
+
+
+def public_misses(misses: dict[str, int]) -> dict[str, int]:
+    out = {k: misses.get(k, 0) for k in PUBLIC_MISS_KINDS}
+    out["compulsory"] += misses.get("isolation", 0)
+    return out
 _UNSALTED_ROOT = root_key(None, None)
 
 

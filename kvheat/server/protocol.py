@@ -3,6 +3,8 @@
 Only what kvheat does is accepted: `n`, `best_of` > 1, `echo`, `logprobs`, `suffix`,
 tools and non-zero penalties are refused with a clear 400 rather than ignored. Unknown
 extra fields are ignored, as OpenAI's own server does for fields it does not know.
+Types are strict: `"stream": "yes"` is not true and `[true, false]` is not a list of token
+ids (pydantic's lax mode took both); an int is still a valid float.
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+MAX_QUOTA_BLOCKS = 2**31 - 1  # far above any pool; 10**23 is a typo, not a quota
+LOGIT_BIAS_KEY = r"^[0-9]{1,10}$"  # a token id in decimal: int() also takes "5_0", " 5", "+5"
 StopSpec = str | Annotated[list[str], Field(max_length=4)] | None
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -33,7 +39,8 @@ class SamplingFields(BaseModel):
     stop: StopSpec = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     user: str | None = Field(None, max_length=256)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: dict[Annotated[str, Field(pattern=LOGIT_BIAS_KEY)],
+                     Annotated[float, Field(ge=-100, le=100)]] | None = None
     presence_penalty: float | None = Field(None, ge=0, le=0)
     frequency_penalty: float | None = Field(None, ge=0, le=0)
     ignore_eos: bool = False  # as vLLM's: generate exactly max_tokens (for benchmarks)
@@ -58,12 +65,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
@@ -87,6 +96,8 @@ class ChatCompletionRequest(SamplingFields):
 class PinRequest(BaseModel):
     """A prefix to keep cached: text, chat messages or token ids (one of them)."""
 
+    model_config = ConfigDict(strict=True)
+
     tenant: str | None = Field(None, max_length=256)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -95,4 +106,7 @@ class PinRequest(BaseModel):
 
 
 class QuotaRequest(BaseModel):
-    blocks: int | None = Field(..., ge=1, description="blocks per arm; null removes the quota")
+    model_config = ConfigDict(strict=True)
+
+    blocks: int | None = Field(..., ge=1, le=MAX_QUOTA_BLOCKS,
+                               description="blocks per arm; null removes the quota")

@@ -8,6 +8,8 @@ nanoseconds OpenTelemetry wants, so the child spans sit at the times the work ha
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from typing import Any
 
@@ -15,6 +17,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+
+log = logging.getLogger("kvheat.server")
 
 # One fixed pairing of the two clocks: wall_ns = _WALL0 + (perf - _PERF0) * 1e9.
 _PERF0 = time.perf_counter()
@@ -53,18 +57,33 @@ class Tracing:
         return self.provider is not None
 
     def start_request(self, name: str, attributes: dict[str, Any]) -> trace.Span:
-        return self.tracer.start_span(name, attributes=attributes)
+        try:
+            return self.tracer.start_span(name, attributes=attributes)
+        except Exception:  # tracing must never fail a request
+            log.exception("starting a span failed")
+            return trace.INVALID_SPAN
 
     def child(self, parent: trace.Span, name: str, start: float, end: float,
               attributes: dict[str, Any] | None = None) -> None:
         """A finished child span over [start, end] (perf_counter seconds)."""
         if not self.enabled:
             return
-        ctx = trace.set_span_in_context(parent)
+        ctx = trace.set_span_in_context(parent)  # errors: the worker's guard counts them
         span = self.tracer.start_span(name, context=ctx, start_time=perf_to_ns(start),
                                       attributes=attributes or {})
         span.end(end_time=perf_to_ns(max(start, end)))
 
     def shutdown(self) -> None:
         if self.provider is not None:
-            self.provider.shutdown()
+            with contextlib.suppress(Exception):  # a dead collector must not block shutdown
+                self.provider.shutdown()
+
+
+def end_span(span: Any) -> None:
+    """End a request span; an exporter that raises must not fail the request."""
+    if span is None:
+        return
+    try:
+        span.end()
+    except Exception:
+        log.exception("ending a span failed")

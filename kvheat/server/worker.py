@@ -27,7 +27,7 @@ import torch
 from ..engine.engine import LLMEngine, SamplingParams, TokenOutput
 from .arms import ArmStats
 from .metrics import ServerMetrics
-from .misses import MissClassifier
+from .misses import MISS_KINDS, MissClassifier
 from .tracing import Tracing
 
 log = logging.getLogger("kvheat.server")
@@ -51,6 +51,11 @@ class ServingEngine(LLMEngine):
         return super()._sample(logits, reqs)
 
 
+class RequestTooLarge(ValueError):
+    """The request can never fit this arm's KV pool (pool, quota or pinned prefixes): a
+    400 with code `context_length_exceeded`."""
+
+
 @dataclass(slots=True)
 class Finished:
     """The last item of a request's stream."""
@@ -60,6 +65,9 @@ class Finished:
     cached_tokens: int
     completion_tokens: int
     error: str | None = None
+    status: int = 500  # the HTTP status of an error
+    code: str | None = None  # OpenAI's error code, when there is one
+    retry_after_s: int | None = None  # with a 503: when the request could fit again
 
 
 class RequestHandle:
@@ -96,6 +104,8 @@ class _Active:
     match_start: float
     match_end: float
     predicted_hit_tokens: int
+    prompt: list[int]
+    max_tokens: int
     finish_override: str | None = None
 
 
@@ -123,6 +133,10 @@ class EngineWorker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # the loop itself died (a bug)
+        self._logged: dict[str, float] = {}  # where -> when a side error was last logged
+        # arm -> tenant -> miss class -> tokens, isolation included (engine thread; shown
+        # by the admin API only: it says which prompts other tenants sent)
+        self.misses: dict[str, dict[str, dict[str, int]]] = {}
 
     def _new_engine(self, arm: str) -> ServingEngine:
         eng = self.engine_factory(arm)
@@ -198,14 +212,9 @@ class EngineWorker:
             bias = torch.zeros(vocab)
             for t, v in logit_bias.items():
                 bias[t] = v
-        quota = getattr(eng.cache, "quotas", {}).get(handle.tenant)
-        bs = eng.cache.block_size
-        need = -(-(len(prompt) + params.max_tokens) // bs)
-        if quota is not None and need > quota:
-            # Alone in a full pool it could never be admitted (it may only evict its own).
-            raise ValueError(f"the request needs up to {need} KV blocks (prompt {len(prompt)} + "
-                             f"max_tokens {params.max_tokens} tokens, {bs} per block); the "
-                             f"tenant's quota is {quota} blocks")
+        too_large = _too_large(eng, prompt, params.max_tokens, handle.tenant)
+        if too_large is not None:
+            raise RequestTooLarge(too_large)
         eng.add_request(prompt, params, tenant=handle.tenant, request_id=rid)
         if bias is not None:
             eng.logit_bias[rid] = bias
@@ -217,7 +226,22 @@ class EngineWorker:
             if k != "cached":
                 break
             predicted += eng.cache.block_size
-        self.active[rid] = _Active(handle, handle.arm, len(prompt), kinds, t0, t1, predicted)
+        self.active[rid] = _Active(handle, handle.arm, len(prompt), kinds, t0, t1, predicted,
+                                   prompt, params.max_tokens)
+
+    def end_all(self, message: str) -> None:
+        """End every request in flight with a 503 (shutdown past its drain deadline)."""
+        if self.alive:
+            self.call(lambda: self._end_all(message))
+
+    def _end_all(self, message: str) -> None:
+        for rid, a in list(self.active.items()):
+            eng = self.engines[a.arm]
+            if rid in eng.requests:
+                eng.abort(rid)
+            a.finish_override = "abort"
+            self._complete(a, Finished("abort", 0, 0, 0, error=message, status=503,
+                                       code="shutting_down", retry_after_s=1))
 
     def _abort(self, rid: str, reason: str) -> None:
         a = self.active.get(rid)
@@ -229,25 +253,65 @@ class EngineWorker:
         a.finish_override = reason
         self._complete(a)
 
-    def _complete(self, a: _Active) -> None:
-        """Release a finished (or aborted) request and record it."""
+    def _complete(self, a: _Active, error: Finished | None = None) -> None:
+        """Release a finished (or aborted) request, record it, and answer it. Whatever
+        the recording does, the request gets its `Finished` (and the loop goes on)."""
         eng = self.engines[a.arm]
         rid = a.handle.request_id
         self.active.pop(rid, None)
         eng.logit_bias.pop(rid, None)
-        out = eng.release(rid)
+        try:
+            out = eng.release(rid)
+        except Exception as e:  # not finished in the engine: a bug, but answer the client
+            self._side_error("release", e)
+            a.handle.push(Finished("error", a.prompt_tokens, 0, 0,
+                                   error=f"the request could not be released: {e}"))
+            return
         m = out.metrics
         reason = a.finish_override or out.finish_reason or "abort"
-        tenant = a.handle.tenant or "none"
         cached = m.num_cached_tokens if m.first_token is not None else 0
+        self._guard("metrics", lambda: self._record(a, eng, out, reason, cached))
+        self._guard("tracing", lambda: self._trace(a, eng, out, reason, cached))
+        fin = Finished(reason, a.prompt_tokens, cached, len(out.output_token_ids))
+        if error is not None:
+            fin.error, fin.status, fin.code = error.error, error.status, error.code
+            fin.retry_after_s = error.retry_after_s
+        elif reason == "error":  # the engine could not schedule it (nothing else ends so)
+            self._explain_unschedulable(fin, eng, a)
+        a.handle.push(fin)
+
+    @staticmethod
+    def _explain_unschedulable(fin: Finished, eng: ServingEngine, a: _Active) -> None:
+        why = _too_large(eng, a.prompt, a.max_tokens, a.handle.tenant)
+        if why is not None:  # e.g. prefixes pinned after it arrived
+            fin.error, fin.status, fin.code = why, 400, "context_length_exceeded"
+        else:
+            fin.error = ("the KV pool cannot hold this request now (blocks are held by "
+                         "pinned prefixes or cached under quotas); retry later")
+            fin.status, fin.code, fin.retry_after_s = 503, "kv_pool_exhausted", 1
+
+    def _record(self, a: _Active, eng: ServingEngine, out: Any, reason: str,
+                cached: int) -> None:
+        m = out.metrics
+        tenant = a.handle.tenant or "none"
         misses = (self.classifiers[a.arm].classify(a.miss_kinds, a.prompt_tokens, cached)
                   if m.first_token is not None else None)
+        by_tier = m.cached_by_tier if getattr(eng, "tiers", None) is not None \
+            and m.first_token is not None else None
         e2e = (m.finished - m.arrival) if m.finished is not None else None
+        if misses is not None:  # all classes, isolation too: for the admin API only
+            per = self.misses.setdefault(a.arm, {}).setdefault(tenant, dict.fromkeys(MISS_KINDS, 0))
+            for kind, n in misses.items():
+                per[kind] += n
         self.metrics.observe_request(a.arm, tenant, a.handle.endpoint, reason, a.prompt_tokens,
                                      cached, len(out.output_token_ids), m.ttft,
-                                     m.inter_token_latencies, e2e, misses)
+                                     m.inter_token_latencies, e2e, misses, by_tier)
         if m.first_token is not None:
             self.arm_stats.record(a.arm, m.ttft, a.prompt_tokens, cached)
+
+    def _trace(self, a: _Active, eng: ServingEngine, out: Any, reason: str,
+               cached: int) -> None:
+        m = out.metrics
         span = a.handle.span
         if span is not None and self.tracing.enabled:
             tr = self.tracing
@@ -267,7 +331,25 @@ class EngineWorker:
             span.set_attribute("kvheat.arm", a.arm)
             span.set_attribute("kvheat.cached_tokens", cached)
             span.set_attribute("kvheat.finish_reason", reason)
-        a.handle.push(Finished(reason, a.prompt_tokens, cached, len(out.output_token_ids)))
+
+    # ---- side work that must never stop serving ---------------------------------------
+    def _guard(self, where: str, fn: Callable[[], Any]) -> None:
+        """Run metrics, tracing or logging work; an error there is logged and counted,
+        never raised into the engine loop."""
+        try:
+            fn()
+        except Exception as e:
+            self._side_error(where, e)
+
+    def _side_error(self, where: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        # At most one traceback per place every 60 s: a broken exporter must not flood logs.
+        if now - self._logged.get(where, float("-inf")) >= 60.0:
+            self._logged[where] = now
+            with contextlib.suppress(Exception):
+                log.error("%s failed (serving goes on): %r", where, exc, exc_info=exc)
+        with contextlib.suppress(Exception):
+            self.metrics.internal_errors.labels(where).inc()
 
     def _dispatch(self, arm: str, outs: list[TokenOutput]) -> None:
         for o in outs:
@@ -279,8 +361,9 @@ class EngineWorker:
                 self._complete(a)
 
     def _engine_failed(self, arm: str, exc: BaseException) -> None:
-        log.exception("the engine of arm %s failed; rebuilding it", arm, exc_info=exc)
-        self.metrics.engine_failures.labels(arm).inc()
+        self._guard("logging", lambda: log.error("the engine of arm %s failed; rebuilding it",
+                                                 arm, exc_info=exc))
+        self._guard("metrics", lambda: self.metrics.engine_failures.labels(arm).inc())
         _close(self.engines[arm])  # its tier threads; a disk tier's KV is found again below
         self.engines[arm] = self._new_engine(arm)  # before anyone hears of the failure
         for rid, a in list(self.active.items()):
@@ -305,10 +388,13 @@ class EngineWorker:
 
     def refresh_gauges(self) -> None:
         for arm, eng in self.engines.items():
-            self.metrics.refresh_arm(arm, eng)
-            usage = getattr(eng.cache, "tenant_usage", None)
-            if usage is not None and self.tenant_quotas:
-                self.metrics.refresh_tenants(arm, {t: usage(t) for t in self.tenant_quotas})
+            self._guard("gauges", lambda arm=arm, eng=eng: self._refresh_arm(arm, eng))
+
+    def _refresh_arm(self, arm: str, eng: ServingEngine) -> None:
+        self.metrics.refresh_arm(arm, eng)
+        usage = getattr(eng.cache, "tenant_usage", None)
+        if usage is not None and self.tenant_quotas:
+            self.metrics.refresh_tenants(arm, {t: usage(t) for t in self.tenant_quotas})
 
     def _run(self) -> None:
         last_refresh = 0.0
@@ -327,6 +413,10 @@ class EngineWorker:
                         self._engine_failed(arm, e)
                         continue
                     self._dispatch(arm, outs)
+                    for rid in eng.pop_ended():  # ended without a token: answer them too
+                        a = self.active.get(rid)
+                        if a is not None:
+                            self._complete(a)
                 now = time.monotonic()
                 if now - last_refresh >= self.refresh_s:
                     self.refresh_gauges()
@@ -340,7 +430,8 @@ class EngineWorker:
         finally:
             for a in list(self.active.values()):
                 a.handle.push(Finished("error", a.prompt_tokens, 0, 0,
-                                       error="the server is shutting down"))
+                                       error="the server is shutting down", status=503,
+                                       code="shutting_down", retry_after_s=1))
             self.active.clear()
             while True:  # answer commands that will never run
                 try:
@@ -349,6 +440,33 @@ class EngineWorker:
                     break
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(RuntimeError("the engine loop stopped"))
+
+
+def _too_large(eng: ServingEngine, prompt: list[int], max_tokens: int,
+               tenant: str | None) -> str | None:
+    """Why the request can never be admitted to this engine's pool, or None. It needs
+    blocks for prompt + max_tokens; it may use the whole pool but for blocks pinned by
+    prefixes it does not share, and no more than its tenant's quota (a tenant at its
+    quota evicts only its own blocks)."""
+    cache = eng.cache
+    bs = cache.block_size
+    need = -(-(len(prompt) + max_tokens) // bs)
+    what = f"the request needs up to {need} KV blocks (prompt {len(prompt)} + max_tokens " \
+           f"{max_tokens} tokens, {bs} per block)"
+    pool = len(cache.blocks)
+    if need > pool:
+        return f"{what}; the KV pool has {pool} blocks"
+    quota = getattr(cache, "quotas", {}).get(tenant)
+    if quota is not None and need > quota:
+        return f"{what}; the tenant's quota is {quota} blocks"
+    pins = getattr(cache, "pins", None)
+    if pins:
+        pinned = {b.block_id for p in pins.values() for b in p.blocks}
+        shared = {b.block_id for b in cache.match_prefix(cache.make_request("", prompt, tenant))}
+        held = len(pinned - shared)
+        if need > pool - held:
+            return f"{what}; pinned prefixes hold {held} of the pool's {pool} blocks"
+    return None
 
 
 def _close(engine: ServingEngine) -> None:

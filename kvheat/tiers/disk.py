@@ -109,6 +109,11 @@ class DiskStore(KVStore):
     def writable(self) -> bool:
         return time.monotonic() >= self.write_blocked_until
 
+    def describe(self) -> dict[str, object]:
+        # A full disk is readable (up) but takes no writes: say so, with its own counters.
+        return {**super().describe(), "writable": self.writable(),
+                "full_events": self.full_events, "rejected_on_open": self.rejected_on_open}
+
     def _put(self, key: bytes, kv: torch.Tensor, salt: str | None) -> bool:
         if not self.writable():
             self.stats.skipped_down += 1

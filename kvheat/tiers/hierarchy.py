@@ -262,6 +262,9 @@ class TieredCache:
         self.tier_hit_blocks = [0] * len(tiers)
         self.tier_demotions = [0] * len(tiers)
         self.tier_evictions = [0] * len(tiers)
+        # (tier name, tokens) of each block the latest `allocate` loaded, in block order:
+        # read right after it, on the same thread, to credit a request's hits to tiers.
+        self.last_loaded: list[tuple[str, int]] = []
         self.indexes: list[TierIndex] = []
         # Prefix links of the keys held below, all tiers together. A key is held while an
         # index has it or a demotion of it is queued or moving between tiers (`_held`
@@ -733,6 +736,7 @@ class TieredCache:
 
     def allocate(self, req: Request) -> list[int]:
         """`mgr.allocate` plus lower-tier hits loaded into the new device blocks."""
+        self.last_loaded = []
         with self._lock:
             hit = self.mgr.match_prefix(req)
             plan = self._prefetched.pop(req.request_id, None)
@@ -830,6 +834,7 @@ class TieredCache:
             done.append(s)
             self.tier_hit_tokens[s.tier] += s.tokens
             self.tier_hit_blocks[s.tier] += 1
+        self.last_loaded = [(self.tiers[s.tier].name, s.tokens) for s in done]
         c = self.counters
         c.loaded_blocks += len(done)
         if not failed:
