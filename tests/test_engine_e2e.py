@@ -358,7 +358,7 @@ def test_redis_tier_under_host_tier_and_redis_dying(llama: tuple, redis_server) 
     ps = [[rng.randrange(2, 1000) for _ in range(64)] for _ in range(6)]
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     # 12 device blocks, 4 host blocks: most evicted blocks go on down to Redis.
-    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, host_tier_blocks=4,
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, policy="lru", host_tier_blocks=4,
                                            redis_tier_url=redis_server.url,
                                            redis_tier_bytes=1 << 24))
     first = e.generate(ps, sp)
@@ -381,7 +381,7 @@ def test_disk_loads_start_while_a_request_waits(llama: tuple, tmp_path) -> None:
     rng = random.Random(11)
     ps = [[rng.randrange(2, 1000) for _ in range(64)] for _ in range(6)]
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
-    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, disk_tier_dir=str(tmp_path),
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, policy="lru", disk_tier_dir=str(tmp_path),
                                            disk_tier_bytes=1 << 24,
                                            scheduler=SchedulerConfig(max_num_seqs=1)))
     first = e.generate(ps, sp)  # ps[0] and ps[1] end on disk
