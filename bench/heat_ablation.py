@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from functools import partial
 from pathlib import Path
 
@@ -30,7 +31,7 @@ VARIANTS = {
     "default, half-life 0.5x the reuse gap": dict(reuse_mult=0.5),
     "default, half-life 2x the reuse gap": dict(reuse_mult=2.0),
     "default, admission penalty 0.8 (was the default)": dict(admit_penalty=0.8),
-    "default, admission penalty fading with eviction age": dict(admit_fade=1.0),
+    "default, penalties that never fade": dict(penalty_fade=math.inf),
     "default + online tuning of the multiplier": dict(tune=True),
     "default + drift detector": dict(drift=True),
     "default, counts capped at 3": dict(max_count=3.0),

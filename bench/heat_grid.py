@@ -108,6 +108,42 @@ def print_tables(cells: list[dict]) -> None:
                         f"{c['best_other']} by {-100 * c['margin']:.2f} points" for c in lost))
 
 
+def markdown(rows: list[dict], cells: list[dict]) -> str:
+    """Per trace and block size: every policy's hit rate at each capacity (the lowest time
+    scale; a line says whether any policy's rates moved with the scale), kvheat's margin
+    over the best other online policy and the share of the LRU -> Belady gap it closes."""
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["trace"], r["block_tokens"]), []).append(r)
+    for (tr, bt), rs in groups.items():
+        caps = sorted({r["capacity_tokens"] for r in rs})
+        scales = sorted({r["scale"] for r in rs})
+        pols = list(dict.fromkeys(r["policy"] for r in rs))
+        rate = {(r["policy"], r["scale"], r["capacity_tokens"]): r["hit_rate"] for r in rs}
+        moved = sorted({p for (p, s, c) in rate if rate[(p, s, c)] != rate.get((p, scales[0], c))})
+        s0 = scales[0]
+        out.append(f"**{tr}, {bt}-token blocks** (time scales {', '.join(f'{s:g}' for s in scales)}; "
+                   + ("every policy's hit rates identical at every scale" if not moved
+                      else f"rates that moved with the scale: {', '.join(moved)}") + ")\n")
+        out.append("| policy | " + " | ".join(_fmt(c) for c in caps) + " |")
+        out.append("|---|" + "---:|" * len(caps))
+        for p in pols:
+            vals = [rate.get((p, s0, c)) for c in caps]
+            cellstr = [f"{100 * v:.2f}%" if v is not None else "" for v in vals]
+            if p == "kvheat":
+                cellstr = [f"**{x}**" for x in cellstr]
+            out.append(f"| {p} | " + " | ".join(cellstr) + " |")
+        by = {(c["scale"], c["capacity_tokens"]): c for c in cells if c["trace"] == tr and c["block_tokens"] == bt}
+        marg = [by.get((s0, c), {}).get("margin") for c in caps]
+        out.append("| kvheat − best other | " + " | ".join(
+            f"{100 * m:+.2f}" if m is not None else "" for m in marg) + " |")
+        gaps = [by.get((s0, c), {}).get("gap_closed") for c in caps]
+        out.append("| LRU→Belady gap closed | " + " | ".join(
+            f"{g:+.0%}" if g is not None else "–" for g in gaps) + " |\n")
+    return "\n".join(out)
+
+
 def _fmt(tokens: int) -> str:
     return f"{tokens / 1e6:g}M" if tokens >= 1_000_000 else f"{tokens / 1e3:g}K"
 
@@ -160,6 +196,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
+    ap.add_argument("--markdown", default="", help="write the tables as markdown here")
     a = ap.parse_args()
     if a.quick:
         a.traces, a.scales, a.capacity, a.gen_scales = "conv:512,gen:512", "0.1,10", "1M,3M", "1"
@@ -182,6 +219,9 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps({"replays": rows, "cells": cells}, indent=1))
         print(f"wrote {a.json}")
+    if a.markdown:
+        Path(a.markdown).write_text(markdown(rows, cells))
+        print(f"wrote {a.markdown}")
     if a.plot:
         plot(cells, a.plot)
         print(f"wrote {a.plot}")

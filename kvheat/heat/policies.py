@@ -241,7 +241,7 @@ class KVHeat(_HeapPolicy):
                  drift_window: int = 2048, drift_threshold: float = 1.0,
                  extension_penalty: float = 2.67, adapt_extension: bool = True,
                  max_count: float = math.inf, entropy_sample: int = 1,
-                 admit_fade: float = math.inf, fade_extension: bool = False) -> None:
+                 penalty_fade: float = 2.0) -> None:
         super().__init__()
         if entropy_sample < 1:
             raise ValueError("entropy_sample must be >= 1")
@@ -279,11 +279,10 @@ class KVHeat(_HeapPolicy):
         self.regime = Regime()
         self.max_admit_penalty = admit_penalty
         self.admit_penalty = admit_penalty
-        # The admission penalty fades as the cache's eviction age (in accesses) reaches
-        # `admit_fade` typical reuse gaps: a cache that holds most reuses anyway loses by
-        # being choosy about what it admits.
-        self.admit_fade = admit_fade
-        self.fade_extension = fade_extension
+        # The admission and extension penalties fade as the cache's eviction age (in
+        # accesses) reaches `penalty_fade` typical reuse gaps: a cache that holds most
+        # reuses anyway loses by being choosy about what it keeps.
+        self.penalty_fade = penalty_fade
         self.evict_age = 0.0  # mean age at eviction since last access, accesses (EWMA)
         self.pin_bonus = pin_bonus
         # Extension demotion, learned (§2.4): the penalty scales with how much less often
@@ -460,7 +459,7 @@ class KVHeat(_HeapPolicy):
                         st |= EXTENSION
                 else:
                     st |= p.state & EXTENSION
-            if n == bs and self.adapt_extension:
+            if n == bs:
                 # Inserted counts are added to `reuse` in batches of 64 (exact: the
                 # smoothing only applies at the batch end).
                 if st & EXTENSION:
@@ -469,7 +468,7 @@ class KVHeat(_HeapPolicy):
                     st |= FRESH
                 self._first_seen += 1
                 if self._first_seen >= 64:
-                    self._update_extension_penalty()
+                    self._update_penalties()
             b.meta = w
         else:
             self.ghost_hits += 1
@@ -508,8 +507,9 @@ class KVHeat(_HeapPolicy):
         if (b.depth == 1 and self._feedback) or self.tuner is not None:
             self._observe(b, now, True)
 
-    def _update_extension_penalty(self) -> None:
-        """Every 64 first-seen inserts: penalty ∝ how much rarer extension reuse is."""
+    def _update_penalties(self) -> None:
+        """Every 64 first-seen inserts: the extension penalty ∝ how much rarer extension
+        reuse is; both penalties fade with the cache's eviction age."""
         r = self.reuse
         r[1] += self._ext_seen
         r[3] += self._first_seen - self._ext_seen
@@ -519,11 +519,13 @@ class KVHeat(_HeapPolicy):
             r[i] *= 0.95  # the seed's smoothing (§2.4)
         fade = 1.0
         gap = self.gaps.estimate if self.gaps is not None else None
-        if gap and self.admit_fade < math.inf:
-            fade = max(0.0, 1.0 - self.evict_age / (gap * self.admit_fade))
+        if gap and self.penalty_fade < math.inf:
+            fade = max(0.0, 1.0 - self.evict_age / (gap * self.penalty_fade))
         self.admit_penalty = self.max_admit_penalty * fade
-        self.extension_penalty = self.max_extension_penalty * min(1.0, max(0.0, 1.0 - ratio)) * (
-            fade if self.fade_extension else 1.0)
+        if self.adapt_extension:
+            self.extension_penalty = self.max_extension_penalty * min(1.0, max(0.0, 1.0 - ratio)) * fade
+        else:
+            self.extension_penalty = self.max_extension_penalty * fade
         self._factors()
 
     def on_release(self, b: Block, now: float) -> None:
