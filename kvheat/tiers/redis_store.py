@@ -239,13 +239,17 @@ class RedisStore(KVStore):
             result = fn()
         except _DOWN_ERRORS as e:
             self.stats.io_errors += 1
-            if not self.down:
-                self.stats.went_down += 1
+            with self._lock:  # several threads may fail at once: one outage, counted once
+                went = not self.down
+                self.down = True
+                if went:
+                    self.stats.went_down += 1
+                if went or self.clock() >= self.retry_at:  # a first failure, or a retry's
+                    self._backoff = min(self.backoff_max_s, max(self.backoff_initial_s,
+                                                                2 * self._backoff))
+                    self.retry_at = self.clock() + self._backoff
+            if went:
                 log.warning("redis tier down (%s); recomputing until it answers again", e)
-            self.down = True
-            self._backoff = min(self.backoff_max_s, max(self.backoff_initial_s,
-                                                        2 * self._backoff))
-            self.retry_at = self.clock() + self._backoff
             return fallback
         except rexc.RedisError as e:  # e.g. OOM from maxmemory: this op failed, tier is up
             self.stats.io_errors += 1
