@@ -276,6 +276,28 @@ class LLMEngine:
                         prefill_tokens_per_s=self.prefill_tokens_per_s if slow else None)
         return TieredCache(self.cache, pool, stores, tc)
 
+    # ---- tenants (the admin API calls these between steps) -------------------------------
+    def flush_tenant(self, tenant: str | None) -> dict[str, int]:
+        """Delete a tenant's KV everywhere: its unreferenced device blocks (deleted, not
+        demoted) and what every lower tier holds of it. Returns the entries deleted per
+        tier ("device", then the tiers' names)."""
+        out = {"device": self.cache.flush_tenant(tenant)}
+        if self.tiers is not None:
+            out.update(self.tiers.purge_tenant(tenant))
+        return out
+
+    def set_tenant_quota(self, tenant: str | None, blocks: int | None) -> int:
+        """Set or lift a quota; returns the device blocks deleted to meet it."""
+        return self.cache.set_tenant_quota(tenant, blocks)
+
+    def pin_prefix(self, tokens: Sequence[int], tenant: str | None = None) -> int:
+        """Pin the cached prefix of `tokens` as this engine's scheduler keys it (a whole
+        prompt in "exact" mode); returns tokens pinned."""
+        return self.cache.pin_prefix(tokens, tenant, scope=self.scheduler.prompt_scope(tokens))
+
+    def unpin_prefix(self, tokens: Sequence[int], tenant: str | None = None) -> int:
+        return self.cache.unpin_prefix(tokens, tenant, scope=self.scheduler.prompt_scope(tokens))
+
     def prefill_tokens_per_s(self) -> float | None:
         """Measured prompt throughput of the forward pass (a moving average over steps
         that prefill at least 32 tokens); None before the first such step."""

@@ -216,6 +216,12 @@ class KVStore:
         """(key, namespace digest) of every stored entry (for rebuilding an index)."""
         raise NotImplementedError
 
+    def purge(self, salt: str | None) -> int:
+        """Delete entries of `salt`'s namespace that this process does not index (another
+        process's, on a shared store); returns how many. Stores only this process writes
+        (host memory, a disk folder it locks) have none."""
+        return 0
+
     def close(self) -> None:
         pass
 
