@@ -124,6 +124,9 @@ class EngineConfig:
     # (the server's A/B arms).
     model_id: str | None = None
     tier_namespace: str = ""
+    # Keys the MAC of KV values on disk and in Redis (kvheat.tiers.codec.tier_key); None:
+    # KVHEAT_TIER_SECRET, else a disk folder's own key file and a per-process Redis key.
+    tier_secret: str | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
@@ -262,12 +265,13 @@ class LLMEngine:
         layout = f"{pool.layout}-b{pool.block_size}-{str(pool.dtype).removeprefix('torch.')}"
         if cfg.disk_tier_dir:
             stores.append(DiskStore(cfg.disk_tier_dir, cfg.disk_tier_bytes, model=model_id,
-                                    layout=layout))
+                                    layout=layout, secret=cfg.tier_secret))
         if cfg.redis_tier_url:
             from ..tiers.redis_store import RedisStore, connect
 
             stores.append(RedisStore(connect(cfg.redis_tier_url, cluster=cfg.redis_cluster),
-                                     cfg.redis_tier_bytes, model=model_id, layout=layout))
+                                     cfg.redis_tier_bytes, model=model_id, layout=layout,
+                                     secret=cfg.tier_secret))
         slow = any(not st.inline for st in stores)
         # Host only: synchronous copies, always loaded (a memory copy beats recomputing,
         # bench/tiers.py). With disk or Redis: background demotion, prefetch, and loads
