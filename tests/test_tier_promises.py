@@ -198,3 +198,150 @@ def test_a_tenant_at_its_quota_preempts_only_its_own(llama: tuple) -> None:
     assert [o.output_token_ids for o in outs] == [w.output_token_ids for w in want]
     assert all(o.finish_reason == "length" for o in outs)
     e.close()
+
+
+# ---- defect 5: KV planted in a shared Redis never verifies -------------------------------
+def test_kv_planted_in_redis_without_the_secret_is_never_served(llama: tuple,
+                                                                redis_server) -> None:
+    import redis as redis_py
+
+    from kvheat.tiers.codec import encode, namespace_digest, tier_key
+
+    model, tok, _ = llama
+    victim = prompts(11, 1)[0]
+
+    def eng() -> LLMEngine:
+        return LLMEngine(model, tok, EngineConfig(
+            num_blocks=8, policy="lru", redis_tier_url=redis_server.url,
+            redis_tier_bytes=1 << 24, tier_secret="the deployment's own secret"))
+
+    e = eng()
+    want = run(e, [(victim, "victim")])[0].output_token_ids
+    run(e, [(p, "other") for p in prompts(12, 2)])  # pushes the victim's blocks to Redis
+    e.tiers.flush()
+    assert lower_entries(e, "victim")["redis"] >= 3
+    store = e.tiers.tiers[0]
+    names = [k.decode() for k in redis_py.Redis.from_url(redis_server.url).keys("kvheat:*")]
+    assert names
+    # Key names reveal neither the tenant nor the weights' fingerprint.
+    fp = store.model.split("/")[0]
+    assert not any("victim" in n or fp in n or fp[:16] in n for n in names)
+    # The attacker knows the tenant, the weights and the prompt, so the block keys, and
+    # writes random KV under every key the victim's request will look up, with a codec of
+    # its own: under the names the store uses (given away by a leaked secret of another
+    # deployment, the worst case short of ours) and, for the old unkeyed names, too.
+    keys = e.cache.make_request("x", victim, "victim").keys
+    forged_key = tier_key("an attacker's guess at it")
+    ns = namespace_digest(store.model, store.layout, e.cache.salt_of("victim"), forged_key)
+    r = redis_py.Redis.from_url(redis_server.url)
+    shape = e.tiers.block_shape
+    g = torch.Generator().manual_seed(0)
+    for k in keys:
+        junk = torch.randn(shape, generator=g).to(e.tiers.block_dtype)
+        r.set(store.rkey(k, "tenant:victim"), encode(junk, k, store.ns("tenant:victim"),
+                                                     forged_key))
+        r.set(f"kvheat:{store.model}:{store.layout}:{ns.hex()[:16]}:{k.hex()}",
+              encode(junk, k, ns, forged_key))
+    e.close()
+    e2 = eng()  # a restart: it indexes what Redis holds, then serves the prompt
+    got = run(e2, [(victim, "victim")])[0]
+    assert got.metrics.num_cached_tokens == 0  # nothing forged verified
+    assert got.output_token_ids == want
+    assert e2.tiers.tiers[0].stats.corrupt_checksum > 0  # read, and rejected
+    e2.close()
+
+
+# ---- defect 6: a shared disk folder keeps its cap; tier hit tokens add up ---------------
+def test_two_stores_on_one_folder_hold_the_folder_cap(tmp_path: Path) -> None:
+    from kvheat.tiers import DiskStore
+
+    blk = torch.randn(4, 1024)
+    one = DiskStore(tmp_path, 1 << 20, model="m", folder_scan_s=0.0)
+    cap = 6 * one.entry_bytes(blk, b"k" * 32)
+    a = DiskStore(tmp_path, cap, model="m", folder_scan_s=0.0)
+    b = DiskStore(tmp_path, cap, model="m", folder_scan_s=0.0)
+    stored = [s.put(f"{s is a}-{i}".encode().ljust(32, b"."), blk)
+              for i in range(8) for s in (a, b)]
+    assert sum(stored) == 6  # the folder's cap, not each store's
+    files = sum(p.stat().st_size for p in tmp_path.glob("*.kv"))
+    assert files <= cap and a.used_bytes() == b.used_bytes() == files
+    # Reopened with a smaller cap (or over a folder others filled): trimmed to it.
+    small = DiskStore(tmp_path, cap // 2, model="m", folder_scan_s=0.0)
+    assert small.trimmed_on_open > 0 and small.used_bytes() <= cap // 2
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.kv")) <= cap // 2
+
+
+# ---- the soak: every promise after every step -------------------------------------------
+@pytest.mark.parametrize("seed,mode,prefix", [(1, "exclusive", "block"),
+                                              (2, "write_through", "block"),
+                                              (3, "exclusive", "exact")])
+def test_soak_tiers_tenants_arms_and_admin_calls(llama: tuple, tmp_path: Path, seed: int,
+                                                  mode: str, prefix: str) -> None:
+    model, tok, _ = llama
+    rng = random.Random(seed)
+    tenants = ["a", "b", "c", "d"]
+    e = LLMEngine(model, tok, EngineConfig(
+        num_blocks=20, policy="lru", host_tier_blocks=6, disk_tier_dir=str(tmp_path),
+        disk_tier_bytes=40 * 70_000, tier_mode=mode,
+        scheduler=SchedulerConfig(prefix_caching=prefix, max_num_batched_tokens=96)))
+    e.cache.config.share_groups.update({"c": "cd", "d": "cd"})  # c and d share their KV
+    ref = LLMEngine(model, tok, EngineConfig(num_blocks=256))
+    heads = prompts(seed, 4, 32)
+    pool = [h + t for h in heads for t in prompts(seed + 10, 2, 8)] + heads
+    want = {tuple(p): o.output_token_ids for p, o in zip(
+        pool, ref.generate(pool, SamplingParams(max_tokens=3, ignore_eos=True)), strict=True)}
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    live: dict[str, tuple[list[int], str]] = {}
+    tc = e.tiers
+    checked = 0
+
+    def others_below(t: str) -> set[tuple[str, bytes]]:
+        tc.flush()
+        return {(st.name, k) for st, idx in zip(tc.tiers, tc.indexes, strict=True)
+                for k, b in idx.entries.items()
+                if idx.owners.get(k) != t and b.tenant != e.cache.salt_of(t)}
+
+    for _step in range(160):
+        op = rng.random()
+        if op < 0.45 and len(live) < 10:
+            p, t = rng.choice(pool), rng.choice(tenants)
+            live[e.add_request(p, sp, tenant=t)] = (p, t)
+        elif op < 0.52 and live:
+            e.abort(rng.choice(list(live)))
+        elif op < 0.60:
+            t = rng.choice(["a", "b"])  # not the share group: its members' KV is common
+            before = others_below(t)
+            e.flush_tenant(t)
+            tc.flush()
+            assert lower_entries(e, t) == {"host": 0, "disk": 0}
+            assert all(b.ref_cnt > 0 for b in e.cache.cached.values() if b.tenant == t)
+            assert others_below(t) == before  # nobody else's KV touched
+        elif op < 0.65:
+            e.set_tenant_quota(rng.choice(tenants), rng.choice([None, 4, 8, 12]))
+        elif op < 0.70:
+            p, t = rng.choice(pool), rng.choice(tenants)
+            e.pin_prefix(p, t) if rng.random() < 0.5 else e.unpin_prefix(p, t)
+        free = e.cache.num_free
+        usage = dict(e.cache.usage)
+        e.step()
+        e.check_accounting()
+        for t, q in e.cache.quotas.items():  # no tenant grows past its quota by taking
+            u = e.cache.usage.get(t, 0)      # anything but free blocks
+            assert u <= q or u - usage.get(t, 0) <= free, (t, u, q)
+        for rid in list(live):
+            r = e.requests[rid]
+            if r.seq.finish_reason is not None:
+                p, _t = live.pop(rid)
+                out = e.release(rid)
+                if out.finish_reason == "length":
+                    assert out.output_token_ids == want[tuple(p)]
+                    checked += 1
+        c = tc.counters
+        assert c.read_bytes <= c.promoted_bytes + c.unused_read_bytes
+        # Every per-key table stays bounded: by tenants, not by prompts or requests.
+        assert len(e.cache._roots) <= len(tenants) and len(e.cache.usage) <= len(tenants) + 1
+        assert len(e.cache.sessions) <= len(e.cache.blocks)
+        assert all(len(st._ns_cache) <= len(tenants) + 2 for st in tc.tiers)
+        assert len(tc._prefetched) <= len(live) and len(tc._flushes) <= 2
+    assert checked >= 15
+    e.close()

@@ -329,6 +329,8 @@ class TieredCache:
             self.indexes.append(idx)
         self._lock = threading.RLock()
         self._prefetched: dict[str, _Plan] = {}
+        # key -> the read of it in flight or done for plans not finished yet (shared).
+        self._inflight: dict[bytes, _Slot] = {}
         self._backlog_s = 0.0  # estimated seconds of submitted reads not finished yet
         self._queue: queue.Queue[_Move | None] = queue.Queue(cfg.queue_size)
         # tenant -> flushes so far: a demotion queued before a flush of its tenant is
@@ -826,8 +828,16 @@ class TieredCache:
         with self._lock:
             for s in steps:
                 self.indexes[s.tier].unpin(s.entry, now)
-                if s.result is not None and not s.done:  # read (or being read), never used
-                    self.counters.unused_read_bytes += self.block_bytes
+                slot = s.result
+                if slot is None:
+                    continue
+                slot.used = slot.used or s.done
+                slot.refs -= 1
+                if slot.refs == 0:
+                    if self._inflight.get(s.key) is slot:
+                        del self._inflight[s.key]
+                    if not slot.used:  # read (or being read), never written to the device
+                        self.counters.unused_read_bytes += self.block_bytes
 
     def _fetch(self, steps: list[_Step], salt: str | None) -> list[torch.Tensor | None]:
         """Load steps from their tiers (runs of a pipelined tier in one round trip)."""
@@ -863,6 +873,15 @@ class TieredCache:
             return
         slow = [s for s in (plan.steps if steps is None else steps)
                 if not self.tiers[s.tier].inline and s.result is None]
+        with self._lock:
+            # A block another waiting request's plan is reading already is read once:
+            # both plans take the same result (a burst of requests on one prefix).
+            for s in slow:
+                shared = self._inflight.get(s.key)
+                if shared is not None and shared.tier == s.tier:
+                    shared.refs += 1
+                    s.result = shared
+            slow = [s for s in slow if s.result is None]
         if not slow:
             return
         est = sum(self.estimate_load_s(s.tier, 1) or 0.0 for s in slow)
@@ -870,8 +889,9 @@ class TieredCache:
             self._backlog_s += est
         fut = self._pool.submit(self._fetch, slow, plan.salt)
         fut.add_done_callback(lambda _f: self._job_done(est))
-        for pos, s in enumerate(slow):
-            s.result = _Slot(fut, pos)  # type: ignore[assignment]
+        with self._lock:
+            for pos, s in enumerate(slow):
+                s.result = self._inflight[s.key] = _Slot(fut, pos, s.tier)
 
     def _job_done(self, est: float) -> None:
         with self._lock:
@@ -1058,13 +1078,17 @@ class TieredCache:
 
 
 class _Slot:
-    """One step's tensor out of a batch future."""
+    """One step's tensor out of a batch future, shared by the plans that need that block
+    (`refs` of them; `used`: one wrote it into a device block)."""
 
-    __slots__ = ("fut", "pos")
+    __slots__ = ("fut", "pos", "tier", "refs", "used")
 
-    def __init__(self, fut: Future[list[torch.Tensor | None]], pos: int) -> None:
+    def __init__(self, fut: Future[list[torch.Tensor | None]], pos: int, tier: int) -> None:
         self.fut = fut
         self.pos = pos
+        self.tier = tier
+        self.refs = 1
+        self.used = False
 
     def get(self) -> torch.Tensor | None:
         try:
