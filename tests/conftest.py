@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# Deployments that share a Redis or a disk folder configure one tier secret (it keys the
+# MAC of every value read back); the tests run as one such deployment.
+os.environ.setdefault("KVHEAT_TIER_SECRET", "kvheat-tests-tier-secret")
+
 
 def _free_port() -> int:
     with socket.socket() as s:

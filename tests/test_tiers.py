@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvheat.tiers import DeviceKVPool, DiskStore, HostStore
-from kvheat.tiers.codec import CorruptValue, decode, encode, namespace_digest
+from kvheat.tiers.codec import CorruptValue, decode, encode, namespace_digest, tier_key
 from kvheat.tiers.numa import NumaNode, numa_nodes, parse_cpulist, placement
 
 torch.set_num_threads(1)
@@ -44,29 +44,38 @@ def key(i: int) -> bytes:
                                    torch.float8_e4m3fn, torch.int8])
 def test_codec_round_trip_every_dtype(dtype: torch.dtype) -> None:
     t = (torch.randn(3, 5, 7) * 4).to(dtype)
-    ns = namespace_digest("m", "gqa", None)
-    back = decode(bytearray(encode(t, key(1), ns)), key(1), ns)
+    mk = tier_key("a deployment secret")
+    ns = namespace_digest("m", "gqa", None, mk)
+    back = decode(bytearray(encode(t, key(1), ns, mk)), key(1), ns, mk)
     assert same_bytes(back, t)
 
 
 def test_codec_rejects_every_single_byte_flip() -> None:
     t = torch.randn(4, 8)
-    ns = namespace_digest("m", "gqa", "tenant:a")
-    value = encode(t, key(7), ns)
+    mk = tier_key("a deployment secret")
+    ns = namespace_digest("m", "gqa", "tenant:a", mk)
+    value = encode(t, key(7), ns, mk)
     for pos in range(len(value)):
         bad = bytearray(value)
         bad[pos] ^= 0x01
         with pytest.raises(CorruptValue):
-            decode(bad, key(7), ns)
+            decode(bad, key(7), ns, mk)
     with pytest.raises(CorruptValue) as e:
-        decode(bytearray(value[:-3]), key(7), ns)
+        decode(bytearray(value[:-3]), key(7), ns, mk)
     assert e.value.kind == "torn"
     with pytest.raises(CorruptValue) as e:
-        decode(bytearray(value), key(8), ns)
+        decode(bytearray(value), key(8), ns, mk)
     assert e.value.kind == "key"
     with pytest.raises(CorruptValue) as e:
-        decode(bytearray(value), key(7), namespace_digest("m", "gqa", "tenant:b"))
+        decode(bytearray(value), key(7), namespace_digest("m", "gqa", "tenant:b", mk), mk)
     assert e.value.kind == "key"
+    # The same value under another tier key (a writer without the secret): never valid.
+    other = tier_key("another deployment's")
+    with pytest.raises(CorruptValue) as e:
+        decode(bytearray(value), key(7), ns, other)
+    assert e.value.kind == "checksum"
+    with pytest.raises(ValueError, match="at least 16"):
+        tier_key("short")
 
 
 # ---- host ---------------------------------------------------------------------------------

@@ -101,8 +101,10 @@ class KVCacheManager:
         self.free_stack: list[Block] = self.blocks[::-1]  # uncached, unreferenced blocks
         self.cached: dict[bytes, Block] = {}
         self.requests: dict[str, Request] = {}
+        # session -> keys of its latest turn; the oldest sessions are forgotten past
+        # `num_blocks` entries (every per-key table the cache keeps is bounded).
         self.sessions: dict[str, list[bytes]] = {}
-        self.pins: dict[str, Request] = {}  # pinned prefixes: holders of an extra reference  # session -> keys of its latest turn
+        self.pins: dict[str, Request] = {}  # pinned prefixes: holders of an extra reference
         self.policy = policy if policy is not None else make_policy(config.policy)
         self.policy.bind(config.num_blocks)
         # Tenants with a block quota get a policy of their own (a partition); the rest share
@@ -122,6 +124,9 @@ class KVCacheManager:
         self._roots: dict[tuple[str | None, str | None], bytes] = {}
         # Called with each block about to lose its KV (tiers demote it here).
         self.evict_listeners: list[Callable[[Block], None]] = []
+        # Called instead with each block whose KV is deleted on purpose (a flush, a quota
+        # cut): tiers delete the key everywhere rather than demote it.
+        self.drop_listeners: list[Callable[[Block], None]] = []
 
     # ---- keys -------------------------------------------------------------------------
     def salt_of(self, tenant: str | None) -> str | None:
@@ -136,11 +141,19 @@ class KVCacheManager:
             r = self._roots[(tenant, lora)] = root_key(self.salt_of(tenant), lora)
         return r
 
-    def make_request(self, request_id: str, tokens: Sequence[int], tenant: str | None = None,
-                     lora: str | None = None, session: str | None = None) -> Request:
-        """A request from token ids; its full blocks are hashed here, once."""
-        raw = bytearray(tokens_to_bytes(list(tokens)))
+    def scoped_root(self, tenant: str | None, lora: str | None, scope: bytes | None) -> bytes:
+        """The root of `tenant`'s keys, or of a scope within it (e.g. one whole prompt, for
+        exact-prompt caching): the tenant stays the tenant, and nothing per scope is kept."""
         root = self.root_for(tenant, lora)
+        return root if scope is None else chain_key(root, b"kvheat-scope\0" + scope)
+
+    def make_request(self, request_id: str, tokens: Sequence[int], tenant: str | None = None,
+                     lora: str | None = None, session: str | None = None,
+                     scope: bytes | None = None) -> Request:
+        """A request from token ids; its full blocks are hashed here, once. `scope`: see
+        `scoped_root`."""
+        raw = bytearray(tokens_to_bytes(list(tokens)))
+        root = self.scoped_root(tenant, lora, scope)
         keys, contents = block_keys(bytes(raw), self.block_size, root)
         n = len(tokens)
         bt = [self.block_size] * (n // self.block_size)
@@ -241,7 +254,11 @@ class KVCacheManager:
         req.num_cached_tokens = hit_tokens
         self.requests[req.request_id] = req
         if req.session is not None:
-            self.sessions[req.session] = req.keys
+            sessions = self.sessions
+            sessions.pop(req.session, None)
+            sessions[req.session] = req.keys
+            if len(sessions) > len(self.blocks):
+                del sessions[next(iter(sessions))]
         if count_stats:
             st = self.stats
             st.requests += 1
@@ -454,11 +471,14 @@ class KVCacheManager:
         return done
 
     # ---- tenants: quotas, flush, pins -------------------------------------------------
-    def set_tenant_quota(self, tenant: str | None, blocks: int | None) -> None:
+    def set_tenant_quota(self, tenant: str | None, blocks: int | None) -> int:
         """Cap a tenant's blocks when the pool is contended (None lifts the cap).
 
         Free blocks are used by anyone; once the pool is full, a tenant at its quota can
         only evict its own blocks, and others evict from tenants over their quota first.
+        A tenant over its new quota loses its coldest unreferenced blocks at once, deleted,
+        not demoted (demoting them would push other tenants out of the lower tiers).
+        Returns how many were deleted.
         """
         if blocks is not None and blocks <= 0:
             raise ValueError("a quota is a positive number of blocks")
@@ -471,22 +491,36 @@ class KVCacheManager:
             self.quotas[tenant] = blocks
             if tenant in self.partitions:
                 self.partitions[tenant].bind(blocks)
-                return
+                return self._trim(tenant)
             new = self._new_policy()
             new.bind(blocks)
             self.partitions[tenant] = new
-        if new is old:
-            return
-        # Move the tenant's cached blocks over, oldest first and children before parents,
-        # so the new policy sees them in the order they were used.
-        mine = sorted((b for b in self.cached.values() if b.tenant == tenant),
-                      key=lambda b: (b.last_access, -b.depth))
-        for b in mine:
-            old.forget(b)
-        for b in mine:
-            new.on_insert(b, b.last_access)
-            if b.ref_cnt == 0:
-                new.on_release(b, b.last_access)
+        if new is not old:
+            # Move the tenant's cached blocks over, oldest first and children before
+            # parents, so the new policy sees them in the order they were used.
+            mine = sorted((b for b in self.cached.values() if b.tenant == tenant),
+                          key=lambda b: (b.last_access, -b.depth))
+            for b in mine:
+                old.forget(b)
+            for b in mine:
+                new.on_insert(b, b.last_access)
+                if b.ref_cnt == 0:
+                    new.on_release(b, b.last_access)
+        return self._trim(tenant)
+
+    def _trim(self, tenant: str | None) -> int:
+        """Delete a tenant's coldest unreferenced blocks while it is over its quota."""
+        quota = self.quotas.get(tenant)
+        pol = self.partitions.get(tenant)
+        n = 0
+        while quota is not None and pol is not None and self.usage.get(tenant, 0) > quota:
+            b = pol.victim()
+            if b is None:
+                break
+            pol.on_evict(b)
+            self._unlink(b, drop=True)
+            n += 1
+        return n
 
     def _new_policy(self) -> EvictionPolicy:
         from .policy import _REGISTRY
@@ -499,22 +533,24 @@ class KVCacheManager:
         return self.usage.get(tenant, 0)
 
     def flush_tenant(self, tenant: str | None) -> int:
-        """Drop every unreferenced cached block the tenant owns; returns how many."""
+        """Delete every unreferenced cached block the tenant owns (not demoted: the drop
+        listeners delete the keys from the lower tiers too); returns how many."""
         mine = sorted((b for b in self.cached.values() if b.tenant == tenant and b.ref_cnt == 0),
                       key=lambda b: -b.depth)
         n = 0
         for b in mine:  # deepest first, so each is a leaf by the time it is reached
             if b.key is not None and b.ref_cnt == 0 and b.num_children == 0:
                 self._pol(b).forget(b)
-                self._unlink(b)
+                self._unlink(b, drop=True)
                 n += 1
         return n
 
     def pin_prefix(self, tokens: Sequence[int], tenant: str | None = None,
-                   lora: str | None = None) -> int:
+                   lora: str | None = None, scope: bytes | None = None) -> int:
         """Hold the cached prefix of `tokens` so it is never evicted; returns tokens pinned.
-        Pinning twice is harmless; only what is cached now can be pinned."""
-        probe = self.make_request("", tokens, tenant, lora)
+        Pinning twice is harmless; only what is cached now can be pinned. `scope`: as in
+        `make_request` (exact-prompt caching keys each prompt in a scope of its own)."""
+        probe = self.make_request("", tokens, tenant, lora, scope=scope)
         hit = self.match_prefix(probe)
         if not hit:
             return 0
@@ -530,9 +566,9 @@ class KVCacheManager:
         return holder.num_cached_tokens
 
     def unpin_prefix(self, tokens: Sequence[int], tenant: str | None = None,
-                     lora: str | None = None) -> int:
+                     lora: str | None = None, scope: bytes | None = None) -> int:
         """Release pins on prefixes of `tokens` (longest first); returns tokens unpinned."""
-        probe = self.make_request("", tokens, tenant, lora)
+        probe = self.make_request("", tokens, tenant, lora, scope=scope)
         n = 0
         for key in reversed(probe.keys):
             pin = self.pins.pop("pin:" + key.hex(), None)
@@ -587,11 +623,12 @@ class KVCacheManager:
                 return True
         return False
 
-    def _unlink(self, b: Block, evicted: bool = True) -> None:
+    def _unlink(self, b: Block, evicted: bool = True, drop: bool = False) -> None:
         """Take a refcount-0 leaf out of the cache and into the free pool. `evicted` is
-        False only for blocks whose KV was never computed (a rolled-back allocate)."""
+        False only for blocks whose KV was never computed (a rolled-back allocate);
+        `drop`: its KV is deleted on purpose (flush, quota cut), not demoted."""
         if evicted:
-            for listener in self.evict_listeners:
+            for listener in (self.drop_listeners if drop else self.evict_listeners):
                 listener(b)
         del self.cached[b.key]  # type: ignore[arg-type]
         parent = b.parent

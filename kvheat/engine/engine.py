@@ -124,6 +124,9 @@ class EngineConfig:
     # (the server's A/B arms).
     model_id: str | None = None
     tier_namespace: str = ""
+    # Keys the MAC of KV values on disk and in Redis (kvheat.tiers.codec.tier_key); None:
+    # KVHEAT_TIER_SECRET, else a disk folder's own key file and a per-process Redis key.
+    tier_secret: str | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
@@ -262,12 +265,13 @@ class LLMEngine:
         layout = f"{pool.layout}-b{pool.block_size}-{str(pool.dtype).removeprefix('torch.')}"
         if cfg.disk_tier_dir:
             stores.append(DiskStore(cfg.disk_tier_dir, cfg.disk_tier_bytes, model=model_id,
-                                    layout=layout))
+                                    layout=layout, secret=cfg.tier_secret))
         if cfg.redis_tier_url:
             from ..tiers.redis_store import RedisStore, connect
 
             stores.append(RedisStore(connect(cfg.redis_tier_url, cluster=cfg.redis_cluster),
-                                     cfg.redis_tier_bytes, model=model_id, layout=layout))
+                                     cfg.redis_tier_bytes, model=model_id, layout=layout,
+                                     secret=cfg.tier_secret))
         slow = any(not st.inline for st in stores)
         # Host only: synchronous copies, always loaded (a memory copy beats recomputing,
         # bench/tiers.py). With disk or Redis: background demotion, prefetch, and loads
@@ -275,6 +279,28 @@ class LLMEngine:
         tc = TierConfig(mode=cfg.tier_mode, async_io=slow, calibrate=slow,
                         prefill_tokens_per_s=self.prefill_tokens_per_s if slow else None)
         return TieredCache(self.cache, pool, stores, tc)
+
+    # ---- tenants (the admin API calls these between steps) -------------------------------
+    def flush_tenant(self, tenant: str | None) -> dict[str, int]:
+        """Delete a tenant's KV everywhere: its unreferenced device blocks (deleted, not
+        demoted) and what every lower tier holds of it. Returns the entries deleted per
+        tier ("device", then the tiers' names)."""
+        out = {"device": self.cache.flush_tenant(tenant)}
+        if self.tiers is not None:
+            out.update(self.tiers.purge_tenant(tenant))
+        return out
+
+    def set_tenant_quota(self, tenant: str | None, blocks: int | None) -> int:
+        """Set or lift a quota; returns the device blocks deleted to meet it."""
+        return self.cache.set_tenant_quota(tenant, blocks)
+
+    def pin_prefix(self, tokens: Sequence[int], tenant: str | None = None) -> int:
+        """Pin the cached prefix of `tokens` as this engine's scheduler keys it (a whole
+        prompt in "exact" mode); returns tokens pinned."""
+        return self.cache.pin_prefix(tokens, tenant, scope=self.scheduler.prompt_scope(tokens))
+
+    def unpin_prefix(self, tokens: Sequence[int], tenant: str | None = None) -> int:
+        return self.cache.unpin_prefix(tokens, tenant, scope=self.scheduler.prompt_scope(tokens))
 
     def prefill_tokens_per_s(self) -> float | None:
         """Measured prompt throughput of the forward pass (a moving average over steps

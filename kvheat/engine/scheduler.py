@@ -224,6 +224,7 @@ class Scheduler:
         self._admitted = 0
         self.num_steps = 0
         self.num_preemptions = 0
+        self.preemptions_by_tenant: dict[str | None, int] = {}
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -302,7 +303,7 @@ class Scheduler:
                     self.cache.append_tokens(seq.cache_req, toks)
                     return True
                 except OutOfBlocks:
-                    victim = self._pick_victim(scheduled, now)
+                    victim = self._pick_victim(scheduled, now, seq.tenant)
                     if victim is None:
                         victim = seq
                     self._preempt(victim)
@@ -445,8 +446,8 @@ class Scheduler:
             else:
                 cache.allocate(part, matched=match, count_stats=False)
         except OutOfBlocks:
-            if planned:
-                self.tiers.cancel_prefetch(seq.seq_id)  # type: ignore[union-attr]
+            # A lower-tier plan stays (pins and reads kept) until the request runs or ends:
+            # planning again each step would read every block again.
             return 0
         if seq.swapped_tokens:
             assert self.swap_space is not None
@@ -484,14 +485,25 @@ class Scheduler:
         self.fresh.clear()
 
     # ---- preemption -------------------------------------------------------------------
-    def _pick_victim(self, scheduled: set[str], now: float) -> Sequence | None:
-        """The youngest running sequence not scheduled this step; aged ones last."""
+    def _pick_victim(self, scheduled: set[str], now: float,
+                     tenant: str | None = None) -> Sequence | None:
+        """The youngest running sequence not scheduled this step; aged ones last. For a
+        `tenant` at its quota, only its own sequences: the blocks another tenant frees
+        would go to it past its quota (it preempts itself, or waits, instead). Others
+        take sequences of tenants over their quota first (they grew on free blocks)."""
+        cache = self.cache
+        quotas, usage = cache.quotas, cache.usage
+
+        def over(t: str | None) -> bool:
+            return t in quotas and usage.get(t, 0) > quotas[t]
+
+        own = tenant in quotas and usage.get(tenant, 0) >= quotas[tenant]
         best: Sequence | None = None
-        best_key: tuple[bool, int] | None = None
+        best_key: tuple[bool, bool, int] | None = None
         for s in self.running:
-            if s.seq_id in scheduled:
+            if s.seq_id in scheduled or (own and s.tenant != tenant):
                 continue
-            key = (now - s.arrival < self.config.aging_s, s.admitted_seq)
+            key = (over(s.tenant), now - s.arrival < self.config.aging_s, s.admitted_seq)
             if best_key is None or key > best_key:
                 best, best_key = s, key
         return best
@@ -510,6 +522,8 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        # By tenant, for the operator: who paid (one entry per tenant).
+        self.preemptions_by_tenant[seq.tenant] = self.preemptions_by_tenant.get(seq.tenant, 0) + 1
         self.waiting.append(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -524,17 +538,18 @@ class Scheduler:
         req = seq.full_req
         if req is None or req.num_tokens != len(seq.token_ids):
             req = seq.full_req = self.cache.make_request(
-                seq.seq_id, seq.token_ids, self._key_tenant(seq), seq.lora, seq.session)
+                seq.seq_id, seq.token_ids, seq.tenant, seq.lora, seq.session,
+                scope=self.prompt_scope(seq.token_ids[:seq.num_prompt_tokens]))
         return req
 
-    def _key_tenant(self, seq: Sequence) -> str | None:
-        """The tenant the block keys are salted with. "exact" mode salts them with the
-        whole prompt as well, so a prompt's blocks match only the very same prompt (a
-        whole-prompt cache) and never collide with another prompt's shared prefix."""
+    def prompt_scope(self, prompt: Seq[int]) -> bytes | None:
+        """"exact" mode keys a prompt's blocks in a scope of the whole prompt, so they match
+        only the very same prompt (a whole-prompt cache) and never another prompt's shared
+        prefix. The tenant stays the tenant (quotas, flush, pins and usage see it), and the
+        cache keeps nothing per prompt."""
         if self.config.prefix_caching != "exact":
-            return seq.tenant
-        digest = xxhash.xxh3_128_hexdigest(tokens_to_bytes(seq.token_ids[:seq.num_prompt_tokens]))
-        return f"{seq.tenant or ''}\0prompt:{digest}"
+            return None
+        return xxhash.xxh3_128_digest(tokens_to_bytes(list(prompt)))
 
     # ---- checks -----------------------------------------------------------------------
     def check_accounting(self) -> None:

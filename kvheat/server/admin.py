@@ -2,8 +2,9 @@
 
 - GET  /admin/stats                      cache, queue, tier and tenant figures per arm
 - GET  /admin/arms                       P99 TTFT and hit rate per arm (A/B report)
-- POST /admin/tenants/{tenant}/flush     evict every unreferenced cached block of a tenant
+- POST /admin/tenants/{tenant}/flush     delete a tenant's KV from every tier (per-tier counts)
 - PUT  /admin/tenants/{tenant}/quota     set or clear a tenant's block quota, at run time
+                                         (a tenant over its new quota loses its coldest blocks)
 - POST /admin/pin, /admin/unpin          keep a prefix cached (prefilled first when needed)
 
 Every cache operation runs on the engine thread, between steps, on every arm.
@@ -118,8 +119,11 @@ def admin_router(server: KVHeatServer) -> APIRouter:
     async def flush(tenant: str, request: Request) -> Response:
         check(request)
         t = tenant_of(tenant)
-        evicted = await on_engines(lambda eng: eng.cache.flush_tenant(t))
-        return _json({"tenant": tenant, "evicted_blocks": evicted})
+        deleted = await on_engines(lambda eng: eng.flush_tenant(t))
+        # `evicted_blocks`: device blocks, as before; `deleted`: entries per tier.
+        return _json({"tenant": tenant,
+                      "evicted_blocks": {arm: d["device"] for arm, d in deleted.items()},
+                      "deleted": deleted})
 
     @router.put("/tenants/{tenant}/quota")
     async def quota(tenant: str, body: QuotaRequest, request: Request) -> Response:
@@ -128,13 +132,15 @@ def admin_router(server: KVHeatServer) -> APIRouter:
         if t is None:
             raise ApiError(400, "quotas need tenants (none are configured)")
 
-        def apply(eng: Any) -> int:
-            eng.cache.set_tenant_quota(t, body.blocks)
-            return int(eng.cache.tenant_usage(t)) if hasattr(eng.cache, "tenant_usage") else -1
+        def apply(eng: Any) -> tuple[int, int]:
+            cut = eng.set_tenant_quota(t, body.blocks)
+            return cut, int(eng.cache.tenant_usage(t))
 
-        usage = await on_engines(apply)
+        res = await on_engines(apply)
         worker.tenant_quotas[t] = body.blocks  # rebuilt engines get it too
-        return _json({"tenant": t, "quota_blocks": body.blocks, "usage_blocks": usage})
+        return _json({"tenant": t, "quota_blocks": body.blocks,
+                      "usage_blocks": {arm: u for arm, (_c, u) in res.items()},
+                      "deleted_blocks": {arm: c for arm, (c, _u) in res.items()}})
 
     @router.post("/pin")
     async def pin(body: PinRequest, request: Request) -> Response:
@@ -157,7 +163,7 @@ def admin_router(server: KVHeatServer) -> APIRouter:
         for h in handles:
             while not isinstance(await h.next(), Finished):
                 pass
-        pinned = await on_engines(lambda eng: eng.cache.pin_prefix(prompt, t))
+        pinned = await on_engines(lambda eng: eng.pin_prefix(prompt, t))
         return _json({"tenant": t, "prompt_tokens": len(prompt), "pinned_tokens": pinned})
 
     @router.post("/unpin")
@@ -165,7 +171,7 @@ def admin_router(server: KVHeatServer) -> APIRouter:
         check(request)
         t = tenant_of(body.tenant)
         prompt = await server.offload(prompt_of, body)
-        unpinned = await on_engines(lambda eng: eng.cache.unpin_prefix(prompt, t))
+        unpinned = await on_engines(lambda eng: eng.unpin_prefix(prompt, t))
         return _json({"tenant": t, "unpinned": unpinned})
 
     return router

@@ -177,7 +177,8 @@ class KVHeatServer:
                                 redis_tier_url=config.redis_tier_url,
                                 redis_tier_bytes=int(config.redis_tier_bytes),
                                 redis_cluster=config.redis_cluster,
-                                tier_mode=config.tier_mode, tier_namespace=arm)
+                                tier_mode=config.tier_mode, tier_namespace=arm,
+                                tier_secret=config.tier_secret)
             try:
                 return ServingEngine(model, tok, ecfg)
             except (OSError, ValueError) as e:  # e.g. a disk tier folder it cannot write

@@ -121,6 +121,10 @@ class ServerConfig:
     redis_tier_bytes: int | str = 0
     redis_cluster: bool = False
     tier_mode: str = "exclusive"  # or "write_through"
+    # Keys the MAC of every KV value read back from disk or Redis, and their key names;
+    # None: the KVHEAT_TIER_SECRET environment variable (better: it stays out of files).
+    # Servers sharing a Redis (or a disk folder) need the same one.
+    tier_secret: str | None = None
     policy: str = "kvheat"  # the single arm's policy when no arms are configured
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -153,6 +157,8 @@ class ServerConfig:
             raise ConfigError("a Redis tier needs both redis_tier_url and redis_tier_bytes")
         if self.tier_mode not in ("exclusive", "write_through"):
             raise ConfigError("tier_mode must be exclusive or write_through")
+        if self.tier_secret is not None and len(self.tier_secret.encode()) < 16:
+            raise ConfigError("tier_secret must have at least 16 bytes")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.default_max_tokens < 1:

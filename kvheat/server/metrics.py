@@ -81,7 +81,8 @@ class ServerMetrics:
         self.evictions = Counter(
             "kvheat_evictions", "Blocks evicted, per tier.", ["arm", "tier"], registry=r)
         self.preemptions = Counter(
-            "kvheat_preemptions", "Sequences preempted when the pool ran out.", ["arm"],
+            "kvheat_preemptions", "Sequences preempted when the pool ran out, by the tenant "
+            "of the preempted sequence (\"none\" without tenants).", ["arm", "tenant"],
             registry=r)
         self.tier_bytes = Counter(
             "kvheat_tier_bytes", "Bytes moved to (write) and from (read) a lower tier.",
@@ -172,7 +173,8 @@ class ServerMetrics:
         self.blocks.labels(arm, "device", "cached").set(len(cache.blocks) - n_used - n_free)
         self.hit_rate.labels(arm).set(cache.stats.hit_rate)
         self._advance(self.evictions, (arm, "device"), cache.stats.evicted_blocks)
-        self._advance(self.preemptions, (arm,), engine.stats.preemptions)
+        for tenant, n in engine.scheduler.preemptions_by_tenant.items():
+            self._advance(self.preemptions, (arm, tenant or "none"), n)
         tiered = getattr(engine, "tiers", None)
         st = tiered.stats() if tiered is not None else {}
         self._refresh_tiers(arm, st)

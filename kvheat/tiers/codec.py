@@ -1,28 +1,38 @@
 """The value format every byte-holding tier shares (disk files, Redis values).
 
 A value is a fixed header, the shape, the block key, the namespace digest, then the raw
-tensor bytes. One xxh3-64 checksum covers everything after the checksum field, so a
-flipped bit anywhere (dtype, shape, key or payload) makes the value unreadable rather than
-wrong. Reading never trusts a value: magic, version, lengths, key, namespace and checksum
-are all checked, and any failure is a `CorruptValue` the caller counts as a miss.
-Tensors are rebuilt with `torch.frombuffer`; nothing is unpickled.
+tensor bytes. A keyed MAC (BLAKE2b-128 under the deployment's tier key) covers every byte
+but itself, so a flipped bit anywhere (dtype, shape, key or payload) makes the value
+unreadable rather than wrong, and a value written by anyone without the key (KV planted in
+a shared Redis) never verifies. Reading never trusts a value: magic, version, lengths,
+key, namespace and MAC are all checked, and any failure is a `CorruptValue` the caller
+counts as a miss. Tensors are rebuilt with `torch.frombuffer`; nothing is unpickled.
+
+The tier key comes from a secret in config or `KVHEAT_TIER_SECRET` (`tier_key`); it also
+keys the namespace digests and the names values are stored under, so neither tenant names
+nor the model fingerprint can be read from, or used to compute, a key name.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import struct
 import warnings
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 MAGIC = b"KVT1"
-VERSION = 1
-# magic, version, dtype code, ndim, key length, payload length, checksum
-_HEAD = struct.Struct("<4sBBBBQQ")
+VERSION = 2  # 1: an unkeyed xxh3-64 checksum in place of the MAC
+# magic, version, dtype code, ndim, key length, payload length, MAC
+MAC_SIZE = 16
+_HEAD = struct.Struct(f"<4sBBBBQ{MAC_SIZE}s")
 HEAD_SIZE = _HEAD.size
 NS_SIZE = 16
+SECRET_ENV = "KVHEAT_TIER_SECRET"
+MIN_SECRET = 16
 MAX_KEY = 255
 MAX_NDIM = 8
 
@@ -48,10 +58,35 @@ class CorruptValue(ValueError):
         self.kind = kind
 
 
-def namespace_digest(model: str, layout: str, salt: str | None) -> bytes:
+def tier_key(secret: str | bytes | None = None) -> bytes | None:
+    """The 32-byte MAC key derived from a deployment secret: `secret`, else the
+    `KVHEAT_TIER_SECRET` environment variable; None when neither is set."""
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV) or None
+    if secret is None:
+        return None
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if len(raw) < MIN_SECRET:
+        raise ValueError(f"the tier secret must have at least {MIN_SECRET} bytes (it keys "
+                         "the MAC of every value read back from disk or Redis)")
+    return hashlib.blake2b(raw, digest_size=32, person=b"kvheat-tierkey").digest()
+
+
+def keyed_digest(mac_key: bytes, *parts: bytes, size: int = 16) -> bytes:
+    """BLAKE2b under `mac_key` of the parts (length-prefixed, so they cannot run together)."""
+    h = hashlib.blake2b(key=mac_key, digest_size=size)
+    for p in parts:
+        h.update(len(p).to_bytes(4, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def namespace_digest(model: str, layout: str, salt: str | None, mac_key: bytes) -> bytes:
     """16 bytes naming (model, layout, tenant salt): stored with every value and checked on
-    read, so one tenant or model never reads another's bytes under the same key."""
-    return xxhash.xxh3_128_digest(f"kvheat-ns/v1\0{model}\0{layout}\0{salt or ''}".encode())
+    read, so one tenant or model never reads another's bytes under the same key. Keyed:
+    without the tier key it cannot be computed from a tenant name and a fingerprint."""
+    return keyed_digest(mac_key, b"kvheat-ns/v2", model.encode(), layout.encode(),
+                        (salt or "").encode())
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -68,7 +103,7 @@ class Header:
     key: bytes
     ns: bytes
     payload_len: int
-    checksum: int
+    mac: bytes
     body_offset: int  # where the payload starts in the value
 
 
@@ -82,22 +117,29 @@ def _meta(dtype: torch.dtype, shape: tuple[int, ...], key: bytes, ns: bytes) -> 
     return code, tail
 
 
-def encode_prefix(t: torch.Tensor, key: bytes, ns: bytes) -> tuple[bytes, memoryview]:
+def _mac(mac_key: bytes, head_wo_mac: bytes | memoryview, tail: bytes | memoryview,
+         payload: bytes | bytearray | memoryview) -> bytes:
+    h = hashlib.blake2b(key=mac_key, digest_size=MAC_SIZE, person=b"kvheat-value")
+    h.update(head_wo_mac)
+    h.update(tail)
+    h.update(payload)
+    return h.digest()
+
+
+def encode_prefix(t: torch.Tensor, key: bytes, ns: bytes, mac_key: bytes
+                  ) -> tuple[bytes, memoryview]:
     """(header bytes, payload view) for `t`; the value is their concatenation."""
     t = t.contiguous() if t.device.type == "cpu" else t.cpu().contiguous()
     payload = tensor_bytes(t)
     code, tail = _meta(t.dtype, tuple(t.shape), key, ns)
-    h = xxhash.xxh3_64()
-    head_wo_sum = _HEAD.pack(MAGIC, VERSION, code, t.dim(), len(key), len(payload), 0)[:-8]
-    h.update(head_wo_sum)
-    h.update(tail)
-    h.update(payload)
-    head = _HEAD.pack(MAGIC, VERSION, code, t.dim(), len(key), len(payload), h.intdigest())
+    head_wo_mac = _HEAD.pack(MAGIC, VERSION, code, t.dim(), len(key), len(payload),
+                             b"")[:-MAC_SIZE]
+    head = head_wo_mac + _mac(mac_key, head_wo_mac, tail, payload)
     return head + tail, payload
 
 
-def encode(t: torch.Tensor, key: bytes, ns: bytes) -> bytes:
-    head, payload = encode_prefix(t, key, ns)
+def encode(t: torch.Tensor, key: bytes, ns: bytes, mac_key: bytes) -> bytes:
+    head, payload = encode_prefix(t, key, ns, mac_key)
     return head + bytes(payload)
 
 
@@ -105,7 +147,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     """Parse and sanity-check the header (not the checksum: see `verify`)."""
     if len(buf) < HEAD_SIZE:
         raise CorruptValue("torn", f"{len(buf)} bytes is shorter than a header")
-    magic, version, code, ndim, klen, plen, csum = _HEAD.unpack_from(buf, 0)
+    magic, version, code, ndim, klen, plen, mac = _HEAD.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptValue("format", "bad magic")
     if version != VERSION:
@@ -128,49 +170,51 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
         numel *= s
     if numel * dtype.itemsize != plen:
         raise CorruptValue("format", "shape and dtype disagree with the payload length")
-    return Header(dtype, tuple(shape), key, ns, plen, csum, off)
+    return Header(dtype, tuple(shape), key, ns, plen, mac, off)
 
 
-def verify(buf: bytes | bytearray | memoryview, hdr: Header, key: bytes, ns: bytes) -> None:
-    """Raise CorruptValue unless `buf` holds exactly the value stored for (key, ns)."""
+def verify(buf: bytes | bytearray | memoryview, hdr: Header, key: bytes, ns: bytes,
+           mac_key: bytes) -> None:
+    """Raise CorruptValue unless `buf` holds exactly the value stored for (key, ns) by a
+    holder of `mac_key`."""
     if len(buf) != hdr.body_offset + hdr.payload_len:
         raise CorruptValue("torn", f"{len(buf)} bytes, header says "
                                    f"{hdr.body_offset + hdr.payload_len}")
     mv = memoryview(buf)
-    verify_parts(mv[:hdr.body_offset], mv[hdr.body_offset:], hdr, key, ns)
+    verify_parts(mv[:hdr.body_offset], mv[hdr.body_offset:], hdr, key, ns, mac_key)
 
 
 def verify_parts(head: bytes | bytearray | memoryview, payload: bytes | bytearray | memoryview,
-                 hdr: Header, key: bytes, ns: bytes) -> None:
+                 hdr: Header, key: bytes, ns: bytes, mac_key: bytes) -> None:
     """`verify` for a value received in two places: its header bytes (through the
     namespace) and its payload (e.g. received straight into an output tensor)."""
     if hdr.key != key or hdr.ns != ns:
         raise CorruptValue("key", "value was stored under another key or namespace")
     if len(head) != hdr.body_offset or len(payload) != hdr.payload_len:
         raise CorruptValue("torn", "value length disagrees with its header")
-    h = xxhash.xxh3_64()
     mv = memoryview(head)
-    h.update(mv[:HEAD_SIZE - 8])
-    h.update(mv[HEAD_SIZE:])
-    h.update(payload)
-    if h.intdigest() != hdr.checksum:
-        raise CorruptValue("checksum", "checksum mismatch")
+    if not hmac.compare_digest(_mac(mac_key, mv[:HEAD_SIZE - MAC_SIZE], mv[HEAD_SIZE:], payload),
+                               hdr.mac):
+        # Counted as "checksum": a flipped bit and a value forged without the key alike.
+        raise CorruptValue("checksum", "MAC mismatch (altered, or not written with this "
+                                       "deployment's tier key)")
 
 
 def header_size(prefix: bytes | bytearray | memoryview) -> int:
     """Bytes of header (through the namespace) of a value starting with `prefix`, which
     holds at least HEAD_SIZE bytes; the values are checked later by `decode_header`."""
-    _magic, _version, _code, ndim, klen, _plen, _csum = _HEAD.unpack_from(prefix, 0)
+    _magic, _version, _code, ndim, klen, _plen, _mac_ = _HEAD.unpack_from(prefix, 0)
     return HEAD_SIZE + 4 * ndim + klen + NS_SIZE
 
 
-def decode(buf: bytes | bytearray | memoryview, key: bytes, ns: bytes) -> torch.Tensor:
+def decode(buf: bytes | bytearray | memoryview, key: bytes, ns: bytes,
+           mac_key: bytes) -> torch.Tensor:
     """The tensor stored in `buf` for (key, ns), viewing `buf` (no copy); or CorruptValue.
     From a writable `buf` (bytearray, writable memoryview) the tensor is an ordinary one;
     from immutable `bytes` (straight from a socket) it must only be read, e.g. copied into
     a device block or an output buffer: writing to it is undefined."""
     hdr = decode_header(buf)
-    verify(buf, hdr, key, ns)
+    verify(buf, hdr, key, ns, mac_key)
     return payload_tensor(buf, hdr, hdr.body_offset)
 
 

@@ -7,10 +7,15 @@ disagrees with their header (torn), and files whose name does not match the key 
 deleted, never indexed. Every read checks the whole value again before serving it.
 A full disk (ENOSPC, EDQUOT, EFBIG) or the cap refuses the put; demotion stops for a while
 and nothing raises.
+
+The cap holds for the folder: processes sharing one (two servers of one model) each count
+every file of their model and layout, not just their own, and a store opened over more
+than its cap deletes the oldest files down to it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -19,7 +24,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-import xxhash
 
 from .codec import (
     HEAD_SIZE,
@@ -30,6 +34,7 @@ from .codec import (
     decode,
     decode_header,
     encode_prefix,
+    keyed_digest,
 )
 from .store import KVStore, copy_out, log
 
@@ -37,17 +42,26 @@ _SUFFIX = ".kv"
 _TMP = ".tmp-"
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _MAX_HEADER = HEAD_SIZE + 4 * MAX_NDIM + MAX_KEY + NS_SIZE
+_KEY_FILE = ".kvheat-tier-key"
 
 
 class DiskStore(KVStore):
     name = "disk"
 
     def __init__(self, root: str | Path, capacity_bytes: int, model: str = "model",
-                 layout: str = "kv", fsync: bool = True, full_backoff_s: float = 5.0) -> None:
-        super().__init__(capacity_bytes, model, layout)
+                 layout: str = "kv", fsync: bool = True, full_backoff_s: float = 5.0,
+                 secret: str | bytes | None = None, folder_scan_s: float = 1.0) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.prefix = xxhash.xxh3_64_hexdigest(f"kvheat-disk/v1\0{model}\0{layout}".encode()) + "-"
+        super().__init__(capacity_bytes, model, layout, secret)
+        self.prefix = keyed_digest(self.mac_key, b"kvheat-disk/v2", model.encode(),
+                                   layout.encode(), size=8).hex() + "-"
+        # The folder's bytes of this model and layout, other processes' files included,
+        # measured at most this often (on the demotion thread's puts).
+        self.folder_scan_s = folder_scan_s
+        self._folder_bytes = 0
+        self._folder_at = float("-inf")
+        self.trimmed_on_open = 0
         self.fsync = fsync
         self.full_backoff_s = full_backoff_s
         self.write_blocked_until = 0.0
@@ -64,7 +78,28 @@ class DiskStore(KVStore):
     # stores of several models or layouts share a directory without reading, counting or
     # deleting each other's files (each has its own cap).
     def _name(self, key: bytes, ns: bytes) -> str:
-        return self.prefix + xxhash.xxh3_128_hexdigest(ns + key)
+        return self.prefix + keyed_digest(self.mac_key, ns, key).hex()
+
+    def _default_key(self) -> bytes:
+        """No secret configured: the folder's own key file (created once, mode 0600), so
+        a restart, and every store on this folder, verifies what the others wrote."""
+        path = self.root / _KEY_FILE
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            for _ in range(100):  # another process may be writing it right now
+                data = path.read_bytes()
+                if len(data) == 32:
+                    return data
+                time.sleep(0.01)
+            raise ValueError(f"{path} is not a kvheat tier key (32 bytes); remove it or "
+                             "configure a tier secret") from None
+        key = os.urandom(32)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+            f.flush()
+            os.fsync(f.fileno())
+        return key
 
     def _path(self, name: str) -> Path:
         return self.root / (name + _SUFFIX)
@@ -98,10 +133,43 @@ class DiskStore(KVStore):
                 continue
             self.index[name] = (hdr.key, hdr.ns, size)
             self._used += size
+        if self._used > self.capacity_bytes:
+            self._trim_to_cap()
 
+    def _trim_to_cap(self) -> None:
+        """Opened over its cap (a smaller cap, or files of another process): the oldest
+        files go until the rest fit."""
+        by_age = []
+        for name in self.index:
+            try:
+                by_age.append((os.stat(self._path(name)).st_mtime, name))
+            except OSError:
+                by_age.append((0.0, name))
+        for _mtime, name in sorted(by_age):
+            if self._used <= self.capacity_bytes:
+                break
+            self._drop(name, remove_file=True)
+            self.trimmed_on_open += 1
     # ---- interface --------------------------------------------------------------------
     def used_bytes(self) -> int:
-        return self._used
+        """Bytes against the cap: this store's files, or the folder's files of its model
+        and layout when other processes add to them."""
+        return max(self._used, self._folder())
+
+    def _folder(self) -> int:
+        now = time.monotonic()
+        if now - self._folder_at >= self.folder_scan_s:
+            total = 0
+            try:
+                for entry in os.scandir(self.root):
+                    n = entry.name
+                    if n.endswith(_SUFFIX) and n.startswith(self.prefix):
+                        with contextlib.suppress(OSError):  # deleted meanwhile
+                            total += entry.stat().st_size
+            except OSError:
+                total = 0
+            self._folder_bytes, self._folder_at = total, now
+        return self._folder_bytes
 
     def entry_bytes(self, kv: torch.Tensor, key: bytes) -> int:
         return kv.numel() * kv.element_size() + HEAD_SIZE + 4 * kv.dim() + len(key) + NS_SIZE
@@ -112,19 +180,21 @@ class DiskStore(KVStore):
     def describe(self) -> dict[str, object]:
         # A full disk is readable (up) but takes no writes: say so, with its own counters.
         return {**super().describe(), "writable": self.writable(),
-                "full_events": self.full_events, "rejected_on_open": self.rejected_on_open}
+                "full_events": self.full_events, "rejected_on_open": self.rejected_on_open,
+                "trimmed_on_open": self.trimmed_on_open}
 
     def _put(self, key: bytes, kv: torch.Tensor, salt: str | None) -> bool:
         if not self.writable():
             self.stats.skipped_down += 1
             return False
         ns = self.ns(salt)
-        head, payload = encode_prefix(kv, key, ns)
+        head, payload = encode_prefix(kv, key, ns, self.mac_key)
         size = len(head) + len(payload)
         name = self._name(key, ns)
+        others = max(0, self._folder() - self._used)  # other processes' files here
         with self._lock:
             old = self.index.get(name)
-            if self._used - (old[2] if old else 0) + size > self.capacity_bytes:
+            if others + self._used - (old[2] if old else 0) + size > self.capacity_bytes:
                 return False  # the cap: the caller makes room first
             # Reserve the bytes now so concurrent writers cannot overshoot the cap. A value
             # being rewritten stays readable: the rename swaps whole files atomically.
@@ -171,7 +241,7 @@ class DiskStore(KVStore):
                 n = f.readinto(buf)
             if n != size:
                 raise CorruptValue("torn", f"read {n} of {size} bytes")
-            t = decode(buf, key, ns)
+            t = decode(buf, key, ns, self.mac_key)
         except FileNotFoundError:
             self._drop(name, remove_file=False)
             return None

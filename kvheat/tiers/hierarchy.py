@@ -68,6 +68,9 @@ class TierIndex:
         self.leaf_first = leaf_first
         self.entries: dict[bytes, Block] = {}
         self.sizes: dict[bytes, int] = {}
+        # key -> the tenant whose request filled it (`_UNKNOWN` for entries found at
+        # start-up): a flush deletes a tenant's own entries, not its share group's.
+        self.owners: dict[bytes, object] = {}
         # Entries with children below, in the order they got their first (leaf_first only).
         self.inner: dict[bytes, Block] = {}
         self._ids = 0
@@ -79,7 +82,7 @@ class TierIndex:
         return self.entries.get(key)
 
     def insert(self, key: bytes, salt: str | None, tokens: int, size: int, now: float,
-               children: int = 0) -> bool:
+               children: int = 0, owner: object = None) -> bool:
         """Add `key` (True) or refresh it (False). `children`: its children held below."""
         b = self.entries.get(key)
         if b is not None:
@@ -101,6 +104,7 @@ class TierIndex:
         self.policy.on_release(b, now)
         self.entries[key] = b
         self.sizes[key] = size
+        self.owners[key] = owner
         return True
 
     def set_children(self, key: bytes, n: int) -> None:
@@ -145,6 +149,7 @@ class TierIndex:
         if b is None:
             return None
         self.sizes.pop(key, None)
+        self.owners.pop(key, None)
         self.inner.pop(key, None)
         if b.ref_cnt == 0:
             self.policy.on_acquire(b)
@@ -196,12 +201,32 @@ class _Step:
     entry: Block
     tokens: int
     result: _Slot | None = None  # set when a loader thread fetches it
+    done: bool = False  # written into its device block
+
+
+@dataclass(slots=True)
+class _Move:
+    """One block on its way to a lower tier (demoted, or handed down by a full tier)."""
+
+    tier: int
+    key: bytes
+    salt: str | None
+    tokens: int
+    kv: torch.Tensor
+    parent: bytes | None
+    owner: object  # the tenant that filled it (`_UNKNOWN`: found at start-up)
+    gen: int  # the owner's flush count when it left the device
+
+    def to(self, tier: int, kv: torch.Tensor) -> _Move:
+        return _Move(tier, self.key, self.salt, self.tokens, kv, self.parent, self.owner,
+                     self.gen)
 
 
 @dataclass(slots=True)
 class _Plan:
     start: int  # first block index the plan covers (the device hit length when made)
     salt: str | None
+    owner: str | None = None  # the request's tenant
     steps: list[_Step] = field(default_factory=list)
     found_blocks: int = 0  # continuation blocks found on lower tiers before deciding
     found_tokens: int = 0
@@ -239,6 +264,14 @@ class TierCounters:
     prefetch_used: int = 0
     prefetch_replanned: int = 0
     worker_errors: int = 0
+    # Bytes read from lower tiers to promote blocks, bytes written into device blocks from
+    # them, and bytes read for plans dropped before use (request ended, flushed, device hit
+    # grew meanwhile): read_bytes <= promoted_bytes + unused_read_bytes, each block read
+    # at most once per promotion.
+    read_bytes: int = 0
+    promoted_bytes: int = 0
+    unused_read_bytes: int = 0
+    backlog_recomputes: int = 0  # plans cut short because the loaders' backlog made loading slower
 
 
 class TieredCache:
@@ -262,6 +295,7 @@ class TieredCache:
         self.tier_hit_blocks = [0] * len(tiers)
         self.tier_demotions = [0] * len(tiers)
         self.tier_evictions = [0] * len(tiers)
+        self.tier_deleted = [0] * len(tiers)  # entries deleted by flushes and quota cuts
         # (tier name, tokens) of each block the latest `allocate` loaded, in block order:
         # read right after it, on the same thread, to credit a request's hits to tiers.
         self.last_loaded: list[tuple[str, int]] = []
@@ -289,15 +323,19 @@ class TieredCache:
                 # Known tenants by salt; others by namespace digest (still evictable).
                 salt = self._salt_of_ns(st, ns)
                 if idx.insert(key, ns if salt is _UNKNOWN else salt,  # type: ignore[arg-type]
-                              mgr.block_size, self.block_bytes, now):
+                              mgr.block_size, self.block_bytes, now, owner=_UNKNOWN):
                     # A store keeps no parent: a root here, never dropped with an ancestor.
                     self._hold(key, None)
             self.indexes.append(idx)
         self._lock = threading.RLock()
         self._prefetched: dict[str, _Plan] = {}
-        self._queue: queue.Queue[
-            tuple[int, bytes, str | None, int, torch.Tensor, bytes | None] | None] = \
-            queue.Queue(cfg.queue_size)
+        # key -> the read of it in flight or done for plans not finished yet (shared).
+        self._inflight: dict[bytes, _Slot] = {}
+        self._backlog_s = 0.0  # estimated seconds of submitted reads not finished yet
+        self._queue: queue.Queue[_Move | None] = queue.Queue(cfg.queue_size)
+        # tenant -> flushes so far: a demotion queued before a flush of its tenant is
+        # dropped when its turn comes (one entry per tenant ever flushed).
+        self._flushes: dict[object, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._worker: threading.Thread | None = None
         if cfg.async_io:
@@ -305,6 +343,7 @@ class TieredCache:
             self._worker = threading.Thread(target=self._work, name="kvheat-demote", daemon=True)
             self._worker.start()
         mgr.evict_listeners.append(self._on_device_evict)
+        mgr.drop_listeners.append(self._on_device_drop)
         if cfg.calibrate and cfg.prefill_tokens_per_s is not None:
             self.calibrate()
 
@@ -407,6 +446,7 @@ class TieredCache:
         view = self.device.block_view(b.block_id)  # type: ignore[attr-defined]
         # The device evicts leaves first, so the parent is still cached there now.
         parent = b.parent.key if b.parent is not None else None
+        gen = self._flushes.get(b.tenant, 0)
         if self.config.mode == "write_through":
             copy: torch.Tensor | None = None
             for i, st in enumerate(self.tiers):
@@ -417,45 +457,109 @@ class TieredCache:
                             self.indexes[i].touch(e, self.clock())
                     continue
                 if st.inline:
-                    self._place(i, b.key, salt, b.num_tokens, view, parent, cascade=False)
+                    self._place(_Move(i, b.key, salt, b.num_tokens, view, parent, b.tenant, gen),
+                                cascade=False)
                 else:
                     if copy is None:
                         copy = _private(view)
-                    self._enqueue(i, b.key, salt, b.num_tokens, copy, parent)
+                    self._enqueue(_Move(i, b.key, salt, b.num_tokens, copy, parent, b.tenant,
+                                        gen))
         else:
             first = next((i for i, st in enumerate(self.tiers) if st.available()), None)
             if first is None:
                 self.counters.demote_refused += 1
             elif self.tiers[first].inline:
-                self._place(first, b.key, salt, b.num_tokens, view, parent, cascade=True)
+                self._place(_Move(first, b.key, salt, b.num_tokens, view, parent, b.tenant, gen),
+                            cascade=True)
             else:
-                self._enqueue(first, b.key, salt, b.num_tokens, _private(view), parent)
+                self._enqueue(_Move(first, b.key, salt, b.num_tokens, _private(view), parent,
+                                    b.tenant, gen))
         # Refused or dropped: the key leaves with the device block, and its children below.
         with self._lock:
             dels = self._settle(b.key, leaving_device=True)
         self._delete(dels)
 
-    def _enqueue(self, tier: int, key: bytes, salt: str | None, tokens: int,
-                 kv: torch.Tensor, parent: bytes | None) -> None:
+    def _on_device_drop(self, b: Block) -> None:
+        """A device block deleted on purpose (flush, quota cut): its key goes from every
+        tier (write-through copies included), and so do its descendants below."""
+        if not self.tiers or b.key is None:
+            return
+        salt = self.mgr.salt_of(b.tenant)
+        dels: list[tuple[int, bytes, str | None]] = []
+        with self._lock:
+            for t, idx in enumerate(self.indexes):
+                e = idx.get(b.key)
+                st = self.tiers[t]
+                if e is not None and st.ns(e.tenant) == st.ns(salt):
+                    idx.remove(b.key)
+                    dels.append((t, b.key, e.tenant))
+                    dels += self._release(b.key, leaving_device=True)
+            dels += self._settle(b.key, leaving_device=True)
+        self._delete(dels)
+        self._count_deleted(dels)
+
+    def _count_deleted(self, dels: list[tuple[int, bytes, str | None]]) -> None:
+        for t, _key, _salt in dels:
+            self.tier_deleted[t] += 1
+
+    def purge_tenant(self, tenant: str | None) -> dict[str, int]:
+        """Delete what the tiers hold of `tenant` (a flush): its entries on every tier,
+        durable ones included, its queued demotions and its requests' load plans. Only its
+        own: in a share group, the entries other members filled stay (entries found at
+        start-up, whose filler is unknown, go with any member's flush). Returns the
+        entries deleted per tier name."""
+        salt = self.mgr.salt_of(tenant)
+        shared = tenant is not None and tenant in self.mgr.config.share_groups
+        out = {st.name: 0 for st in self.tiers}
+        dels: list[tuple[int, bytes, str | None]] = []
+        plans: list[_Plan] = []
+        with self._lock:
+            self._flushes[tenant] = self._flushes.get(tenant, 0) + 1
+            for rid, plan in list(self._prefetched.items()):
+                if plan.owner == tenant:  # its loads would bring the KV back
+                    plans.append(self._prefetched.pop(rid))
+            for t, idx in enumerate(self.indexes):
+                st = self.tiers[t]
+                ns = st.ns(salt)
+                mine = [k for k, e in idx.entries.items() if st.ns(e.tenant) == ns
+                        and (not shared or idx.owners.get(k) in (tenant, _UNKNOWN))]
+                for k in mine:
+                    e = idx.remove(k)
+                    if e is not None:
+                        dels.append((t, k, e.tenant))
+                        dels += self._release(k)
+        for plan in plans:
+            self._unpin(plan.steps)
+        self._delete(dels)
+        self._count_deleted(dels)
+        for t, _k, _s in dels:
+            out[self.tiers[t].name] += 1
+        if not shared:  # entries other processes put there (replicas on one Redis)
+            for t, st in enumerate(self.tiers):
+                n = st.purge(salt)
+                out[st.name] += n
+                self.tier_deleted[t] += n
+        return out
+
+    def _enqueue(self, m: _Move) -> None:
         """Hand a demotion to the background thread. The item holds `key` below from now
         until it is placed, so a key moving between tiers is never taken for gone."""
         with self._lock:
-            self._hold(key, parent)
-        item = (tier, key, salt, tokens, kv, parent)
+            self._hold(m.key, m.parent)
         if self._worker is None:
             try:
-                self._place(*item, cascade=self.config.mode == "exclusive", owned=True)
+                self._place(m, cascade=self.config.mode == "exclusive", owned=True)
             finally:
                 with self._lock:
-                    dels = self._release(key)
+                    dels = self._release(m.key)
                 self._delete(dels)
             return
         try:
-            self._queue.put_nowait(item)
+            self._queue.put_nowait(m)
         except queue.Full:
             self.counters.demote_dropped += 1
             with self._lock:
-                dels = self._release(key)
+                dels = self._release(m.key)
             self._delete(dels)
 
     def _work(self) -> None:
@@ -464,7 +568,7 @@ class TieredCache:
             try:
                 if item is None:
                     return
-                self._place(*item, cascade=self.config.mode == "exclusive", owned=True)
+                self._place(item, cascade=self.config.mode == "exclusive", owned=True)
             except Exception:  # the demotion thread must outlive any one bad block
                 self.counters.worker_errors += 1
                 log.exception("tier demotion failed")
@@ -472,23 +576,25 @@ class TieredCache:
                 if item is not None:
                     try:
                         with self._lock:
-                            dels = self._release(item[1])
+                            dels = self._release(item.key)
                         self._delete(dels)
                     except Exception:
                         self.counters.worker_errors += 1
                         log.exception("tier cleanup failed")
                 self._queue.task_done()
 
-    def _place(self, tier: int, key: bytes, salt: str | None, tokens: int, kv: torch.Tensor,
-               parent: bytes | None, cascade: bool, owned: bool = False) -> None:
-        """Put one block into `tier`, making room by evicting that tier's coldest entries
+    def _place(self, m: _Move, cascade: bool, owned: bool = False) -> None:
+        """Put one block into `m.tier`, making room by evicting that tier's coldest entries
         (down to the next tier when `cascade`); a refused block itself goes down too.
-        `owned`: `kv` is a private copy; otherwise it may view a device block that is
+        `owned`: `m.kv` is a private copy; otherwise it may view a device block that is
         reused as soon as this returns, so anything queued is copied first. The caller
-        holds `key` meanwhile and settles it after (a refused key may be gone)."""
+        holds the key meanwhile and settles it after (a refused key may be gone)."""
+        tier, key, salt, tokens, kv, parent = m.tier, m.key, m.salt, m.tokens, m.kv, m.parent
         st, idx = self.tiers[tier], self.indexes[tier]
         nxt = tier + 1 if cascade and tier + 1 < len(self.tiers) else None
         with self._lock:
+            if self._flushes.get(m.owner, 0) != m.gen:  # its tenant was flushed meanwhile
+                return
             if self._orphan(parent):  # its parent left while it waited in the queue
                 self.counters.orphans_dropped += 1
                 return
@@ -500,12 +606,12 @@ class TieredCache:
                 return
         if not st.available():
             if nxt is not None:
-                self._enqueue(nxt, key, salt, tokens, kv if owned else _private(kv), parent)
+                self._enqueue(m.to(nxt, kv if owned else _private(kv)))
             else:
                 self.counters.demote_refused += 1
             return
         need = st.entry_bytes(kv, key)
-        victims: list[tuple[Block, bytes | None]] = []
+        victims: list[tuple[Block, bytes | None, object]] = []
         with self._lock:
             freed = 0
             held = idx.sizes.get(key, 0)
@@ -514,16 +620,18 @@ class TieredCache:
                 if v is None:
                     break
                 freed += idx.sizes.get(v.key, 0)  # type: ignore[arg-type]
+                owner = idx.owners.get(v.key, _UNKNOWN)  # type: ignore[arg-type]
                 idx.remove(v.key)  # type: ignore[arg-type]
                 # Its holding stays until it is handed down or dropped (released below).
-                victims.append((v, self._parent.get(v.key)))  # type: ignore[arg-type]
-        for v, vparent in victims:
+                victims.append((v, self._parent.get(v.key), owner))  # type: ignore[arg-type]
+        for v, vparent, vowner in victims:
             vkey: bytes = v.key  # type: ignore[assignment]
             try:
                 if nxt is not None and self.tiers[nxt].available():
                     t = st.get(vkey, v.tenant)
                     if t is not None:
-                        self._enqueue(nxt, vkey, v.tenant, v.num_tokens, t, vparent)
+                        self._enqueue(_Move(nxt, vkey, v.tenant, v.num_tokens, t, vparent,
+                                            vowner, self._flushes.get(vowner, 0)))
                 elif tier == len(self.tiers) - 1:
                     self.counters.dropped_bottom += 1
                 st.delete(vkey, v.tenant)
@@ -534,10 +642,11 @@ class TieredCache:
                 self._delete(dels)
         if st.put(key, kv, salt):
             with self._lock:
-                # Checked again: making room above may have dropped the parent meanwhile.
-                orphan = self._orphan(parent)
+                # Checked again: making room above may have dropped the parent meanwhile,
+                # and a flush of its tenant may have run while it was written.
+                orphan = self._orphan(parent) or self._flushes.get(m.owner, 0) != m.gen
                 if not orphan and idx.insert(key, salt, tokens, need, self.clock(),
-                                             len(self._kids.get(key, ()))):
+                                             len(self._kids.get(key, ())), m.owner):
                     self._hold(key, parent)
             if orphan:
                 self.counters.orphans_dropped += 1
@@ -546,7 +655,7 @@ class TieredCache:
             self.tier_demotions[tier] += 1
             self.counters.demotions += 1
         elif nxt is not None:
-            self._enqueue(nxt, key, salt, tokens, kv if owned else _private(kv), parent)
+            self._enqueue(m.to(nxt, kv if owned else _private(kv)))
         else:
             self.counters.demote_refused += 1
 
@@ -569,6 +678,8 @@ class TieredCache:
             self._pool = None
         if self._on_device_evict in self.mgr.evict_listeners:
             self.mgr.evict_listeners.remove(self._on_device_evict)
+        if self._on_device_drop in self.mgr.drop_listeners:
+            self.mgr.drop_listeners.remove(self._on_device_drop)
 
     # ---- load or recompute ------------------------------------------------------------
     def prefill_speed(self) -> float | None:
@@ -615,10 +726,15 @@ class TieredCache:
         tokens = 0
         best_k, best_gain, best = 0, 0.0, (0.0, 0.0)
         first = best
+        # Reads go to the loader threads behind those already queued: a load that would
+        # wait behind a backlog is worth it only if it still beats recomputing.
+        wait = self.backlog_s() if self._pool is not None else 0.0
+        slow = False
         for k, s in enumerate(plan.steps, 1):
             per_tier[s.tier] += 1
             tokens += s.tokens
-            load = 0.0
+            slow = slow or not self.tiers[s.tier].inline
+            load = wait if slow else 0.0
             for t, n in enumerate(per_tier):
                 if n:
                     est = self.estimate_load_s(t, n)
@@ -628,12 +744,28 @@ class TieredCache:
                 first = (load, recompute)
             if recompute - load > best_gain:
                 best_k, best_gain, best = k, recompute - load, (load, recompute)
+        if wait and best_k < len(plan.steps):
+            no_wait = self._decide_no_wait(plan, speed)
+            if no_wait > best_k:
+                self.counters.backlog_recomputes += 1
         if best_k == 0 and plan.steps:
             model = self.tiers[plan.steps[0].tier].read_model
-            if time.monotonic() - model.last_at > self.config.remeasure_s:
+            if not wait and time.monotonic() - model.last_at > self.config.remeasure_s:
                 best_k, best = 1, first
                 self.counters.remeasure_loads += 1
         plan.est_load_s, plan.est_recompute_s = best
+        return best_k
+
+    def _decide_no_wait(self, plan: _Plan, speed: float) -> int:
+        """How many blocks `_decide` would load with no backlog (to count the difference)."""
+        per_tier = [0] * len(self.tiers)
+        tokens, best_k, best_gain = 0, 0, 0.0
+        for k, s in enumerate(plan.steps, 1):
+            per_tier[s.tier] += 1
+            tokens += s.tokens
+            load = sum(self.estimate_load_s(t, n) or 0.0 for t, n in enumerate(per_tier) if n)
+            if tokens / speed - load > best_gain:
+                best_k, best_gain = k, tokens / speed - load
         return best_k
 
     # ---- promotion --------------------------------------------------------------------
@@ -641,9 +773,21 @@ class TieredCache:
         """Pin the request's blocks found on lower tiers after the first `start`, then keep
         the prefix worth loading. Called with the lock held."""
         salt = self.mgr.salt_of(req.tenant)
-        plan = _Plan(start, salt)
+        plan = _Plan(start, salt, req.tenant)
+        plan.steps = self._find(req, start, len(req.keys), salt)
+        plan.found_blocks = len(plan.steps)
+        plan.found_tokens = sum(s.tokens for s in plan.steps)
+        k = self._decide(plan)
+        self._unpin(plan.steps[k:])
+        plan.steps = plan.steps[:k]
+        return plan
+
+    def _find(self, req: Request, start: int, stop: int, salt: str | None) -> list[_Step]:
+        """Pin the request's blocks `start` .. `stop` - 1 held below, up to the first one
+        missing. Called with the lock held."""
+        steps: list[_Step] = []
         now = self.clock()
-        for i in range(start, len(req.keys)):
+        for i in range(start, stop):
             key = req.keys[i]
             found = None
             for t, idx in enumerate(self.indexes):
@@ -655,19 +799,45 @@ class TieredCache:
             if found is None:
                 break
             self.indexes[found[0]].pin(found[1], now)
-            plan.steps.append(_Step(i, key, found[0], found[1], req.block_tokens[i]))
-        plan.found_blocks = len(plan.steps)
-        plan.found_tokens = sum(s.tokens for s in plan.steps)
-        k = self._decide(plan)
-        self._unpin(plan.steps[k:])
-        plan.steps = plan.steps[:k]
-        return plan
+            steps.append(_Step(i, key, found[0], found[1], req.block_tokens[i]))
+        return steps
+
+    def _refit(self, req: Request, plan: _Plan, hit: int) -> list[_Step] | None:
+        """Fit a kept plan to the device prefix now `hit` blocks long: blocks the device
+        gained meanwhile need no load; blocks it lost (a gap before the plan) are added
+        in front when the tiers hold them, so the planned reads are never done again.
+        Returns the added steps (not submitted yet), or None when the plan no longer fits
+        (it is unpinned then). Called with the lock held."""
+        self._unpin([s for s in plan.steps if s.index < hit])
+        plan.steps = [s for s in plan.steps if s.index >= hit]
+        if not plan.steps or plan.steps[0].index == hit:
+            plan.start = hit
+            return [] if plan.steps else None
+        front = self._find(req, hit, plan.steps[0].index, plan.salt)
+        if hit + len(front) != plan.steps[0].index:
+            self._unpin(front + plan.steps)
+            return None
+        plan.steps = front + plan.steps
+        plan.start = hit
+        plan.found_blocks += len(front)
+        plan.found_tokens += sum(s.tokens for s in front)
+        return front
 
     def _unpin(self, steps: list[_Step]) -> None:
         now = self.clock()
         with self._lock:
             for s in steps:
                 self.indexes[s.tier].unpin(s.entry, now)
+                slot = s.result
+                if slot is None:
+                    continue
+                slot.used = slot.used or s.done
+                slot.refs -= 1
+                if slot.refs == 0:
+                    if self._inflight.get(s.key) is slot:
+                        del self._inflight[s.key]
+                    if not slot.used:  # read (or being read), never written to the device
+                        self.counters.unused_read_bytes += self.block_bytes
 
     def _fetch(self, steps: list[_Step], salt: str | None) -> list[torch.Tensor | None]:
         """Load steps from their tiers (runs of a pipelined tier in one round trip)."""
@@ -681,28 +851,55 @@ class TieredCache:
                     j += 1
                 # Only copied into device blocks: views of the received bytes will do.
                 got = st.get_many([s.key for s in steps[i:j]], salt, readonly_ok=True)
+                self.counters.read_bytes += sum(g.nbytes for g in got if g is not None)
                 out.extend(got)
                 if any(g is None for g in got):
                     break
                 i = j
             else:
                 t = st.get(steps[i].key, salt)
+                if t is not None:
+                    self.counters.read_bytes += t.nbytes
                 out.append(t)
                 if t is None:
                     break
                 i += 1
         return out
 
-    def _start_loads(self, plan: _Plan) -> None:
-        """Submit the plan's slow loads (not inline tiers) to the loader threads."""
+    def _start_loads(self, plan: _Plan, steps: list[_Step] | None = None) -> None:
+        """Submit the plan's slow loads (not inline tiers; of `steps` when given) to the
+        loader threads."""
         if self._pool is None:
             return
-        slow = [s for s in plan.steps if not self.tiers[s.tier].inline]
+        slow = [s for s in (plan.steps if steps is None else steps)
+                if not self.tiers[s.tier].inline and s.result is None]
+        with self._lock:
+            # A block another waiting request's plan is reading already is read once:
+            # both plans take the same result (a burst of requests on one prefix).
+            for s in slow:
+                shared = self._inflight.get(s.key)
+                if shared is not None and shared.tier == s.tier:
+                    shared.refs += 1
+                    s.result = shared
+            slow = [s for s in slow if s.result is None]
         if not slow:
             return
+        est = sum(self.estimate_load_s(s.tier, 1) or 0.0 for s in slow)
+        with self._lock:
+            self._backlog_s += est
         fut = self._pool.submit(self._fetch, slow, plan.salt)
-        for pos, s in enumerate(slow):
-            s.result = _Slot(fut, pos)  # type: ignore[assignment]
+        fut.add_done_callback(lambda _f: self._job_done(est))
+        with self._lock:
+            for pos, s in enumerate(slow):
+                s.result = self._inflight[s.key] = _Slot(fut, pos, s.tier)
+
+    def _job_done(self, est: float) -> None:
+        with self._lock:
+            self._backlog_s = max(0.0, self._backlog_s - est)
+
+    def backlog_s(self) -> float:
+        """Estimated seconds until the loader threads are through the reads queued now."""
+        return self._backlog_s / self.config.load_workers
 
     def prefetch(self, req: Request) -> int:
         """Plan a waiting request's lower-tier loads and start the slow ones now; returns
@@ -710,16 +907,18 @@ class TieredCache:
         with self._lock:
             hit = len(self.mgr.match_prefix(req))
             old = self._prefetched.pop(req.request_id, None)
-            if old is not None:
-                # Planned earlier (when the request arrived): keep it, and its loads in
-                # flight, while it still starts where the device prefix ends.
-                rest = [s for s in old.steps if s.index >= hit]
-                if rest and rest[0].index == hit:
-                    self._unpin([s for s in old.steps if s.index < hit])
-                    old.steps = rest
-                    self._prefetched[req.request_id] = old
-                    return sum(s.tokens for s in rest)
-                self._unpin(old.steps)
+            front = self._refit(req, old, hit) if old is not None else None
+            if old is not None and front is not None:
+                # Planned earlier (on arrival, or an admission that found no blocks): keep
+                # it, and its reads in flight or done.
+                self._prefetched[req.request_id] = old
+                plan = old
+            else:
+                plan = None
+        if plan is not None:
+            self._start_loads(plan, front)
+            return sum(s.tokens for s in plan.steps)
+        with self._lock:
             plan = self._make_plan(req, hit)
             if not plan.steps:
                 return 0
@@ -741,28 +940,29 @@ class TieredCache:
             hit = self.mgr.match_prefix(req)
             plan = self._prefetched.pop(req.request_id, None)
             if plan is not None:
-                # Blocks the device gained meanwhile need no load; a gap means replanning.
-                stale = [s for s in plan.steps if s.index < len(hit)]
-                self._unpin(stale)
-                plan.steps = [s for s in plan.steps if s.index >= len(hit)]
-                if plan.steps and plan.steps[0].index != len(hit):
-                    self._unpin(plan.steps)
+                # Blocks the device gained meanwhile need no load; a gap it cannot fill
+                # means replanning. Added front steps are read below, in this thread.
+                if self._refit(req, plan, len(hit)) is None:
                     self.counters.prefetch_replanned += 1
                     plan = None
                 else:
                     self.counters.prefetch_used += 1
             if plan is None:
                 plan = self._make_plan(req, len(hit))
-            # A chunked prefill allocates a head of the prefetched request: keep what fits.
-            beyond = [s for s in plan.steps if s.index >= len(req.keys)]
-            if beyond:
-                self._unpin(beyond)
-                plan.steps = plan.steps[:len(plan.steps) - len(beyond)]
         try:
             table = self.mgr.allocate(req, matched=hit)
         except Exception:
-            self._unpin(plan.steps)
+            # No blocks now: the plan, its pins and its reads (in flight or done) wait for
+            # the next try, so a block is read once however long its request waits.
+            if plan.steps:
+                with self._lock:
+                    self._prefetched[req.request_id] = plan
             raise
+        # A chunked prefill allocates a head of the prefetched request: load what fits.
+        beyond = [s for s in plan.steps if s.index >= len(req.keys)]
+        if beyond:
+            self._unpin(beyond)
+            plan.steps = plan.steps[:len(plan.steps) - len(beyond)]
         loaded_tokens = self._load(req, plan)
         c = self.counters
         c.requests += 1
@@ -806,6 +1006,7 @@ class TieredCache:
             except ValueError:  # a stored layout that is not this pool's
                 self.counters.shape_mismatch += 1
                 got = [None] * len(run)
+            self.counters.read_bytes += sum(g.nbytes for g in got if g is not None)
             inline_results.update(zip((id(s) for s in run), got, strict=True))
         loaded = 0
         done: list[_Step] = []
@@ -831,12 +1032,14 @@ class TieredCache:
                 self._delete(dels)  # descendants, if nothing else holds the key
                 break
             loaded += s.tokens
+            s.done = True
             done.append(s)
             self.tier_hit_tokens[s.tier] += s.tokens
             self.tier_hit_blocks[s.tier] += 1
         self.last_loaded = [(self.tiers[s.tier].name, s.tokens) for s in done]
         c = self.counters
         c.loaded_blocks += len(done)
+        c.promoted_bytes += len(done) * self.block_bytes
         if not failed:
             c.est_load_s += plan.est_load_s
             c.est_recompute_saved_s += plan.est_recompute_s
@@ -861,7 +1064,8 @@ class TieredCache:
             d = st.describe()
             d.update(entries=len(self.indexes[i]), hit_tokens=self.tier_hit_tokens[i],
                      hit_blocks=self.tier_hit_blocks[i], demotions=self.tier_demotions[i],
-                     evictions=self.tier_evictions[i], hit_rate=self.tier_hit_tokens[i] / q)
+                     evictions=self.tier_evictions[i],
+                     deleted=self.tier_deleted[i], hit_rate=self.tier_hit_tokens[i] / q)
             tiers[f"{i}:{st.name}"] = d
         return {
             **asdict(c),
@@ -874,13 +1078,17 @@ class TieredCache:
 
 
 class _Slot:
-    """One step's tensor out of a batch future."""
+    """One step's tensor out of a batch future, shared by the plans that need that block
+    (`refs` of them; `used`: one wrote it into a device block)."""
 
-    __slots__ = ("fut", "pos")
+    __slots__ = ("fut", "pos", "tier", "refs", "used")
 
-    def __init__(self, fut: Future[list[torch.Tensor | None]], pos: int) -> None:
+    def __init__(self, fut: Future[list[torch.Tensor | None]], pos: int, tier: int) -> None:
         self.fut = fut
         self.pos = pos
+        self.tier = tier
+        self.refs = 1
+        self.used = False
 
     def get(self) -> torch.Tensor | None:
         try:

@@ -1,9 +1,11 @@
 """Redis tier: values in a real Redis (single node or Cluster) through redis-py.
 
-Keys are `kvheat:<model>:<layout>:<namespace>:<block key>`, the namespace digest covering
-model, layout and tenant salt; the value carries the `codec.py` header (format version,
-dtype, shape, key, namespace, checksum), checked on every read, so a value written for
-another tenant, model or key, or altered in Redis, is a counted miss and never served.
+Keys are `kvheat:<model digest>:<namespace digest>:<name digest>`, all three keyed by the
+deployment's tier key (`codec.tier_key`), so a key name reveals neither the model
+fingerprint nor a tenant, and cannot be computed without the key; the value carries the
+`codec.py` header (format version, dtype, shape, key, namespace, MAC), checked on every
+read, so a value written for another tenant, model or key, altered in Redis, or written by
+anyone without the tier key, is a counted miss and never served.
 
 A connection error or timeout marks the tier down: operations return at once (a miss, a
 refused put) until a retry time that backs off exponentially; the first success after
@@ -13,7 +15,6 @@ that marks it up again. Callers never see the exception.
 from __future__ import annotations
 
 import contextlib
-import re
 import socket
 import threading
 import time
@@ -36,6 +37,7 @@ from .codec import (
     decode_header,
     encode_prefix,
     header_size,
+    keyed_digest,
     payload_tensor,
     tensor_bytes,
     verify_parts,
@@ -204,12 +206,13 @@ class RedisStore(KVStore):
 
     def __init__(self, client: Any, capacity_bytes: int, model: str = "model",
                  layout: str = "kv", backoff_initial_s: float = 0.5,
-                 backoff_max_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(capacity_bytes, model, layout)
+                 backoff_max_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 secret: str | bytes | None = None) -> None:
+        super().__init__(capacity_bytes, model, layout, secret)
         self.client = client
         self.cluster = isinstance(client, redis.cluster.RedisCluster)
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}:{layout}")
-        self.prefix = f"kvheat:{safe}:"
+        self.prefix = "kvheat:" + keyed_digest(self.mac_key, b"kvheat-redis/v2", model.encode(),
+                                               layout.encode(), size=8).hex() + ":"
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.clock = clock
@@ -224,8 +227,15 @@ class RedisStore(KVStore):
         self.direct_io = not self.cluster
         self._lock = threading.Lock()
 
-    def rkey(self, key: bytes, salt: str | None) -> str:
-        return f"{self.prefix}{self.ns(salt).hex()[:16]}:{key.hex()}"
+    def rkey(self, key: bytes, salt: str | bytes | None) -> str:
+        ns = self.ns(salt)
+        return f"{self.prefix}{ns.hex()[:16]}:{keyed_digest(self.mac_key, ns, key).hex()}"
+
+    def _default_key(self) -> bytes:
+        log.warning("redis tier: no tier secret configured (KVHEAT_TIER_SECRET or the "
+                    "config's tier_secret); values are keyed for this process alone, so "
+                    "replicas and restarts will not read them")
+        return super()._default_key()
 
     # ---- up/down ----------------------------------------------------------------------
     def available(self) -> bool:
@@ -239,13 +249,17 @@ class RedisStore(KVStore):
             result = fn()
         except _DOWN_ERRORS as e:
             self.stats.io_errors += 1
-            if not self.down:
-                self.stats.went_down += 1
+            with self._lock:  # several threads may fail at once: one outage, counted once
+                went = not self.down
+                self.down = True
+                if went:
+                    self.stats.went_down += 1
+                if went or self.clock() >= self.retry_at:  # a first failure, or a retry's
+                    self._backoff = min(self.backoff_max_s, max(self.backoff_initial_s,
+                                                                2 * self._backoff))
+                    self.retry_at = self.clock() + self._backoff
+            if went:
                 log.warning("redis tier down (%s); recomputing until it answers again", e)
-            self.down = True
-            self._backoff = min(self.backoff_max_s, max(self.backoff_initial_s,
-                                                        2 * self._backoff))
-            self.retry_at = self.clock() + self._backoff
             return fallback
         except rexc.RedisError as e:  # e.g. OOM from maxmemory: this op failed, tier is up
             self.stats.io_errors += 1
@@ -274,7 +288,7 @@ class RedisStore(KVStore):
         with self._lock:
             used = self._used
             for key, kv in items:
-                head, payload = encode_prefix(kv, key, ns)
+                head, payload = encode_prefix(kv, key, ns, self.mac_key)
                 rk = self.rkey(key, salt)
                 size = len(head) + len(payload)
                 if used - self.sizes.get(rk, 0) + size > self.capacity_bytes:
@@ -372,7 +386,7 @@ class RedisStore(KVStore):
                 continue
             try:
                 # Checked in place in the received bytes, then copied once to where it goes.
-                t = decode(v, key, ns)
+                t = decode(v, key, ns, self.mac_key)
             except CorruptValue as e:
                 self._count_corrupt(e.kind, key, str(e))
                 res.append(None)
@@ -415,7 +429,7 @@ class RedisStore(KVStore):
             head, body = item
             try:
                 hdr = decode_header(head)
-                verify_parts(head, body, hdr, key, ns)
+                verify_parts(head, body, hdr, key, ns, self.mac_key)
             except CorruptValue as e:  # `out` may hold the rejected bytes: not served
                 self._count_corrupt(e.kind, key, str(e))
                 res.append(None)
@@ -462,7 +476,8 @@ class RedisStore(KVStore):
                     except CorruptValue:
                         continue
                     name = n.decode() if isinstance(n, bytes) else n
-                    if size == hdr.body_offset + hdr.payload_len and name.endswith(hdr.key.hex()):
+                    if size == hdr.body_offset + hdr.payload_len and \
+                            name == self.rkey(hdr.key, hdr.ns):
                         found.append((hdr.key, hdr.ns, name, size))
             return found
 
@@ -472,6 +487,26 @@ class RedisStore(KVStore):
                 self._used += size - self.sizes.get(name, 0)
                 self.sizes[name] = size
         return [(k, ns) for k, ns, _, _ in found]
+
+    def purge(self, salt: str | None) -> int:
+        """Delete every value of `salt`'s namespace in Redis (also those other processes
+        wrote, e.g. replicas sharing this Redis); returns how many."""
+        match = f"{self.prefix}{self.ns(salt).hex()[:16]}:*"
+
+        def run() -> int:
+            names = list(self.client.scan_iter(match=match, count=1000))
+            n = 0
+            for i in range(0, len(names), 512):
+                chunk = names[i:i + 512]
+                n += sum(self.client.delete(k) for k in chunk) if self.cluster \
+                    else self.client.delete(*chunk)
+            for k in names:
+                self._forget(k.decode() if isinstance(k, bytes) else k)
+            return n
+
+        n = self._call(run, 0)
+        self.stats.deletes += n
+        return n
 
     def _forget(self, rk: str) -> None:
         with self._lock:

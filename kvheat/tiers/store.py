@@ -10,6 +10,7 @@ Keys are the cache's chained prefix keys (bytes); `salt` is the tenant salt
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .codec import namespace_digest
+from .codec import namespace_digest, tier_key
 
 log = logging.getLogger("kvheat.tiers")
 
@@ -124,12 +125,16 @@ class KVStore:
     pipelined = False  # a batch of gets costs one round trip (Redis), not one each
     inline = False  # puts and gets are memory copies, cheap enough for the caller's thread
 
-    def __init__(self, capacity_bytes: int, model: str = "model", layout: str = "kv") -> None:
+    def __init__(self, capacity_bytes: int, model: str = "model", layout: str = "kv",
+                 secret: str | bytes | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         self.capacity_bytes = capacity_bytes
         self.model = model
         self.layout = layout
+        # Keys the MAC of every value and the namespace digests (codec.tier_key): from
+        # the deployment's secret, else a store's own default (`_default_key`).
+        self.mac_key = tier_key(secret) or self._default_key()
         self.stats = StoreStats()
         self.read_model = TransferModel()
         self.write_model = TransferModel()
@@ -143,8 +148,13 @@ class KVStore:
             return d
         if isinstance(salt, bytes):
             return salt
-        d = self._ns_cache[salt] = namespace_digest(self.model, self.layout, salt)
+        d = self._ns_cache[salt] = namespace_digest(self.model, self.layout, salt, self.mac_key)
         return d
+
+    def _default_key(self) -> bytes:
+        """The MAC key when no secret is configured: one of this process's own (values
+        written now are readable by it alone)."""
+        return os.urandom(32)
 
     # ---- the interface ----------------------------------------------------------------
     def available(self) -> bool:
@@ -215,6 +225,12 @@ class KVStore:
     def stored(self) -> Iterable[tuple[bytes, bytes]]:
         """(key, namespace digest) of every stored entry (for rebuilding an index)."""
         raise NotImplementedError
+
+    def purge(self, salt: str | None) -> int:
+        """Delete entries of `salt`'s namespace that this process does not index (another
+        process's, on a shared store); returns how many. Stores only this process writes
+        (host memory, a disk folder it locks) have none."""
+        return 0
 
     def close(self) -> None:
         pass
