@@ -537,17 +537,18 @@ def test_no_server_errors_on_generated_input() -> None:
         headers = {"Authorization": "Bearer fuzz"}
         failures: list[str] = []
         statuses: dict[str, set[int]] = {}
+        samples: dict[tuple[str, int], str] = {}
         ops = [result.ok() for result in schema.get_all_operations()]
         # Admin operations last: what they fuzz (pins, quotas, flushes) must not decide
         # whether the generated completions find room in the pool.
         for op in sorted(ops, key=lambda o: "/admin" in o.label):
-            _fuzz_operation(op, s.base, headers, statuses, failures)()
+            _fuzz_operation(op, s.base, headers, statuses, failures, samples)()
         assert not failures, "\n".join(failures[:10])
         labels = set(statuses)
         assert "POST /v1/completions" in labels and "POST /v1/chat/completions" in labels
         # The fuzzer got past validation, not only 4xx everywhere.
         assert 200 in statuses["POST /v1/completions"] | statuses["POST /v1/chat/completions"], \
-            statuses
+            (statuses, {k: v for k, v in samples.items() if "completions" in k[0]})
         ok = httpx.post(s.base + "/v1/completions", timeout=60,
                         json={"model": MODEL, "prompt": "alive?", "max_tokens": 2})
         assert ok.status_code == 200
@@ -556,7 +557,7 @@ def test_no_server_errors_on_generated_input() -> None:
 
 
 def _fuzz_operation(op: Any, base: str, headers: dict[str, str], statuses: dict[str, set[int]],
-                    failures: list[str]) -> Callable[[], None]:
+                    failures: list[str], samples: dict[tuple[str, int], str]) -> Callable[[], None]:
     label = op.label
 
     @given(case=op.as_strategy(), real_model=st.booleans())
@@ -568,6 +569,7 @@ def _fuzz_operation(op: Any, base: str, headers: dict[str, str], statuses: dict[
             case.body["model"] = MODEL
         r = case.call(base_url=base, headers=headers, timeout=60)
         statuses.setdefault(label, set()).add(r.status_code)
+        samples.setdefault((label, r.status_code), f"{r.text[:200]} body={case.body!r:.300}")
         if r.status_code >= 500:
             failures.append(f"{label}: {r.status_code} {r.text[:300]} body={case.body!r:.500}")
 

@@ -59,7 +59,7 @@ class DiskStore(KVStore):
         # The folder's bytes of this model and layout, other processes' files included,
         # measured at most this often (on the demotion thread's puts).
         self.folder_scan_s = folder_scan_s
-        self._folder_bytes = 0
+        self._others_bytes = 0  # other processes' files of this model and layout, at the last scan
         self._folder_at = float("-inf")
         self.trimmed_on_open = 0
         self.fsync = fsync
@@ -154,9 +154,11 @@ class DiskStore(KVStore):
     def used_bytes(self) -> int:
         """Bytes against the cap: this store's files, or the folder's files of its model
         and layout when other processes add to them."""
-        return max(self._used, self._folder())
+        return self._used + self._others()
 
-    def _folder(self) -> int:
+    def _others(self) -> int:
+        """Bytes of other processes' files here, rescanned at most every `folder_scan_s`
+        (kept apart from this store's own bytes, which count at once)."""
         now = time.monotonic()
         if now - self._folder_at >= self.folder_scan_s:
             total = 0
@@ -168,8 +170,10 @@ class DiskStore(KVStore):
                             total += entry.stat().st_size
             except OSError:
                 total = 0
-            self._folder_bytes, self._folder_at = total, now
-        return self._folder_bytes
+            with self._lock:
+                self._others_bytes = max(0, total - self._used)
+            self._folder_at = now
+        return self._others_bytes
 
     def entry_bytes(self, kv: torch.Tensor, key: bytes) -> int:
         return kv.numel() * kv.element_size() + HEAD_SIZE + 4 * kv.dim() + len(key) + NS_SIZE
@@ -191,7 +195,7 @@ class DiskStore(KVStore):
         head, payload = encode_prefix(kv, key, ns, self.mac_key)
         size = len(head) + len(payload)
         name = self._name(key, ns)
-        others = max(0, self._folder() - self._used)  # other processes' files here
+        others = self._others()
         with self._lock:
             old = self.index.get(name)
             if others + self._used - (old[2] if old else 0) + size > self.capacity_bytes:
