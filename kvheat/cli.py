@@ -37,10 +37,14 @@ def _load_heat() -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of hit rate against capacity here.")
 @click.option("--misses/--no-misses", default=True, help="Print the miss breakdown.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "mooncake", "vllm-events", "vllm-log"]),
+              default="auto", show_default=True,
+              help="TRACE's format: Mooncake JSONL, vLLM KV events (JSON lines) or a vLLM request log.")
 def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bool,
            limit: int | None, time_scale: float, json_path: str | None, plot_path: str | None,
-           misses: bool) -> None:
-    """Replay TRACE (a Mooncake JSONL file, or 'builtin' for the generator) through the cache."""
+           misses: bool, fmt: str) -> None:
+    """Replay TRACE (a Mooncake JSONL file, vLLM's KV events or request log, or 'builtin'
+    for the generator) through the cache."""
     from rich.progress import Progress
 
     from .cache import policy_names
@@ -62,8 +66,16 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
         reqs = generate_workload(block_tokens=block_tokens)
         name = "built-in multi-turn workload"
     else:
+        from .replay.vllm_trace import detect_format, load_kv_events, load_vllm_log
+
         try:
-            reqs = load_trace(trace, block_tokens, limit)
+            fmt = detect_format(trace) if fmt == "auto" else fmt
+            if fmt == "vllm-events":
+                reqs = load_kv_events(trace, block_tokens)
+            elif fmt == "vllm-log":
+                reqs = load_vllm_log(trace, block_tokens)
+            else:
+                reqs = load_trace(trace, block_tokens, limit)
         except (OSError, TraceError) as e:
             raise click.ClickException(str(e)) from None
         name = Path(trace).name

@@ -1,0 +1,271 @@
+"""kvheat's heat policy inside vLLM's real CPU offloading manager (needs the vllm extra;
+CI installs it, so these run there)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import (  # noqa: E402
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus  # noqa: E402
+
+from kvheat.integrations.vllm import KVHeatCachePolicy  # noqa: E402
+from kvheat.integrations.vllm_replay import replay_offload, request_keys  # noqa: E402
+from kvheat.replay import WorkloadConfig, generate_workload, load_trace  # noqa: E402
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def _key(i: int, group: int = 0):
+    return make_offload_key(hashlib.sha256(i.to_bytes(8, "little")).digest(), group)
+
+
+def _manager(n: int) -> CPUOffloadingManager:
+    return CPUOffloadingManager(n, cache_policy="KVHeatCachePolicy",
+                                cache_policy_module_path="kvheat.integrations.vllm")
+
+
+def test_vllm_factory_loads_kvheat_policy() -> None:
+    mgr = _manager(8)
+    assert isinstance(mgr._policy, KVHeatCachePolicy)
+    assert mgr._policy.cache_capacity == 8
+
+
+def _store(mgr: CPUOffloadingManager, keys, ctx: ReqContext):
+    for j, k in enumerate(keys):
+        ctx.set_offload_key_position(k, (j + 1) * 16)
+    out = mgr.prepare_store(keys, ctx)
+    assert out is not None
+    mgr.complete_store(out.keys_to_store, ctx)
+    return out
+
+
+def _lifecycle(mgr: CPUOffloadingManager) -> set:
+    """lookup / prepare_load / touch / complete_load / prepare_store / complete_store /
+    on_request_finished, by hand: a prefix used three times, then one-off requests that
+    overflow the cache. Returns the keys evicted."""
+    shared = [_key(i) for i in range(3)]
+    ctx = ReqContext("r0")
+    mgr.on_new_request(ctx)
+    out = _store(mgr, shared, ctx)
+    assert out.keys_to_store == shared and out.evicted_keys == []
+    mgr.on_request_finished(ctx)
+    # A second request reuses the prefix: load it, touch it, and append one chunk.
+    ctx = ReqContext("r1")
+    mgr.on_new_request(ctx)
+    assert [mgr.lookup(k, ctx) for k in shared] == [LookupResult.HIT] * 3
+    mgr.prepare_load(shared, ctx)
+    mgr.touch(shared, ctx)
+    mgr.complete_load(shared, ctx)
+    out = _store(mgr, [*shared, _key(100)], ctx)
+    assert out.keys_to_store == [_key(100)]
+    mgr.on_request_finished(ctx)
+    evicted: set = set()
+    for r in range(18):
+        ctx = ReqContext(f"x{r}")
+        mgr.on_new_request(ctx)
+        evicted.update(_store(mgr, [_key(1000 + 2 * r), _key(1001 + 2 * r)], ctx).evicted_keys)
+        mgr.on_request_finished(ctx)
+    return evicted
+
+
+def test_request_lifecycle_through_the_manager() -> None:
+    shared = {_key(i) for i in range(3)}
+    lru = _lifecycle(CPUOffloadingManager(32, cache_policy="lru"))
+    assert shared <= lru  # recency alone drops the reused prefix first
+    heat = _lifecycle(_manager(32))
+    assert len(heat) == len(lru) == 8 and not heat & shared  # its heat keeps it
+
+
+def test_pinned_chunks_fail_a_store_atomically() -> None:
+    mgr = _manager(2)
+    ctx = ReqContext("a")
+    mgr.on_new_request(ctx)
+    ks = [_key(1), _key(2)]
+    _store(mgr, ks, ctx)
+    mgr.prepare_load(ks, ctx)  # both pinned by a load in flight
+    before = {k: (mgr._policy.get(k).chunk_id, mgr._policy.get(k).ref_cnt) for k in ks}
+    assert mgr.prepare_store([_key(3)], ReqContext("b")) is None
+    assert {k: (mgr._policy.get(k).chunk_id, mgr._policy.get(k).ref_cnt) for k in ks} == before
+    mgr.complete_load(ks, ctx)
+    out = mgr.prepare_store([_key(3)], ReqContext("b"))
+    assert out is not None and len(out.evicted_keys) == 1
+
+
+def test_reset_cache_clears_chunks_and_ghosts() -> None:
+    mgr = _manager(2)
+    for r in range(4):
+        ctx = ReqContext(str(r))
+        mgr.on_new_request(ctx)
+        _store(mgr, [_key(r)], ctx)
+        mgr.on_request_finished(ctx)
+    pol: KVHeatCachePolicy = mgr._policy  # type: ignore[assignment]
+    assert pol.ghost_size() > 0
+    mgr.reset_cache()
+    assert pol.chunks == {} and pol.ghost_size() == 0
+    assert mgr.lookup(_key(3), ReqContext("q")) is LookupResult.MISS
+
+
+def test_replayed_workload_stays_consistent_with_the_manager() -> None:
+    trace = generate_workload(WorkloadConfig(num_conversations=150, arrival_rate=3.0, seed=3))
+    keys = request_keys(trace, 512)
+    res = {p: replay_offload(trace, p, 300, keys=keys, time_scale=0.2)
+           for p in ("lru", "kvheat", "belady")}
+    for r in res.values():
+        assert r.requests == len(trace) and r.evictions > 0
+    assert 0 < res["kvheat"].hit_rate <= res["belady"].hit_rate
+    # The manager's own count of idle chunks agrees with the policy's.
+    mgr = _manager(300)
+    replay_offload(trace, "kvheat", 300, keys=keys, manager=mgr, time_scale=0.2)
+    assert mgr._num_evictable_cache_chunks == len(mgr._policy._evictable)
+    assert mgr._num_write_pending_chunks == 0
+
+
+@pytest.mark.skipif(not (TRACES / "mooncake_conversation_part1.jsonl").exists(),
+                    reason="Mooncake trace not present")
+def test_kvheat_beats_lru_and_arc_inside_vllm_on_mooncake() -> None:
+    trace = load_trace(TRACES / "mooncake_conversation_part1.jsonl", 512, limit=2500)
+    keys = request_keys(trace, 512)
+    hr = {p: replay_offload(trace, p, 1953, keys=keys).hit_rate for p in ("lru", "arc", "kvheat")}
+    assert hr["kvheat"] > max(hr["lru"], hr["arc"]) + 0.01, hr
+
+
+# -- the CachePolicy contract, stateful ----------------------------------------------------
+
+
+class PolicyContract(RuleBasedStateMachine):
+    """Drives two KVHeatCachePolicy twins with vLLM's calls against a model of ref counts.
+    Failing evictions go to `a` only: if they changed any state, the twins would later
+    evict differently."""
+
+    pending = Bundle("pending")
+    ready = Bundle("ready")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = KVHeatCachePolicy(6)
+        self.b = KVHeatCachePolicy(6)
+        self.ref: dict[bytes, int] = {}  # the model: key -> ref_cnt (-1: being written)
+        self.next = 0
+        self.req = 0
+
+    def _both(self, name: str, *args):
+        ra = getattr(self.a, name)(*args)
+        rb = getattr(self.b, name)(*args)
+        return ra, rb
+
+    @rule(target=pending, group=st.integers(0, 1))
+    def insert(self, group: int):
+        self.next += 1
+        k = _key(self.next, group)
+        ctx = ReqContext(str(self.req))
+        ctx.set_offload_key_position(k, 16 * (1 + self.next % 4))
+        self._both("on_store_miss", [k], ctx)
+        self.a.insert(k, ChunkStatus(self.next))
+        self.b.insert(k, ChunkStatus(self.next))
+        self.ref[k] = -1
+        return k
+
+    @rule(target=ready, k=consumes(pending))
+    def complete_store(self, k):
+        if k not in self.ref:  # dropped by clear()
+            return k
+        self.a.get(k).ref_cnt = 0
+        self.b.get(k).ref_cnt = 0
+        self._both("mark_evictable", k)
+        self.ref[k] = 0
+        return k
+
+    @rule(k=consumes(pending))
+    def failed_store(self, k):
+        if k not in self.ref:
+            return
+        self._both("remove", k)
+        del self.ref[k]
+        assert self.a.get(k) is None
+
+    @rule(k=ready)
+    def pin(self, k):
+        if k not in self.ref:
+            return
+        if self.ref[k] == 0:
+            self._both("mark_non_evictable", k)
+        self.ref[k] += 1
+        self.a.get(k).ref_cnt += 1
+        self.b.get(k).ref_cnt += 1
+
+    @rule(k=ready)
+    def unpin(self, k):
+        if self.ref.get(k, 0) <= 0:
+            return
+        self.ref[k] -= 1
+        self.a.get(k).ref_cnt -= 1
+        self.b.get(k).ref_cnt -= 1
+        if self.ref[k] == 0:
+            self._both("mark_evictable", k)
+
+    @rule(ks=st.lists(ready, max_size=5, unique=True), data=st.data())
+    def request_finished(self, ks, data):
+        ks = [k for k in ks if k in self.ref]
+        inserted = set(data.draw(st.lists(st.sampled_from(ks), unique=True))) if ks else set()
+        self.req += 1
+        ctx = ReqContext(str(self.req))
+        self._both("on_request_finished", [ks], inserted, set(ks) - inserted, ctx)
+
+    @rule(ks=st.lists(ready, max_size=4, unique=True))
+    def touch(self, ks):
+        self._both("touch", [k for k in ks if k in self.ref], ReqContext("t"))
+
+    @rule(n=st.integers(0, 8), prot=st.lists(ready, max_size=4, unique=True))
+    def evict(self, n, prot):
+        protected = set(prot)
+        free = [k for k, r in self.ref.items() if r == 0 and k not in protected]
+        snapshot = {k: (self.a.get(k).chunk_id, self.a.get(k).ref_cnt) for k in self.ref}
+        got = self.a.evict(n, protected)
+        if n > len(free):
+            assert got is None
+            assert {k: (self.a.get(k).chunk_id, self.a.get(k).ref_cnt) for k in self.ref} == snapshot
+            return  # `b` never sees it: the twins must stay in step
+        got_b = self.b.evict(n, protected)
+        assert got is not None and got_b is not None
+        keys = [k for k, _ in got]
+        assert keys == [k for k, _ in got_b]
+        assert len(set(keys)) == n
+        for k, chunk in got:
+            assert self.ref[k] == 0 and k not in protected and chunk.ref_cnt == 0
+            assert self.a.get(k) is None
+            del self.ref[k]
+
+    @precondition(lambda self: self.ref)
+    @rule()
+    def clear(self):
+        self._both("clear")
+        self.ref.clear()
+        assert self.a.chunks == {} and self.a.ghost_size() == 0
+        assert self.a.heat.heap == [] and self.a._evictable == set()
+
+    @invariant()
+    def agrees_with_model(self):
+        assert set(self.a.chunks) == set(self.ref)
+        assert self.a._evictable == {k for k, r in self.ref.items() if r == 0}
+
+
+PolicyContract.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestPolicyContract = PolicyContract.TestCase
