@@ -21,7 +21,7 @@ GHOST = 8.0  # the default: keeps the last ~8x capacity evictions (5.3-10.7x)
 # Every time is in the policy's own units: block accesses, or half-lives (the half-life
 # itself is the workload's median reuse gap, measured online).
 VARIANTS = {
-    "LRU-like (half-life 1 access, nothing else)": dict(OFF, half_life=1.0),
+    "LRU-like (half-life 30 accesses, nothing else)": dict(OFF, half_life=30.0),
     "decayed count (half-life = median reuse gap)": dict(OFF),
     "+ history (ghost ~8x capacity)": dict(OFF, ghost=GHOST),
     "+ partial-tail demotion": dict(OFF, ghost=GHOST, tail_penalty=6.67),

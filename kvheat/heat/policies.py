@@ -381,7 +381,10 @@ class KVHeat(_HeapPolicy):
         if est is None:
             return
         mult = self.tuner.value if self.tuner is not None else self.reuse_mult
-        hl = max(1.0, mult * est)
+        # Floor: keys are sums of 2^(v/half-life); ages beyond ~1000 half-lives underflow
+        # to 0 and lose their order, so the half-life stays above 1/64 of the cache's size
+        # (evicted blocks are younger than ~16 cache sizes of traffic).
+        hl = max(1.0, self.capacity / 64, mult * est)
         if abs(math.log2(hl / self.half_life)) > 0.25:
             self._set_half_life(hl)
 
