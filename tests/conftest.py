@@ -133,3 +133,22 @@ def redis_cluster(tmp_path: Path) -> Iterator[list[RedisServer]]:
     finally:
         for n in nodes:
             n.stop()
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Engine tests run on one torch thread (steadier on a shared 2-core machine)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple:
+    """The built-in tiny Llama (seeded weights), once per test module."""
+    from kvheat.engine.loader import load_model
+
+    return load_model(None, "llama")

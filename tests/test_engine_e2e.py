@@ -4,10 +4,8 @@ batching, preemption (recompute and swap) and streaming never change the tokens.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
-import torch
 
 from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams
 from kvheat.engine.loader import load_model
@@ -16,17 +14,7 @@ from kvheat.engine.scheduler import SchedulerConfig
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def llama() -> tuple:
-    return load_model(None, "llama")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def engine(model_tok: tuple, num_blocks: int = 64, **sched) -> LLMEngine:

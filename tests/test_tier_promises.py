@@ -5,29 +5,17 @@ with a tiny seeded Llama, real disk files and real device blocks."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from kvheat.engine.loader import load_model
 
 SP = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def llama() -> tuple:
-    return load_model(None, "llama")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def prompts(seed: int, n: int, length: int = 64) -> list[list[int]]:
