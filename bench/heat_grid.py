@@ -80,11 +80,16 @@ def summarize(rows: list[dict], policies: list[str]) -> list[dict]:
     return out
 
 
+def by_trace(records: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    """Records grouped by (trace, block size), in first-seen order."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["trace"], r["block_tokens"]), []).append(r)
+    return groups
+
+
 def print_tables(cells: list[dict]) -> None:
-    groups: dict[tuple, list[dict]] = {}
-    for c in cells:
-        groups.setdefault((c["trace"], c["block_tokens"]), []).append(c)
-    for (tr, bt), cs in groups.items():
+    for (tr, bt), cs in by_trace(cells).items():
         caps = sorted({c["capacity_tokens"] for c in cs})
         scales = sorted({c["scale"] for c in cs})
         print(f"\n{tr}, {bt}-token blocks: kvheat hit rate, margin over the best other online "
@@ -113,10 +118,7 @@ def markdown(rows: list[dict], cells: list[dict]) -> str:
     scale; a line says whether any policy's rates moved with the scale), kvheat's margin
     over the best other online policy and the share of the LRU -> Belady gap it closes."""
     out = []
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["trace"], r["block_tokens"]), []).append(r)
-    for (tr, bt), rs in groups.items():
+    for (tr, bt), rs in by_trace(rows).items():
         caps = sorted({r["capacity_tokens"] for r in rs})
         scales = sorted({r["scale"] for r in rs})
         pols = list(dict.fromkeys(r["policy"] for r in rs))
@@ -155,10 +157,7 @@ def plot(cells: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    groups: dict[tuple, list[dict]] = {}
-    for c in cells:
-        if "margin" in c:
-            groups.setdefault((c["trace"], c["block_tokens"]), []).append(c)
+    groups = by_trace([c for c in cells if "margin" in c])
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     for ax, ((tr, bt), cs) in zip(axes[0], groups.items()):
         caps = sorted({c["capacity_tokens"] for c in cs})
