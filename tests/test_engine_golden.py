@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from golden_greedy import FAMILIES, GOLDEN, golden_prompts, run_family
 
 

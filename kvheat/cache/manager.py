@@ -118,6 +118,10 @@ class KVCacheManager:
                            else self.policy.on_insert)
         self._on_acquire = (None if type(self.policy).on_acquire is EvictionPolicy.on_acquire
                             else self.policy.on_acquire)
+        self._acquire_all = (None if type(self.policy).on_acquire_all is EvictionPolicy.on_acquire_all
+                             else self.policy.on_acquire_all)
+        self._release_all = (None if type(self.policy).on_release_all is EvictionPolicy.on_release_all
+                             else self.policy.on_release_all)
         self.clock = clock
         self.num_referenced = 0
         self.stats = CacheStats()
@@ -269,6 +273,18 @@ class KVCacheManager:
 
     def _acquire(self, hit: list[Block], now: float) -> int:
         """Reference the blocks of a cached prefix; returns their token count."""
+        if self._acquire_all is not None and self._on_hit is None and not self.partitions:
+            tokens = 0
+            fresh = []
+            for b in hit:
+                if b.ref_cnt == 0:
+                    fresh.append(b)
+                b.ref_cnt += 1
+                b.last_access = now
+                tokens += b.num_tokens
+            self.num_referenced += len(fresh)
+            self._acquire_all(fresh)
+            return tokens
         parts = self.partitions
         policy = self.policy
         on_hit = self._on_hit
@@ -432,6 +448,22 @@ class KVCacheManager:
     def _release(self, r: Request) -> None:
         now = self.clock()
         parts, policy = self.partitions, self.policy
+        if self._release_all is not None and not parts:
+            done: list[Block] = []
+            free_stack = self.free_stack
+            for b in reversed(r.blocks):
+                b.ref_cnt -= 1
+                if b.ref_cnt == 0:
+                    if b.key is None:
+                        self._reset(b)
+                        free_stack.append(b)
+                    else:
+                        done.append(b)
+                    self.num_referenced -= 1
+            if done:
+                self._release_all(done, now)
+            r.blocks = []
+            return
         on_release = policy.on_release
         released = 0
         for b in reversed(r.blocks):

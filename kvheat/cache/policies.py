@@ -32,6 +32,33 @@ class LRU(EvictionPolicy):
         b.parked = None
         self.q.append(b)
 
+    # A request's prefix leaves and rejoins the queue in one loop each, the list links
+    # written out: the per-block method calls were most of an allocate's cost.
+    def on_acquire_all(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            q = b.queue
+            if q is not None:
+                prev, nxt = b.prev, b.next
+                prev.next = nxt  # type: ignore[union-attr]
+                nxt.prev = prev  # type: ignore[union-attr]
+                b.prev = b.next = b.queue = None
+                q.size -= 1
+            b.parked = None
+
+    def on_release_all(self, blocks: list[Block], now: float) -> None:
+        q = self.q
+        tail = q.tail
+        last = tail.prev
+        for b in blocks:
+            b.parked = None
+            last.next = b  # type: ignore[union-attr]
+            b.prev = last
+            b.queue = q
+            last = b
+        last.next = tail  # type: ignore[union-attr]
+        tail.prev = last
+        q.size += len(blocks)
+
     def victim(self) -> Block | None:
         return self._pop_evictable(self.q)
 

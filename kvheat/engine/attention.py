@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -177,25 +177,57 @@ class SeqSpan:
 
 
 @dataclass(slots=True)
+class SharedPrefix:
+    """Decode sequences whose block tables begin with the same blocks (a shared system
+    prompt, one conversation's turns): the prefix's K/V is gathered once and all their
+    queries attend to it in one call, instead of once per sequence."""
+    rows: torch.Tensor  # int64 [m]: rows of these sequences in the decode batch
+    blocks: torch.Tensor  # int64 [P]: the shared blocks, in order
+
+
+# A shared prefix is attended separately when it saves re-reading at least this many
+# tokens' K/V; below that the extra call and the merge cost more than they save.
+MIN_SHARED_TOKENS_SAVED = 128
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Where each new token's KV goes, and which pool blocks each sequence reads."""
     block_size: int
     slot_mapping: torch.Tensor  # int64 [tokens]: block_id * block_size + offset
     prefills: list[SeqSpan]  # sequences with q_len > 1, or a first token with no context
     decode_index: torch.Tensor  # int64 [D]: flat index of each decode token
-    decode_block_tables: torch.Tensor  # int64 [D, max_blocks], padded with block 0
+    # int64 [D, max_blocks], padded with block 0: the blocks each decode reads itself,
+    # i.e. after the prefix it shares with others (decode_shared), all of them otherwise
+    decode_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor  # int64 [D]
-    decode_mask: torch.Tensor | None  # bool [D, 1, 1, max_blocks * block_size] (None: no padding)
+    # bool [D, 1, 1, max_blocks * block_size]: keys of decode_block_tables each decode
+    # sees (None: every key)
+    decode_mask: torch.Tensor | None
+    decode_shared: list[SharedPrefix] = field(default_factory=list)
+    _decode_bias: torch.Tensor | None = None
 
     @property
     def num_decodes(self) -> int:
         return int(self.decode_index.numel())
 
+    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """decode_mask as an additive 0 / -inf bias, made once per step and dtype."""
+        if self.decode_mask is None:
+            return None
+        if self._decode_bias is None or self._decode_bias.dtype != dtype:
+            self._decode_bias = torch.zeros(self.decode_mask.shape, dtype=dtype,
+                                            device=self.decode_mask.device)
+            self._decode_bias.masked_fill_(~self.decode_mask, float("-inf"))
+        return self._decode_bias
 
-def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) -> AttentionMetadata:
+
+def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
+                   share_prefixes: bool = False) -> AttentionMetadata:
     """Slot mapping and per-path views of a step. Plain Python arithmetic: a decode step
     is many one-token sequences, for which tensor ops per sequence cost more than the
-    step's attention."""
+    step's attention. `share_prefixes`: find decodes whose tables start alike
+    (`SharedPrefix`); only the GQA decode path reads them."""
     slots: list[int] = []
     prefills: list[SeqSpan] = []
     decodes: list[tuple[SeqSpan, list[int]]] = []
@@ -203,7 +235,11 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) 
     for s in spans:
         table = s.block_table.tolist() if isinstance(s.block_table, torch.Tensor) \
             else list(s.block_table)
-        slots.extend(table[p // bs] * bs + p % bs for p in range(s.num_computed, s.context_len))
+        start = s.num_computed
+        if s.q_len == 1:
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, s.context_len))
         if s.q_len == 1 and s.num_computed > 0:
             decodes.append((s, table[:-(-s.context_len // bs)]))
         else:
@@ -218,17 +254,52 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) 
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return AttentionMetadata(bs, slot_mapping, prefills, empty,
                                  torch.zeros(0, 1, dtype=torch.int64, device=device), empty, None)
-    max_blocks = max(len(t) for _, t in decodes)
-    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for _, t in decodes],
-                          dtype=torch.int64)
-    lens = torch.tensor([s.context_len for s, _ in decodes], dtype=torch.int64)
+    shared, skip = _shared_prefixes(decodes, bs) if share_prefixes else ([], [0] * len(decodes))
+    own = [t[k:] for (_, t), k in zip(decodes, skip, strict=True)]
+    max_blocks = max(len(t) for t in own)
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in own], dtype=torch.int64)
+    lens = [s.context_len for s, _ in decodes]
+    own_lens = torch.tensor([n - k * bs for n, k in zip(lens, skip, strict=True)],
+                            dtype=torch.int64)
     mask = None
-    if int(lens.min()) != max_blocks * bs:
+    if int(own_lens.min()) != max_blocks * bs:
         keys = torch.arange(max_blocks * bs)
-        mask = (keys[None, :] < lens[:, None])[:, None, None, :].to(device)
+        mask = (keys[None, :] < own_lens[:, None])[:, None, None, :].to(device)
     index = torch.tensor([s.q_start for s, _ in decodes], dtype=torch.int64, device=device)
+    groups = [SharedPrefix(torch.tensor(rows, dtype=torch.int64, device=device),
+                           torch.tensor(blocks, dtype=torch.int64, device=device))
+              for rows, blocks in shared]
     return AttentionMetadata(bs, slot_mapping, prefills, index, tables.to(device),
-                             lens.to(device), mask)
+                             torch.tensor(lens, dtype=torch.int64, device=device), mask,
+                             groups)
+
+
+def _shared_prefixes(decodes: list[tuple[SeqSpan, list[int]]], bs: int
+                     ) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    """Group decodes by their first block; each group shares its tables' longest common
+    run of leading blocks that lie wholly before every member's new token. Returns the
+    groups worth a call of their own (rows, blocks) and, per decode, how many leading
+    blocks its group covers (0 outside one)."""
+    by_first: dict[int, list[int]] = {}
+    for row, (_, table) in enumerate(decodes):
+        by_first.setdefault(table[0], []).append(row)
+    skip = [0] * len(decodes)
+    groups: list[tuple[list[int], list[int]]] = []
+    for rows in by_first.values():
+        if len(rows) < 2:
+            continue
+        tables = [decodes[r][1] for r in rows]
+        limit = min((decodes[r][0].context_len - 1) // bs for r in rows)
+        first = tables[0]
+        n = 0
+        while n < limit and all(t[n] == first[n] for t in tables):
+            n += 1
+        if n * bs * (len(rows) - 1) < MIN_SHARED_TOKENS_SAVED:
+            continue
+        groups.append((rows, first[:n]))
+        for r in rows:
+            skip[r] = n
+    return groups, skip
 
 
 def _causal_offset_mask(q_len: int, num_computed: int, device: torch.device,
@@ -315,7 +386,6 @@ def paged_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     out = torch.empty_like(q)
     heads = q.shape[1]
-    group = heads // kvh
     for s in meta.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
         if s.num_computed == 0:
@@ -327,16 +397,57 @@ def paged_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              scale, s.attention_bias(q.dtype))
         out[sl] = o.transpose(0, 1)
     if meta.num_decodes:
-        n = meta.num_decodes
-        tables = meta.decode_block_tables
-        # [D, blocks, bs, KVH, d] -> [D, KVH, S, d]: only these sequences' blocks.
-        flat = tables.reshape(-1)  # index_select: ~5x faster than advanced indexing on CPU
-        ks = k_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)
-        vs = v_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)
-        qd = q.index_select(0, meta.decode_index).view(n, kvh, group, d)
-        o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=meta.decode_mask, scale=scale)
-        out.index_copy_(0, meta.decode_index, o.reshape(n, heads, d))
+        out.index_copy_(0, meta.decode_index,
+                        _gqa_decode(q, k_cache, v_cache, meta, scale).reshape(-1, heads, d))
     return out
+
+
+def _gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The decode tokens' attention, [D, KVH, group, d]. Each decode reads its own blocks
+    as one padded batch; a prefix shared by several decodes is read once for all of them
+    and the two partial softmaxes are merged by their log-sum-exp."""
+    n = meta.num_decodes
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // kvh
+    flat = meta.decode_block_tables.reshape(-1)  # index_select: ~5x faster than indexing
+    # [D, blocks, bs, KVH, d] -> [D, KVH, S, d]: only these sequences' blocks.
+    ks = k_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)
+    vs = v_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)
+    qd = q.index_select(0, meta.decode_index).view(n, kvh, group, d)
+    out, lse = attention_with_lse(qd, ks, vs, meta.decode_bias(q.dtype), scale)
+    for shared in meta.decode_shared:
+        m = shared.rows.numel()
+        kp = k_cache.index_select(0, shared.blocks).view(1, -1, kvh, d).transpose(1, 2)
+        vp = v_cache.index_select(0, shared.blocks).view(1, -1, kvh, d).transpose(1, 2)
+        # The group's queries as rows of one query block per KV head: [1, KVH, m*group, d].
+        qg = qd.index_select(0, shared.rows).transpose(0, 1).reshape(1, kvh, m * group, d)
+        op, lp = attention_with_lse(qg, kp.to(q.dtype), vp.to(q.dtype), None, scale)
+        op = op.reshape(kvh, m, group, d).transpose(0, 1)
+        lp = lp.reshape(kvh, m, group).transpose(0, 1).float()
+        lo = lse.index_select(0, shared.rows).float()
+        both = torch.logaddexp(lp, lo)
+        merged = (op * (lp - both).exp()[..., None].to(op.dtype)
+                  + out.index_select(0, shared.rows) * (lo - both).exp()[..., None].to(op.dtype))
+        out.index_copy_(0, shared.rows, merged)
+        lse.index_copy_(0, shared.rows, both.to(lse.dtype))
+    return out
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + bias) v and the rows' log-sum-exp, q [B, H, L, d],
+    k/v [B, H, S, d]. On CPU torch's flash kernel returns both (the public SDPA drops the
+    log-sum-exp); elsewhere plain matmuls."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores = scores + bias
+    lse = scores.logsumexp(-1)
+    return torch.matmul((scores - lse[..., None]).exp().to(v.dtype), v), lse
 
 
 # ---- MLA (DeepSeek family) ------------------------------------------------------------------

@@ -23,6 +23,7 @@ from .attention import (
     softmax_scale,
 )
 from .config import ModelConfig
+from .linear import PackedGemm, fused_projection, make_gemm, project
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu": F.gelu, "relu": F.relu,
@@ -45,9 +46,16 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.act = activation(act)
+        self.gate_up: PackedGemm | None = None
+        self.down: PackedGemm | None = None
+
+    def pack(self) -> None:
+        self.gate_up = make_gemm([self.gate_proj, self.up_proj])
+        self.down = make_gemm([self.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused_projection(x, self.gate_up, [self.gate_proj, self.up_proj])
+        return project(self.act(gate) * up, self.down, self.down_proj)
 
 
 class LlamaAttention(nn.Module):
@@ -66,19 +74,26 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = softmax_scale(cfg)
+        self.qkv: PackedGemm | None = None
+        self.out: PackedGemm | None = None
+
+    def pack(self) -> None:
+        self.qkv = make_gemm([self.q_proj, self.k_proj, self.v_proj])
+        self.out = make_gemm([self.o_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, pool: DeviceKVPool) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k, v = fused_projection(x, self.qkv, [self.q_proj, self.k_proj, self.v_proj])
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = pool.layer(self.layer)  # type: ignore[misc]
         o = paged_gqa_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        return project(o.reshape(t, -1), self.out, self.o_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -123,7 +138,16 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderBody(cfg, layers)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head: PackedGemm | None = None
         self.tie_weights()
+
+    def pack_weights(self) -> None:
+        """Prepack the projections for the CPU's GEMM (kvheat.engine.linear); call again
+        after the weights change. A no-op where packing does not apply."""
+        for m in self.modules():
+            if isinstance(m, (LlamaAttention, GatedMLP)):
+                m.pack()
+        self.head = make_gemm([self.lm_head])
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (again after
@@ -136,7 +160,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta, pool)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return project(hidden, self.head, self.lm_head).float()
 
 
 class LlamaForCausalLM(CausalLM):

@@ -42,6 +42,7 @@ class ModelRunner:
         if mdev.type != pdev.type or (None not in (mdev.index, pdev.index) and mdev != pdev):
             raise ValueError(f"model is on {mdev} but the KV pool on {pdev}")
         self.model = model.eval()
+        model.pack_weights()  # type: ignore[operator]
         self.kv_pool = kv_pool
         self.config = cfg
         self.block_size = kv_pool.block_size
@@ -84,7 +85,8 @@ class ModelRunner:
     def prepare(self, batch: Sequence[SeqBatchItem]) -> tuple[torch.Tensor, torch.Tensor,
                                                               AttentionMetadata]:
         ids, positions, spans = self._spans(batch)
-        meta = build_metadata(spans, self.block_size, self.device)  # checks slot clashes
+        meta = build_metadata(spans, self.block_size, self.device,  # checks slot clashes
+                              share_prefixes=not self.config.is_mla)
         dev = self.device
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)

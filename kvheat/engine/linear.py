@@ -1,0 +1,69 @@
+"""Projections for inference on CPU: weights prepacked once for oneDNN, and the
+projections that read the same input (q/k/v, gate/up) run as one GEMM.
+
+On this kind of machine (one AVX2 core, fp32) MKL's GEMM on a plain `[out, in]` weight
+does decode-sized batches (4-64 rows) at 15-25 GFLOP/s; the same product on a weight
+reordered for oneDNN runs 1.3-1.7x faster, and a single row is fastest as MKL's GEMV
+(bench/engine.py, docs/engine.md). vLLM's CPU backend packs its weights the same way.
+The plain parameters stay in place (checkpoint names, `state_dict`, tied embeddings);
+the packed copies are made by `pack` after the weights are final, and made again if
+`pack` is called after a change of weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Up to this many rows, the plain GEMV per part beats the packed GEMM.
+GEMV_ROWS = 2
+# The batch size oneDNN picks its weight layout for (any batch runs on it).
+PACK_BATCH_HINT = 32
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
+class PackedGemm:
+    """y = x [W_1; W_2; ...]^T + [b_1; b_2; ...]: the parts' outputs side by side, from one
+    GEMM on their weights concatenated and packed for oneDNN."""
+
+    def __init__(self, parts: list[nn.Linear]) -> None:
+        self.parts = parts
+        self.sizes = [p.out_features for p in parts]
+        with torch.no_grad():
+            weight = torch.cat([p.weight for p in parts]) if len(parts) > 1 else parts[0].weight
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+            biases = [p.bias for p in parts]
+            self.bias = (None if all(b is None for b in biases) else torch.cat([
+                b if b is not None else weight.new_zeros(p.out_features)
+                for b, p in zip(biases, parts, strict=True)]))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= GEMV_ROWS:
+            outs = [F.linear(x, p.weight, p.bias) for p in self.parts]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def fused_projection(x: torch.Tensor, gemm: PackedGemm | None,
+                     parts: list[nn.Linear]) -> list[torch.Tensor]:
+    """Each part's projection of x: through the packed GEMM when there is one."""
+    if gemm is None:
+        return [p(x) for p in parts]
+    return list(gemm(x).split(gemm.sizes, dim=-1))
+
+
+def project(x: torch.Tensor, gemm: PackedGemm | None, layer: nn.Linear) -> torch.Tensor:
+    return layer(x) if gemm is None else gemm(x)
+
+
+def make_gemm(parts: list[nn.Linear]) -> PackedGemm | None:
+    """A packed GEMM over `parts`, or None where oneDNN packing does not apply (GPU,
+    half precision, no oneDNN): then the layers run as they are."""
+    if not all(packable(p.weight) for p in parts):
+        return None
+    return PackedGemm(parts)
