@@ -1,18 +1,24 @@
 """Block-cache operation cost: µs per block and per request, and side by side with
-vLLM's KVCacheManager and SGLang's RadixCache when their venvs are given.
+vLLM's KVCacheManager and SGLang's RadixCache.
 
-    python bench/cache_ops.py [--json results/cache_ops.json]
-    KVHEAT_VLLM_PYTHON=/tmp/vllm/bin/python python bench/cache_ops.py   # + vLLM, same load
+    python bench/cache_ops.py [--json results/cache_ops.json] [--rounds 5]
+    KVHEAT_VLLM_PYTHON=/tmp/vllm/bin/python python bench/cache_ops.py   # vLLM elsewhere
     KVHEAT_SGLANG_PYTHON=/tmp/sgl/bin/python python bench/cache_ops.py  # + SGLang
 
 Load A: 12,000-token prompts, 16-token blocks, 50% shared prefix.
 Load B (the peers' load): 2,000 requests of 640 tokens over 8 shared 512-token prefixes.
-The peers run in their own interpreters (`--peer NAME`), one after the other in this run.
+vLLM is found as bench/peers.py finds it (the project's .venv after `make vllm`). Each peer
+runs in its own interpreter, started once and kept alive (`--peer NAME`); the rounds are
+interleaved, kvheat, vLLM, SGLang, kvheat, vLLM, SGLang ..., and each ratio is taken
+between the runs of one round: the median and range over the rounds are reported, every
+round's figures are in the JSON, and a warning is printed when the machine is not idle.
+All sides run with the garbage collector off and one thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -22,6 +28,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import check_quiet, find_vllm_python, fmt_ratio, paired_ratio  # noqa: E402
 
 BS = 16
 
@@ -224,56 +233,99 @@ def bench_sglang() -> dict:
             "hit_rate": hits / total}
 
 
-def best_of(rounds: list[dict]) -> dict:
-    """Per metric, the best (lowest) of several rounds: on a shared machine the minimum
-    is the operation's own cost. Every system is measured the same way."""
-    return {k: min(r[k] for r in rounds) for k in rounds[0]}
+def median_of(rounds: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
 
-def run_peer(name: str, python: str, rounds: int) -> dict | None:
-    try:
-        proc = subprocess.run([python, __file__, "--peer", name, "--rounds", str(rounds)], capture_output=True, text=True,
-                              timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
-    except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"{name}: not run ({e})", file=sys.stderr)
-        return None
-    if proc.returncode != 0:
-        print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def b_total(b: dict) -> float:
+    """µs per request of lookup + allocate (insert) + free (evict), hashing excluded."""
+    return b["lookup_us"] + b.get("allocate_us", b.get("insert_us", 0.0)) + b.get("free_us", 0.0)
+
+
+class Peer:
+    """A peer's interpreter running `--peer NAME`: one Load B round per `round()` call."""
+
+    MARK = "CACHE_OPS_RESULT "
+
+    def __init__(self, name: str, python: str) -> None:
+        self.name = name
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([python, __file__, "--peer", name], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+
+    def round(self) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(self.MARK):
+                return json.loads(line[len(self.MARK):])
+        raise RuntimeError(f"{self.name} exited with {self.proc.wait()}")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def serve_peer(name: str) -> None:
+    """The peer's side: one round of Load B for each "run" line on stdin."""
+    fn = bench_vllm if name == "vllm" else bench_sglang
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        print(Peer.MARK + json.dumps(fn()), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="results/cache_ops.json")
-    ap.add_argument("--rounds", type=int, default=5, help="best of this many rounds")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (at least 3)")
+    ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--peer", choices=["vllm", "sglang"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    gc.disable()  # the collector's pauses are noise here; the peers run the same way
     if args.peer:
-        gc.disable()
-        fn = bench_vllm if args.peer == "vllm" else bench_sglang
-        print(json.dumps(best_of([fn() for _ in range(args.rounds)])))
+        serve_peer(args.peer)
         return
     from rich.console import Console
     from rich.table import Table
 
-    gc.disable()  # the collector's pauses are noise here; the peers run the same way
-    # Best of several rounds: this machine is shared, and the minimum is the cost itself.
-    # kvheat's rounds are split before and after the peers', so that load changing
-    # during the run weighs on both sides alike.
-    rounds = [bench_kvheat() for _ in range(max(1, args.rounds // 2))]
-    res: dict = {}
-    for name in ("vllm", "sglang"):
-        py = os.environ.get(f"KVHEAT_{name.upper()}_PYTHON")
-        if py:
-            peer = run_peer(name, py, args.rounds)
-            if peer is not None:
-                res[name] = peer
-    rounds += [bench_kvheat() for _ in range(max(1, args.rounds - len(rounds)))]
-    res["kvheat"] = {load: best_of([r[load] for r in rounds]) for load in ("A", "B")}
+    report: dict = {"rounds": args.rounds}
+    check_quiet(report, "start")
+    peers: list[Peer] = []
+    vllm_py = find_vllm_python(args.vllm_python)
+    if vllm_py:
+        peers.append(Peer("vllm", vllm_py))
+    if os.environ.get("KVHEAT_SGLANG_PYTHON"):
+        peers.append(Peer("sglang", os.environ["KVHEAT_SGLANG_PYTHON"]))
+    runs: dict[str, list[dict]] = {"kvheat": [], **{p.name: [] for p in peers}}
+    try:
+        for _ in range(max(3, args.rounds)):
+            runs["kvheat"].append(bench_kvheat())
+            for p in peers:
+                try:
+                    runs[p.name].append(p.round())
+                except RuntimeError as e:
+                    print(f"{p.name}: failed ({e})", file=sys.stderr)
+    finally:
+        for p in peers:
+            p.close()
+    check_quiet(report, "end")
+    res: dict = {"kvheat": {load: median_of([r[load] for r in runs["kvheat"]]) for load in ("A", "B")}}
+    report["raw"] = runs
+    for p in peers:
+        if len(runs[p.name]) == len(runs["kvheat"]):
+            res[p.name] = median_of(runs[p.name])
+            res[p.name]["kvheat_over_peer"] = paired_ratio(
+                [b_total(r["B"]) for r in runs["kvheat"]], [b_total(r) for r in runs[p.name]])
     a = res["kvheat"]["A"]
     con = Console()
-    t = Table(title=f"Load A: 12,000-token prompts, {BS}-token blocks, 50% shared prefix")
+    t = Table(title=f"Load A: 12,000-token prompts, {BS}-token blocks, 50% shared prefix "
+                    f"(median of {len(runs['kvheat'])} rounds)")
     t.add_column("operation")
     t.add_column("µs per block", justify="right")
     t.add_column("target", justify="right")
@@ -282,22 +334,23 @@ def main() -> None:
     t.add_row("allocate + free, 50% hit", f"{a['alloc_free_cold_us_per_block']:.2f}", "< 2")
     t.add_row("allocate + free, 100% hit", f"{a['alloc_free_warm_us_per_block']:.2f}", "< 2")
     con.print(t)
-    t = Table(title="Load B: 2,000 requests × 640 tokens over 8 shared 512-token prefixes (µs per request)")
-    for col in ("system", "hash", "lookup", "allocate", "free", "total (no hash)", "hit rate", "kvheat ÷ peer"):
+    t = Table(title="Load B: 2,000 requests × 640 tokens over 8 shared 512-token prefixes "
+                    "(µs per request, medians; ratio: median and range of the rounds' ratios)")
+    for col in ("system", "hash", "lookup", "allocate", "free", "total (no hash)", "hit rate",
+                "kvheat ÷ peer"):
         t.add_column(col, justify="right" if col != "system" else "left")
-    kb = res["kvheat"]["B"]
-    k_total = kb["lookup_us"] + kb["allocate_us"] + kb["free_us"]
-    for name in ("kvheat", "vllm", "sglang"):
+    for name in ("kvheat", *(p.name for p in peers)):
         if name not in res:
             continue
-        b = res[name] if name != "kvheat" else kb
-        total = b["lookup_us"] + b.get("allocate_us", b.get("insert_us", 0.0)) + b.get("free_us", 0.0)
+        b = res[name] if name != "kvheat" else res["kvheat"]["B"]
+        ratio = fmt_ratio(b["kvheat_over_peer"]) if name != "kvheat" else ""
         t.add_row(name, f"{b.get('hash_us', float('nan')):.1f}", f"{b['lookup_us']:.1f}",
                   f"{b.get('allocate_us', b.get('insert_us', 0.0)):.1f}", f"{b.get('free_us', 0.0):.1f}",
-                  f"{total:.1f}", f"{b['hit_rate']:.1%}", "" if name == "kvheat" else f"{k_total / total:.2f}")
+                  f"{b_total(b):.1f}", f"{b['hit_rate']:.1%}", ratio)
     con.print(t)
+    report["results"] = res
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     con.print(f"wrote {args.json}")
 
 

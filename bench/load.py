@@ -20,9 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,20 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import (  # noqa: E402
+    SSEDecoder,
+    check_quiet,
+    find_vllm_python,
+    fmt_ratio,
+    free_port,
+    paired_ratio,
+    start_kvheat_server,
+    start_vllm_server,
+    stop_proc,
+    wait_ready,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,12 +119,6 @@ class RunResult:
         }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss_mib(pid: int) -> float | None:
     """Resident memory of a process and its children (vLLM runs its engine in one)."""
     total = 0.0
@@ -155,21 +161,25 @@ async def one_client(http: httpx.AsyncClient, model: str, cid: int, t0: float, d
                     if r.status_code != 200:
                         err = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                     else:
-                        async for line in r.aiter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            ev = json.loads(line[6:])
-                            if "error" in ev:
-                                err = str(ev["error"])[:200]
+                        dec = SSEDecoder()  # lines split on \n only (see peers.SSEDecoder)
+                        async for chunk in r.aiter_text():
+                            for data in dec.feed(chunk):
+                                if data == "[DONE]":
+                                    continue
+                                ev = json.loads(data)
+                                if "error" in ev:
+                                    err = str(ev["error"])[:200]
+                                    break
+                                if ev.get("usage"):
+                                    usage = ev["usage"]
+                                for ch in ev.get("choices") or []:
+                                    delta = ch.get("delta") or {}
+                                    if delta.get("content") or ch.get("finish_reason"):
+                                        if ttft is None:
+                                            ttft = time.perf_counter() - start
+                                        text.append(delta.get("content") or "")
+                            if err is not None:
                                 break
-                            if ev.get("usage"):
-                                usage = ev["usage"]
-                            for ch in ev.get("choices") or []:
-                                delta = ch.get("delta") or {}
-                                if delta.get("content") or ch.get("finish_reason"):
-                                    if ttft is None:
-                                        ttft = time.perf_counter() - start
-                                    text.append(delta.get("content") or "")
             except (httpx.HTTPError, json.JSONDecodeError) as e:
                 err = f"{type(e).__name__}: {e}"[:200]
             end = time.perf_counter()
@@ -234,66 +244,10 @@ def _hit_rate(metrics_text: str) -> float | None:
     return cached / prompt if prompt else None
 
 
-def wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not become ready")
-
-
-def start_kvheat(args: argparse.Namespace, model_dir: str | None, port: int,
-                 log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "kvheat.server.cli", "serve", "--port", str(port),
-           "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.clients),
-           "--max-num-batched-tokens", str(args.batched_tokens), "--log-level", "warning"]
-    if model_dir:
-        cmd += ["--model", model_dir, "--served-model-name", "tiny"]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    if args.policy:
-        cmd += ["--policy", args.policy]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-
-
-def start_vllm(args: argparse.Namespace, model_dir: str, port: int, tmp: str,
-               log: Path) -> subprocess.Popen[bytes]:
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048",
-           "--max-num-seqs", str(args.clients)]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               VLLM_CACHE_ROOT=os.path.join(tmp, "vllm-cache"), TOKENIZERS_PARALLELISM="false")
-    if args.threads:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "all"
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-
-
-def stop_proc(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 def bench_one(name: str, proc: subprocess.Popen[bytes], base: str, model: str,
-              args: argparse.Namespace, ready_s: float) -> RunResult:
-    try:
-        wait_ready(base, proc, ready_s)
-        return asyncio.run(run_load(name, base, model, proc.pid, args.clients, args.duration,
-                                    args.warmup, args.max_tokens, args.seed))
-    finally:
-        stop_proc(proc)
+              args: argparse.Namespace, seed: int) -> RunResult:
+    return asyncio.run(run_load(name, base, model, proc.pid, args.clients, args.duration,
+                                args.warmup, args.max_tokens, seed))
 
 
 def fmt(x: float | None, scale: float = 1.0, spec: str = ".1f") -> str:
@@ -323,71 +277,75 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
     ap.add_argument("--num-blocks", type=int, default=2048)
     ap.add_argument("--batched-tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads of the server")
-    ap.add_argument("--policy", default=None, help="kvheat's eviction policy (default lru)")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads of each server")
+    ap.add_argument("--policy", default=None, help="kvheat's eviction policy (default kvheat)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer", choices=["vllm"], default=None,
-                    help="also run the same load against this peer server")
-    ap.add_argument("--vllm-python", default="/tmp/vllm/bin/python")
+                    help="also run the same load against this peer server, interleaved")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per server (default 3 with --peer, else 1)")
+    ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--json", default=str(ROOT / "results" / "load.json"))
     args = ap.parse_args()
     if args.warmup is None:
         args.warmup = args.duration / 6
+    repeats = args.repeats or (3 if args.peer else 1)
+    report: dict[str, Any] = {"args": vars(args)}
+    check_quiet(report, "start")
+    vllm_python = find_vllm_python(args.vllm_python) if args.peer == "vllm" else None
+    if args.peer and vllm_python is None:
+        print("no python with vLLM found: skipping the peer run", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="kvheat-load-") as tmp:
         model_dir = None
-        if args.peer == "vllm":
-            if not Path(args.vllm_python).exists():
-                print(f"vLLM not found at {args.vllm_python}: skipping the peer run",
-                      file=sys.stderr)
-                args.peer = None
-            else:
-                from kvheat.engine.loader import save_tiny_model
+        if vllm_python:
+            from kvheat.engine.loader import save_tiny_model
 
-                model_dir = str(save_tiny_model(Path(tmp) / "tiny-llama"))
-        results: list[RunResult] = []
+            model_dir = str(save_tiny_model(Path(tmp) / "tiny-llama"))
+        servers: dict[str, tuple[str, subprocess.Popen[bytes], Path, str]] = {}
         port = free_port()
-        base = f"http://127.0.0.1:{port}"
         log = Path(tmp) / "kvheat.log"
-        proc = start_kvheat(args, model_dir, port, log)
-        model = "tiny" if model_dir else "kvheat-tiny-llama"
-        print(f"kvheat: {args.clients} clients x {args.duration:.0f} s ...", file=sys.stderr)
-        try:
-            results.append(bench_one("kvheat", proc, base, model, args, 120))
-        except RuntimeError as e:
-            print(f"kvheat failed: {e}\n{log.read_text()[-3000:]}", file=sys.stderr)
-            return 1
-        if any(s.error for s in results[-1].samples):
-            print(f"kvheat had errors; its log ends:\n{log.read_text()[-3000:]}", file=sys.stderr)
-        if args.peer == "vllm" and model_dir:
+        extra = ["--policy", args.policy] if args.policy else []
+        proc = start_kvheat_server(model_dir, port, log, args.threads, args.clients,
+                                   args.batched_tokens, args.num_blocks, extra)
+        servers["kvheat"] = (f"http://127.0.0.1:{port}", proc, log,
+                             "tiny" if model_dir else "kvheat-tiny-llama")
+        if vllm_python and model_dir:
             port = free_port()
             vlog = Path(tmp) / "vllm.log"
-            vproc = start_vllm(args, model_dir, port, tmp, vlog)
-            print("vLLM: starting (about 35 s) ...", file=sys.stderr)
-            try:
-                results.append(bench_one("vllm", vproc, f"http://127.0.0.1:{port}", "tiny", args,
-                                         300))
-            except RuntimeError as e:
-                print(f"vLLM failed: {e}\n{vlog.read_text()[-3000:]}", file=sys.stderr)
-    rows = [r.summary() for r in results]
+            servers["vllm"] = (f"http://127.0.0.1:{port}", start_vllm_server(
+                vllm_python, model_dir, port, vlog, tmp, args.threads, args.clients,
+                args.batched_tokens), vlog, "tiny")
+        runs: dict[str, list[RunResult]] = {name: [] for name in servers}
+        try:
+            for base, proc, log, _ in servers.values():
+                wait_ready(base, proc, 600, log)
+            for rep in range(repeats):
+                for name, (base, proc, log, model) in servers.items():
+                    print(f"{name}: {args.clients} clients x {args.duration:.0f} s (repeat {rep}) ...",
+                          file=sys.stderr)
+                    res = bench_one(name, proc, base, model, args, args.seed + rep)
+                    runs[name].append(res)
+                    if any(s.error for s in res.samples):
+                        print(f"{name} had errors; its log ends:\n"
+                              f"{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+        finally:
+            for _, proc, _, _ in servers.values():
+                stop_proc(proc)
+    check_quiet(report, "end")
+    rows = [r.summary() for name in servers for r in runs[name]]
     print_table(rows)
-    report: dict[str, Any] = {"runs": rows, "args": vars(args),
-                              "rss_series": {r.name: r.rss_mb for r in results}}
-    if len(rows) == 2:
-        k, v = rows
-
-        def ratio(a: float | None, b: float | None) -> float | None:
-            return a / b if a is not None and b else None
-
-        report["kvheat_over_vllm"] = {
-            "requests_per_s": ratio(k["requests_per_s"], v["requests_per_s"]),
-            "tokens_per_s": ratio(k["tokens_per_s"], v["tokens_per_s"]),
-            "ttft_p50": ratio(k["ttft_p50_s"], v["ttft_p50_s"]),
-            "ttft_p99": ratio(k["ttft_p99_s"], v["ttft_p99_s"]),
-        }
-        rr = report["kvheat_over_vllm"]
-        print("kvheat / vLLM: throughput x" + fmt(rr["tokens_per_s"], 1, ".2f")
-              + ", TTFT P50 x" + fmt(rr["ttft_p50"], 1, ".2f")
-              + ", TTFT P99 x" + fmt(rr["ttft_p99"], 1, ".2f") + " (lower TTFT is better)")
+    report["runs"] = rows
+    report["rss_series"] = {f"{r.name}-{i}": r.rss_mb for name in servers
+                            for i, r in enumerate(runs[name])}
+    if "vllm" in runs:
+        k = [r.summary() for r in runs["kvheat"]]
+        v = [r.summary() for r in runs["vllm"]]
+        ratios = {m: paired_ratio([x[m] for x in k], [y[m] for y in v])
+                  for m in ("requests_per_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s")
+                  if all(x[m] for x in k) and all(y[m] for y in v)}
+        report["kvheat_over_vllm"] = ratios
+        print("kvheat / vLLM (median, range): " + ", ".join(
+            f"{m} {fmt_ratio(r)}" for m, r in ratios.items()) + " (lower TTFT is better)")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2, default=lambda o: asdict(o)))
     print(f"wrote {args.json}", file=sys.stderr)
