@@ -57,6 +57,7 @@ from peers import (  # noqa: E402
     fmt_ratio,
     interleaved,
     paired_ratio,
+    process_cpu_seconds,
     spread,
     vllm_env,
 )
@@ -341,6 +342,8 @@ def peer_model(name: str, model_dir: Path, vocab: int, a: argparse.Namespace, tm
                               "block_size": {"kvheat": 16, "vllm": "its CPU default (128)"}}}
     try:
         for wname, (kind, n, prefix, suffix, max_tokens) in PEER_WORKLOADS.items():
+            if a.peer_workloads and wname not in a.peer_workloads.split(","):
+                continue
             prefix, suffix = int(prefix * prompt_scale), int(suffix * prompt_scale)
 
             def arm(engine: KVHeatPeer | VLLMPeer, kind=kind, n=n, prefix=prefix,
@@ -356,7 +359,18 @@ def peer_model(name: str, model_dir: Path, vocab: int, a: argparse.Namespace, tm
 
             reps = a.peer_repeats if not wname.endswith("64x128") or name == "tiny" \
                 else a.wide_long_repeats
-            runs = interleaved({"kvheat": arm(mine), "vllm": arm(theirs)}, reps)
+            def watched(run: Callable[[int], dict], idle_cpu: Callable[[], float]
+                        ) -> Callable[[int], dict]:
+                """The arm, with the CPU time the other (idle) side used meanwhile."""
+                def go(rep: int) -> dict:
+                    before = idle_cpu()
+                    r = run(rep)
+                    return {**r, "idle_peer_cpu_s": idle_cpu() - before}
+                return go
+
+            # kvheat's side is this process alone (vLLM's worker is its child)
+            runs = interleaved({"kvheat": watched(arm(mine), lambda: process_cpu_seconds(theirs.proc.pid)),
+                                "vllm": watched(arm(theirs), time.process_time)}, reps)
             key = "mean_ttft_s" if kind == "ttft" else "output_tokens_per_s"
             res = {"requests": n, "prompt_tokens": prefix + suffix, "shared_prefix": prefix,
                    "max_tokens": max_tokens, "metric": key, "runs": runs,
@@ -403,6 +417,8 @@ def main() -> None:
                     help="max running sequences, both engines (vLLM's CPU default offline)")
     ap.add_argument("--peer-batched-tokens", type=int, default=4096,
                     help="tokens per step, both engines (vLLM's CPU default offline)")
+    ap.add_argument("--peer-workloads", default=None,
+                    help="comma-separated subset of " + ",".join(PEER_WORKLOADS))
     ap.add_argument("--vllm-timeout", type=int, default=900)
     ap.add_argument("--peer-threads", type=int, default=1,
                     help="threads for both engines in the peer run (vLLM's OpenMP threads are bound)")
