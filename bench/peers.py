@@ -150,10 +150,13 @@ def free_port() -> int:
 def start_kvheat_server(model_dir: str | None, port: int, log: Path, threads: int,
                         max_seqs: int, batched_tokens: int, num_blocks: int,
                         extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+    """`kvheat serve` with its engine thread on the cores vLLM binds its compute to."""
+    cores = "0" if threads == 1 else f"0-{threads - 1}"
     cmd = [os.environ.get("KVHEAT_PYTHON", str(ROOT / ".venv/bin/python")), "-m",
            "kvheat.server.cli", "serve", "--port", str(port), "--num-blocks", str(num_blocks),
            "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(batched_tokens),
-           "--threads", str(threads), "--log-level", "warning", *(extra or [])]
+           "--threads", str(threads), "--engine-cores", cores, "--log-level", "warning",
+           *(extra or [])]
     if model_dir:
         cmd += ["--model", model_dir, "--served-model-name", "tiny"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")

@@ -749,3 +749,26 @@ def test_serve_command_starts_and_rejects_bad_config(tmp_path: Any) -> None:
         proc.terminate()
         proc.wait(timeout=30)
     assert proc.returncode in (0, -15)
+
+
+def test_engine_thread_runs_on_the_given_cores() -> None:
+    """`engine_cores` pins the engine thread (as vLLM binds its compute threads); the
+    HTTP side keeps every CPU. Bad core lists are a config error."""
+    import os
+
+    from kvheat.server.config import ConfigError, parse_cores
+
+    assert parse_cores("0-2,5") == [0, 1, 2, 5]
+    with pytest.raises(ConfigError):
+        parse_cores("zero")
+    with pytest.raises(ConfigError):
+        ServerConfig(engine_cores="4096")
+    first = min(os.sched_getaffinity(0))
+    s = start(ServerConfig(num_blocks=64, threads=1, engine_cores=str(first)))
+    try:
+        assert s.client().completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+        pinned = s.on_engine_thread(lambda: os.sched_getaffinity(0))
+        assert pinned == {first}
+        assert os.sched_getaffinity(0) != {first} or os.cpu_count() == 1
+    finally:
+        stop(s)

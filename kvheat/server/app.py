@@ -189,7 +189,8 @@ class KVHeatServer:
         self.arm_stats = ArmStats(self.router.names)
         self.tracing = Tracing(config.otlp_endpoint, span_exporter)
         self.worker = EngineWorker(engine_for, self.router.names, self.metrics, self.arm_stats,
-                                   self.tracing, {t.name: t.quota_blocks for t in config.tenants})
+                                   self.tracing, {t.name: t.quota_blocks for t in config.tenants},
+                                   cores=config.engine_cores)
         self.draining = False
         self.app = self._build_app()
 

@@ -45,6 +45,8 @@ from .config import ConfigError, load_config
 @click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per step (256).")
 @click.option("--max-tokens-limit", type=int, default=None, help="Refuse larger max_tokens.")
 @click.option("--threads", type=int, default=None, help="torch threads for the engine.")
+@click.option("--engine-cores", default=None,
+              help="CPUs the engine thread runs on, e.g. 0 or 0-3 (default: any).")
 @click.option("--max-body-size", "max_body_bytes", default=None,
               help="Refuse larger request bodies with 413 (8MiB).")
 @click.option("--drain-timeout", "drain_timeout_s", type=float, default=None,
@@ -64,7 +66,7 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                   redis_cluster: bool | None, tier_mode: str | None, policy: str | None,
                   max_num_seqs: int | None, max_num_batched_tokens: int | None,
                   max_tokens_limit: int | None,
-                  threads: int | None, max_body_bytes: str | None,
+                  threads: int | None, engine_cores: str | None, max_body_bytes: str | None,
                   drain_timeout_s: float | None,
                   admin_token: str | None, otlp_endpoint: str | None,
                   seed: int | None, log_level: str) -> None:
@@ -82,6 +84,7 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                           policy=policy, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           max_tokens_limit=max_tokens_limit, threads=threads,
+                          engine_cores=engine_cores,
                           max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s,
                           admin_token=admin_token, otlp_endpoint=otlp_endpoint, seed=seed)
         server = KVHeatServer(cfg)

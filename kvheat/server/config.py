@@ -25,6 +25,7 @@ one of their keys and each tenant's blocks are salted by its name (no cross-tena
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass, field, fields
@@ -136,6 +137,9 @@ class ServerConfig:
     # error (streams: a final error event). Keep k8s terminationGracePeriodSeconds above it.
     drain_timeout_s: float = 25.0
     threads: int | None = None  # torch intra-op threads for the engine
+    # CPUs the engine thread runs on (as vLLM's VLLM_CPU_OMP_THREADS_BIND); None: any.
+    # The HTTP side stays unpinned.
+    engine_cores: list[int] | None = None
     admin_token: str | None = None  # None: the admin API is off
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None: tracing off
     tenants: list[TenantConfig] = field(default_factory=list)
@@ -148,6 +152,14 @@ class ServerConfig:
             raise ConfigError("host_tier_blocks must be >= 0")
         self.disk_tier_bytes = parse_size(self.disk_tier_bytes, "disk_tier_bytes")
         self.redis_tier_bytes = parse_size(self.redis_tier_bytes, "redis_tier_bytes")
+        if isinstance(self.engine_cores, str):
+            self.engine_cores = parse_cores(self.engine_cores)
+        if self.engine_cores is not None:
+            known = os.sched_getaffinity(0)
+            bad = [c for c in self.engine_cores if c not in known]
+            if not self.engine_cores or bad:
+                raise ConfigError(f"engine_cores {self.engine_cores}: this process may run on "
+                                  f"CPUs {sorted(known)} only")
         self.max_body_bytes = parse_size(self.max_body_bytes, "max_body_bytes")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1KiB")
@@ -235,6 +247,18 @@ def parse_size(value: int | str, name: str) -> int:
     if m is None or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"{name}: cannot read {value!r} as a size (e.g. 64GiB, 500MB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_cores(text: str) -> list[int]:
+    """"0", "0,2", "0-3" or "0-1,4" -> the CPU numbers."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ConfigError(f"engine_cores {text!r}: give CPUs as 0,1 or 0-3") from None
+    return out
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfig:

@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -113,8 +114,9 @@ class EngineWorker:
     def __init__(self, engine_factory: Callable[[str], ServingEngine], arms: Sequence[str],
                  metrics: ServerMetrics, arm_stats: ArmStats, tracing: Tracing,
                  tenant_quotas: dict[str, int | None] | None = None,
-                 refresh_s: float = 0.25) -> None:
+                 refresh_s: float = 0.25, cores: Sequence[int] | None = None) -> None:
         self.engine_factory = engine_factory
+        self.cores = set(cores) if cores else None  # the engine thread's CPUs
         self.arms = list(arms)
         self.metrics = metrics
         self.arm_stats = arm_stats
@@ -398,6 +400,8 @@ class EngineWorker:
 
     def _run(self) -> None:
         last_refresh = 0.0
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)  # this thread only (Linux: tid 0 = caller)
         try:
             while not self._stop:
                 self._drain_commands()
