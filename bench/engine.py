@@ -431,6 +431,8 @@ def main() -> None:
                     help="max running sequences, both engines (vLLM's CPU default offline)")
     ap.add_argument("--peer-batched-tokens", type=int, default=4096,
                     help="tokens per step, both engines (vLLM's CPU default offline)")
+    ap.add_argument("--peer-models", default="tiny,hidden2048",
+                    help="models of the peer run: tiny, hidden2048 (--wide-layers layers)")
     ap.add_argument("--peer-workloads", default=None,
                     help="comma-separated subset of " + ",".join(PEER_WORKLOADS))
     ap.add_argument("--vllm-timeout", type=int, default=900)
@@ -473,8 +475,10 @@ def main() -> None:
     if vllm_python:
         report["peer_vllm"] = {"python": vllm_python}
         with tempfile.TemporaryDirectory() as tmp:
-            models = {"tiny": (save_tiny_model(Path(tmp) / "tiny-llama", "llama"), 1024, 1.0)}
-            if a.wide_layers:
+            models = {}
+            if "tiny" in a.peer_models:
+                models["tiny"] = (save_tiny_model(Path(tmp) / "tiny-llama", "llama"), 1024, 1.0)
+            if a.wide_layers and "hidden2048" in a.peer_models:
                 # The wide model's throughput prompts are a quarter as long: its prefill
                 # costs ~50x the tiny model's per token on one thread.
                 models["hidden2048"] = (save_wide_model(Path(tmp) / "wide-llama", a.wide_layers),
