@@ -314,7 +314,7 @@ def main() -> None:
     finally:
         for p in peers:
             p.close()
-    check_quiet(report, "end")
+    check_quiet(report, "end", after_own_run=True)
     res: dict = {"kvheat": {load: median_of([r[load] for r in runs["kvheat"]]) for load in ("A", "B")}}
     report["raw"] = runs
     for p in peers:

@@ -349,7 +349,7 @@ def peer_model(name: str, model_dir: Path, vocab: int, a: argparse.Namespace, tm
     """Every peer workload on one model directory, kvheat and vLLM interleaved."""
     settings = {"max_num_seqs": a.peer_max_seqs, "max_num_batched_tokens": a.peer_batched_tokens,
                 "max_model_len": 2048}
-    check_quiet(report, f"before {name}")
+    check_quiet(report, f"before {name}", after_own_run=True)
     mine = KVHeatPeer(model_dir, {**settings, "kv_bytes": 2 << 30}, a.peer_threads)
     theirs = VLLMPeer(vllm_python, model_dir, settings, a.peer_threads, tmp, a.vllm_timeout)
     out: dict = {"settings": {**settings, "dtype": "float32", "threads": a.peer_threads,
@@ -401,7 +401,7 @@ def peer_model(name: str, model_dir: Path, vocab: int, a: argparse.Namespace, tm
     finally:
         theirs.close()
         mine.close()
-    check_quiet(report, f"after {name}")
+    check_quiet(report, f"after {name}", after_own_run=True)
     return out
 
 
@@ -457,6 +457,7 @@ def main() -> None:
     model, _, cfg = load_model(None, "llama")
     report: dict = {"machine": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                                 "cpus": os.cpu_count(), "clock": a.clock}}
+    check_quiet(report, "start")
     if not a.skip_local:
         report["overhead_0pct"] = overhead(model, cfg.vocab_size, a.length, a.trials, rng)
         report["partial_hits"] = partial_hits(model, cfg.vocab_size, a.length, a.trials, rng)

@@ -331,7 +331,7 @@ def main() -> int:
         finally:
             for _, proc, _, _ in servers.values():
                 stop_proc(proc)
-    check_quiet(report, "end")
+    check_quiet(report, "end", after_own_run=True)
     rows = [r.summary() for name in servers for r in runs[name]]
     print_table(rows)
     report["runs"] = rows

@@ -46,8 +46,12 @@ IDLE_BUSY_FRACTION = 0.10
 IDLE_LOADAVG = 0.5
 
 
-def load_warning(load: dict[str, Any]) -> str | None:
-    if load["busy_fraction"] > IDLE_BUSY_FRACTION or load["loadavg_1m"] > IDLE_LOADAVG:
+def load_warning(load: dict[str, Any], after_own_run: bool = False) -> str | None:
+    """A warning when other work shares the machine. Right after this benchmark's own
+    run the 1-minute load average still counts that run, so only the busy sample
+    (taken while everything of ours sleeps) tells then."""
+    loaded = not after_own_run and load["loadavg_1m"] > IDLE_LOADAVG
+    if load["busy_fraction"] > IDLE_BUSY_FRACTION or loaded:
         return (f"WARNING: the machine is not idle (CPUs {100 * load['busy_fraction']:.0f}% "
                 f"busy, load average {load['loadavg_1m']:.2f}): other work shares the cores "
                 f"and memory bandwidth, so these figures are not the peers' own. Rerun on an "
@@ -55,11 +59,11 @@ def load_warning(load: dict[str, Any]) -> str | None:
     return None
 
 
-def check_quiet(report: dict[str, Any], where: str) -> None:
+def check_quiet(report: dict[str, Any], where: str, after_own_run: bool = False) -> None:
     """Measure the load now, record it in `report["machine_load"]`, print a warning."""
     load = machine_load()
     report.setdefault("machine_load", []).append({"when": where, **load})
-    msg = load_warning(load)
+    msg = load_warning(load, after_own_run)
     if msg:
         print(msg, flush=True)
 

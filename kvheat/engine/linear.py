@@ -8,6 +8,13 @@ reordered for oneDNN runs 1.3-1.7x faster, and a single row is fastest as MKL's 
 The plain parameters stay in place (checkpoint names, `state_dict`, tied embeddings);
 the packed copies are made by `pack` after the weights are final, and made again if
 `pack` is called after a change of weights.
+
+oneDNN builds (JIT-compiles) a kernel per row count and keeps ~0.6 MB of it in a
+process-wide cache of 1,024 entries; past that it evicts and rebuilds, and memory grows
+without bound (measured: 5 GB after two passes over 3-1,500 rows). A server sees every
+row count from 1 to its token budget, so rows are padded up to a few sizes per octave
+(at most 1/8 of extra rows) and long inputs run in 512-row pieces: at most 54 kernels
+per weight.
 """
 
 from __future__ import annotations
@@ -20,6 +27,20 @@ from torch import nn
 GEMV_ROWS = 2
 # The batch size oneDNN picks its weight layout for (any batch runs on it).
 PACK_BATCH_HINT = 32
+# Row counts up to this run as they are; above, they are padded to 8 sizes per octave.
+EXACT_ROWS = 16
+# Longer inputs run in pieces of this many rows (as fast per row as one call: the
+# weight panels are already streamed once per 512 rows).
+PIECE_ROWS = 512
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a GEMM of `rows` rows runs at: `rows` up to EXACT_ROWS, else rounded
+    up to a multiple of 1/16 of the next power of two (at most 1/8 more rows)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = (1 << (rows - 1).bit_length()) >> 4
+    return -(-rows // step) * step
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -43,10 +64,21 @@ class PackedGemm:
                 for b, p in zip(biases, parts, strict=True)]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= GEMV_ROWS:
+        rows = x.shape[0]
+        if rows <= GEMV_ROWS:
             outs = [F.linear(x, p.weight, p.bias) for p in self.parts]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if rows <= PIECE_ROWS:
+            return self._gemm(x)
+        return torch.cat([self._gemm(x[i:i + PIECE_ROWS]) for i in range(0, rows, PIECE_ROWS)])
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out if padded == rows else out[:rows]
 
 
 def fused_projection(x: torch.Tensor, gemm: PackedGemm | None,
