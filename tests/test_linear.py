@@ -8,17 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvheat.engine.linear import EXACT_ROWS, PIECE_ROWS, make_gemm, padded_rows
+from kvheat.engine.linear import EXACT_ROWS, make_gemm, padded_rows
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 
 
 def test_padded_rows_are_few_and_waste_at_most_an_eighth() -> None:
-    sizes = {padded_rows(m) for m in range(1, PIECE_ROWS + 1)}
-    assert len(sizes) <= 60
-    for m in range(1, PIECE_ROWS + 1):
+    sizes = {padded_rows(m) for m in range(1, 4097)}
+    assert len(sizes) <= 80
+    for m in range(1, 4097):
         p = padded_rows(m)
-        assert m <= p <= PIECE_ROWS
+        assert m <= p <= 4096
         assert p == m if m <= EXACT_ROWS else (p - m) / m <= 1 / 8
 
 
