@@ -338,7 +338,7 @@ def main() -> None:
                     "(µs per request, medians; ratio: median and range of the rounds' ratios)")
     for col in ("system", "hash", "lookup", "allocate", "free", "total (no hash)", "hit rate",
                 "kvheat ÷ peer"):
-        t.add_column(col, justify="right" if col != "system" else "left")
+        t.add_column(col, justify="right" if col != "system" else "left", no_wrap=True)
     for name in ("kvheat", *(p.name for p in peers)):
         if name not in res:
             continue

@@ -2,10 +2,11 @@
 (streaming, a few shared system prompts, 2-4 turns each) for a fixed time.
 
 Reports errors (the target is zero), throughput (requests/s, generated tokens/s), P50/P99
-TTFT and end-to-end latency measured by the clients, the server's prefix hit rate, and the
-server's resident memory over time (flat after warm-up: growth in the second half of the
-run against the end of warm-up). With `--peer vllm` the same load runs against vLLM's
-CPU OpenAI server on the same model directory, and the ratios are printed.
+TTFT and end-to-end latency measured by the clients, the prompt tokens each server reports
+as cached (`usage.prompt_tokens_details`), and the server's resident memory over time (flat
+after warm-up: growth in the second half of the run against the end of warm-up). With
+`--peer vllm` the same load runs against vLLM's CPU OpenAI server on the same model
+directory, and the ratios are printed.
 
     python bench/load.py                          # 64 clients, 60 s, built-in tiny Llama
     python bench/load.py --clients 8 --duration 10
@@ -256,14 +257,14 @@ def fmt(x: float | None, scale: float = 1.0, spec: str = ".1f") -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (f"{'server':<8} {'clients':>7} {'req':>6} {'err':>4} {'req/s':>7} {'tok/s':>7} "
-            f"{'TTFT P50 ms':>11} {'TTFT P99 ms':>11} {'E2E P99 ms':>10} {'hit rate':>8} "
+            f"{'TTFT P50 ms':>11} {'TTFT P99 ms':>11} {'E2E P99 ms':>10} {'cached':>8} "
             f"{'RSS MiB':>8} {'RSS growth':>10}")
     print(head)
     for r in rows:
         print(f"{r['name']:<8} {r['clients']:>7} {r['requests']:>6} {r['errors']:>4} "
               f"{fmt(r['requests_per_s'], 1, '.2f'):>7} {fmt(r['tokens_per_s']):>7} "
               f"{fmt(r['ttft_p50_s'], 1000):>11} {fmt(r['ttft_p99_s'], 1000):>11} "
-              f"{fmt(r['e2e_p99_s'], 1000):>10} {fmt(r['server_hit_rate'], 100):>7}% "
+              f"{fmt(r['e2e_p99_s'], 1000):>10} {fmt(r['client_cached_fraction'], 100):>7}% "
               f"{fmt(r['rss_mib_after_warmup']):>8} "
               f"{fmt(r['rss_growth_pct_second_half'], 1, '+.1f'):>9}%")
 
