@@ -58,6 +58,7 @@ def test_a_waiting_request_reads_its_disk_blocks_once(llama: tuple, tmp_path: Pa
     e.tiers.flush()
     disk = e.tiers.tiers[0]
     read0, loaded0 = disk.stats.get_bytes, e.tiers.counters.loaded_blocks
+    unused0 = e.tiers.counters.unused_read_bytes
     # A long request holds most of the pool while four others, whose prefixes are on
     # disk, wait many steps for blocks.
     big = prompts(2, 1, 160)[0]
@@ -74,7 +75,12 @@ def test_a_waiting_request_reads_its_disk_blocks_once(llama: tuple, tmp_path: Pa
     assert loaded >= 4 and steps > 20
     read = disk.stats.get_bytes - read0
     # Each block read at most once per promotion (before: read again every step it waited).
-    assert read <= loaded * e.tiers.block_bytes
+    # A read may go unused when the device hit grew while it ran (another request computed
+    # the same blocks first: how often depends on the loader thread's timing); re-reading
+    # every waiting step would make such reads outnumber the loads.
+    unused = e.tiers.counters.unused_read_bytes - unused0
+    assert read <= loaded * e.tiers.block_bytes + unused
+    assert unused <= loaded * e.tiers.block_bytes
     c = e.tiers.counters
     assert c.read_bytes <= c.promoted_bytes + c.unused_read_bytes
     e.close()
