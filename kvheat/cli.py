@@ -25,8 +25,9 @@ def _load_heat() -> None:
 @click.argument("trace", default="builtin")
 @click.option("--capacity", default="1M,3M,10M", show_default=True,
               help="Cache sizes in tokens, comma-separated (1M = 1,000,000).")
-@click.option("--policy", "policies", default="lru,arc,s3fifo,twoq,belady", show_default=True,
-              help="Eviction policies, comma-separated.")
+@click.option("--policy", "policies", default=None,
+              help="Eviction policies, comma-separated [default: lru,arc,s3fifo,twoq,belady; "
+                   "with --replicas: kvheat].")
 @click.option("--block-tokens", default=512, show_default=True, help="Tokens per block.")
 @click.option("--hold", is_flag=True, help="Hold each request's blocks for its modelled duration.")
 @click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
@@ -40,11 +41,23 @@ def _load_heat() -> None:
 @click.option("--format", "fmt", type=click.Choice(["auto", "mooncake", "vllm-events", "vllm-log"]),
               default="auto", show_default=True,
               help="TRACE's format: Mooncake JSONL, vLLM KV events (JSON lines) or a vLLM request log.")
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="Simulate a cluster: N caches of CAPACITY each behind each --router.")
+@click.option("--router", "routers", default="rr,least-load,prefix-hash,sglang-like,kvheat",
+              show_default=True, help="With --replicas: routing policies, comma-separated.")
+@click.option("--shared-capacity", default=None,
+              help="With --replicas: a shared (Redis) tier of this many tokens for all replicas.")
+@click.option("--prefill-tps", type=click.FloatRange(min=0, min_open=True), default=20_000.0,
+              show_default=True, help="With --replicas: modelled prefill tokens/s per replica.")
+@click.option("--decode-tps", type=click.FloatRange(min=0, min_open=True), default=50.0,
+              show_default=True, help="With --replicas: modelled decode tokens/s per sequence.")
 def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bool,
            limit: int | None, time_scale: float, json_path: str | None, plot_path: str | None,
-           misses: bool, fmt: str) -> None:
+           misses: bool, fmt: str, replicas: int | None, routers: str,
+           shared_capacity: str | None, prefill_tps: float, decode_tps: float) -> None:
     """Replay TRACE (a Mooncake JSONL file, vLLM's KV events or request log, or 'builtin'
-    for the generator) through the cache."""
+    for the generator) through the cache, or with --replicas through a cluster of caches
+    behind each routing policy."""
     from rich.progress import Progress
 
     from .cache import policy_names
@@ -57,6 +70,8 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
         caps = [parse_tokens(c) for c in capacity.split(",") if c.strip()]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--capacity") from None
+    if policies is None:
+        policies = "kvheat" if replicas is not None else "lru,arc,s3fifo,twoq,belady"
     pols = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in pols if p not in policy_names()]
     if unknown:
@@ -84,6 +99,10 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
     if limit is not None:
         reqs = reqs[:limit]
     pt = PreparedTrace(reqs, block_tokens)
+    if replicas is not None:
+        _replay_cluster(pt, name, caps, pols, routers, replicas, shared_capacity, prefill_tps,
+                        decode_tps, time_scale, json_path, plot_path)
+        return
     results = []
     with Progress(transient=True, disable=not sys.stderr.isatty()) as prog:
         task = prog.add_task("replaying", total=len(caps) * len(pols) * len(reqs))
@@ -101,6 +120,45 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
         click.echo(f"wrote {json_path}")
     if plot_path:
         plot(summary, plot_path)
+        click.echo(f"wrote {plot_path}")
+
+
+def _replay_cluster(pt, name: str, caps: list[int], pols: list[str], routers: str,
+                    replicas: int, shared_capacity: str | None, prefill_tps: float,
+                    decode_tps: float, time_scale: float, json_path: str | None,
+                    plot_path: str | None) -> None:
+    from .replay import parse_tokens
+    from .router.policy import POLICIES
+    from .router.report import plot, print_table, summarize, write_json
+    from .router.simulate import ClusterConfig, simulate
+
+    names = [r.strip() for r in routers.split(",") if r.strip()]
+    unknown = [r for r in names if r not in POLICIES]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown router {', '.join(unknown) or '(none)'}; known: "
+                                 f"{', '.join(POLICIES)}", param_hint="--router")
+    if len(pols) != 1:
+        raise click.BadParameter("with --replicas give one eviction --policy (default here: "
+                                 "kvheat)", param_hint="--policy")
+    try:
+        shared = parse_tokens(shared_capacity) if shared_capacity else 0
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--shared-capacity") from None
+    results = []
+    for c in caps:
+        for r in names:
+            cfg = ClusterConfig(replicas=replicas, capacity_tokens=c, cache_policy=pols[0],
+                                shared_tokens=shared, prefill_tps=prefill_tps,
+                                decode_tps=decode_tps, time_scale=time_scale)
+            results.append(simulate(pt, r, cfg))
+    summary = summarize(name, results, block_tokens=pt.block_tokens, cache_policy=pols[0],
+                        prefill_tps=prefill_tps, decode_tps=decode_tps, time_scale=time_scale)
+    print_table(summary)
+    if json_path:
+        write_json(summary, json_path)
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        plot([summary], plot_path)
         click.echo(f"wrote {plot_path}")
 
 

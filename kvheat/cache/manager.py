@@ -131,6 +131,10 @@ class KVCacheManager:
         # Called instead with each block whose KV is deleted on purpose (a flush, a quota
         # cut): tiers delete the key everywhere rather than demote it.
         self.drop_listeners: list[Callable[[Block], None]] = []
+        # Called with (block, True) once a block is registered under its key, and with
+        # (block, False) just before it leaves the index for any reason (evicted, dropped,
+        # rolled back, discarded): KV events for routers (kvheat.kvevents).
+        self.index_listeners: list[Callable[[Block, bool], None]] = []
 
     # ---- keys -------------------------------------------------------------------------
     def salt_of(self, tenant: str | None) -> str | None:
@@ -346,6 +350,8 @@ class KVCacheManager:
             parent.num_children += 1
         self.cached[key] = b
         self.stats.inserted_blocks += 1
+        for listener in self.index_listeners:
+            listener(b, True)
         if self.partitions:
             self._pol(b).on_insert(b, now)
         elif self._on_insert is not None:
@@ -422,6 +428,8 @@ class KVCacheManager:
         for b in reversed(tail):  # children first, so the tree stays whole
             if b.key is None:
                 continue
+            for listener in self.index_listeners:
+                listener(b, False)
             self._pol(b).forget(b)
             del self.cached[b.key]
             parent = b.parent
@@ -662,6 +670,8 @@ class KVCacheManager:
         if evicted:
             for listener in (self.drop_listeners if drop else self.evict_listeners):
                 listener(b)
+        for index_listener in self.index_listeners:
+            index_listener(b, False)
         del self.cached[b.key]  # type: ignore[arg-type]
         parent = b.parent
         self._reset(b)

@@ -74,6 +74,9 @@ class TierIndex:
         # Entries with children below, in the order they got their first (leaf_first only).
         self.inner: dict[bytes, Block] = {}
         self._ids = 0
+        # Called with (entry, parent key, True) when a key is added and (entry, None,
+        # False) when it goes: KV events (TieredCache.index_listeners).
+        self.listener: Callable[[Block, bytes | None, bool], None] | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -82,7 +85,7 @@ class TierIndex:
         return self.entries.get(key)
 
     def insert(self, key: bytes, salt: str | None, tokens: int, size: int, now: float,
-               children: int = 0, owner: object = None) -> bool:
+               children: int = 0, owner: object = None, parent: bytes | None = None) -> bool:
         """Add `key` (True) or refresh it (False). `children`: its children held below."""
         b = self.entries.get(key)
         if b is not None:
@@ -105,6 +108,8 @@ class TierIndex:
         self.entries[key] = b
         self.sizes[key] = size
         self.owners[key] = owner
+        if self.listener is not None:
+            self.listener(b, parent, True)
         return True
 
     def set_children(self, key: bytes, n: int) -> None:
@@ -155,6 +160,8 @@ class TierIndex:
             self.policy.on_acquire(b)
         b.ref_cnt += 1
         self.policy.on_evict(b)
+        if self.listener is not None:
+            self.listener(b, None, False)
         return b
 
     def victim(self) -> Block | None:
@@ -300,6 +307,10 @@ class TieredCache:
         # read right after it, on the same thread, to credit a request's hits to tiers.
         self.last_loaded: list[tuple[str, int]] = []
         self.indexes: list[TierIndex] = []
+        # Called with (tier name, key, parent key, tokens, True) when a tier takes a key and
+        # (tier name, key, None, 0, False) when it loses it, under this cache's lock, from
+        # the thread doing it: keep them quick (KV events queue and return).
+        self.index_listeners: list[Callable[[str, bytes, bytes | None, int, bool], None]] = []
         # Prefix links of the keys held below, all tiers together. A key is held while an
         # index has it or a demotion of it is queued or moving between tiers (`_held`
         # counts those); `_kids[k]` are the held keys whose parent is k.
@@ -318,6 +329,7 @@ class TieredCache:
             # Only the bottom tier's victims leave the hierarchy (in write-through mode the
             # upper tiers' copies are on the bottom one too): there, leaves go first.
             idx = TierIndex(pol, cap, leaf_first=i == len(tiers) - 1)
+            idx.listener = self._index_listener(st.name)
             now = self.clock()
             for key, ns in st.stored():  # entries that survived a restart
                 # Known tenants by salt; others by namespace digest (still evictable).
@@ -346,6 +358,12 @@ class TieredCache:
         mgr.drop_listeners.append(self._on_device_drop)
         if cfg.calibrate and cfg.prefill_tokens_per_s is not None:
             self.calibrate()
+
+    def _index_listener(self, name: str) -> Callable[[Block, bytes | None, bool], None]:
+        def changed(e: Block, parent: bytes | None, stored: bool) -> None:
+            for listener in self.index_listeners:
+                listener(name, e.key, parent, e.num_tokens, stored)  # type: ignore[arg-type]
+        return changed
 
     # ---- namespaces -------------------------------------------------------------------
     def _salt_of_ns(self, store: KVStore, ns: bytes) -> str | None | object:
@@ -646,7 +664,7 @@ class TieredCache:
                 # and a flush of its tenant may have run while it was written.
                 orphan = self._orphan(parent) or self._flushes.get(m.owner, 0) != m.gen
                 if not orphan and idx.insert(key, salt, tokens, need, self.clock(),
-                                             len(self._kids.get(key, ())), m.owner):
+                                             len(self._kids.get(key, ())), m.owner, parent):
                     self._hold(key, parent)
             if orphan:
                 self.counters.orphans_dropped += 1

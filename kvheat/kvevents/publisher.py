@@ -1,0 +1,290 @@
+"""Publishing a cache's KV events over ZMQ, off the engine loop.
+
+The cache calls `record_*` from whatever thread changes it (the engine loop, a tier's
+demotion thread): each call appends one tuple to a deque and returns; nothing is encoded,
+sent or locked there. A full queue drops the event and counts it, never blocks; the next
+turn of the publisher thread then sends a resync (AllBlocksCleared and a snapshot of what
+the cache holds), so a subscriber's view is whole again. The publisher thread coalesces
+consecutive stores of one chain into one `BlockStored`, encodes a `KVEventBatch` per arm,
+sends it on a PUB socket as (topic, sequence, payload) and keeps the last `buffer_steps`
+batches for replay on a ROUTER socket, as vLLM's `ZmqEventPublisher` does; a replay
+request for sequence `SNAPSHOT_SEQ` asks for a resync instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from .schema import (
+    END_SEQ,
+    SNAPSHOT_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+    tier_place,
+)
+
+log = logging.getLogger("kvheat.kvevents")
+
+# Queue items: (rank, stored?, place, key, parent, block_size, token bytes or None);
+# (rank, None, ...) is a clear. `place` is a tier name ("device", "host", "disk", "redis").
+_Item = tuple[int, bool | None, str, bytes, "bytes | None", int, "bytes | None"]
+Snapshot = Callable[[], Iterable[_Item]]
+
+
+@dataclass(slots=True)
+class PublisherConfig:
+    endpoint: str = "tcp://*:5557"  # the PUB socket's address, bound here
+    connect: bool = False  # connect the PUB socket to `endpoint` instead (a broker's)
+    replay_endpoint: str | None = None  # ROUTER for replay and snapshot requests (bound)
+    topic: str = ""
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # ZMQ high-water mark of the PUB socket
+    max_queue_size: int = 100_000  # events waiting for the publisher thread
+    # Operator mode: stores carry the blocks' token ids (vLLM-style consumers that hash
+    # tokens themselves need them). Off: keys only, so a subscriber learns which tenant
+    # prefixes exist where, never their text. Turn it on only where the event port is
+    # reachable by the operator alone.
+    token_ids: bool = False
+    interval_s: float = 0.005  # how often the thread drains the queue
+    snapshot_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.buffer_steps < 1 or self.hwm < 1 or self.max_queue_size < 1:
+            raise ValueError("buffer_steps, hwm and max_queue_size must be positive")
+        if not 0 < self.interval_s <= 1:
+            raise ValueError("interval_s must be in (0, 1]")
+        if not self.endpoint:
+            raise ValueError("the event endpoint is empty")
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    events: int = 0  # events sent (a coalesced store of k blocks counts k)
+    batches: int = 0
+    dropped: int = 0  # events dropped on a full queue
+    resyncs: int = 0  # snapshots sent (after drops, or asked for)
+    replays: int = 0  # replay requests served
+    errors: int = 0  # failures in the publisher thread (it carries on)
+
+
+class KVEventPublisher:
+    def __init__(self, config: PublisherConfig | None = None,
+                 snapshot: Snapshot | None = None,
+                 context: zmq.Context | None = None) -> None:
+        self.config = cfg = config or PublisherConfig()
+        self.snapshot = snapshot
+        self.stats = PublisherStats()
+        self._queue: deque[_Item] = deque()
+        self._max = cfg.max_queue_size
+        self._overflow = False
+        self._resync_asked = False
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        self._seq = itertools.count()
+        self._topic = cfg.topic.encode()
+        self._ctx = context or zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(cfg.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay: zmq.Socket | None = None
+        try:
+            if cfg.connect:
+                self._pub.connect(cfg.endpoint)
+            else:
+                self._pub.bind(cfg.endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or cfg.endpoint
+            self.replay_endpoint: str | None = None
+            if cfg.replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(cfg.replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise ValueError(f"cannot open the KV event sockets ({cfg.endpoint}, "
+                             f"{cfg.replay_endpoint}): {e}") from None
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kvheat-kv-events", daemon=True)
+        self._thread.start()
+
+    # ---- recording (any thread; never blocks) ---------------------------------------------
+    def record(self, item: _Item) -> None:
+        q = self._queue
+        if len(q) >= self._max:
+            self.stats.dropped += 1
+            self._overflow = True
+            return
+        q.append(item)
+
+    def record_stored(self, place: str, key: bytes, parent: bytes | None, block_size: int,
+                      tokens: bytes | None = None, rank: int = 0) -> None:
+        self.record((rank, True, place, key, parent, block_size, tokens))
+
+    def record_removed(self, place: str, key: bytes, rank: int = 0) -> None:
+        self.record((rank, False, place, key, None, 0, None))
+
+    def record_cleared(self, rank: int = 0) -> None:
+        self.record((rank, None, "device", b"", None, 0, None))
+
+    def request_resync(self) -> None:
+        self._resync_asked = True
+
+    # ---- the publisher thread -------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        wait_ms = max(1, int(self.config.interval_s * 1000))
+        while self._running:
+            try:
+                if self._replay is not None:
+                    if poller.poll(wait_ms):
+                        self._serve_replay()
+                else:
+                    time.sleep(self.config.interval_s)
+                self._flush()
+                if self._overflow or self._resync_asked:
+                    self._resync()
+            except Exception:  # the thread must outlive any one bad event or socket error
+                self.stats.errors += 1
+                log.exception("KV event publisher")
+                time.sleep(0.05)
+        with contextlib.suppress(Exception):
+            self._flush()
+
+    def _flush(self) -> None:
+        q = self._queue
+        if not q:
+            return
+        items: list[_Item] = []
+        with contextlib.suppress(IndexError):
+            for _ in range(len(q)):
+                items.append(q.popleft())
+        self._send_items(items)
+
+    def _send_items(self, items: list[_Item]) -> None:
+        by_rank: dict[int, list[Any]] = {}
+        last: dict[int, tuple[BlockStored, str, bytes]] = {}  # rank -> open store, place, tail
+        with_tokens = self.config.token_ids
+        n_events = 0
+        for rank, stored, place, key, parent, block_size, tokens in items:
+            events = by_rank.setdefault(rank, [])
+            if stored is None:
+                events.append(AllBlocksCleared())
+                last.pop(rank, None)
+                continue
+            n_events += 1
+            if stored:
+                token_ids = _token_list(tokens) if with_tokens and tokens else []
+                open_ = last.get(rank)
+                if open_ is not None and open_[1] == place and open_[2] == parent and \
+                        open_[0].block_size == block_size and \
+                        bool(open_[0].token_ids) == bool(token_ids):
+                    ev = open_[0]
+                    ev.block_hashes.append(key)
+                    ev.token_ids.extend(token_ids)
+                    last[rank] = (ev, place, key)
+                    continue
+                medium, locality, ownership = tier_place(place)
+                ev = BlockStored(block_hashes=[key], parent_block_hash=parent,
+                                 token_ids=token_ids, block_size=block_size, lora_id=None,
+                                 medium=medium, lora_name=None, locality=locality,
+                                 ownership=ownership)
+                events.append(ev)
+                last[rank] = (ev, place, key)
+            else:
+                last.pop(rank, None)
+                prev = events[-1] if events else None
+                medium, locality, ownership = tier_place(place)
+                if isinstance(prev, BlockRemoved) and prev.medium == medium and \
+                        prev.locality == locality and prev.ownership == ownership:
+                    prev.block_hashes.append(key)
+                else:
+                    events.append(BlockRemoved(block_hashes=[key], medium=medium,
+                                               locality=locality, ownership=ownership))
+        now = time.time()
+        for rank, events in by_rank.items():
+            self._send(KVEventBatch(ts=now, events=events, data_parallel_rank=rank))
+        self.stats.events += n_events
+
+    def _send(self, batch: KVEventBatch) -> None:
+        payload = encode_batch(batch)
+        seq = next(self._seq)
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+        self._buffer.append((seq, payload))
+        self.stats.batches += 1
+
+    def _resync(self) -> None:
+        """AllBlocksCleared, then what the cache holds now, on the PUB socket. Events
+        queued meanwhile follow it; each is a set or an unset of one key, so applied after
+        the snapshot they leave each key as the cache has it."""
+        self._overflow = self._resync_asked = False
+        self._flush()
+        if self.snapshot is None:
+            items: list[_Item] = []
+            ranks = {0}
+        else:
+            items = list(self.snapshot())
+            ranks = {it[0] for it in items} | {0}
+        clears: list[_Item] = [(r, None, "device", b"", None, 0, None) for r in sorted(ranks)]
+        self._send_items(clears + items)
+        self.stats.resyncs += 1
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        while True:
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue  # not a replay request: ignored
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            self.stats.replays += 1
+            if start_seq == SNAPSHOT_SEQ:
+                self._resync_asked = True
+            else:
+                for seq, payload in list(self._buffer):
+                    if seq >= start_seq:
+                        self._replay.send_multipart(
+                            (client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def close(self, timeout_s: float = 2.0) -> None:
+        if not self._running:
+            return
+        self._running = False
+        self._thread.join(timeout_s)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for s in (self._pub, self._replay):
+            if s is not None:
+                with contextlib.suppress(Exception):
+                    s.close(linger=0)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+
+def _token_list(raw: bytes) -> list[int]:
+    from array import array
+
+    a = array("I")
+    a.frombytes(raw)
+    return a.tolist()

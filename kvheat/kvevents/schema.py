@@ -1,0 +1,109 @@
+"""The wire schema of KV cache events: vLLM 0.32's (`vllm/distributed/kv_events.py`).
+
+A publisher sends ZMQ multipart messages (topic, sequence number as 8 big-endian bytes,
+payload); the payload is a msgpack `KVEventBatch` = [ts, events, data_parallel_rank]; each
+event is a map tagged by `type` (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`). The
+structs below are defined here (msgspec, as vLLM does) with vLLM's field names, order,
+defaults and tags, so a consumer of vLLM's events decodes kvheat's and the other way round;
+unknown fields (a newer vLLM) are ignored on decode.
+
+kvheat's use of the fields:
+- `block_hashes` / `parent_block_hash`: the cache's chained 16-byte keys (xxh3-128 over the
+  parent key and the block's tokens, rooted at a digest of the tenant's salt), so a key
+  names one tenant's prefix and nothing else.
+- `token_ids`: empty unless the publisher runs in operator mode (`token_ids=True`): a key
+  says which prefix, never what it holds.
+- `block_size`: tokens per block; a block's token count.
+- `medium` / `locality` / `ownership`: where the block lives: the engine's pool is `GPU`
+  (vLLM's name for it, whatever the device), the host tier `CPU`, disk `STORAGE` (LOCAL),
+  the shared Redis tier `STORAGE` with locality `REMOTE`; `ownership` names the tier.
+- `data_parallel_rank`: the A/B arm's index on a server with several arms (each arm is its
+  own engine, as a vLLM data-parallel rank is).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+LOCAL = "LOCAL"
+REMOTE = "REMOTE"
+# Replay socket: a request whose start sequence is all ones asks a kvheat publisher for a
+# snapshot (AllBlocksCleared, then every block it holds, on the PUB socket). vLLM's
+# publisher answers it with no batch (no sequence is that large), so asking is harmless.
+SNAPSHOT_SEQ = (1 << 64) - 1
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+BlockHash = bytes | int
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class of the KV events."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A batch from its msgpack bytes; anything else raises `msgspec.DecodeError` (a
+    subclass of ValueError). msgpack carries data only: nothing is executed on decode."""
+    return _decoder.decode(payload)
+
+
+def tier_place(tier_name: str) -> tuple[str, str, str | None]:
+    """(medium, locality, ownership) of a kvheat tier by its store's name."""
+    if tier_name == "device":
+        return MEDIUM_GPU, LOCAL, None
+    if tier_name == "host":
+        return MEDIUM_CPU, LOCAL, "host"
+    if tier_name == "redis":
+        return MEDIUM_STORAGE, REMOTE, "redis"
+    return MEDIUM_STORAGE, LOCAL, tier_name

@@ -1,0 +1,171 @@
+"""Subscribing to one publisher's KV events (kvheat's or vLLM's), with gap repair.
+
+One thread per publisher: a SUB socket for the live stream and a DEALER on the publisher's
+replay (ROUTER) socket. Sequence numbers are checked: a gap is replayed from the
+publisher's buffer; what the buffer no longer holds is answered by a reset (the consumer
+forgets that publisher's blocks) and a snapshot request, which a kvheat publisher answers
+with AllBlocksCleared and everything it holds (a vLLM publisher with nothing: the view
+then refills as blocks are stored). A sequence that goes back means the publisher
+restarted: a reset too. Batches that do not decode are counted and skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from .schema import END_SEQ, SNAPSHOT_SEQ, KVEventBatch, decode_batch
+
+log = logging.getLogger("kvheat.kvevents")
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    batches: int = 0
+    replayed: int = 0  # batches received through the replay socket
+    gaps: int = 0
+    resets: int = 0
+    bad: int = 0  # payloads that were not a KVEventBatch
+    handler_errors: int = 0
+    last_seq: int = -1
+
+
+class KVEventSubscriber:
+    def __init__(self, name: str, endpoint: str, replay_endpoint: str | None,
+                 on_batch: Callable[[str, KVEventBatch], None],
+                 on_reset: Callable[[str], None], topic: str = "",
+                 replay_timeout_s: float = 2.0, context: zmq.Context | None = None) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.on_batch = on_batch
+        self.on_reset = on_reset
+        self.topic = topic.encode()
+        self.replay_timeout_ms = int(replay_timeout_s * 1000)
+        self.stats = SubscriberStats()
+        self._last: int | None = None
+        self._ctx = context or zmq.Context.instance()
+        self._running = True
+        self._synced = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvheat-sub-{name}", daemon=True)
+        self._thread.start()
+
+    def wait_synced(self, timeout_s: float) -> bool:
+        """True once the first catch-up (replay, snapshot request) is done."""
+        return self._synced.wait(timeout_s)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._running = False
+        self._thread.join(timeout_s)
+
+    # ---- the thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        replay = None
+        if self.replay_endpoint:
+            replay = self._ctx.socket(zmq.DEALER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.connect(self.replay_endpoint)
+        try:
+            # Catch up: what the buffer holds, then a snapshot (kvheat answers on the PUB).
+            if replay is not None:
+                self._replay_from(replay, 0)
+                self._ask_snapshot(replay)
+            self._synced.set()
+            while self._running:
+                if not sub.poll(100):
+                    continue
+                frames = sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.stats.bad += 1
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                last = self._last
+                if last is not None and seq < last - 1:  # the publisher started over
+                    self._reset()
+                    self._apply(seq, frames[2])
+                    continue
+                if last is not None and seq <= last:
+                    continue  # already applied (from a replay)
+                if last is not None and seq > last + 1:
+                    self.stats.gaps += 1
+                    if replay is None or not self._replay_from(replay, last + 1, upto=seq):
+                        self._reset()
+                        if replay is not None:
+                            self._ask_snapshot(replay)
+                self._apply(seq, frames[2])
+        except Exception:
+            log.exception("KV event subscriber %s", self.name)
+        finally:
+            self._synced.set()
+            for s in (sub, replay):
+                if s is not None:
+                    with contextlib.suppress(Exception):
+                        s.close(linger=0)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self._last = seq
+        self.stats.last_seq = seq
+        try:
+            batch = decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.stats.bad += 1
+            return
+        self.stats.batches += 1
+        try:
+            self.on_batch(self.name, batch)
+        except Exception:
+            self.stats.handler_errors += 1
+            log.exception("KV event handler for %s", self.name)
+
+    def _reset(self) -> None:
+        self.stats.resets += 1
+        self._last = None
+        try:
+            self.on_reset(self.name)
+        except Exception:
+            self.stats.handler_errors += 1
+            log.exception("KV event reset handler for %s", self.name)
+
+    def _replay_from(self, sock: zmq.Socket, start: int, upto: int | None = None) -> bool:
+        """Apply buffered batches from `start` (before `upto`); False when the buffer no
+        longer reaches back to `start` or the publisher does not answer."""
+        sock.send_multipart((b"", start.to_bytes(8, "big")))
+        whole = True
+        first = True
+        while True:
+            if not sock.poll(self.replay_timeout_ms):
+                return False
+            frames = sock.recv_multipart()
+            if len(frames) != 4:
+                continue
+            _, _topic, seq_b, payload = frames
+            if seq_b == END_SEQ:
+                return whole
+            seq = int.from_bytes(seq_b, "big")
+            if first:
+                first = False
+                whole = not start or seq == start
+            if upto is not None and seq >= upto:
+                continue
+            if self._last is not None and seq <= self._last:
+                continue
+            self.stats.replayed += 1
+            self._apply(seq, payload)
+
+    def _ask_snapshot(self, sock: zmq.Socket) -> None:
+        sock.send_multipart((b"", SNAPSHOT_SEQ.to_bytes(8, "big")))
+        while sock.poll(self.replay_timeout_ms):
+            frames = sock.recv_multipart()
+            if len(frames) == 4 and frames[2] == END_SEQ:
+                return

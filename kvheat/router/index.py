@@ -1,0 +1,312 @@
+"""The router's global prefix index, built from the replicas' KV events.
+
+For every prefix key it knows which replicas hold it and where: on the device (the
+engine's pool), on a lower tier of that replica (host memory, local disk), or in the
+shared tier (Redis) that every replica can load from. Replicas are bits of an int mask,
+so a lookup walks the request's keys once with a few integer operations per key.
+
+Keys are kvheat's chained keys: tenant-salted, so a lookup for one tenant never matches
+another's blocks. Replicas whose events use other hashes (vLLM's) are indexed by content:
+their stores carry token ids (vLLM always sends them), from which the index recomputes
+kvheat's key of each block (the root salted by the request's `cache_salt`, which the
+router sets to the tenant's salt), and it keeps the replica's own hash only to resolve
+parents and removals.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..cache.hashing import chain_key, root_key
+from ..kvevents.schema import (
+    MEDIUM_GPU,
+    REMOTE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+DEVICE, LOCAL_TIER, SHARED_TIER = 0, 1, 2
+
+
+@dataclass(slots=True)
+class Match:
+    """What one replica holds of a request, in blocks from the start of the prompt."""
+
+    device_blocks: int = 0
+    local_blocks: int = 0  # after the device prefix, on this replica's lower tiers
+    shared_blocks: int = 0  # after those, in the shared tier
+    device_tokens: int = 0
+    local_tokens: int = 0
+    shared_tokens: int = 0
+    # The prefix this replica holds or evicted lately (its eviction policy still has a
+    # history of those keys): where a prefix lived, when nobody holds it now.
+    recent_blocks: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.device_blocks + self.local_blocks + self.shared_blocks
+
+
+def place_of(medium: str | None, locality: str | None) -> int:
+    if locality == REMOTE:
+        return SHARED_TIER
+    if medium is None or medium == MEDIUM_GPU:
+        return DEVICE
+    return LOCAL_TIER
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bits: dict[str, int] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 0
+        # key -> mask of replicas, per place; a replica's keys per (place, tier name), so a
+        # key on two of its tiers (write-through) stays until both lose it.
+        self.masks: tuple[dict[bytes, int], dict[bytes, int], dict[bytes, int]] = ({}, {}, {})
+        self._held: dict[int, dict[tuple[int, str | None], set[bytes]]] = {}
+        # Replicas indexed by content (foreign hashes): their hash -> kvheat key.
+        self._alias: dict[int, dict[bytes | int, bytes]] = {}
+        self.foreign: set[str] = set()
+        self.unresolved = 0  # foreign stores whose parent was unknown (not indexed)
+        # Keys replicas evicted from their devices lately: key -> mask, oldest first,
+        # bounded by a multiple of the keys held (an eviction policy's ghost history).
+        self.ghosts: OrderedDict[bytes, int] = OrderedDict()
+        self.ghost_factor = 2
+
+    # ---- replicas -------------------------------------------------------------------------
+    def add_replica(self, name: str, foreign_hashes: bool = False) -> int:
+        with self._lock:
+            if name in self._bits:
+                return self._bits[name]
+            bit = self._free_bits.pop() if self._free_bits else self._next_bit
+            if bit == self._next_bit:
+                self._next_bit += 1
+            self._bits[name] = bit
+            self._held[bit] = {}
+            if foreign_hashes:
+                self.foreign.add(name)
+                self._alias[bit] = {}
+            return bit
+
+    def remove_replica(self, name: str) -> None:
+        with self._lock:
+            bit = self._bits.pop(name, None)
+            if bit is None:
+                return
+            self._clear(bit)
+            del self._held[bit]
+            self._alias.pop(bit, None)
+            self.foreign.discard(name)
+            self._free_bits.append(bit)
+
+    def clear_replica(self, name: str) -> None:
+        with self._lock:
+            bit = self._bits.get(name)
+            if bit is not None:
+                self._clear(bit)
+
+    def bit_of(self, name: str) -> int | None:
+        return self._bits.get(name)
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._bits)
+
+    def blocks_of(self, name: str, place: int = DEVICE) -> int:
+        bit = self._bits.get(name)
+        if bit is None:
+            return 0
+        return len(set().union(*(s for (p, _), s in self._held[bit].items() if p == place)))
+
+    # ---- updates --------------------------------------------------------------------------
+    def stored(self, name: str, keys: Iterable[bytes], place: int = DEVICE,
+               tier: str | None = None) -> None:
+        with self._lock:
+            bit = self._bits.get(name)
+            if bit is not None:
+                self._store(bit, keys, place, tier)
+
+    def removed(self, name: str, keys: Iterable[bytes], place: int = DEVICE,
+                tier: str | None = None) -> None:
+        with self._lock:
+            bit = self._bits.get(name)
+            if bit is not None:
+                self._remove(bit, keys, place, tier)
+
+    def apply(self, name: str, batch: KVEventBatch) -> None:
+        """Apply one publisher's batch (kvheat's or vLLM's)."""
+        with self._lock:
+            bit = self._bits.get(name)
+            if bit is None:
+                return
+            alias = self._alias.get(bit)
+            for ev in batch.events:
+                if isinstance(ev, BlockStored):
+                    place = place_of(ev.medium, ev.locality)
+                    keys = ev.block_hashes if alias is None else self._translate(alias, ev)
+                    self._store(bit, keys, place, ev.ownership)  # type: ignore[arg-type]
+                elif isinstance(ev, BlockRemoved):
+                    place = place_of(ev.medium, ev.locality)
+                    keys = ev.block_hashes if alias is None else \
+                        [alias[h] for h in ev.block_hashes if h in alias]
+                    self._remove(bit, keys, place, ev.ownership)  # type: ignore[arg-type]
+                elif isinstance(ev, AllBlocksCleared):
+                    self._clear(bit)
+
+    def _translate(self, alias: dict[bytes | int, bytes], ev: BlockStored) -> list[bytes]:
+        """kvheat keys of a foreign store, from its token ids."""
+        n = len(ev.block_hashes)
+        bs = ev.block_size
+        if bs <= 0 or len(ev.token_ids) != n * bs:
+            self.unresolved += n
+            return []
+        if ev.parent_block_hash is None:
+            parent = root_key(_salt_of(ev))
+        else:
+            got = alias.get(ev.parent_block_hash)
+            if got is None:
+                self.unresolved += n
+                return []
+            parent = got
+        out = []
+        raw = array("I", ev.token_ids).tobytes()
+        for i, h in enumerate(ev.block_hashes):
+            parent = chain_key(parent, raw[4 * bs * i:4 * bs * (i + 1)])
+            alias[h] = parent
+            out.append(parent)
+        return out
+
+    def _store(self, bit: int, keys: Iterable[bytes], place: int, tier: str | None) -> None:
+        m = self.masks[place]
+        held = self._held[bit].setdefault((place, tier), set())
+        flag = 1 << bit
+        ghosts = self.ghosts if place == DEVICE else None
+        for k in keys:
+            m[k] = m.get(k, 0) | flag
+            held.add(k)
+            if ghosts:
+                g = ghosts.get(k)
+                if g is not None and g & flag:
+                    if g == flag:
+                        del ghosts[k]
+                    else:
+                        ghosts[k] = g & ~flag
+
+    def _remove(self, bit: int, keys: Iterable[bytes], place: int, tier: str | None) -> None:
+        m = self.masks[place]
+        sets = self._held[bit]
+        held = sets.get((place, tier))
+        if held is None:
+            return
+        flag = 1 << bit
+        others = [s for (p, t), s in sets.items() if p == place and t != tier]
+        ghosts = self.ghosts if place == DEVICE else None
+        for k in keys:
+            if k not in held:
+                continue
+            held.discard(k)
+            if any(k in s for s in others):
+                continue
+            v = m.get(k, 0) & ~flag
+            if v:
+                m[k] = v
+            else:
+                m.pop(k, None)
+            if ghosts is not None:
+                ghosts[k] = ghosts.get(k, 0) | flag
+                ghosts.move_to_end(k)
+        if ghosts is not None:
+            cap = self.ghost_factor * max(len(m), 1024)
+            while len(ghosts) > cap:
+                ghosts.popitem(last=False)
+
+    def _clear(self, bit: int) -> None:
+        flag = 1 << bit
+        for (place, _tier), keys in self._held[bit].items():
+            m = self.masks[place]
+            for k in keys:
+                v = m.get(k, 0) & ~flag
+                if v:
+                    m[k] = v
+                else:
+                    m.pop(k, None)
+        self._held[bit] = {}
+        for k in [k for k, g in self.ghosts.items() if g & flag]:
+            g = self.ghosts[k] & ~flag
+            if g:
+                self.ghosts[k] = g
+            else:
+                del self.ghosts[k]
+        alias = self._alias.get(bit)
+        if alias is not None:
+            alias.clear()
+
+    # ---- lookup ---------------------------------------------------------------------------
+    def match(self, keys: Sequence[bytes], block_tokens: Sequence[int],
+              names: Sequence[str]) -> list[Match]:
+        """For each replica in `names`: its device prefix of `keys`, then what its lower
+        tiers hold after that, then what the shared tier holds after that."""
+        with self._lock:
+            dev, loc, shr = self.masks
+            bits = [self._bits.get(n) for n in names]
+            n = len(keys)
+            want = 0
+            for b in bits:
+                if b is not None:
+                    want |= 1 << b
+            # One walk for every replica's device prefix.
+            dev_len: dict[int, int] = {}
+            alive = want
+            i = 0
+            while alive and i < n:
+                m = dev.get(keys[i], 0) & alive
+                gone = alive & ~m
+                while gone:
+                    low = gone & -gone
+                    dev_len[low.bit_length() - 1] = i
+                    gone ^= low
+                alive = m
+                i += 1
+            while alive:
+                low = alive & -alive
+                dev_len[low.bit_length() - 1] = n
+                alive ^= low
+            out = []
+            for b in bits:
+                if b is None:
+                    out.append(Match())
+                    continue
+                flag = 1 << b
+                d = dev_len.get(b, 0)
+                j = d
+                while j < n and loc.get(keys[j], 0) & flag:
+                    j += 1
+                s = j
+                while s < n and shr.get(keys[s], 0):
+                    s += 1
+                g = d
+                ghosts = self.ghosts
+                while g < n and (ghosts.get(keys[g], 0) | dev.get(keys[g], 0)) & flag:
+                    g += 1
+                out.append(Match(d, j - d, s - j, sum(block_tokens[:d]),
+                                 sum(block_tokens[d:j]), sum(block_tokens[j:s]), g))
+            return out
+
+    def __len__(self) -> int:
+        return len(self.masks[DEVICE])
+
+
+def _salt_of(ev: BlockStored) -> str | None:
+    """The cache salt a vLLM store names for its first block (its extra keys hold the
+    LoRA name, multimodal pairs, then the salt string)."""
+    if not ev.extra_keys or ev.extra_keys[0] is None:
+        return None
+    strs = [x for x in ev.extra_keys[0] if isinstance(x, str) and x != ev.lora_name]
+    return strs[-1] if strs else None
