@@ -177,6 +177,12 @@ def _register_optional_commands() -> None:
     else:
         main.add_command(serve_command, "serve")
         main.add_command(arms_command, "arms")
+    try:
+        from .router.cli import route_command
+    except ImportError:
+        pass
+    else:
+        main.add_command(route_command, "route")
 
 
 _register_optional_commands()

@@ -21,6 +21,7 @@ def attach(pub: KVEventPublisher, mgr: KVCacheManager, tiers: Any = None,
     """Publish `mgr`'s (and `tiers`') changes; returns a function that detaches them."""
     with_tokens = pub.config.token_ids
     record = pub.record
+    pub.add_rank(rank)
 
     def on_device(b: Block, stored: bool) -> None:
         if stored:

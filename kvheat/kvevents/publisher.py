@@ -91,6 +91,7 @@ class KVEventPublisher:
         self._max = cfg.max_queue_size
         self._overflow = False
         self._resync_asked = False
+        self.ranks: set[int] = {0}  # ranks a resync clears (see `record`)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._seq = itertools.count()
         self._topic = cfg.topic.encode()
@@ -127,6 +128,9 @@ class KVEventPublisher:
             self._overflow = True
             return
         q.append(item)
+
+    def add_rank(self, rank: int) -> None:
+        self.ranks.add(rank)
 
     def record_stored(self, place: str, key: bytes, parent: bytes | None, block_size: int,
                       tokens: bytes | None = None, rank: int = 0) -> None:
@@ -236,8 +240,12 @@ class KVEventPublisher:
             items: list[_Item] = []
             ranks = {0}
         else:
-            items = list(self.snapshot())
-            ranks = {it[0] for it in items} | {0}
+            try:
+                items = list(self.snapshot())
+            except BaseException:
+                self._resync_asked = True  # tried again on the next turn
+                raise
+            ranks = {it[0] for it in items} | {0} | self.ranks
         clears: list[_Item] = [(r, None, "device", b"", None, 0, None) for r in sorted(ranks)]
         self._send_items(clears + items)
         self.stats.resyncs += 1

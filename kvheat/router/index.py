@@ -79,6 +79,11 @@ class PrefixIndex:
         # bounded by a multiple of the keys held (an eviction policy's ghost history).
         self.ghosts: OrderedDict[bytes, int] = OrderedDict()
         self.ghost_factor = 2
+        # Keys of requests routed and not finished, per replica (a count each): they count
+        # as on its device until their own events arrive, so a burst on one new prefix
+        # lands together. key -> mask, and (bit, key) -> requests expecting it.
+        self.expected: dict[bytes, int] = {}
+        self._expect_counts: dict[tuple[int, bytes], int] = {}
 
     # ---- replicas -------------------------------------------------------------------------
     def add_replica(self, name: str, foreign_hashes: bool = False) -> int:
@@ -103,6 +108,13 @@ class PrefixIndex:
             self._clear(bit)
             del self._held[bit]
             self._alias.pop(bit, None)
+            for (b, k) in [x for x in self._expect_counts if x[0] == bit]:
+                del self._expect_counts[(b, k)]
+                v = self.expected.get(k, 0) & ~(1 << bit)
+                if v:
+                    self.expected[k] = v
+                else:
+                    self.expected.pop(k, None)
             self.foreign.discard(name)
             self._free_bits.append(bit)
 
@@ -248,6 +260,38 @@ class PrefixIndex:
         if alias is not None:
             alias.clear()
 
+    def expect(self, name: str, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            bit = self._bits.get(name)
+            if bit is None:
+                return
+            flag = 1 << bit
+            exp, counts = self.expected, self._expect_counts
+            for k in keys:
+                c = counts.get((bit, k), 0)
+                counts[(bit, k)] = c + 1
+                if not c:
+                    exp[k] = exp.get(k, 0) | flag
+
+    def unexpect(self, name: str, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            bit = self._bits.get(name)
+            if bit is None:
+                return
+            flag = 1 << bit
+            exp, counts = self.expected, self._expect_counts
+            for k in keys:
+                c = counts.get((bit, k), 0)
+                if c > 1:
+                    counts[(bit, k)] = c - 1
+                    continue
+                counts.pop((bit, k), None)
+                v = exp.get(k, 0) & ~flag
+                if v:
+                    exp[k] = v
+                else:
+                    exp.pop(k, None)
+
     # ---- lookup ---------------------------------------------------------------------------
     def match(self, keys: Sequence[bytes], block_tokens: Sequence[int],
               names: Sequence[str]) -> list[Match]:
@@ -265,8 +309,10 @@ class PrefixIndex:
             dev_len: dict[int, int] = {}
             alive = want
             i = 0
+            exp = self.expected
             while alive and i < n:
-                m = dev.get(keys[i], 0) & alive
+                k = keys[i]
+                m = (dev.get(k, 0) | exp.get(k, 0)) & alive
                 gone = alive & ~m
                 while gone:
                     low = gone & -gone

@@ -243,8 +243,12 @@ class PrefixHeat:
             cut = sorted(c.values())[len(c) // 2]
             self.counts = {k: v for k, v in c.items() if v > cut}
 
-    def share(self, key: bytes) -> float:
-        return self.counts.get(key, 0.0) / self.total if self.total else 0.0
+    def share(self, key: bytes, prior: float = 0.0) -> float:
+        """The key's share of recent requests, with `prior` pseudo-requests that lack it
+        (so a key seen once, in the only request so far, is not yet hot)."""
+        w = 2.0 ** (self.n / self.window)
+        d = self.total + prior * w
+        return self.counts.get(key, 0.0) / d if d else 0.0
 
 
 class KVHeatRouting(RoutingPolicy):
@@ -296,7 +300,7 @@ class KVHeatRouting(RoutingPolicy):
         limit = 1.0 / n_replicas
         h = 0
         for k in req.keys:
-            if self.heat.share(k) <= limit:
+            if self.heat.share(k, prior=n_replicas) <= limit:
                 break
             h += 1
         return h

@@ -38,6 +38,7 @@ from ..engine.loader import load_model
 from ..engine.scheduler import SchedulerConfig
 from .arms import ArmRouter, ArmStats
 from .config import ConfigError, ServerConfig, TenantConfig
+from .events import EventsCollector, ServerEvents
 from .guard import RequestGuard
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -180,17 +181,35 @@ class KVHeatServer:
                                 tier_mode=config.tier_mode, tier_namespace=arm,
                                 tier_secret=config.tier_secret)
             try:
-                return ServingEngine(model, tok, ecfg)
+                eng = ServingEngine(model, tok, ecfg)
             except (OSError, ValueError) as e:  # e.g. a disk tier folder it cannot write
                 raise ConfigError(f"arm {arm!r}: cannot set up its engine: {e}") from None
+            if self.events is not None:
+                self.events.engine_built(arm, eng)
+            return eng
 
+        self.events: ServerEvents | None = None
+        if config.kv_events_endpoint:
+            try:
+                self.events = ServerEvents(config, [a.name for a in config.arm_list])
+            except ValueError as e:  # e.g. the port is taken
+                raise ConfigError(str(e)) from None
         self.metrics = ServerMetrics()
         self.router = ArmRouter(config.arm_list)
         self.arm_stats = ArmStats(self.router.names)
         self.tracing = Tracing(config.otlp_endpoint, span_exporter)
-        self.worker = EngineWorker(engine_for, self.router.names, self.metrics, self.arm_stats,
-                                   self.tracing, {t.name: t.quota_blocks for t in config.tenants},
-                                   cores=config.engine_cores)
+        try:
+            self.worker = EngineWorker(engine_for, self.router.names, self.metrics,
+                                       self.arm_stats, self.tracing,
+                                       {t.name: t.quota_blocks for t in config.tenants},
+                                       cores=config.engine_cores)
+        except BaseException:
+            if self.events is not None:  # its sockets hold their ports
+                self.events.close()
+            raise
+        if self.events is not None:
+            self.events.bind_worker(self.worker.call)
+            self.metrics.registry.register(EventsCollector(self.events))
         self.draining = False
         self.app = self._build_app()
 
@@ -223,6 +242,8 @@ class KVHeatServer:
 
     def stop(self) -> None:
         self.worker.stop()
+        if self.events is not None:
+            self.events.close()
         self.tracing.shutdown()
         self._cpu.shutdown(wait=False, cancel_futures=True)
 
@@ -604,6 +625,14 @@ class KVHeatServer:
             if self.draining:
                 return error_response(503, "the server is shutting down", "server_error")
             return _json({"status": "ok", "active_requests": self.worker.num_active})
+
+        @app.get("/kv_events")
+        async def kv_events() -> Response:
+            """Where this server publishes its KV events (for routers that subscribe)."""
+            if self.events is None:
+                return error_response(404, "KV events are off (start the server with "
+                                      "--kv-events-endpoint)", code="kv_events_disabled")
+            return _json(self.events.info())
 
         @app.get("/metrics")
         async def prometheus_metrics() -> Response:

@@ -55,6 +55,13 @@ from .config import ConfigError, load_config
               help="Bearer token of the admin API (or $KVHEAT_ADMIN_TOKEN); off when unset.")
 @click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
               help="OTLP/HTTP endpoint for traces (or $OTEL_EXPORTER_OTLP_ENDPOINT); off when unset.")
+@click.option("--kv-events-endpoint", default=None,
+              help="Publish KV events (vLLM's schema) on a ZMQ PUB socket bound here, "
+                   "e.g. tcp://*:5557.")
+@click.option("--kv-events-replay-endpoint", default=None,
+              help="ZMQ ROUTER socket for event replay and snapshots, e.g. tcp://*:5558.")
+@click.option("--kv-events-token-ids", is_flag=True, default=None,
+              help="Operator mode: events carry token ids (off: keys only).")
 @click.option("--seed", type=int, default=None, help="Seed of the built-in model's weights.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -69,6 +76,8 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                   threads: int | None, engine_cores: str | None, max_body_bytes: str | None,
                   drain_timeout_s: float | None,
                   admin_token: str | None, otlp_endpoint: str | None,
+                  kv_events_endpoint: str | None, kv_events_replay_endpoint: str | None,
+                  kv_events_token_ids: bool | None,
                   seed: int | None, log_level: str) -> None:
     """Serve an OpenAI-compatible API on the kvheat cache."""
     from .app import KVHeatServer
@@ -86,7 +95,10 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                           max_tokens_limit=max_tokens_limit, threads=threads,
                           engine_cores=engine_cores,
                           max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout_s,
-                          admin_token=admin_token, otlp_endpoint=otlp_endpoint, seed=seed)
+                          admin_token=admin_token, otlp_endpoint=otlp_endpoint,
+                          kv_events_endpoint=kv_events_endpoint,
+                          kv_events_replay_endpoint=kv_events_replay_endpoint,
+                          kv_events_token_ids=kv_events_token_ids, seed=seed)
         server = KVHeatServer(cfg)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None

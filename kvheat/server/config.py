@@ -142,6 +142,14 @@ class ServerConfig:
     engine_cores: list[int] | None = None
     admin_token: str | None = None  # None: the admin API is off
     otlp_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None: tracing off
+    # KV events (vLLM 0.32's schema, kvheat.kvevents) on a ZMQ PUB socket bound here, e.g.
+    # "tcp://*:5557", and a replay socket (ROUTER) for subscribers that missed batches;
+    # None: no events. Token ids go out only with kv_events_token_ids (operator mode).
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_token_ids: bool = False
+    kv_events_queue: int = 100_000  # events waiting to be sent; more are dropped, counted
     tenants: list[TenantConfig] = field(default_factory=list)
     arms: list[ArmConfig] = field(default_factory=list)
 
@@ -181,6 +189,16 @@ class ServerConfig:
             raise ConfigError("drain_timeout_s must be in [0, 3600]")
         if self.max_queued_requests < 1:
             raise ConfigError("max_queued_requests must be at least 1")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            v = getattr(self, name)
+            if v is not None and not re.fullmatch(r"(tcp://[^\s/]+:[0-9]+|ipc://\S+|inproc://\S+)",
+                                                  v):
+                raise ConfigError(f"{name} must be a ZMQ address such as tcp://*:5557, "
+                                  f"not {v!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_queue < 1:
+            raise ConfigError("kv_events_queue must be at least 1")
         self.tenants = [t if isinstance(t, TenantConfig) else _build(TenantConfig, t, "tenant")
                         for t in self.tenants]
         self.arms = [a if isinstance(a, ArmConfig) else _build(ArmConfig, a, "arm")

@@ -1,0 +1,78 @@
+"""`kvheat route`: the cache-aware router in front of kvheat (or vLLM) replicas."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from .config import ReplicaSpec, RouterConfig, RouterConfigError
+from .policy import POLICIES
+
+
+@click.command("route")
+@click.option("--replica", "replicas", multiple=True,
+              help="A replica: URL[,kind=kvheat|vllm|openai][,events=tcp://H:P]"
+                   "[,replay=tcp://H:P][,block_size=N]; repeat for each.")
+@click.option("--discover", default=None,
+              help="host:port: every address this name resolves to is a kvheat replica "
+                   "(a Kubernetes headless service), polled with the health checks.")
+@click.option("--policy", type=click.Choice(POLICIES), default="kvheat", show_default=True)
+@click.option("--model", type=click.Path(file_okay=False), default=None,
+              help="The replicas' model directory (its tokenizer keys prompts); default: "
+                   "the built-in tiny model's.")
+@click.option("--family", default="llama", show_default=True,
+              help="Built-in model family, when --model is not given.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True),
+              default=None, help="The replicas' server config: its tenants' API keys.")
+@click.option("--block-size", type=int, default=16, show_default=True,
+              help="Tokens per block of replicas that do not say.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=9000, show_default=True, type=int)
+@click.option("--health-interval", "health_interval_s", type=float, default=1.0,
+              show_default=True, help="Seconds between health checks.")
+@click.option("--read-timeout", "read_timeout_s", type=float, default=60.0, show_default=True,
+              help="Seconds of silence from a replica before it counts as dead.")
+@click.option("--max-attempts", type=int, default=3, show_default=True,
+              help="Replicas tried for one request.")
+@click.option("--no-prewarm", is_flag=True, help="Do not send hot prefixes to replicas.")
+@click.option("--admin-token", envvar="KVHEAT_ROUTER_ADMIN_TOKEN", default=None,
+              help="Bearer token of the admin API (replicas join and leave); off when unset.")
+@click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
+              help="OTLP/HTTP endpoint for a span per routing decision.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
+                  model: str | None, family: str, config_path: str | None, block_size: int,
+                  host: str, port: int, health_interval_s: float, read_timeout_s: float,
+                  max_attempts: int, no_prewarm: bool, admin_token: str | None,
+                  otlp_endpoint: str | None, log_level: str) -> None:
+    """Route OpenAI requests to replicas by a global prefix index fed by their KV events."""
+    import uvicorn
+
+    from .app import KVHeatRouter
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        tenants: dict[str, str] = {}
+        if config_path:
+            from ..server.config import ConfigError, load_config
+
+            try:
+                scfg = load_config(config_path)
+            except ConfigError as e:
+                raise RouterConfigError(str(e)) from None
+            tenants = {k: t.name for t in scfg.tenants for k in t.api_keys}
+        cfg = RouterConfig(replicas=[ReplicaSpec.parse(r) for r in replicas], policy=policy,
+                           model=model, family=family, block_size=block_size, tenants=tenants,
+                           discover=discover, health_interval_s=health_interval_s,
+                           read_timeout_s=read_timeout_s, max_attempts=max_attempts,
+                           prewarm=not no_prewarm, admin_token=admin_token,
+                           otlp_endpoint=otlp_endpoint)
+    except RouterConfigError as e:
+        raise click.ClickException(str(e)) from None
+    router = KVHeatRouter(cfg)
+    _ = router.tokenizer  # load it now, not on the first request
+    click.echo(f"kvheat route: {policy} over {len(cfg.replicas)} replica(s)"
+               f"{' + ' + discover if discover else ''} on http://{host}:{port}", err=True)
+    uvicorn.run(router.app, host=host, port=port, log_level=log_level, access_log=False)

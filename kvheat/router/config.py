@@ -1,0 +1,110 @@
+"""`kvheat route` configuration: the replicas, the policy, the tokenizer, tenants, timeouts."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from .policy import POLICIES
+
+KINDS = ("kvheat", "vllm", "openai")
+
+
+class RouterConfigError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class ReplicaSpec:
+    """One replica. `kvheat` replicas say where their KV events are (GET /kv_events);
+    `vllm` ones need `events` (and `replay`) given, and get the tenant's salt as
+    `cache_salt`; `openai`: any other OpenAI-compatible server (no events: load only)."""
+
+    url: str
+    kind: str = "kvheat"
+    events: str | None = None  # ZMQ PUB address of its KV events
+    replay: str | None = None  # its replay (ROUTER) address
+    block_size: int | None = None  # None: what its events or /kv_events say
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise RouterConfigError(f"a replica needs an http(s) URL, not {self.url!r}")
+        if self.kind not in KINDS:
+            raise RouterConfigError(f"replica kind must be one of {', '.join(KINDS)}, "
+                                    f"not {self.kind!r}")
+        for name in ("events", "replay"):
+            v = getattr(self, name)
+            if v is not None and not re.fullmatch(r"(tcp://[^\s/]+:[0-9]+|ipc://\S+)", v):
+                raise RouterConfigError(f"replica {self.url}: {name} must be a ZMQ address "
+                                        f"such as tcp://host:5557, not {v!r}")
+        if self.block_size is not None and self.block_size < 1:
+            raise RouterConfigError("block_size must be positive")
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @classmethod
+    def parse(cls, text: str) -> ReplicaSpec:
+        """`URL[,kind=K][,events=ADDR][,replay=ADDR][,block_size=N]`."""
+        url, *opts = [p.strip() for p in text.split(",")]
+        kw: dict[str, object] = {}
+        for o in opts:
+            k, sep, v = o.partition("=")
+            if not sep or k not in ("kind", "events", "replay", "block_size"):
+                raise RouterConfigError(f"replica option {o!r}: use kind=, events=, replay= "
+                                        "or block_size=")
+            if k == "block_size":
+                try:
+                    kw[k] = int(v)
+                except ValueError:
+                    raise RouterConfigError(f"block_size must be an integer, not {v!r}") \
+                        from None
+            else:
+                kw[k] = v
+        return cls(url, **kw)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    replicas: list[ReplicaSpec] = field(default_factory=list)
+    policy: str = "kvheat"
+    # The tokenizer the replicas use (their model directory; None: the built-in tiny
+    # model's of `family`), to key prompts as their caches do.
+    model: str | None = None
+    family: str = "llama"
+    block_size: int = 16  # when a replica does not say
+    # API key -> tenant name, as the replicas' config maps them (None: an open API).
+    tenants: dict[str, str] = field(default_factory=dict)
+    discover: str | None = None  # "host:port": every address the name resolves to
+    health_interval_s: float = 1.0
+    health_failures: int = 2  # consecutive failed checks before a replica is out
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 60.0  # longest silence from a replica mid-response
+    max_attempts: int = 3  # replicas tried for one request before it fails
+    max_body_bytes: int = 8 << 20
+    prewarm: bool = True  # send hot prefixes to replicas that lack them
+    admin_token: str | None = None
+    otlp_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise RouterConfigError(f"unknown policy {self.policy!r}; known: "
+                                    f"{', '.join(POLICIES)}")
+        if self.block_size < 1 or self.health_failures < 1 or self.max_attempts < 1:
+            raise RouterConfigError("block_size, health_failures and max_attempts must be "
+                                    "positive")
+        if not 0 < self.health_interval_s <= 60 or self.connect_timeout_s <= 0 or \
+                self.read_timeout_s <= 0:
+            raise RouterConfigError("health_interval_s must be in (0, 60] and timeouts "
+                                    "positive")
+        if self.discover is not None and not re.fullmatch(r"[^\s:]+:[0-9]+", self.discover):
+            raise RouterConfigError(f"discover must be host:port, not {self.discover!r}")
+        urls = [r.url for r in self.replicas]
+        if len(set(urls)) != len(urls):
+            raise RouterConfigError("a replica is listed twice")
+        if not self.replicas and not self.discover:
+            raise RouterConfigError("give at least one replica (--replica) or --discover")
