@@ -184,10 +184,18 @@ class KVHeatServer:
                 eng = ServingEngine(model, tok, ecfg)
             except (OSError, ValueError) as e:  # e.g. a disk tier folder it cannot write
                 raise ConfigError(f"arm {arm!r}: cannot set up its engine: {e}") from None
+            old = self._shared.pop(arm, None)
+            if old is not None:
+                old.close()
+            if config.redis_tier_url and config.redis_tier_shared and eng.tiers is not None:
+                from ..tiers.shared import SharedTierFeed
+
+                self._shared[arm] = SharedTierFeed(eng.tiers)
             if self.events is not None:
                 self.events.engine_built(arm, eng)
             return eng
 
+        self._shared: dict[str, Any] = {}  # arm -> its SharedTierFeed
         self.events: ServerEvents | None = None
         if config.kv_events_endpoint:
             try:
@@ -242,6 +250,8 @@ class KVHeatServer:
 
     def stop(self) -> None:
         self.worker.stop()
+        for feed in self._shared.values():
+            feed.close()
         if self.events is not None:
             self.events.close()
         self.tracing.shutdown()

@@ -38,6 +38,8 @@ from .config import ConfigError, load_config
 @click.option("--redis-tier-size", "redis_tier_bytes", default=None,
               help="How much of Redis it may use, e.g. 100GiB.")
 @click.option("--redis-cluster", is_flag=True, default=None, help="The Redis URL is a Cluster node.")
+@click.option("--redis-tier-share/--no-redis-tier-share", "redis_tier_shared", default=None,
+              help="Load blocks other replicas put in the Redis tier (default: on).")
 @click.option("--tier-mode", type=click.Choice(["exclusive", "write_through"]), default=None,
               help="A block in one tier at a time (exclusive) or kept below when promoted.")
 @click.option("--policy", default=None, help="Eviction policy when no arms are configured (kvheat; lru for the baseline).")
@@ -70,7 +72,8 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                   block_size: int | None, host_tier_blocks: int | None,
                   disk_tier_dir: str | None, disk_tier_bytes: str | None,
                   redis_tier_url: str | None, redis_tier_bytes: str | None,
-                  redis_cluster: bool | None, tier_mode: str | None, policy: str | None,
+                  redis_cluster: bool | None, redis_tier_shared: bool | None,
+                  tier_mode: str | None, policy: str | None,
                   max_num_seqs: int | None, max_num_batched_tokens: int | None,
                   max_tokens_limit: int | None,
                   threads: int | None, engine_cores: str | None, max_body_bytes: str | None,
@@ -89,7 +92,8 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                           block_size=block_size, host_tier_blocks=host_tier_blocks,
                           disk_tier_dir=disk_tier_dir, disk_tier_bytes=disk_tier_bytes,
                           redis_tier_url=redis_tier_url, redis_tier_bytes=redis_tier_bytes,
-                          redis_cluster=redis_cluster, tier_mode=tier_mode,
+                          redis_cluster=redis_cluster, redis_tier_shared=redis_tier_shared,
+                          tier_mode=tier_mode,
                           policy=policy, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           max_tokens_limit=max_tokens_limit, threads=threads,

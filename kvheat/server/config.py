@@ -121,6 +121,9 @@ class ServerConfig:
     redis_tier_url: str | None = None
     redis_tier_bytes: int | str = 0
     redis_cluster: bool = False
+    # Replicas on one Redis tier tell each other (pub/sub) which blocks they put there, so
+    # any replica loads what another demoted (kvheat.tiers.shared).
+    redis_tier_shared: bool = True
     tier_mode: str = "exclusive"  # or "write_through"
     # Keys the MAC of every KV value read back from disk or Redis, and their key names;
     # None: the KVHEAT_TIER_SECRET environment variable (better: it stays out of files).

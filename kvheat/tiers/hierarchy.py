@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -209,6 +210,7 @@ class _Step:
     tokens: int
     result: _Slot | None = None  # set when a loader thread fetches it
     done: bool = False  # written into its device block
+    peer: bool = False  # another replica's entry in a shared tier (not in our index)
 
 
 @dataclass(slots=True)
@@ -311,6 +313,9 @@ class TieredCache:
         # (tier name, key, None, 0, False) when it loses it, under this cache's lock, from
         # the thread doing it: keep them quick (KV events queue and return).
         self.index_listeners: list[Callable[[str, bytes, bytes | None, int, bool], None]] = []
+        # Keys other replicas put in a shared tier (tiers.shared.SharedTierFeed): found
+        # after our own indexes, loaded like ours, never deleted or evicted by us.
+        self.peers: Any = None
         # Prefix links of the keys held below, all tiers together. A key is held while an
         # index has it or a demotion of it is queued or moving between tiers (`_held`
         # counts those); `_kids[k]` are the held keys whose parent is k.
@@ -364,6 +369,9 @@ class TieredCache:
             for listener in self.index_listeners:
                 listener(name, e.key, parent, e.num_tokens, stored)  # type: ignore[arg-type]
         return changed
+
+    def tier_of(self, name: str) -> int | None:
+        return next((i for i, st in enumerate(self.tiers) if st.name == name), None)
 
     # ---- namespaces -------------------------------------------------------------------
     def _salt_of_ns(self, store: KVStore, ns: bytes) -> str | None | object:
@@ -814,6 +822,11 @@ class TieredCache:
                 if e is not None and st.ns(e.tenant) == st.ns(salt) and st.available():
                     found = (t, e)
                     break
+            if found is None and self.peers is not None:
+                peer = self.peers.lookup(key)
+                if peer is not None and self.tiers[peer[0]].available():
+                    steps.append(_Step(i, key, peer[0], peer[1], req.block_tokens[i], peer=True))
+                    continue
             if found is None:
                 break
             self.indexes[found[0]].pin(found[1], now)
@@ -845,7 +858,8 @@ class TieredCache:
         now = self.clock()
         with self._lock:
             for s in steps:
-                self.indexes[s.tier].unpin(s.entry, now)
+                if not s.peer:
+                    self.indexes[s.tier].unpin(s.entry, now)
                 slot = s.result
                 if slot is None:
                     continue
@@ -1045,6 +1059,9 @@ class TieredCache:
             if t is None:
                 failed = True
                 self.counters.load_failed += 1
+                if s.peer:  # the other replica evicted it meanwhile
+                    self.peers.forget(s.key)
+                    break
                 with self._lock:  # stale or corrupt: forget it
                     dels = self._release(s.key) if self.indexes[s.tier].remove(s.key) else []
                 self._delete(dels)  # descendants, if nothing else holds the key
@@ -1064,6 +1081,8 @@ class TieredCache:
         self._unpin(steps)
         if self.config.mode == "exclusive":
             for s in done:  # the block now lives on the device only
+                if s.peer:  # another replica's: it stays there for everyone
+                    continue
                 with self._lock:
                     # On the device now, so its children below stay reachable (no cascade
                     # unless the manager kept the block private).

@@ -1,0 +1,180 @@
+"""One Redis tier shared by many replicas: each tells the others which keys it put there.
+
+A replica's Redis tier indexes only what it wrote itself (its budget, its evictions), so
+without this a block another replica demoted to the same Redis is never found. Here each
+`TieredCache` announces the keys its Redis tier takes and loses on a Redis pub/sub
+channel (named from the store's keyed prefix: only replicas of the same model, layout and
+tier secret listen), and keeps the keys the others announce as peer entries: found after
+its own indexes, loaded like its own (the value's MAC is checked against the request's
+tenant as always), never evicted or deleted by it; the writer's eviction removes them.
+
+Announcements carry keys and token counts, never KV or token ids. A missed announcement
+costs a missed hit, or a load that finds nothing (counted, recomputed); never wrong KV.
+Messages: repeated (op: 1 byte, tokens: 4 bytes, key length: 1 byte, key), after an
+8-byte writer id; no pickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Any
+
+from ..cache.block import Block
+
+log = logging.getLogger("kvheat.tiers")
+_REC = struct.Struct("!BIB")
+_PUT, _DEL = 1, 2
+
+
+def encode_announcements(writer: bytes, items: list[tuple[int, bytes, int]]) -> bytes:
+    out = [writer]
+    for op, key, tokens in items:
+        out.append(_REC.pack(op, tokens, len(key)))
+        out.append(key)
+    return b"".join(out)
+
+
+def decode_announcements(data: bytes) -> tuple[bytes, list[tuple[int, bytes, int]]]:
+    """(writer, [(op, key, tokens)]); a malformed message raises ValueError."""
+    if len(data) < 8:
+        raise ValueError("announcement too short")
+    writer, pos, out = data[:8], 8, []
+    while pos < len(data):
+        if pos + _REC.size > len(data):
+            raise ValueError("truncated announcement")
+        op, tokens, klen = _REC.unpack_from(data, pos)
+        pos += _REC.size
+        key = data[pos:pos + klen]
+        if len(key) != klen or op not in (_PUT, _DEL):
+            raise ValueError("bad announcement record")
+        pos += klen
+        out.append((op, key, tokens))
+    return writer, out
+
+
+class SharedTierFeed:
+    def __init__(self, tiers: Any, tier_name: str = "redis", max_peer_keys: int = 1 << 20,
+                 flush_s: float = 0.01) -> None:
+        t = tiers.tier_of(tier_name)
+        if t is None:
+            raise ValueError(f"no {tier_name} tier to share")
+        self.tiers = tiers
+        self.tier = t
+        self.store = tiers.tiers[t]
+        self.client = self.store.client
+        self.channel = self.store.prefix + "shared"
+        self.writer = os.urandom(8)
+        self.max_peer_keys = max_peer_keys
+        self.flush_s = flush_s
+        self.peers: OrderedDict[bytes, int] = OrderedDict()  # key -> tokens
+        self._lock = threading.Lock()
+        self._out: deque[tuple[int, bytes, int]] = deque()
+        self.sent = self.received = self.dropped = self.bad = self.errors = 0
+        self._running = True
+        tiers.index_listeners.append(self._on_local)
+        tiers.peers = self
+        self._pub = threading.Thread(target=self._publish_loop, name="kvheat-shared-pub",
+                                     daemon=True)
+        self._sub = threading.Thread(target=self._subscribe_loop, name="kvheat-shared-sub",
+                                     daemon=True)
+        self._pub.start()
+        self._sub.start()
+
+    # ---- this replica's changes (called under the tiers' lock: queue and return) ----------
+    def _on_local(self, name: str, key: bytes, parent: bytes | None, tokens: int,
+                  stored: bool) -> None:
+        if name != self.store.name:
+            return
+        if len(self._out) >= 100_000:
+            self.dropped += 1
+            return
+        self._out.append((_PUT if stored else _DEL, key, tokens))
+
+    def _publish_loop(self) -> None:
+        while self._running:
+            time.sleep(self.flush_s)
+            if not self._out:
+                continue
+            items = []
+            with contextlib.suppress(IndexError):
+                for _ in range(min(len(self._out), 4096)):
+                    items.append(self._out.popleft())
+            try:
+                self.client.publish(self.channel, encode_announcements(self.writer, items))
+                self.sent += len(items)
+            except Exception as e:  # Redis down: announcements are lost, not retried
+                self.errors += 1
+                log.debug("shared tier announce failed: %s", e)
+
+    # ---- the others' ------------------------------------------------------------------------
+    def _subscribe_loop(self) -> None:
+        while self._running:
+            ps = None
+            try:
+                ps = self.client.pubsub(ignore_subscribe_messages=True)
+                ps.subscribe(self.channel)
+                while self._running:
+                    msg = ps.get_message(timeout=0.5)
+                    if msg is None or msg.get("type") != "message":
+                        continue
+                    self._apply(msg["data"])
+            except Exception as e:
+                self.errors += 1
+                log.debug("shared tier subscription: %s", e)
+                time.sleep(0.5)
+            finally:
+                if ps is not None:
+                    with contextlib.suppress(Exception):
+                        ps.close()
+
+    def _apply(self, data: bytes) -> None:
+        try:
+            writer, items = decode_announcements(data)
+        except ValueError:
+            self.bad += 1
+            return
+        if writer == self.writer:
+            return
+        with self._lock:
+            for op, key, tokens in items:
+                self.received += 1
+                if op == _PUT:
+                    self.peers[key] = tokens
+                    self.peers.move_to_end(key)
+                else:
+                    self.peers.pop(key, None)
+            while len(self.peers) > self.max_peer_keys:
+                self.peers.popitem(last=False)
+
+    # ---- lookups (TieredCache._find) ---------------------------------------------------------
+    def lookup(self, key: bytes) -> tuple[int, Block] | None:
+        with self._lock:
+            tokens = self.peers.get(key)
+        if tokens is None:
+            return None
+        b = Block(-3)
+        b.key = key
+        b.num_tokens = tokens
+        return self.tier, b
+
+    def forget(self, key: bytes) -> None:
+        with self._lock:
+            self.peers.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self.peers)
+
+    def close(self) -> None:
+        self._running = False
+        if self._on_local in self.tiers.index_listeners:
+            self.tiers.index_listeners.remove(self._on_local)
+        if self.tiers.peers is self:
+            self.tiers.peers = None
+        self._pub.join(1.0)
+        self._sub.join(1.0)
