@@ -3,7 +3,7 @@
 Per request: the prompt is tokenized and keyed as the replicas' caches key it (the same
 tokenizer and chat template, the tenant's salt from its API key), the policy picks a
 replica from the prefix index (fed by the replicas' KV events) and their loads, and the
-request is proxied there with httpx, body and Authorization header unchanged (a vLLM
+request is proxied there with aiohttp, body and Authorization header unchanged (a vLLM
 replica also gets the tenant's salt as `cache_salt`). A replica that cannot be reached,
 or answers 5xx before sending anything, is replaced by the next choice; one that dies
 mid-stream ends the stream with an error event and [DONE], never a hang (a silence
@@ -27,7 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
@@ -146,8 +146,9 @@ class KVHeatRouter:
         self.tracing = Tracing(config.otlp_endpoint, span_exporter, service_name="kvheat-router")
         self.replicas: dict[str, Replica] = {}
         self._tokenizer: Any = None
+        self._template: Any = None
         self._cpu = ThreadPoolExecutor(2, thread_name_prefix="kvheat-route-tok")
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._next_id = 0
         self._discovered_missing: dict[str, int] = {}
@@ -191,12 +192,13 @@ class KVHeatRouter:
         if r.events is not None or r.spec.kind != "kvheat" or self._client is None:
             return
         try:
-            resp = await self._client.get(r.name + "/kv_events", timeout=2.0)
-        except httpx.HTTPError:
+            async with self._client.get(r.name + "/kv_events",
+                                        timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                if resp.status != 200:
+                    return
+                info = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return
-        if resp.status_code != 200:
-            return
-        info = resp.json()
         host = r.spec.host
         ep = f"tcp://{host}:{info['port']}" if info.get("port") else info.get("endpoint")
         rp = f"tcp://{host}:{info['replay_port']}" if info.get("replay_port") else None
@@ -221,10 +223,11 @@ class KVHeatRouter:
     async def _check(self, r: Replica) -> None:
         assert self._client is not None
         try:
-            resp = await self._client.get(r.name + "/health",
-                                          timeout=max(0.5, self.config.health_interval_s))
-            ok = resp.status_code == 200
-        except httpx.HTTPError:
+            async with self._client.get(r.name + "/health", timeout=aiohttp.ClientTimeout(
+                    total=max(0.5, self.config.health_interval_s))) as resp:
+                ok = resp.status == 200
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             ok = False
         if ok:
             r.failures = 0
@@ -282,12 +285,26 @@ class KVHeatRouter:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from ..engine.loader import Tokenizer, tiny_config
+            from ..engine.loader import Tokenizer, _jinja_env, tiny_config
 
             cfg = self.config
-            self._tokenizer = Tokenizer.from_dir(cfg.model) if cfg.model else \
+            tok = Tokenizer.from_dir(cfg.model) if cfg.model else \
                 Tokenizer.tiny(tiny_config(cfg.family).vocab_size)
+            # The replicas' chat template, compiled once (the engine compiles it per call).
+            self._template = _jinja_env().from_string(tok.chat_template) \
+                if tok.chat_template else None
+            self._tokenizer = tok
         return self._tokenizer
+
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """What `Tokenizer.apply_chat_template(messages, True)` gives, from the compiled
+        template (the tests check they agree)."""
+        tok = self.tokenizer
+        if self._template is None:
+            return tok.apply_chat_template(messages, True)
+        text = self._template.render(messages=messages, add_generation_prompt=True,
+                                     bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
+        return tok.encode(text, add_special_tokens=False)
 
     def tenant_of(self, authorization: str) -> tuple[str | None, bool]:
         """(tenant, known): the tenant of the request's API key; without a tenant map the
@@ -313,9 +330,11 @@ class KVHeatRouter:
                     text = c if isinstance(c, str) else "".join(
                         p.get("text", "") for p in c) if isinstance(c, list) else ""
                     role = m["role"]
+                    if not isinstance(role, str) or not isinstance(text, str):
+                        return None
                     msgs.append({"role": "system" if role == "developer" else role,
                                  "content": text})
-                return tok.apply_chat_template(msgs, True)
+                return self.chat_tokens(msgs)
             p = body["prompt"]
             if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
                 p = p[0]
@@ -362,8 +381,13 @@ class KVHeatRouter:
             raise RouterError(400, "the body must be a JSON object")
         stream = body.get("stream") is True
         needs_keys = self.config.policy in ("kvheat", "prefix-hash", "sglang-like")
-        tokens = await asyncio.get_running_loop().run_in_executor(
-            self._cpu, self.prompt_tokens, body, endpoint) if needs_keys else None
+        tokens = None
+        if needs_keys:
+            # A short prompt is keyed here (a thread hop costs more than it); a long one off
+            # the event loop, so it never stalls other requests.
+            tokens = self.prompt_tokens(body, endpoint) if len(body_bytes) < 16384 else \
+                await asyncio.get_running_loop().run_in_executor(
+                    self._cpu, self.prompt_tokens, body, endpoint)
         span = self.tracing.start_request("kvheat.route", {
             "kvheat.endpoint": endpoint, "kvheat.tenant": tenant or "none",
             "kvheat.prompt_tokens": len(tokens) if tokens else 0, "kvheat.stream": stream})
@@ -457,10 +481,8 @@ class KVHeatRouter:
 
         t0 = time.perf_counter()
         try:
-            req = self._client.build_request("POST", r.name + path, content=content,
-                                             headers=headers)
-            resp = await self._client.send(req, stream=True)
-        except httpx.HTTPError as e:
+            resp = await self._client.post(r.name + path, data=content, headers=headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             release()
             self._mark_failed(r)
             self.metrics.failovers.labels("connect").inc()
@@ -471,11 +493,11 @@ class KVHeatRouter:
             release()
             raise
         try:
-            if resp.status_code >= 500:
-                await resp.aclose()
+            if resp.status >= 500:
+                resp.release()
                 release()
-                self.metrics.failovers.labels(f"status_{resp.status_code}").inc()
-                if resp.status_code != 503:
+                self.metrics.failovers.labels(f"status_{resp.status}").inc()
+                if resp.status != 503:
                     self._mark_failed(r)
                 return None
             out_headers = {"x-kvheat-replica": r.name}
@@ -485,56 +507,58 @@ class KVHeatRouter:
             ctype = resp.headers.get("content-type", "application/json")
             if not stream or not ctype.startswith("text/event-stream"):
                 try:
-                    data = await resp.aread()
-                except httpx.HTTPError:
+                    data = await resp.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError):
                     release()
                     self._mark_failed(r)
                     self.metrics.failovers.labels("read").inc()
                     return None
                 finally:
-                    await resp.aclose()
+                    resp.release()
                 self._observe_first(r, t0)
                 self._usage(r, data)
                 release()
                 if stream:
                     end_span(span)
-                return Response(data, status_code=resp.status_code, media_type=ctype,
+                return Response(data, status_code=resp.status, media_type=ctype,
                                 headers=out_headers)
             # A stream: its first bytes decide whether another replica may take it over.
-            it = resp.aiter_raw()
             try:
-                first = await it.__anext__()
-            except (httpx.HTTPError, StopAsyncIteration):
-                await resp.aclose()
+                first = await resp.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                first = b""
+            if not first:
+                resp.close()
                 release()
                 self._mark_failed(r)
                 self.metrics.failovers.labels("stream_start").inc()
                 return None
             self._observe_first(r, t0)
             r.pending.pop(rid, None)  # its prefill is done
-            return StreamingResponse(self._relay(r, resp, it, first, release, span),
-                                     status_code=resp.status_code,
+            return StreamingResponse(self._relay(r, resp, first, release, span),
+                                     status_code=resp.status,
                                      media_type="text/event-stream", headers=out_headers)
         except BaseException:
             release()
             with contextlib.suppress(Exception):
-                await resp.aclose()
+                resp.close()
             raise
 
-    async def _relay(self, r: Replica, resp: httpx.Response, it: AsyncIterator[bytes],
-                     first: bytes, release: Any, span: Any) -> AsyncIterator[bytes]:
+    async def _relay(self, r: Replica, resp: aiohttp.ClientResponse, first: bytes,
+                     release: Any, span: Any) -> AsyncIterator[bytes]:
         tail = b""
-        ended = False
         try:
             yield first
             tail = first[-4096:]
-            async for chunk in it:
+            while True:
+                chunk = await resp.content.readany()
+                if not chunk:
+                    break
                 yield chunk
                 tail = (tail + chunk)[-8192:]
-            ended = b"[DONE]" in tail
-            if not ended:  # the replica closed the stream without finishing it
-                raise httpx.RemoteProtocolError("stream closed before [DONE]")
-        except (httpx.HTTPError, httpx.StreamError) as e:
+            if b"[DONE]" not in tail:  # the replica closed the stream without finishing it
+                raise aiohttp.ClientPayloadError("stream closed before [DONE]")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.metrics.stream_errors.labels(r.name).inc()
             self._mark_failed(r)
             log.warning("replica %s failed mid-stream (%s)", r.name, type(e).__name__)
@@ -543,7 +567,7 @@ class KVHeatRouter:
         finally:
             release()
             with contextlib.suppress(Exception):
-                await resp.aclose()
+                resp.close()
             self._usage(r, tail)
             end_span(span)
 
@@ -576,11 +600,12 @@ class KVHeatRouter:
         r.prewarming = True
         try:
             headers = {"authorization": authorization} if authorization else {}
-            await self._client.post(r.name + "/v1/completions", json={
-                "model": body.get("model", ""), "prompt": tokens, "max_tokens": 1},
-                headers=headers, timeout=self.config.read_timeout_s)
+            async with self._client.post(r.name + "/v1/completions", json={
+                    "model": body.get("model", ""), "prompt": tokens, "max_tokens": 1},
+                    headers=headers) as resp:
+                await resp.read()
             self.metrics.prewarms.labels(r.name).inc()
-        except httpx.HTTPError:
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             pass
         finally:
             r.prewarming = False
@@ -618,9 +643,11 @@ class KVHeatRouter:
         @asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             cfg = self.config
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s),
-                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+            self._client = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
+                                              sock_read=cfg.read_timeout_s),
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0),
+                auto_decompress=False, skip_auto_headers=("User-Agent",))
             await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
             self._tasks.append(asyncio.create_task(self._health_loop()))
             try:
@@ -631,7 +658,7 @@ class KVHeatRouter:
                 for t in self._tasks:
                     with contextlib.suppress(BaseException):
                         await t
-                await self._client.aclose()
+                await self._client.close()
                 for r in self.replicas.values():
                     if r.events is not None:
                         r.events.close(timeout_s=0.5)
@@ -660,12 +687,13 @@ class KVHeatRouter:
             assert self._client is not None
             for r in [r for r in self.replicas.values() if r.healthy]:
                 try:
-                    resp = await self._client.get(r.name + "/v1/models", headers={
-                        k: v for k, v in request.headers.items() if k == "authorization"},
-                        timeout=5.0)
-                except httpx.HTTPError:
+                    async with self._client.get(r.name + "/v1/models", headers={
+                            k: v for k, v in request.headers.items() if k == "authorization"},
+                            timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+                        data = await resp.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError):
                     continue
-                return Response(resp.content, status_code=resp.status_code,
+                return Response(data, status_code=resp.status,
                                 media_type=resp.headers.get("content-type"))
             return _error(503, "no replica is healthy", "server_error", "no_replica")
 
