@@ -252,6 +252,15 @@ def workload(n_conv: int, turns: int, seed: int) -> list[list[Turn]]:
     return convs
 
 
+def fresh_prompts(n: int) -> list[list[Turn]]:
+    """One-turn requests on prompts nobody has sent before (a restarted replica has no
+    cache, so only new prefixes show where a router places fresh work)."""
+    return [[Turn(10_000 + i, 0, "acme", [
+        {"role": "system", "content": f"Session {i}: you are a new assistant with new rules. "
+                                      * 4},
+        {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])] for i in range(n)]
+
+
 @dataclass
 class Result:
     conv: int
@@ -480,7 +489,7 @@ class Bench:
                 ready = time.perf_counter() - t0
                 # Requests after the restart until the router sends one to it again.
                 before = replica_load([victim])[0]["requests"]
-                extra = workload(12, 2, seed=999)
+                extra = fresh_prompts(24)
                 t_extra = time.perf_counter()
                 for conv in extra:
                     asyncio.run(run_load(base, [conv], 1, 2, self.args.timeout))

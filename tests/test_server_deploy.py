@@ -52,7 +52,7 @@ def _metric_refs(text: str) -> set[str]:
 def test_kubernetes_manifests_fit_together() -> None:
     objs = _k8s()
     dep = objs["Deployment/kvheat"]
-    svc = objs["Service/kvheat"]
+    svc = objs["Service/kvheat-replicas"]  # Service/kvheat is the router's (test_router_deploy)
     hpa = objs["HorizontalPodAutoscaler/kvheat"]
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert dep["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
