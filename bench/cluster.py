@@ -48,20 +48,19 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "cluster-llama"
 SECRET = "kvheat-bench-cluster-tier-secret"
 TENANTS = {"acme": "sk-acme", "globex": "sk-globex", "initech": "sk-initech"}
-SYSTEM_PROMPTS = {
-    "acme": ["You are Acme's support assistant. Answer about orders, refunds and shipping "
-             "in two sentences. Orders ship within two days; refunds take five days. " * 3,
-             "You are Acme's coding helper. Answer with short Python snippets only. Keep "
-             "every function under ten lines and name variables clearly. " * 3],
-    "globex": ["You are Globex's travel guide. Paris is the capital of France; Rome of "
-               "Italy; Madrid of Spain. Answer in one short paragraph. " * 3,
-               "You summarise meetings for Globex. Keep decisions, owners and dates; drop "
-               "small talk. Answer as a bullet list of at most five items. " * 3],
-    "initech": ["You are Initech's report assistant. Every report has a cover sheet. "
-                "Answer politely and keep the tone formal and brief. " * 3,
-                "You answer Initech's HR questions: holidays, leave and benefits. There are "
-                "seven days in a week and five working days. " * 3],
-}
+# System prompts are shared across tenants (as a framework's default prompt is): the same
+# text, but each tenant's KV is salted apart, so text alone says nothing about what a
+# replica holds for a given tenant.
+SYSTEM_PROMPTS = [
+    "You are a support assistant. Answer about orders, refunds and shipping in two "
+    "sentences. Orders ship within two days; refunds take five days. " * 3,
+    "You are a coding helper. Answer with short Python snippets only. Keep every function "
+    "under ten lines and name variables clearly. " * 3,
+    "You are a travel guide. Paris is the capital of France; Rome of Italy; Madrid of "
+    "Spain. Answer in one short paragraph. " * 3,
+    "You summarise meetings. Keep decisions, owners and dates; drop small talk. Answer as "
+    "a bullet list of at most five items. " * 3,
+]
 QUESTIONS = ["What should I do next?", "Can you explain that again, more briefly?",
              "What is the most important point?", "Give me an example.",
              "How long will it take?", "Is there anything I forgot?"]
@@ -238,7 +237,7 @@ def workload(n_conv: int, turns: int, seed: int) -> list[list[Turn]]:
     names = list(TENANTS)
     for c in range(n_conv):
         tenant = names[c % len(names)]
-        sysp = rng.choice(SYSTEM_PROMPTS[tenant])
+        sysp = SYSTEM_PROMPTS[rng.randrange(len(SYSTEM_PROMPTS))]
         msgs = [{"role": "system", "content": sysp}]
         conv = []
         for t in range(turns):
@@ -395,6 +394,7 @@ class Round:
     per_replica: list[dict[str, float]] = field(default_factory=list)
     imbalance_requests: float | None = None
     imbalance_prefill: float | None = None
+    requests: list[dict[str, Any]] = field(default_factory=list)  # per request, for analysis
 
 
 class Bench:
@@ -452,7 +452,11 @@ class Bench:
         rd = Round(kind, k, cached / prompt if prompt else 0.0, pct(ttfts, 0.5),
                    pct(ttfts, 0.99), len(ok) / wall, len(results) - len(ok), loads,
                    max_over_mean([x["requests"] for x in loads]),
-                   max_over_mean([x["prompt_tokens"] - x["cached_tokens"] for x in loads]))
+                   max_over_mean([x["prompt_tokens"] - x["cached_tokens"] for x in loads]),
+                   [{"conv": r.conv, "turn": r.turn, "start": round(r.start, 3),
+                     "ttft": None if r.ttft is None else round(r.ttft, 4),
+                     "prompt": r.prompt_tokens, "cached": r.cached_tokens,
+                     "replica": r.replica, "status": r.status} for r in results])
         print(f"  {kind:8s} round {k}: hit {rd.hit_rate:.1%}  TTFT p50 "
               f"{1000 * (rd.ttft_p50_s or 0):.0f} ms p99 {1000 * (rd.ttft_p99_s or 0):.0f} ms  "
               f"{rd.requests_per_s:.2f} req/s  errors {rd.errors}  req max/mean "
@@ -483,7 +487,7 @@ class Bench:
             results, wall = asyncio.run(run_load(base, convs, self.args.clients,
                                                  self.args.max_tokens, self.args.timeout,
                                                  progress))
-            served_again = None
+            served_again = probe_s = None
             if "restart" in marks:
                 wait_http(victim.url, victim.proc)
                 ready = time.perf_counter() - t0
@@ -496,6 +500,7 @@ class Bench:
                     if replica_load([victim])[0]["requests"] > before:
                         served_again = time.perf_counter() - t_extra + (ready - marks["restart"])
                         break
+                probe_s = time.perf_counter() - t_extra
         finally:
             stop(proc)
         failed = [r for r in results if r.status == "error"]
@@ -506,7 +511,8 @@ class Bench:
         out = {"router": kind, "requests": len(results), "failed": len(failed),
                "hung": len(hung), "wrong": len(wrong), "kill_at_s": marks.get("kill"),
                "recovery_s": None if last_fail is None else max(0.0, last_fail - marks["kill"]),
-               "restart_to_served_s": served_again, "wall_s": wall}
+               "restart_to_served_s": served_again, "rejoin_probe_s": probe_s,
+               "rejoin_probe_requests": 24, "wall_s": wall}
         print(f"  {kind:8s} kill: {out['failed']} failed, {out['hung']} hung, {out['wrong']} "
               f"wrong of {out['requests']}; last failure {out['recovery_s']} s after the kill; "
               f"restarted replica served again after {served_again} s", flush=True)
@@ -624,8 +630,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smg", default=shutil.which("smg"),
                     help="sglang-router's smg binary (its own venv); without it only kvheat route")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--conversations", type=int, default=36)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=16)

@@ -298,3 +298,47 @@ def test_the_engine_thread_never_waits_on_the_socket() -> None:
         assert pub.queued <= 100 and pub.stats.dropped > 0
     finally:
         pub.close()
+
+
+def test_vllms_own_publisher_feeds_the_router_index() -> None:
+    """vLLM's ZmqEventPublisher (PUB + replay) publishing what its block pool would for a
+    salted request: our subscriber takes it, and the index places it under the keys
+    kvheat computes for that tenant's tokens (vLLM's hashes are its own)."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    from kvheat.cache.hashing import block_keys, root_key
+    from kvheat.router.index import PrefixIndex
+
+    port, rport = _free_port(), _free_port()
+    pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}",
+                               replay_endpoint=f"tcp://*:{rport}")
+    ix = PrefixIndex()
+    ix.add_replica("v", foreign_hashes=True)
+    sub = KVEventSubscriber("v", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}",
+                            ix.apply, ix.clear_replica)
+    try:
+        assert sub.wait_synced(10)
+        toks = list(range(100, 164))
+        time.sleep(0.5)  # the SUB socket joins before the first batch
+        pub.publish(kv.KVEventBatch(ts=time.time(), events=[
+            kv.BlockStored(block_hashes=[b"h1", b"h2"], parent_block_hash=None,
+                           token_ids=toks[:32], block_size=16, lora_id=None, medium="GPU",
+                           lora_name=None, extra_keys=[("tenant:acme",), None]),
+            kv.BlockStored(block_hashes=[b"h3", b"h4"], parent_block_hash=b"h2",
+                           token_ids=toks[32:], block_size=16, lora_id=None, medium="GPU",
+                           lora_name=None)]))
+        want, _ = block_keys(toks, 16, root_key("tenant:acme"))
+        assert wait_for(lambda: ix.match(want, [16] * 4, ["v"])[0].device_blocks == 4)
+        pub.publish(kv.KVEventBatch(ts=time.time(), events=[
+            kv.BlockRemoved(block_hashes=[b"h3"], medium="GPU")]))
+        assert wait_for(lambda: ix.match(want, [16] * 4, ["v"])[0].device_blocks == 2)
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

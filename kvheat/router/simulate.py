@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..cache import CacheConfig, KVCacheManager, Request, make_policy
@@ -155,7 +156,9 @@ class _SharedTier:
         return n - start
 
 
-def simulate(pt: PreparedTrace, router: str | RoutingPolicy, cfg: ClusterConfig,
+def simulate(pt: PreparedTrace,
+             router: str | RoutingPolicy | Callable[[PrefixIndex], RoutingPolicy],
+             cfg: ClusterConfig,
              bound: bool = True) -> ClusterResult:
     import kvheat.heat  # noqa: F401  (registers the kvheat eviction policy)
 
@@ -167,7 +170,12 @@ def simulate(pt: PreparedTrace, router: str | RoutingPolicy, cfg: ClusterConfig,
     index = PrefixIndex()
     for n in names:
         index.add_replica(n)
-    policy = make_router(router, index) if isinstance(router, str) else router
+    if isinstance(router, str):
+        policy = make_router(router, index)
+    elif isinstance(router, RoutingPolicy):
+        policy = router
+    else:  # a factory given the index (a policy that reads it)
+        policy = router(index)
     now = [0.0]
     shared = _SharedTier(cfg.shared_tokens // bt, index, names) if cfg.shared_tokens else None
     caches: list[KVCacheManager] = []
