@@ -72,8 +72,11 @@ def main() -> int:
         pt = PreparedTrace(load_trace(TRACES / name), 512)
         results = []
         for cap in caps:
-            for r in routers:
-                res = simulate(pt, r, ClusterConfig(replicas=4, capacity_tokens=cap))
+            for r in [*routers, "kvheat+guard"]:
+                spec = (lambda ix: P.make_policy("kvheat", ix, overload_guard=True)) \
+                    if r == "kvheat+guard" else r
+                res = simulate(pt, spec, ClusterConfig(replicas=4, capacity_tokens=cap))
+                res.router = r
                 results.append(res)
                 out["grid"].append(row(res, trace=name))
                 print(f"{name[:16]} {cap / 1e6:.2f}M {r:12s} hit {res.hit_rate:6.2%} "

@@ -51,10 +51,13 @@ def _load_heat() -> None:
               show_default=True, help="With --replicas: modelled prefill tokens/s per replica.")
 @click.option("--decode-tps", type=click.FloatRange(min=0, min_open=True), default=50.0,
               show_default=True, help="With --replicas: modelled decode tokens/s per sequence.")
+@click.option("--overload-guard", is_flag=True,
+              help="With --replicas: the kvheat router leaves overloaded affinity replicas.")
 def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bool,
            limit: int | None, time_scale: float, json_path: str | None, plot_path: str | None,
            misses: bool, fmt: str, replicas: int | None, routers: str,
-           shared_capacity: str | None, prefill_tps: float, decode_tps: float) -> None:
+           shared_capacity: str | None, prefill_tps: float, decode_tps: float,
+           overload_guard: bool) -> None:
     """Replay TRACE (a Mooncake JSONL file, vLLM's KV events or request log, or 'builtin'
     for the generator) through the cache, or with --replicas through a cluster of caches
     behind each routing policy."""
@@ -101,7 +104,7 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
     pt = PreparedTrace(reqs, block_tokens)
     if replicas is not None:
         _replay_cluster(pt, name, caps, pols, routers, replicas, shared_capacity, prefill_tps,
-                        decode_tps, time_scale, json_path, plot_path)
+                        decode_tps, time_scale, json_path, plot_path, overload_guard)
         return
     results = []
     with Progress(transient=True, disable=not sys.stderr.isatty()) as prog:
@@ -126,9 +129,10 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
 def _replay_cluster(pt, name: str, caps: list[int], pols: list[str], routers: str,
                     replicas: int, shared_capacity: str | None, prefill_tps: float,
                     decode_tps: float, time_scale: float, json_path: str | None,
-                    plot_path: str | None) -> None:
+                    plot_path: str | None, overload_guard: bool = False) -> None:
     from .replay import parse_tokens
     from .router.policy import POLICIES
+    from .router.policy import make_policy as make_router
     from .router.report import plot, print_table, summarize, write_json
     from .router.simulate import ClusterConfig, simulate
 
@@ -150,7 +154,9 @@ def _replay_cluster(pt, name: str, caps: list[int], pols: list[str], routers: st
             cfg = ClusterConfig(replicas=replicas, capacity_tokens=c, cache_policy=pols[0],
                                 shared_tokens=shared, prefill_tps=prefill_tps,
                                 decode_tps=decode_tps, time_scale=time_scale)
-            results.append(simulate(pt, r, cfg))
+            spec = (lambda ix: make_router("kvheat", ix, overload_guard=True)) \
+                if r == "kvheat" and overload_guard else r
+            results.append(simulate(pt, spec, cfg))
     summary = summarize(name, results, block_tokens=pt.block_tokens, cache_policy=pols[0],
                         prefill_tps=prefill_tps, decode_tps=decode_tps, time_scale=time_scale)
     print_table(summary)

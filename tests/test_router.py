@@ -19,6 +19,7 @@ from kvheat.replay.traces import WorkloadConfig
 from kvheat.router.index import DEVICE, LOCAL_TIER, SHARED_TIER, PrefixIndex
 from kvheat.router.policy import (
     KVHeatRouting,
+    KVHeatRoutingConfig,
     LeastLoad,
     PrefixHash,
     ReplicaState,
@@ -180,11 +181,16 @@ def test_kvheat_affinity_hot_heads_and_the_overload_guard() -> None:
     ix.stored("b", conv[:6])
     d = pol.choose(rreq(conv), states("a", "b"))
     assert d.replica == 1 and d.mode == "affinity" and d.expected_hit_tokens == 96
-    # A queue at b longer than recomputing the whole prompt (weighted): elsewhere.
+    # Without the guard the hit is worth any queue; with it, a wait there far beyond the
+    # time to first token elsewhere moves the request.
     reps = states("a", "b")
     reps[1].pending_prefill = 10_000
-    d = pol.choose(rreq(conv), reps)
+    assert pol.choose(rreq(conv), reps).replica == 1
+    guarded = KVHeatRouting(ix, KVHeatRoutingConfig(overload_guard=True))
+    d = guarded.choose(rreq(conv), reps)
     assert d.replica == 0 and d.mode == "overload"
+    reps[1].pending_prefill = 50  # a short queue: the hit wins
+    assert guarded.choose(rreq(conv), reps).replica == 1
     # A prefix in every request (hot) pulls nothing: new prompts after it spread.
     pol2 = KVHeatRouting(PrefixIndex())
     for n in ("a", "b"):

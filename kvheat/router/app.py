@@ -141,7 +141,9 @@ class KVHeatRouter:
     def __init__(self, config: RouterConfig, span_exporter: Any = None) -> None:
         self.config = config
         self.index = PrefixIndex()
-        self.policy: RoutingPolicy = make_router(config.policy, self.index)
+        kw = {"overload_guard": True} if config.overload_guard and config.policy == "kvheat" \
+            else {}
+        self.policy: RoutingPolicy = make_router(config.policy, self.index, **kw)
         self.metrics = RouterMetrics()
         self.tracing = Tracing(config.otlp_endpoint, span_exporter, service_name="kvheat-router")
         self.replicas: dict[str, Replica] = {}

@@ -36,6 +36,9 @@ from .policy import POLICIES
 @click.option("--max-attempts", type=int, default=3, show_default=True,
               help="Replicas tried for one request.")
 @click.option("--no-prewarm", is_flag=True, help="Do not send hot prefixes to replicas.")
+@click.option("--overload-guard", is_flag=True,
+              help="kvheat policy: leave a cached replica whose queue makes the wait there "
+                   "1/(1-utilisation)^2 times the wait elsewhere (lower P99, fewer hits).")
 @click.option("--admin-token", envvar="KVHEAT_ROUTER_ADMIN_TOKEN", default=None,
               help="Bearer token of the admin API (replicas join and leave); off when unset.")
 @click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
@@ -45,7 +48,8 @@ from .policy import POLICIES
 def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                   model: str | None, family: str, config_path: str | None, block_size: int,
                   host: str, port: int, health_interval_s: float, read_timeout_s: float,
-                  max_attempts: int, no_prewarm: bool, admin_token: str | None,
+                  max_attempts: int, no_prewarm: bool, overload_guard: bool,
+                  admin_token: str | None,
                   otlp_endpoint: str | None, log_level: str) -> None:
     """Route OpenAI requests to replicas by a global prefix index fed by their KV events."""
     import uvicorn
@@ -67,7 +71,8 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                            model=model, family=family, block_size=block_size, tenants=tenants,
                            discover=discover, health_interval_s=health_interval_s,
                            read_timeout_s=read_timeout_s, max_attempts=max_attempts,
-                           prewarm=not no_prewarm, admin_token=admin_token,
+                           prewarm=not no_prewarm, overload_guard=overload_guard,
+                           admin_token=admin_token,
                            otlp_endpoint=otlp_endpoint)
     except RouterConfigError as e:
         raise click.ClickException(str(e)) from None

@@ -87,6 +87,7 @@ class RouterConfig:
     max_attempts: int = 3  # replicas tried for one request before it fails
     max_body_bytes: int = 8 << 20
     prewarm: bool = True  # send hot prefixes to replicas that lack them
+    overload_guard: bool = False  # kvheat policy: leave an overloaded affinity replica
     admin_token: str | None = None
     otlp_endpoint: str | None = None
 
