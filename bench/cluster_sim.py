@@ -57,7 +57,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=str(ROOT / "docs" / "cluster_sim.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "cluster_sim.png"))
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --json")
     args = ap.parse_args()
+    if args.plot_only:
+        grid = json.loads(Path(args.json).read_text())["grid"]
+        traces = list(dict.fromkeys(r["trace"] for r in grid))
+        plot([{"trace": t, "results": [r for r in grid if r["trace"] == t]} for t in traces],
+             args.plot)
+        return 0
     names = ["mooncake_conversation_part1.jsonl", "mooncake_synthetic_trace.jsonl"]
     if not all((TRACES / n).exists() for n in names):
         print(f"the Mooncake traces are not in {TRACES}: nothing to do")
