@@ -589,6 +589,44 @@ def print_table(summary: list[dict[str, Any]]) -> None:
               f"{cell(s['imbalance_prefill'], 1, '.2f'):>18} {s['errors']:>7}")
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """docs/cluster.md's tables from a report (`--markdown JSON` re-renders a saved run)."""
+    def cell(d: dict[str, float | None], scale: float, spec: str) -> str:
+        if d["median"] is None:
+            return "-"
+        return (f"{d['median'] * scale:{spec}} ({d['min'] * scale:{spec}} – "
+                f"{d['max'] * scale:{spec}})")
+    n = report["summary"][0]["rounds"] if report["summary"] else 0
+    lines = [f"Median (min – max) over {n} interleaved rounds:", "",
+             "| router | hit rate % | TTFT P50 ms | TTFT P99 ms | requests/s | "
+             "max/mean requests | max/mean prefill | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in report["summary"]:
+        lines.append(f"| {s['router']} | {cell(s['hit_rate'], 100, '.1f')} | "
+                     f"{cell(s['ttft_p50_s'], 1000, '.0f')} | "
+                     f"{cell(s['ttft_p99_s'], 1000, '.0f')} | "
+                     f"{cell(s['requests_per_s'], 1, '.2f')} | "
+                     f"{cell(s['imbalance_requests'], 1, '.2f')} | "
+                     f"{cell(s['imbalance_prefill'], 1, '.2f')} | {s['errors']} |")
+    if report.get("kill"):
+        lines += ["", "A replica SIGKILLed a third of the way in, restarted at two thirds:", "",
+                  "| router | requests | failed (error event) | hung | wrong output | "
+                  "last failure after the kill s | restart to served again s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for k in report["kill"]:
+            def sec(x: float | None) -> str:
+                return "-" if x is None else f"{x:.2f}"
+            lines.append(f"| {k['router']} | {k['requests']} | {k['failed']} | {k['hung']} | "
+                         f"{k['wrong']} | {sec(k['recovery_s'])} | "
+                         f"{sec(k['restart_to_served_s'])} |")
+    if report.get("overhead"):
+        lines += ["", "The router's own cost (one small completion, interleaved):", "",
+                  "| path | P50 ms | over direct ms |", "|---|---:|---:|"]
+        for name, o in report["overhead"].items():
+            lines.append(f"| {name} | {o['p50_ms']:.2f} | {o['over_direct_ms']:+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -644,7 +682,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=str(ROOT / "results" / "cluster.json"))
     ap.add_argument("--plot", default=str(ROOT / "results" / "cluster.png"))
+    ap.add_argument("--markdown", metavar="JSON", default=None,
+                    help="print the doc's tables from a saved report and exit (no run)")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())), end="")
+        return 0
     routers = (["rr", "sglang"] if args.smg else []) + ["kvheat"]
     if not args.smg:
         print("sglang-router (smg) not found: only kvheat route runs (--smg PATH)")
@@ -675,6 +718,8 @@ def main() -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     plot(report, Path(args.plot))
+    print()
+    print(markdown(report), end="")
     print(f"wrote {args.json} and {args.plot}")
     return 0
 
