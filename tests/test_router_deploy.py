@@ -5,6 +5,7 @@ ports, and the commands and config each pod runs parse with the real CLIs."""
 
 from __future__ import annotations
 
+import copy
 import re
 import shlex
 from pathlib import Path
@@ -160,3 +161,24 @@ def test_the_shared_tier_points_at_the_redis_cluster(tmp_path: Path) -> None:
     # The tier secret every replica needs to read the others' values.
     (sc,) = pod(objs["Deployment/kvheat"])["containers"]
     assert any(e["name"] == "KVHEAT_TIER_SECRET" for e in sc["env"])
+
+
+def test_every_manifest_validates_against_the_kubernetes_schemas() -> None:
+    """Each object against the API schemas of a Kubernetes release (kubernetes-validate ships
+    them; strict: an unknown or misspelt field fails), so a typo cannot wait for a cluster."""
+    import kubernetes_validate as kv  # the test extra: never skipped
+    version = "1.30.0"  # a release every supported cluster runs or has passed
+    objs = objects()
+    assert {"Deployment/kvheat-router", "Deployment/kvheat", "StatefulSet/redis-cluster",
+            "HorizontalPodAutoscaler/kvheat", "NetworkPolicy/kvheat-replicas"} <= set(objs)
+    for key, obj in objs.items():
+        try:
+            kv.validate(obj, version, True)
+        except kv.ValidationError as e:
+            path = ".".join(str(x) for x in e.path)
+            pytest.fail(f"{key}: {path}: {e.message}")
+    # The check can fail: the same router with one misspelt field does.
+    bad = copy.deepcopy(objs["Deployment/kvheat-router"])
+    pod(bad)["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, version, True)
