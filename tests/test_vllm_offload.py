@@ -121,6 +121,93 @@ def test_reset_cache_clears_chunks_and_ghosts() -> None:
     assert mgr.lookup(_key(3), ReqContext("q")) is LookupResult.MISS
 
 
+def _chain_request(mgr: CPUOffloadingManager, keys, name: str) -> ReqContext:
+    """One request over `keys`: load the cached prefix, store the rest, finish."""
+    ctx = ReqContext(name)
+    mgr.on_new_request(ctx)
+    for j, k in enumerate(keys):
+        ctx.set_offload_key_position(k, (j + 1) * 16)
+    hits = 0
+    for k in keys:
+        if mgr.lookup(k, ctx) is not LookupResult.HIT:
+            break
+        hits += 1
+    if hits:
+        mgr.prepare_load(keys[:hits], ctx)
+        mgr.complete_load(keys[:hits], ctx)
+    out = mgr.prepare_store(keys[hits:], ctx)
+    assert out is not None
+    mgr.complete_store(out.keys_to_store, ctx)
+    mgr.on_request_finished(ctx)
+    return ctx
+
+
+def test_monotone_heads_are_never_colder_than_their_tails() -> None:
+    chain = [_key(i) for i in range(4)]
+
+    def keys_after(monotone: bool) -> list[float]:
+        mgr = _manager(16)
+        pol = KVHeatCachePolicy(16, monotone=monotone)
+        mgr._policy = pol  # the manager holds no chunks yet: swap in the configured twin
+        _chain_request(mgr, chain, "a")
+        pol.chunks[chain[3]].meta *= 8.0  # the tail hotter than its head (as a lost
+        _chain_request(mgr, chain, "b")  # ghost or an admission penalty leaves it)
+        heat = pol.heat
+        return [heat._key(pol.chunks[k]) for k in chain]
+
+    plain, mono = keys_after(False), keys_after(True)
+    assert plain[0] < plain[3]  # without the rule the head would go before its tail
+    assert all(a >= b for a, b in zip(mono, mono[1:])), mono
+
+
+def test_early_hits_count_a_load_once() -> None:
+    chain = [_key(i) for i in range(3)]
+    counts = {}
+    for early in (False, True):
+        mgr = _manager(16)
+        pol = KVHeatCachePolicy(16, early_hits=early)
+        mgr._policy = pol
+        _chain_request(mgr, chain, "a")
+        ctx = ReqContext("b")
+        mgr.on_new_request(ctx)
+        for j, k in enumerate(chain):
+            ctx.set_offload_key_position(k, (j + 1) * 16)
+        mgr.prepare_load(chain, ctx)
+        during = pol.heat.log_count(pol.chunks[chain[0]])
+        mgr.complete_load(chain, ctx)
+        mgr.prepare_store(chain, ctx)
+        mgr.on_request_finished(ctx)
+        counts[early] = (during, pol.heat.log_count(pol.chunks[chain[0]]), pol.heat._acc,
+                         pol.heat.lam)
+    # While the request runs, only the early policy has counted its hit ...
+    assert counts[True][0] > counts[False][0]
+    # ... and once it ends both have counted it exactly once, at the request's end: the
+    # early one's end is later by at most the loads it counted before (virtual time).
+    assert counts[True][2] == counts[False][2]
+    assert 0 <= counts[True][1] - counts[False][1] <= counts[True][3] * len(chain), counts
+
+
+def test_finish_inserts_move_a_stored_chunk_to_the_request_end() -> None:
+    mine, other = [_key(i) for i in range(2)], [_key(100 + i) for i in range(4)]
+    heat_of = {}
+    for finish in (False, True):
+        mgr = _manager(16)
+        pol = KVHeatCachePolicy(16, finish_inserts=finish)
+        mgr._policy = pol
+        ctx = ReqContext("long")
+        mgr.on_new_request(ctx)
+        _store(mgr, mine, ctx)  # stored at the end of prefill, then a long decode ...
+        _chain_request(mgr, other, "short")  # ... while another request runs,
+        _chain_request(mgr, [_key(200)], "next")  # and a third begins
+        mgr.on_request_finished(ctx)
+        heat_of[finish] = (pol.heat.log_count(pol.chunks[mine[0]]),
+                           pol.heat.log_count(pol.chunks[other[0]]))
+    # Stored once either way; with the rule its use dates from the request's end, after
+    # the other request's, so it is the hotter of the two.
+    assert heat_of[False][0] < heat_of[False][1]
+    assert heat_of[True][0] > heat_of[True][1]
+
+
 def test_replayed_workload_stays_consistent_with_the_manager() -> None:
     trace = generate_workload(WorkloadConfig(num_conversations=150, arrival_rate=3.0, seed=3))
     keys = request_keys(trace, 512)

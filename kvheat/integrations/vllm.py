@@ -45,14 +45,22 @@ __all__ = ["KVHeatCachePolicy"]
 class _Chunk(Block):
     """A kvheat block standing for one vLLM offload chunk."""
 
-    __slots__ = ("status",)
+    __slots__ = ("status", "w_ins", "w_load")
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
-        super().__init__(status.chunk_id)
+        # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
+        # once per stored chunk). on_insert sets meta, freq, next_use and state.
+        self.block_id = status.chunk_id
         self.key = key
         self.status = status
         self.num_tokens = 1  # vLLM offloads whole chunks only: no partial-tail demotion
         self.ref_cnt = 0 if status.ref_cnt == 0 else 1  # kvheat's view: evictable or not
+        self.parent = None
+        self.num_children = 0
+        self.parked = None
+        self.heap_ver = math.nan
+        self.w_ins = 0.0  # weight of the insert's access while the storing request runs
+        self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
 
 
 def _known(depth: int) -> Block:
@@ -80,8 +88,13 @@ class KVHeatCachePolicy(CachePolicy):
     """vLLM `CachePolicy` driven by kvheat's `KVHeat`. Extra keyword arguments go to
     `KVHeat` (vLLM itself passes only `cache_capacity`)."""
 
-    def __init__(self, cache_capacity: int, **heat_kwargs: object) -> None:
+    def __init__(self, cache_capacity: int, finish_inserts: bool = False,
+                 monotone: bool = False, early_hits: bool = False,
+                 **heat_kwargs: object) -> None:
         super().__init__(cache_capacity)
+        self.early_hits = early_hits
+        self.finish_inserts = finish_inserts
+        self.monotone = monotone
         self._heat_kwargs = heat_kwargs
         self.chunks: dict[OffloadKey, _Chunk] = {}
         self._evictable: set[OffloadKey] = set()
@@ -92,6 +105,7 @@ class KVHeatCachePolicy(CachePolicy):
         self.heat.bind(max(self.cache_capacity, 1))
         self._tick = 0.0  # one timestamp per request event; KVHeat counts accesses itself
         self._ctx: ReqContext | None = None  # the request whose store misses come next
+        self._loading = False  # the last event was a load's start (early_hits)
         self._chunk_tokens = 0  # tokens per chunk: gcd of the positions seen
 
     # -- lookups ---------------------------------------------------------------------
@@ -104,6 +118,7 @@ class KVHeatCachePolicy(CachePolicy):
         # Not a use (the base class would touch): the inserts that follow are the accesses.
         # Remember the request, so `insert` can place its chunks in their prefix.
         self._ctx = req_context
+        self._loading = False
         self._tick += 1.0
 
     def _place(self, c: _Chunk) -> None:
@@ -142,6 +157,7 @@ class KVHeatCachePolicy(CachePolicy):
         self._place(c)
         c.inserted_at = self._tick
         self.heat.on_insert(c, self._tick)
+        c.w_ins = self.heat._w  # this access's weight, in generation c.freq
         if chunk.ref_cnt == 0:
             self._evictable.add(key)
             self.heat.on_release(c, self._tick)
@@ -177,10 +193,62 @@ class KVHeatCachePolicy(CachePolicy):
     def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]],
                             insertion_only_keys: set[OffloadKey], reused_keys: set[OffloadKey],
                             req_context: ReqContext) -> None:
-        ordered = order_request_keys(key_groups, req_context)
-        # A chunk the request only inserted was counted by on_insert; one it reused, or
-        # found pending from another request's store, is a hit.
-        self._access(ordered, [k for k in ordered if k not in insertion_only_keys])
+        # The manager sorts each group head-to-tail already; only several groups need
+        # merging into one order.
+        ordered = key_groups[0] if len(key_groups) == 1 else order_request_keys(
+            key_groups, req_context)
+        self._tick += 1.0
+        self._loading = False
+        now = self._tick
+        chunks, heat = self.chunks, self.heat
+        finish = self.finish_inserts
+        present = []
+        for key in ordered:
+            c = chunks.get(key)
+            if c is None:
+                continue
+            present.append(c)
+            if key in insertion_only_keys:
+                # Counted by on_insert; with finish_inserts its access moves to the end of
+                # the request, where the next turn's reuse gap starts.
+                if finish and c.w_ins:
+                    if now != heat._t:
+                        heat._advance(now)
+                    if c.freq == heat.gen:
+                        c.meta += heat._w - c.w_ins
+                        c.next_use = heat._v
+                    c.w_ins = 0.0
+            elif c.w_load:  # its load already counted the hit: move it to now
+                if now != heat._t:
+                    heat._advance(now)
+                if c.freq == heat.gen:
+                    c.meta += heat._w - c.w_load
+                    c.next_use = heat._v
+                c.w_load = 0.0
+            elif c.status.ref_cnt >= 0:  # reused, or found pending from another's store
+                heat.on_hit(c, now)
+        evictable = self._evictable
+        if not self.monotone:
+            for c in reversed(present):
+                if c.key in evictable:
+                    heat.on_release(c, now)
+            return
+        # Every use of a chunk is a use of its whole prefix, so a head is at least as hot
+        # as any chunk after it; where its count says otherwise its history was lost
+        # (ghost dropped, admission penalty): raise it. Tail-first, so equal keys lose
+        # the tail first.
+        flag, gen, top = heat._flag, heat.gen, 0.0
+        for c in reversed(present):
+            if c.freq != gen:
+                heat._rescale(c)
+            f = flag[c.state]
+            k = c.meta * f
+            if k < top:
+                c.meta = top / f
+            else:
+                top = k
+            if c.key in evictable:
+                heat.on_release(c, now)
 
     def mark_evictable(self, key: OffloadKey) -> None:
         c = self.chunks[key]
@@ -189,8 +257,18 @@ class KVHeatCachePolicy(CachePolicy):
         self.heat.on_release(c, self._tick)
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
-        self.chunks[key].ref_cnt = 1  # its heap entry is parked when met (kvheat's rule)
+        c = self.chunks[key]
+        c.ref_cnt = 1  # its heap entry is parked when met (kvheat's rule)
         self._evictable.discard(key)
+        if self.early_hits and not c.w_load:
+            # A load begins: a request reuses the chunk now. Count the hit now, so the
+            # chunk is not cold while the request runs; the request's end moves it there.
+            if not self._loading:  # the first load of a request: a new timestamp
+                self._loading = True
+                self._tick += 1.0
+            heat = self.heat
+            heat.on_hit(c, self._tick)
+            c.w_load = heat._w
 
     # -- eviction --------------------------------------------------------------------
     def evict(self, n: int, protected: set[OffloadKey]
