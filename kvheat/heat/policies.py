@@ -28,6 +28,7 @@ import heapq
 import math
 import random
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from ..cache.block import Block, BlockQueue
 from ..cache.policy import EvictionPolicy, register_policy
@@ -344,6 +345,44 @@ class KVHeat(_HeapPolicy):
         self._w = w = math.exp(x)
         self._cap = self.max_count * w  # the saturated count, as a sum now
 
+    def _rebuild(self) -> None:
+        """`_HeapPolicy._rebuild` with the key, the rescale and the push inlined and one
+        heapify at the end (the same buckets and slots, so the same order): this runs over
+        every cached block at each new generation or half-life."""
+        live = self._live()
+        gen, gens, lam, base = self.gen, self.gens, self.lam, self.base
+        flag, bs, tail = self._flag, self.block_size, self._tail
+        exp, nextafter, inf = math.exp, math.nextafter, math.inf
+        owner: dict[float, list[Block]] = {}
+        last_k = last_u = math.nan
+        bucket: list[Block] = []
+        for b in live:
+            if b.freq != gen:
+                g_base, g_lam = gens[b.freq]  # type: ignore[index]
+                v = b.next_use
+                b.meta = b.meta * exp(g_lam * (g_base - v) + lam * (v - base))  # type: ignore[operator]
+                b.freq = gen
+            k = b.meta * flag[b.state]  # type: ignore[operator]
+            if b.num_tokens < bs:
+                k *= tail
+            if k == last_k:
+                bucket.append(b)
+                b.heap_ver = last_u
+                continue
+            u = k
+            while u in owner:
+                u = nextafter(u, inf)
+            last_k = k
+            last_u = u
+            bucket = owner[u] = [b]
+            b.heap_ver = u
+        self.owner = owner
+        self.heap = heap = list(owner)
+        heapq.heapify(heap)
+        self._last_key = last_k
+        self._last_slot = last_u
+        self._entries = len(live)
+
     def _new_gen(self, base: float) -> None:
         self.base = base
         self.gen += 1
@@ -547,6 +586,38 @@ class KVHeat(_HeapPolicy):
                 self._entries += 1
                 return
         self._push_key(b, k)
+
+    def release_all(self, blocks: Iterable[Block]) -> None:
+        """`on_release` of each block in order, in one call (for a caller releasing many
+        at once: the loop's lookups hoisted, the push inlined; the same heap after)."""
+        gen, flag, bs, tail = self.gen, self._flag, self.block_size, self._tail
+        rescale, nextafter, inf, heappush = self._rescale, math.nextafter, math.inf, heapq.heappush
+        for b in blocks:
+            b.parked = None
+            if b.freq != gen:
+                rescale(b)
+            k = b.meta * flag[b.state]  # type: ignore[operator]
+            if b.num_tokens < bs:
+                k *= tail
+            owner = self.owner
+            if k == self._last_key:
+                bucket = owner.get(self._last_slot)
+                if bucket is not None:
+                    bucket.append(b)
+                    b.heap_ver = self._last_slot
+                    self._entries += 1
+                    continue
+            u = k
+            while u in owner:
+                u = nextafter(u, inf)
+            self._last_key = k
+            self._last_slot = u
+            owner[u] = [b]
+            b.heap_ver = u
+            heappush(self.heap, u)
+            self._entries += 1
+            if self._entries > self._compact_at:
+                self._compact()
 
     def on_evict(self, b: Block) -> None:
         self.evict_age += (self._acc - b.next_use - self.evict_age) * 0.004  # type: ignore[operator]

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, get_offload_group_idx
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
 from ..cache.block import Block
@@ -45,7 +45,7 @@ __all__ = ["KVHeatCachePolicy"]
 class _Chunk(Block):
     """A kvheat block standing for one vLLM offload chunk."""
 
-    __slots__ = ("status", "w_ins", "w_load")
+    __slots__ = ("status", "w_ins", "w_load", "seen")
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
         # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
@@ -61,6 +61,7 @@ class _Chunk(Block):
         self.heap_ver = math.nan
         self.w_ins = 0.0  # weight of the insert's access while the storing request runs
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
+        self.seen = -1.0  # the tick of the last request end that listed it
 
 
 def _known(depth: int) -> Block:
@@ -81,7 +82,8 @@ class _Stores:
     __slots__ = ("last",)
 
     def __init__(self) -> None:
-        self.last: dict[int, tuple[int, _Chunk]] = {}  # group -> (end token, chunk)
+        # KV group (the key's last 4 bytes, as vLLM packs it) -> (end token, chunk)
+        self.last: dict[bytes, tuple[int, _Chunk]] = {}
 
 
 class KVHeatCachePolicy(CachePolicy):
@@ -97,7 +99,14 @@ class KVHeatCachePolicy(CachePolicy):
         self.monotone = monotone
         self._heat_kwargs = heat_kwargs
         self.chunks: dict[OffloadKey, _Chunk] = {}
+        self._status: dict[OffloadKey, ChunkStatus] = {}
+        # The manager's most frequent call, at C speed (an instance attribute shadows the
+        # method; same answer).
+        self.get = self._status.get  # type: ignore[method-assign]
         self._evictable: set[OffloadKey] = set()
+        # Chunks marked evictable whose heap push waits for the next evict or request
+        # end (a request end that re-pushes one makes its earlier push moot).
+        self._pend: list[_Chunk] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -105,19 +114,26 @@ class KVHeatCachePolicy(CachePolicy):
         self.heat.bind(max(self.cache_capacity, 1))
         self._tick = 0.0  # one timestamp per request event; KVHeat counts accesses itself
         self._ctx: ReqContext | None = None  # the request whose store misses come next
+        self._pos = None  # that request's key -> end-token position lookup
+        self._stores: _Stores | None = None
         self._loading = False  # the last event was a load's start (early_hits)
         self._chunk_tokens = 0  # tokens per chunk: gcd of the positions seen
 
     # -- lookups ---------------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:
-        c = self.chunks.get(key)
-        return None if c is None else c.status
+        return self._status.get(key)
 
     # -- stores ----------------------------------------------------------------------
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         # Not a use (the base class would touch): the inserts that follow are the accesses.
         # Remember the request, so `insert` can place its chunks in their prefix.
+        if self._pend:
+            self._flush()  # before the inserts (and any rebuild they start)
         self._ctx = req_context
+        self._stores = None
+        positions = getattr(req_context, "_offload_key_positions", None)
+        self._pos = positions.get if isinstance(positions, dict) else (
+            req_context.get_offload_key_position)
         self._loading = False
         self._tick += 1.0
 
@@ -126,21 +142,25 @@ class KVHeatCachePolicy(CachePolicy):
         stand-in that gives KVHeat's extension rule the answer kvheat's own cache would:
         a chunk after this request's previous new chunk inherits that chunk's flag; one
         after a chunk the request did not store extends a prefix known before it."""
-        ctx = self._ctx
-        pos = ctx.get_offload_key_position(c.key) if ctx is not None else None
+        pos = self._pos(c.key) if self._pos is not None else None
         if pos is None or pos <= 0:
             c.depth = -1  # unknown: neither a root nor the key naming a conversation
             return
         tpc = math.gcd(self._chunk_tokens, pos)
         self._chunk_tokens = tpc
         c.depth = depth = pos // tpc - 1
-        stores = ctx.get_state(_Stores)  # type: ignore[union-attr]
+        stores = self._stores
         if stores is None:
-            stores = _Stores()
-            ctx.set_state(stores)  # type: ignore[union-attr]
-        group = get_offload_group_idx(c.key)
-        prev = stores.last.get(group)
-        stores.last[group] = (pos, c)
+            ctx = self._ctx
+            stores = ctx.get_state(_Stores)  # type: ignore[union-attr]
+            if stores is None:
+                stores = _Stores()
+                ctx.set_state(stores)  # type: ignore[union-attr]
+            self._stores = stores
+        group = c.key[-4:]  # type: ignore[index]
+        last = stores.last
+        prev = last.get(group)
+        last[group] = (pos, c)
         if depth == 0:
             return
         if prev is not None and prev[0] == pos - tpc:
@@ -154,16 +174,18 @@ class KVHeatCachePolicy(CachePolicy):
     def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
         c = _Chunk(key, chunk)
         self.chunks[key] = c
+        self._status[key] = chunk
         self._place(c)
         c.inserted_at = self._tick
         self.heat.on_insert(c, self._tick)
         c.w_ins = self.heat._w  # this access's weight, in generation c.freq
         if chunk.ref_cnt == 0:
             self._evictable.add(key)
-            self.heat.on_release(c, self._tick)
+            self._pend.append(c)
 
     def remove(self, key: OffloadKey) -> None:
         c = self.chunks.pop(key)
+        del self._status[key]
         self._evictable.discard(key)
         self.heat.forget(c)
         c.key = None  # any heap entry left behind is stale
@@ -172,6 +194,8 @@ class KVHeatCachePolicy(CachePolicy):
     def _access(self, keys: Sequence[OffloadKey], hits: Iterable[OffloadKey]) -> None:
         """One request-scoped access: a hit per reused chunk, then the touched evictable
         chunks re-enter the heap tail-first."""
+        if self._pend:
+            self._flush()
         self._tick += 1.0
         now = self._tick
         chunks, heat = self.chunks, self.heat
@@ -202,12 +226,15 @@ class KVHeatCachePolicy(CachePolicy):
         now = self._tick
         chunks, heat = self.chunks, self.heat
         finish = self.finish_inserts
-        present = []
-        for key in ordered:
-            c = chunks.get(key)
-            if c is None:
-                continue
-            present.append(c)
+        present = [c for key in ordered if (c := chunks.get(key)) is not None]
+        if self._pend:
+            # The others' pushes first (before any key changes, as when they were marked);
+            # this request's own are redone below.
+            for c in present:
+                c.seen = now
+            self._flush(now)
+        for c in present:
+            key = c.key
             if key in insertion_only_keys:
                 # Counted by on_insert; with finish_inserts its access moves to the end of
                 # the request, where the next turn's reuse gap starts.
@@ -229,15 +256,14 @@ class KVHeatCachePolicy(CachePolicy):
                 heat.on_hit(c, now)
         evictable = self._evictable
         if not self.monotone:
-            for c in reversed(present):
-                if c.key in evictable:
-                    heat.on_release(c, now)
+            heat.release_all([c for c in reversed(present) if c.key in evictable])
             return
         # Every use of a chunk is a use of its whole prefix, so a head is at least as hot
         # as any chunk after it; where its count says otherwise its history was lost
         # (ghost dropped, admission penalty): raise it. Tail-first, so equal keys lose
         # the tail first.
         flag, gen, top = heat._flag, heat.gen, 0.0
+        back = []
         for c in reversed(present):
             if c.freq != gen:
                 heat._rescale(c)
@@ -248,19 +274,32 @@ class KVHeatCachePolicy(CachePolicy):
             else:
                 top = k
             if c.key in evictable:
-                heat.on_release(c, now)
+                back.append(c)
+        heat.release_all(back)
 
     def mark_evictable(self, key: OffloadKey) -> None:
         c = self.chunks[key]
         c.ref_cnt = 0
         self._evictable.add(key)
-        self.heat.on_release(c, self._tick)
+        self._pend.append(c)  # pushed by the next evict or request end
+
+    def _flush(self, skip: float = math.nan) -> None:
+        """Push the chunks marked evictable since the last flush, in mark order. Every
+        call that may change a key or re-key the heap (stores, request ends, early hits,
+        evictions) flushes first, so the heap is as if each was pushed when marked, less
+        the chunks the request ending at tick `skip` re-pushes now (entries superseded
+        before any evict could pop them)."""
+        pend, self._pend = self._pend, []
+        self.heat.release_all([c for c in pend if c.ref_cnt == 0 and c.key is not None
+                               and c.seen != skip])
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         c = self.chunks[key]
         c.ref_cnt = 1  # its heap entry is parked when met (kvheat's rule)
         self._evictable.discard(key)
         if self.early_hits and not c.w_load:
+            if self._pend:
+                self._flush()
             # A load begins: a request reuses the chunk now. Count the hit now, so the
             # chunk is not cold while the request runs; the request's end moves it there.
             if not self._loading:  # the first load of a request: a new timestamp
@@ -282,6 +321,8 @@ class KVHeatCachePolicy(CachePolicy):
                 1 for k in evictable if k in protected)
         if free < n:
             return None  # atomic: nothing popped, nothing changed
+        if self._pend:
+            self._flush()
         heat = self.heat
         picked: list[_Chunk] = []
         skipped: list[_Chunk] = []
@@ -303,6 +344,7 @@ class KVHeatCachePolicy(CachePolicy):
             heat.on_evict(c)  # the ghost keeps its heat
             key = c.key
             del self.chunks[key]  # type: ignore[arg-type]
+            del self._status[key]  # type: ignore[arg-type]
             evictable.discard(key)  # type: ignore[arg-type]
             c.key = None
             out.append((key, c.status))  # type: ignore[arg-type]
@@ -312,7 +354,9 @@ class KVHeatCachePolicy(CachePolicy):
         for c in self.chunks.values():
             c.key = None
         self.chunks.clear()
+        self._status.clear()
         self._evictable.clear()
+        self._pend.clear()
         self._reset()  # a fresh heat policy: heap, ghosts, learned half-life and regime
 
     # -- introspection ---------------------------------------------------------------
