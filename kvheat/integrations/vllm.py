@@ -45,7 +45,7 @@ __all__ = ["KVHeatCachePolicy"]
 class _Chunk(Block):
     """A kvheat block standing for one vLLM offload chunk."""
 
-    __slots__ = ("status", "w_ins", "w_load", "seen")
+    __slots__ = ("status", "w_ins", "w_load", "seen", "pos")
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
         # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
@@ -82,8 +82,9 @@ class _Stores:
     __slots__ = ("last",)
 
     def __init__(self) -> None:
-        # KV group (the key's last 4 bytes, as vLLM packs it) -> (end token, chunk)
-        self.last: dict[bytes, tuple[int, _Chunk]] = {}
+        # KV group (the key's last 4 bytes, as vLLM packs it) -> the last chunk inserted
+        # (a chunk's `pos` is its end token, set when it is recorded here)
+        self.last: dict[bytes, _Chunk] = {}
 
 
 class KVHeatCachePolicy(CachePolicy):
@@ -160,11 +161,12 @@ class KVHeatCachePolicy(CachePolicy):
         group = c.key[-4:]  # type: ignore[index]
         last = stores.last
         prev = last.get(group)
-        last[group] = (pos, c)
+        c.pos = pos
+        last[group] = c
         if depth == 0:
             return
-        if prev is not None and prev[0] == pos - tpc:
-            p = prev[1]
+        if prev is not None and prev.pos == pos - tpc:
+            p = prev
             # New in this request: inherit its flag; back from the ghost: a known prefix.
             known = bool(p.state & EXTENSION) or (not p.state & FRESH and p.depth >= 1)
             c.parent = _KNOWN if known else _KNOWN_ROOT
