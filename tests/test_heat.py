@@ -480,3 +480,44 @@ def test_reduced_grid_kvheat_is_scale_free_and_beats_lru() -> None:
         heat = {k: replay(pt, "kvheat", cap, time_scale=k).hit_rate for k in (0.01, 1.0, 100.0)}
         assert len(set(heat.values())) == 1, heat
         assert heat[1.0] > lru, (heat, lru)
+
+
+def test_kvheat_bulk_release_and_rebuild_keep_the_heap_order() -> None:
+    """`release_all` is `on_release` in a loop, and KVHeat's inlined `_rebuild` is the
+    generic one: the same victims in the same order (ties included)."""
+    from kvheat.cache.block import Block
+    from kvheat.heat.policies import _HeapPolicy
+
+    def run(bulk: bool) -> list[int]:
+        rng = random.Random(7)
+        pol = KVHeat()
+        pol.bind(64)
+        blocks = []
+        for i in range(48):
+            b = Block(i)
+            b.key, b.depth, b.parent, b.num_tokens, b.ref_cnt = (i, 0), 2, None, 1, 0
+            now = float(i // 3)  # three blocks per timestamp: equal keys
+            pol.on_insert(b, now)
+            blocks.append(b)
+        for t in range(16, 40):
+            hit = rng.sample(blocks, 5)
+            for b in hit:
+                pol.on_hit(b, float(t))
+            order = rng.sample(blocks, 20)
+            if bulk:
+                pol.release_all(order)
+            else:
+                for b in order:
+                    pol.on_release(b, float(t))
+            if t % 8 == 0:
+                pol.gen += 1
+                pol.gens.append((pol.base, pol.lam))
+                (pol._rebuild if bulk else lambda: _HeapPolicy._rebuild(pol))()
+        out = []
+        while (b := pol.victim()) is not None:
+            out.append(b.block_id)
+            b.key = None
+        return out
+
+    assert run(True) == run(False)
+    assert len(run(True)) == 48
