@@ -20,7 +20,8 @@ the heat policy sees the same hooks the kvheat block cache gives it:
 - `on_request_finished` (one request-scoped access, head-to-tail): `on_hit` for every ready
   chunk the request reused, then the changed keys re-enter the heap tail-first, so equal
   heat loses a chain's tail before its head (a prefix lookup stops at the first miss).
-- `mark_evictable` / `mark_non_evictable`: the chunk enters / leaves the eviction heap.
+- `mark_evictable` / `mark_non_evictable`: the chunk enters / leaves the eviction heap (the
+  pushes are queued and made in bulk before the next call that reads or re-keys the heap).
 - `evict(n, protected)`: the n coldest evictable, unprotected chunks, or None with no state
   change when fewer exist (checked before anything is popped).
 
