@@ -679,6 +679,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="client timeout: hung past it")
     ap.add_argument("--overhead-requests", type=int, default=200)
     ap.add_argument("--no-kill", action="store_true")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only the router overhead, direct and through each router (--json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=str(ROOT / "results" / "cluster.json"))
     ap.add_argument("--plot", default=str(ROOT / "results" / "cluster.png"))
@@ -696,6 +698,11 @@ def main() -> int:
         b = Bench(args, Path(td))
         try:
             b.redis.start()
+            if args.overhead_only:
+                overhead = b.overhead(routers, args.overhead_requests)
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({"overhead": overhead}, indent=2) + "\n")
+                return 0
             rounds: list[Round] = []
             reference: dict[tuple[int, int], str] = {}
             for k in range(args.rounds):
