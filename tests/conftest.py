@@ -154,3 +154,13 @@ def llama() -> tuple:
     from kvheat.engine.loader import load_model
 
     return load_model(None, "llama")
+
+
+def wait_for(cond, timeout_s: float = 5.0, poll_s: float = 0.01) -> bool:
+    """Poll `cond` until it holds or `timeout_s` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(poll_s)
+    return cond()

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from conftest import wait_for
 from test_tiers_hierarchy import build, make_pool, prompts
 
 from kvheat.cache import CacheConfig, KVCacheManager, OutOfBlocks
@@ -72,15 +73,6 @@ def subscribe(pub: KVEventPublisher, view: View) -> KVEventSubscriber:
     sub = KVEventSubscriber("r", pub.endpoint, pub.replay_endpoint, view.on_batch, view.on_reset)
     assert sub.wait_synced(10)
     return sub
-
-
-def wait_for(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def churn(mgr: KVCacheManager, n: int = 40, seed: int = 0) -> None:

@@ -21,6 +21,7 @@ import openai
 import pytest
 import torch
 import uvicorn
+from conftest import wait_for as poll_until
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from test_server import MODEL, SYSTEM, Served, _free_port, start, stop
 
@@ -70,12 +71,7 @@ def start_router(cfg: RouterConfig) -> Routed:
 
 
 def wait_for(cond, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
+    return poll_until(cond, timeout_s, 0.05)
 
 
 def replica_config() -> ServerConfig:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_for
 from test_tiers_hierarchy import BS, Engine, build, make_pool, prompts
 
 from kvheat.tiers.redis_store import RedisStore, connect
@@ -26,15 +27,6 @@ def replica(url: str, tmp_path: Path, cluster: bool = False, redis_blocks: int =
     tc, pool = build("gqa", [red], tmp_path, device_blocks=device_blocks, async_io=False)
     feed = SharedTierFeed(tc)
     return tc, pool, feed
-
-
-def wait_for(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def _check_sharing(url: str, tmp_path: Path, cluster: bool) -> None:

@@ -43,6 +43,15 @@ from ..heat.policies import EXTENSION, FRESH, KVHeat
 __all__ = ["KVHeatCachePolicy"]
 
 
+def _move_access_to_now(heat: KVHeat, c: _Chunk, weight: float, now: float) -> None:
+    """Move a chunk's access counted earlier with `weight` to `now` (same count)."""
+    if now != heat._t:
+        heat._advance(now)
+    if c.freq == heat.gen:
+        c.meta += heat._w - weight
+        c.next_use = heat._v
+
+
 class _Chunk(Block):
     """A kvheat block standing for one vLLM offload chunk."""
 
@@ -242,18 +251,10 @@ class KVHeatCachePolicy(CachePolicy):
                 # Counted by on_insert; with finish_inserts its access moves to the end of
                 # the request, where the next turn's reuse gap starts.
                 if finish and c.w_ins:
-                    if now != heat._t:
-                        heat._advance(now)
-                    if c.freq == heat.gen:
-                        c.meta += heat._w - c.w_ins
-                        c.next_use = heat._v
+                    _move_access_to_now(heat, c, c.w_ins, now)
                     c.w_ins = 0.0
             elif c.w_load:  # its load already counted the hit: move it to now
-                if now != heat._t:
-                    heat._advance(now)
-                if c.freq == heat.gen:
-                    c.meta += heat._w - c.w_load
-                    c.next_use = heat._v
+                _move_access_to_now(heat, c, c.w_load, now)
                 c.w_load = 0.0
             elif c.status.ref_cnt >= 0:  # reused, or found pending from another's store
                 heat.on_hit(c, now)
