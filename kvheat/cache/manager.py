@@ -91,6 +91,17 @@ class Request:
     def block_table(self) -> list[int]:
         return [b.block_id for b in self.blocks]
 
+    def head(self, n_tokens: int, block_size: int) -> Request:
+        """A request for this one's first `n_tokens` tokens, reusing its block keys (a
+        chunk of a chunked prefill)."""
+        n_full = n_tokens // block_size
+        bt = [block_size] * n_full
+        if n_tokens % block_size:
+            bt.append(n_tokens % block_size)
+        raw = self.raw[:4 * n_tokens] if self.raw is not None else None
+        return Request(self.request_id, self.tenant, self.root, self.keys[:n_full],
+                       self.contents[:n_full], bt, n_tokens, raw, self.session, self.lora)
+
 
 class KVCacheManager:
     def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None,
@@ -148,6 +159,10 @@ class KVCacheManager:
         if r is None:
             r = self._roots[(tenant, lora)] = root_key(self.salt_of(tenant), lora)
         return r
+
+    def known_tenants(self) -> list[str | None]:
+        """The tenants whose keys this cache has made, once each."""
+        return list(dict.fromkeys(t for t, _lora in self._roots))
 
     def scoped_root(self, tenant: str | None, lora: str | None, scope: bytes | None) -> bytes:
         """The root of `tenant`'s keys, or of a scope within it (e.g. one whole prompt, for
@@ -268,12 +283,17 @@ class KVCacheManager:
             if len(sessions) > len(self.blocks):
                 del sessions[next(iter(sessions))]
         if count_stats:
-            st = self.stats
-            st.requests += 1
-            st.query_tokens += req.num_tokens
-            st.hit_tokens += hit_tokens
-            st.hit_blocks += len(hit)
+            self.record_prompt(req.num_tokens, hit_tokens, len(hit))
         return [b.block_id for b in blocks]
+
+    def record_prompt(self, num_tokens: int, hit_tokens: int, hit_blocks: int) -> None:
+        """Count one prompt in the hit statistics: for a caller that allocates a prompt in
+        pieces (`allocate(..., count_stats=False)`) and knows its hits only at the end."""
+        st = self.stats
+        st.requests += 1
+        st.query_tokens += num_tokens
+        st.hit_tokens += hit_tokens
+        st.hit_blocks += hit_blocks
 
     def _acquire(self, hit: list[Block], now: float) -> int:
         """Reference the blocks of a cached prefix; returns their token count."""

@@ -198,7 +198,7 @@ class LowerTiers(Protocol):
 
     def cancel_prefetch(self, request_id: str) -> None: ...
 
-    def allocate(self, req: Request) -> list[int]: ...
+    def allocate(self, req: Request, count_stats: bool = True) -> list[int]: ...
 
     @property
     def last_loaded(self) -> list[tuple[str, int]]:
@@ -430,17 +430,12 @@ class Scheduler:
         n = min(limit, len(seq.token_ids) - start)
         if n <= 0:
             return 0
-        part = _head_request(full, start + n, bs)
+        part = full.head(start + n, bs)
         loaded: list[tuple[str, int]] = []
         try:
             if planned:
-                self.tiers.allocate(part)  # type: ignore[union-attr]
+                self.tiers.allocate(part, count_stats=False)  # type: ignore[union-attr]
                 loaded = self.tiers.last_loaded  # type: ignore[union-attr]
-                st = cache.stats  # counted there for this chunk; counted below for the prompt
-                st.requests -= 1
-                st.query_tokens -= part.num_tokens
-                st.hit_tokens -= hit
-                st.hit_blocks -= len(match)
                 start = min(part.num_cached_tokens, start)  # less if a load failed
                 n = part.num_tokens - start
             else:
@@ -459,11 +454,7 @@ class Scheduler:
                 self.swap_space.discard(seq.seq_id)  # the cache kept them all
             seq.swapped_tokens = 0
         if seq.num_preemptions == 0 and not seq.prompt_done:
-            st = cache.stats  # the manager's hit statistics, for the whole prompt
-            st.requests += 1
-            st.query_tokens += seq.num_prompt_tokens
-            st.hit_tokens += start
-            st.hit_blocks += start // bs
+            cache.record_prompt(seq.num_prompt_tokens, start, start // bs)  # the whole prompt
             seq.num_cached_tokens = start
             seq.cached_by_tier = _by_tier(min(hit, start), loaded, start)
         seq.cache_req = part
@@ -585,14 +576,3 @@ def _by_tier(device: int, loaded: list[tuple[str, int]], total: int) -> dict[str
         out[name] = out.get(name, 0) + take
         left -= take
     return out
-
-
-def _head_request(full: Request, n_tokens: int, block_size: int) -> Request:
-    """The first `n_tokens` tokens of a hashed request, reusing its block keys."""
-    n_full = n_tokens // block_size
-    bt = [block_size] * n_full
-    if n_tokens % block_size:
-        bt.append(n_tokens % block_size)
-    raw = full.raw[:4 * n_tokens] if full.raw is not None else None
-    return Request(full.request_id, full.tenant, full.root, full.keys[:n_full],
-                   full.contents[:n_full], bt, n_tokens, raw, full.session, full.lora)

@@ -378,7 +378,7 @@ class TieredCache:
         """The salt whose namespace digest is `ns`, among tenants the manager knows."""
         if ns == store.ns(None):
             return None
-        for tenant, _lora in self.mgr._roots:
+        for tenant in self.mgr.known_tenants():
             salt = self.mgr.salt_of(tenant)
             if store.ns(salt) == ns:
                 return salt
@@ -965,8 +965,9 @@ class TieredCache:
         if plan is not None:
             self._unpin(plan.steps)
 
-    def allocate(self, req: Request) -> list[int]:
-        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks."""
+    def allocate(self, req: Request, count_stats: bool = True) -> list[int]:
+        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks
+        (`count_stats`: as for `mgr.allocate`)."""
         self.last_loaded = []
         with self._lock:
             hit = self.mgr.match_prefix(req)
@@ -982,7 +983,7 @@ class TieredCache:
             if plan is None:
                 plan = self._make_plan(req, len(hit))
         try:
-            table = self.mgr.allocate(req, matched=hit)
+            table = self.mgr.allocate(req, matched=hit, count_stats=count_stats)
         except Exception:
             # No blocks now: the plan, its pins and its reads (in flight or done) wait for
             # the next try, so a block is read once however long its request waits.
