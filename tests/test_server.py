@@ -693,7 +693,7 @@ def test_text_assembler_holds_partial_characters_and_stop_strings() -> None:
 
 def test_miss_classifier_kinds() -> None:
     from kvheat.cache import CacheConfig, KVCacheManager
-    from kvheat.server.misses import MissClassifier
+    from kvheat.cache.misses import MissClassifier
 
     mgr = KVCacheManager(CacheConfig(num_blocks=8, block_size=4))
     mc = MissClassifier(4, bits=16)

@@ -8,6 +8,7 @@ same key, and a key identifies the entire prefix, not one block.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping, Sequence
 
 import xxhash
 
@@ -52,6 +53,29 @@ def block_keys(
     h = root if parent is None else parent
     for i in range(start, n_full):
         c = raw[i * stride:(i + 1) * stride]
+        h = _digest(h + c)
+        keys.append(h)
+        contents.append(c)
+    return keys, contents
+
+
+def tenant_salt(tenant: str | None, share_groups: Mapping[str, str]) -> str | None:
+    """The salt of a tenant's keys: its share group's when it has one (tenants of a group
+    see each other's blocks), else its own; None for no tenant."""
+    if tenant is None:
+        return None
+    group = share_groups.get(tenant)
+    return "group:" + group if group is not None else "tenant:" + tenant
+
+
+def trace_block_keys(root: bytes, block_ids: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
+    """Keys and contents of a trace's blocks: each block id (a trace names every prefix
+    block by an integer) is the block's content, chained under `root` like tokens."""
+    keys: list[bytes] = []
+    contents: list[bytes] = []
+    h = root
+    for bid in block_ids:
+        c = int(bid).to_bytes(8, "little", signed=False)
         h = _digest(h + c)
         keys.append(h)
         contents.append(c)

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..cache import CacheConfig, EvictionPolicy, KVCacheManager, OutOfBlocks, Request, make_policy
-from ..cache.hashing import chain_key, root_key
+from ..cache.hashing import root_key, tenant_salt, trace_block_keys
+from ..cache.misses import MISS_KINDS, MissClassifier
 from .traces import TraceRequest
 
 PolicySpec = str | Callable[[], EvictionPolicy]
@@ -62,31 +63,40 @@ class ReplayResult:
 
 
 class PreparedTrace:
-    """A trace with every request's chained keys computed once, reused by every run."""
+    """A trace with every request's chained keys computed once, as the cache names them
+    (`trace_block_keys` under each tenant's root, share groups included), for the oracle
+    and the bound; each run's cache makes its requests the same way."""
 
-    def __init__(self, trace: list[TraceRequest], block_tokens: int = 512) -> None:
+    def __init__(self, trace: list[TraceRequest], block_tokens: int = 512,
+                 share_groups: dict[str, str] | None = None) -> None:
         self.trace = trace
         self.block_tokens = block_tokens
+        self.share_groups = dict(share_groups or {})
         self.keys: list[list[bytes]] = []
         self.contents: list[list[bytes]] = []
         self.block_tokens_of: list[list[int]] = []
         roots: dict[str | None, bytes] = {}
         for r in trace:
-            if r.tenant not in roots:
-                roots[r.tenant] = root_key(None if r.tenant is None else "tenant:" + r.tenant)
-            h = roots[r.tenant]
-            ks, cs = [], []
-            for bid in r.hash_ids:
-                c = int(bid).to_bytes(8, "little")
-                h = chain_key(h, c)
-                ks.append(h)
-                cs.append(c)
+            root = roots.get(r.tenant)
+            if root is None:
+                root = roots[r.tenant] = root_key(tenant_salt(r.tenant, self.share_groups))
+            ks, cs = trace_block_keys(root, r.hash_ids)
             n = len(r.hash_ids)
             self.keys.append(ks)
             self.contents.append(cs)
             self.block_tokens_of.append([block_tokens] * (n - 1) + [r.input_length - (n - 1) * block_tokens])
         self.roots = roots
         self._next_use: list[list[float]] | None = None
+        self._plain_keys: list[list[bytes]] | None = None
+
+    @property
+    def plain_keys(self) -> list[list[bytes]]:
+        """Request i's keys without a tenant salt (the same as `keys` for no tenant)."""
+        if self._plain_keys is None:
+            plain = root_key(None)
+            self._plain_keys = [ks if r.tenant is None else trace_block_keys(plain, r.hash_ids)[0]
+                                for r, ks in zip(self.trace, self.keys)]
+        return self._plain_keys
 
     @property
     def next_use(self) -> list[list[float]]:
@@ -153,13 +163,15 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
         raise ValueError(f"capacity {capacity_tokens} tokens holds no {bt}-token block")
     pol = _policy(policy)
     now = [0.0]
-    mgr = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=bt), policy=pol,
+    mgr = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=bt,
+                                     share_groups=pt.share_groups), policy=pol,
                          clock=lambda: now[0])
     belady_next = pt.next_use if pol.needs_future else None
     next_use = getattr(pol, "next_use", None)
     misses = MissBreakdown()
-    seen_keys: set[bytes] = set()
-    seen_raw: dict[int, set[str | None]] = {}  # (position-chained) raw id -> tenants that used it
+    by_kind = dict.fromkeys(MISS_KINDS, 0)
+    classifier = MissClassifier(bt, bits=None)
+    plain_keys = pt.plain_keys
     running: list[tuple[float, int, Request]] = []
     t0 = time.perf_counter()
     for i, r in enumerate(pt.trace):
@@ -167,17 +179,15 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
         if hold:
             while running and running[0][0] <= now[0]:
                 mgr.free(heapq.heappop(running)[2])
-        ks, bts = pt.keys[i], pt.block_tokens_of[i]
-        req = Request(str(i), r.tenant, pt.roots[r.tenant], ks, pt.contents[i], bts, r.input_length,
-                      session=r.session)
+        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant, r.session)
         if belady_next is not None and next_use is not None:
-            for k, nu in zip(ks, belady_next[i]):
+            for k, nu in zip(req.keys, belady_next[i]):
                 next_use[k] = nu
-        if len(bts) > num_blocks:
+        if len(req.block_tokens) > num_blocks:
             misses.too_long += r.input_length
-            mgr.stats.query_tokens += r.input_length
-            mgr.stats.requests += 1
+            mgr.record_prompt(r.input_length, 0, 0)
         else:
+            kinds = classifier.prepare_keys(req.keys, plain_keys[i], mgr.cached)
             while True:
                 matched = mgr.match_prefix(req)
                 try:
@@ -185,7 +195,7 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
                     break
                 except OutOfBlocks:  # hold mode: wait for the earliest running request
                     mgr.free(heapq.heappop(running)[2])
-            _classify_misses(req, len(matched), r, seen_keys, seen_raw, bt, misses)
+            classifier.count(kinds, req.block_tokens, len(matched), by_kind)
             if hold:
                 dur = r.input_length / prefill_tps + r.output_length / decode_tps
                 heapq.heappush(running, (now[0] + dur, i, req))
@@ -193,29 +203,12 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
                 mgr.free(req)
         if progress is not None:
             progress(i)
+    for kind, n in by_kind.items():
+        setattr(misses, kind, n)
     st = mgr.stats
     return ReplayResult(pol.name, capacity_tokens, bt, num_blocks, st.requests, st.query_tokens,
                         st.hit_tokens, st.evicted_blocks, time.perf_counter() - t0, misses,
                         pol.stats())
-
-
-def _classify_misses(req: Request, n_hit: int, r: TraceRequest, seen_keys: set[bytes],
-                     seen_raw: dict[int, set[str | None]], bt: int, misses: MissBreakdown) -> None:
-    """Attribute each missed block's tokens to one cause, then remember the blocks."""
-    for j, (k, n) in enumerate(zip(req.keys, req.block_tokens)):
-        raw = r.hash_ids[j]
-        tenants = seen_raw.setdefault(raw, set())
-        if j >= n_hit:
-            if k in seen_keys:
-                misses.capacity += n
-            elif tenants and r.tenant not in tenants:
-                misses.isolation += n
-            elif n < bt:
-                misses.sub_block += n
-            else:
-                misses.compulsory += n
-        seen_keys.add(k)
-        tenants.add(r.tenant)
 
 
 def replay_grid(trace: PreparedTrace, policies: Iterable[str], capacities: Iterable[int],

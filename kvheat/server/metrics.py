@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .misses import PUBLIC_MISS_KINDS, public_misses
+from ..cache.misses import PUBLIC_MISS_KINDS, public_misses
 
 # Fault counters each lower-tier store keeps (`StoreStats`, and a disk store's own), and
 # those of the hierarchy above them (`TierCounters`): each is a `kind` of

@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..cache.misses import MISS_KINDS, MissClassifier
 from ..engine.engine import LLMEngine, SamplingParams, TokenOutput
 from .arms import ArmStats
 from .metrics import ServerMetrics
-from .misses import MISS_KINDS, MissClassifier
 from .tracing import Tracing
 
 log = logging.getLogger("kvheat.server")

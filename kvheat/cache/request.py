@@ -1,0 +1,94 @@
+"""What the block cache is asked for: its configuration, a request (a sequence holding
+blocks), the hit statistics it keeps, and the errors it raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .block import Block
+
+
+class CacheError(Exception):
+    """Base class of the cache's own errors; the pool is unchanged when one is raised."""
+
+
+class PromptTooLong(CacheError):
+    pass
+
+
+class OutOfBlocks(CacheError):
+    pass
+
+
+class UnknownRequest(CacheError):
+    pass
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    num_blocks: int
+    block_size: int = 16
+    policy: str = "lru"
+    # tenant -> share group: tenants in one group see each other's blocks. Default: none.
+    share_groups: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0 or self.block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+
+
+@dataclass(slots=True)
+class CacheStats:
+    requests: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+    inserted_blocks: int = 0
+    evicted_blocks: int = 0
+    collisions: int = 0  # a key matched but the tokens differed: served as a miss
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class Request:
+    """A sequence holding blocks. Token requests hash their full blocks once, at creation;
+    trace requests come with precomputed keys and per-block token counts."""
+
+    __slots__ = (
+        "request_id", "tenant", "session", "root", "keys", "contents", "block_tokens",
+        "num_tokens", "blocks", "num_cached_tokens", "raw", "lora",
+    )
+
+    def __init__(self, request_id: str, tenant: str | None, root: bytes, keys: list[bytes],
+                 contents: list[bytes], block_tokens: list[int], num_tokens: int,
+                 raw: bytearray | None = None, session: str | None = None,
+                 lora: str | None = None) -> None:
+        self.request_id = request_id
+        self.tenant = tenant
+        self.session = session
+        self.lora = lora
+        self.root = root
+        self.keys = keys  # keys of the cacheable blocks, in order
+        self.contents = contents
+        self.block_tokens = block_tokens  # tokens in each block the request needs
+        self.num_tokens = num_tokens
+        self.blocks: list[Block] = []
+        self.num_cached_tokens = 0  # prompt tokens served from cache at allocate
+        self.raw = raw  # token bytes (token requests only), grown by append_tokens
+
+    @property
+    def block_table(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    def head(self, n_tokens: int, block_size: int) -> Request:
+        """A request for this one's first `n_tokens` tokens, reusing its block keys (a
+        chunk of a chunked prefill)."""
+        n_full = n_tokens // block_size
+        bt = [block_size] * n_full
+        if n_tokens % block_size:
+            bt.append(n_tokens % block_size)
+        raw = self.raw[:4 * n_tokens] if self.raw is not None else None
+        return Request(self.request_id, self.tenant, self.root, self.keys[:n_full],
+                       self.contents[:n_full], bt, n_tokens, raw, self.session, self.lora)
