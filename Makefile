@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[engine,tiers,server,router,test]"
+	$(BIN)/pip install -q -e ".[engine,tiers,server,router,plot,test]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,7 +1,8 @@
-"""The `kvheat` command: replay traces, run the engine benchmark, serve."""
+"""The `kvheat` command: replay traces, serve, route."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -69,6 +70,9 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
     from .replay.report import plot, print_misses, print_table, summarize, write_json
 
     _load_heat()
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise click.BadParameter("plots need matplotlib: pip install 'kvheat[plot]'",
+                                 param_hint="--plot")
     try:
         caps = [parse_tokens(c) for c in capacity.split(",") if c.strip()]
     except ValueError as e:
@@ -170,12 +174,6 @@ def _replay_cluster(pt, name: str, caps: list[int], pols: list[str], routers: st
 
 def _register_optional_commands() -> None:
     # The engine and server pull in torch and FastAPI: only when those extras are installed.
-    try:
-        from .bench import bench_command
-    except ImportError:
-        pass
-    else:
-        main.add_command(bench_command, "bench")
     try:
         from .server.cli import arms_command, serve_command
     except ImportError:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .replay.traces import TraceRequest, WorkloadConfig, generate_workload
+from .traces import TraceRequest, WorkloadConfig, generate_workload
 
 
 @dataclass(slots=True)

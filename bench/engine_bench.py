@@ -1,4 +1,4 @@
-"""`kvheat bench`: the design's results table, from real forward passes on this machine.
+"""The engine benchmark (`make bench` runs it): the design's results table, from real forward passes on this machine.
 
 One multi-turn workload (the built-in generator, or a Mooncake trace shrunk to CPU size)
 runs through the engine once per strategy, in the same order, at the same concurrency:
@@ -34,12 +34,12 @@ import click
 import numpy as np
 import torch
 
-from .cache import CacheConfig, KVCacheManager, policy_names
-from .engine.engine import EngineConfig, LLMEngine, SamplingParams
-from .engine.scheduler import SchedulerConfig
-from .replay import PreparedTrace, load_trace, replay
-from .replay.traces import TraceRequest
-from .workload import EngineRequest, cpu_workload, materialize, scale_trace
+from kvheat.cache import CacheConfig, KVCacheManager, policy_names
+from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams
+from kvheat.engine.scheduler import SchedulerConfig
+from kvheat.replay import PreparedTrace, load_trace, replay
+from kvheat.replay.traces import TraceRequest
+from kvheat.replay.workload import EngineRequest, cpu_workload, materialize, scale_trace
 
 
 @dataclass(slots=True)
@@ -243,7 +243,7 @@ def belady_bound(reqs: list[EngineRequest], cfg: BenchConfig) -> dict[str, float
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
-    from .engine.loader import load_model
+    from kvheat.engine.loader import load_model
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -418,3 +418,7 @@ def bench_command(model_path: str | None, family: str, trace: str | None, trace_
     if plot_path:
         plot(report, plot_path)
         click.echo(f"wrote {plot_path}")
+
+
+if __name__ == "__main__":
+    bench_command()
