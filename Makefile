@@ -32,6 +32,7 @@ bench: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check kvheat tests bench
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)

@@ -41,7 +41,7 @@ def public_misses(misses: dict[str, int]) -> dict[str, int]:
 
 
 class SeenKeys(Protocol):
-    def __contains__(self, key: object) -> bool: ...
+    def __contains__(self, key: bytes, /) -> bool: ...
 
     def add(self, key: bytes) -> None: ...
 
@@ -53,8 +53,8 @@ class SeenBitmap:
         self.mask = (1 << bits) - 1
         self.words = bytearray((1 << bits) // 8 or 1)
 
-    def __contains__(self, key: object) -> bool:
-        i = int.from_bytes(key[:8], "little") & self.mask  # type: ignore[index]
+    def __contains__(self, key: bytes, /) -> bool:
+        i = int.from_bytes(key[:8], "little") & self.mask
         return bool(self.words[i >> 3] & (1 << (i & 7)))
 
     def add(self, key: bytes) -> None:
