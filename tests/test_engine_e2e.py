@@ -7,9 +7,8 @@ import random
 
 import pytest
 
-from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams
+from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.engine.loader import load_model
-from kvheat.engine.scheduler import SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
