@@ -16,6 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+def _additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the 0 / -inf bias SDPA adds to the scores."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(~mask, float("-inf"))
+
+
 @dataclass(slots=True)
 class SeqSpan:
     q_start: int  # offset of the sequence's first new token in the flat token list
@@ -35,9 +41,7 @@ class SeqSpan:
         if self.prefix_mask is None:
             return None
         if self.prefix_bias is None or self.prefix_bias.dtype != dtype:
-            self.prefix_bias = torch.zeros(self.prefix_mask.shape, dtype=dtype,
-                                           device=self.prefix_mask.device)
-            self.prefix_bias.masked_fill_(~self.prefix_mask, float("-inf"))
+            self.prefix_bias = _additive_bias(self.prefix_mask, dtype)
         return self.prefix_bias
 
     @property
@@ -85,9 +89,7 @@ class AttentionMetadata:
         if self.decode_mask is None:
             return None
         if self._decode_bias is None or self._decode_bias.dtype != dtype:
-            self._decode_bias = torch.zeros(self.decode_mask.shape, dtype=dtype,
-                                            device=self.decode_mask.device)
-            self._decode_bias.masked_fill_(~self.decode_mask, float("-inf"))
+            self._decode_bias = _additive_bias(self.decode_mask, dtype)
         return self._decode_bias
 
 
