@@ -358,7 +358,7 @@ def reference_texts(answers: list[tuple[list[int], str, str]]) -> list[str]:
     turned into text as the server does."""
     import torch
 
-    from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams
+    from kvheat.engine import EngineConfig, LLMEngine, SamplingParams
     from kvheat.server.app import TextAssembler
 
     torch.set_num_threads(1)

@@ -87,7 +87,7 @@ def free_port(pair: bool = False) -> int:
 def make_model(path: Path, hidden: int, layers: int) -> None:
     """A Llama wider than the built-in tiny one (so a prefill costs what a cache saves),
     seeded random weights, the tiny tokenizer; saved as a Hugging Face directory."""
-    from kvheat.engine.config import ModelConfig
+    from kvheat.engine import ModelConfig
     from kvheat.engine.loader import Tokenizer, build_model, init_random_weights, save_model
 
     cfg = ModelConfig(model_type="llama", vocab_size=1024, hidden_size=hidden,

@@ -45,10 +45,8 @@ from pathlib import Path
 
 import torch
 
-from kvheat.engine.config import ModelConfig
-from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams
+from kvheat.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
 from kvheat.engine.loader import build_model, init_random_weights, load_model, save_tiny_model
-from kvheat.engine.scheduler import SchedulerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import (  # noqa: E402

@@ -35,8 +35,7 @@ import numpy as np
 import torch
 
 from kvheat.cache import CacheConfig, KVCacheManager, policy_names
-from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams
-from kvheat.engine.scheduler import SchedulerConfig
+from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.replay import PreparedTrace, load_trace, replay
 from kvheat.replay.traces import TraceRequest
 from kvheat.replay.workload import EngineRequest, cpu_workload, materialize, scale_trace

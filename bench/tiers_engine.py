@@ -41,8 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from engine import wide_llama  # noqa: E402
 from tiers import free_port, start_redis  # noqa: E402
 
-from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from kvheat.engine.scheduler import SchedulerConfig  # noqa: E402
+from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 

@@ -32,8 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 import kvheat.heat  # noqa: E402,F401  (registers the kvheat policy)
 from kvheat.cache import CacheConfig, KVCacheManager, make_policy  # noqa: E402
+from kvheat.engine.kv_pool import DeviceKVPool  # noqa: E402
 from kvheat.replay.traces import load_trace  # noqa: E402
-from kvheat.tiers import DeviceKVPool, DiskStore, HostStore, TierConfig, TieredCache  # noqa: E402
+from kvheat.tiers import DiskStore, HostStore, TierConfig, TieredCache  # noqa: E402
 
 torch.set_num_threads(1)
 BLOCK = 512

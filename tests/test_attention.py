@@ -10,14 +10,9 @@ import pytest
 import torch
 
 from kvheat.engine import ModelConfig, attention
-from kvheat.engine.attention import (
-    SeqSpan,
-    build_metadata,
-    paged_gqa_attention,
-    paged_mla_attention,
-    rope_inv_freq,
-    softmax_scale,
-)
+from kvheat.engine.attention import paged_gqa_attention, paged_mla_attention, softmax_scale
+from kvheat.engine.attention_metadata import SeqSpan, build_metadata
+from kvheat.engine.rotary import rope_inv_freq
 
 torch.manual_seed(0)
 BS = 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvheat.engine import ModelConfig, tiny_config
-from kvheat.tiers.device import DeviceKVPool
+from kvheat.engine.kv_pool import DeviceKVPool
 
 GQA = ModelConfig(model_type="llama", num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, hidden_size=32)

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvheat.engine.engine import EngineConfig, LLMEngine, SamplingParams
+from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.engine.loader import load_model
-from kvheat.engine.scheduler import SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -138,6 +137,23 @@ def test_sampling_is_seeded_and_bad_input_is_refused(llama: tuple) -> None:
     assert not e.has_unfinished and not e.requests
 
 
+def test_logit_bias_is_a_sampling_parameter(llama: tuple) -> None:
+    p = prompts(6, 1)[0]
+    e = engine(llama)
+    plain = e.generate([p], GREEDY)[0].output_token_ids
+    forced = e.generate([p], SamplingParams(max_tokens=12, ignore_eos=True,
+                                            logit_bias={13: 100.0}))[0].output_token_ids
+    assert forced == [13] * 12
+    # Only the request that asks is biased, greedy or sampled, in one batch.
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True,
+                             logit_bias={13: 100.0})
+    both = e.generate([p, p], [GREEDY, sampled])
+    assert both[0].output_token_ids == plain and both[1].output_token_ids == [13] * 12
+    with pytest.raises(ValueError, match="logit_bias token id 5000 is outside the vocabulary"):
+        e.add_request(p, SamplingParams(logit_bias={5000: 1.0}))
+    assert not e.has_unfinished and not e.requests
+
+
 def test_deepseek_mla_prefix_hit_keeps_tokens() -> None:
     pytest.importorskip("kvheat.engine.deepseek")
     ds = load_model(None, "deepseek")
@@ -251,7 +267,7 @@ def test_failed_forward_aborts_only_its_step(llama: tuple, monkeypatch: pytest.M
 def test_extreme_sampling_parameters_still_sample() -> None:
     """top_p below float32's smallest value and a vanishing temperature must not make the
     sampler drop every token (found by fuzzing the server)."""
-    from kvheat.engine.engine import LLMEngine, SamplingParams
+    from kvheat.engine import LLMEngine, SamplingParams
 
     eng = LLMEngine.from_pretrained(None, "llama")
     outs = eng.generate([[1, 2, 3, 4, 5]] * 2, [SamplingParams(max_tokens=3, temperature=1.0, top_p=1e-300, seed=1, ignore_eos=True),

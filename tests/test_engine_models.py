@@ -12,8 +12,8 @@ import torch
 
 from kvheat.cache import CacheConfig, KVCacheManager
 from kvheat.engine import ModelConfig, ModelRunner, SeqBatchItem, load_model, save_model
+from kvheat.engine.kv_pool import DeviceKVPool
 from kvheat.engine.loader import Tokenizer, build_model, init_random_weights
-from kvheat.tiers.device import DeviceKVPool
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(2)

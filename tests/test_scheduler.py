@@ -9,14 +9,10 @@ import random
 import pytest
 
 from kvheat.cache import CacheConfig, KVCacheManager
-from kvheat.engine.scheduler import (
-    LONG,
-    SHORT,
-    Scheduler,
-    SchedulerConfig,
-    SeqStatus,
-    Sequence,
-)
+from kvheat.engine.config import SchedulerConfig
+from kvheat.engine.load_classes import LONG, SHORT
+from kvheat.engine.scheduler import Scheduler
+from kvheat.engine.sequence import SeqStatus, Sequence
 
 
 class StepClock:
@@ -286,7 +282,7 @@ def test_abort_frees_blocks_and_bad_requests_change_nothing() -> None:
 def test_accounting_balances_with_a_pinned_prefix() -> None:
     """A pinned prefix holds references outside any sequence; the books still balance."""
     from kvheat.cache import CacheConfig, KVCacheManager
-    from kvheat.engine.scheduler import Scheduler, SchedulerConfig
+    from kvheat.engine import Scheduler, SchedulerConfig
 
     cache = KVCacheManager(CacheConfig(num_blocks=32, block_size=4))
     sched = Scheduler(SchedulerConfig(), cache)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvheat.tiers import DeviceKVPool, DiskStore, HostStore
+from kvheat.engine.kv_pool import DeviceKVPool
+from kvheat.tiers import DiskStore, HostStore
 from kvheat.tiers.codec import CorruptValue, decode, encode, namespace_digest, tier_key
 from kvheat.tiers.numa import NumaNode, numa_nodes, parse_cpulist, placement
 

@@ -18,7 +18,8 @@ import torch
 from test_tiers import LAYOUTS
 
 from kvheat.cache import CacheConfig, KVCacheManager
-from kvheat.tiers import DeviceKVPool, DiskStore, HostStore, KVStore, TierConfig, TieredCache
+from kvheat.engine.kv_pool import DeviceKVPool
+from kvheat.tiers import DiskStore, HostStore, KVStore, TierConfig, TieredCache
 from kvheat.tiers.redis_store import RedisStore, connect
 
 torch.set_num_threads(1)

@@ -16,17 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tiers.device import DeviceKVPool
-from .attention import (
-    AttentionMetadata,
-    RMSNorm,
-    apply_rope,
-    apply_rope_interleaved,
-    paged_mla_attention,
-    softmax_scale,
-)
-from .config import ModelConfig
+from .attention import paged_mla_attention, softmax_scale
+from .attention_metadata import AttentionMetadata
+from .kv_pool import DeviceKVPool
 from .llama import CausalLM, GatedMLP
+from .model_config import ModelConfig
+from .norm import RMSNorm
+from .rotary import apply_rope, apply_rope_interleaved
 
 
 class MLAttention(nn.Module):

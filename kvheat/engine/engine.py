@@ -1,11 +1,10 @@
 """LLMEngine: requests in, tokens out, one continuous-batching step at a time.
 
 `add_request` queues a prompt; `step` runs one scheduler step (one forward pass over the
-batch), samples a token for every sequence whose prompt is done, and returns those
-tokens; `stream(request_id)` yields one request's tokens as they are produced (driving
-`step`, so the other requests progress too); `generate` runs a list of prompts to the end.
-Sampling is greedy at temperature 0, else temperature / top-k / top-p from a generator
-seeded per request, so a run is reproducible.
+batch), samples a token for every sequence whose prompt is done (sampling.py), and returns
+those tokens; `stream(request_id)` yields one request's tokens as they are produced
+(driving `step`, so the other requests progress too); `generate` runs a list of prompts to
+the end. Settings are in config.py, what comes back in outputs.py.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,192 +25,55 @@ from ..cache import (
     make_policy,
     policy_names,
 )
-from ..tiers.device import DeviceKVPool
+from .config import EngineConfig
+from .kv_pool import DeviceKVPool
+from .outputs import EngineStats, RequestMetrics, RequestOutput, TokenOutput
 from .runner import ModelRunner, SeqBatchItem
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SeqStatus
-from .scheduler import Sequence as SchedSequence
+from .sampling import RequestSampler, SamplingParams, sample
+from .scheduler import Scheduler
+from .sequence import SchedulerOutput, SeqStatus
+from .sequence import Sequence as SchedSequence
+from .swap import HostSwapSpace
 
 if TYPE_CHECKING:
     from ..tiers.hierarchy import TieredCache
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
-    seed: int | None = None  # None: derived from the engine seed and the request number
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, not {self.top_k}")
-
-
-@dataclass(slots=True)
-class TokenOutput:
-    request_id: str
-    token_id: int
-    index: int  # 0 for the first generated token
-    finished: bool
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    arrival: float
-    num_prompt_tokens: int
-    first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finished: float | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    cached_by_tier: dict[str, int] = field(default_factory=dict)  # the same, by tier
-    num_preemptions: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def inter_token_latencies(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in itertools.pairwise(t)]
-
-    @property
-    def mean_itl(self) -> float | None:
-        itl = self.inter_token_latencies
-        return sum(itl) / len(itl) if itl else None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    finish_reason: str | None
-    metrics: RequestMetrics
-    text: str | None = None
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    num_blocks: int | None = 512  # device KV blocks; or size the pool by kv_memory_bytes
-    kv_memory_bytes: int | None = None
-    block_size: int = 16
-    policy: str = "kvheat"  # eviction policy of the block cache (kvheat.heat's scale-free heat)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    swap_space_blocks: int = 0  # host blocks for swap preemption (with preemption="swap")
-    # Lower KV tiers under the device cache (kvheat.tiers), in this order: host memory,
-    # local disk (survives a restart), Redis (shared by replicas).
-    host_tier_blocks: int = 0  # >0: a host tier of this many blocks
-    disk_tier_dir: str | None = None
-    disk_tier_bytes: int = 0
-    redis_tier_url: str | None = None
-    redis_tier_bytes: int = 0
-    redis_cluster: bool = False
-    tier_mode: str = "exclusive"  # or "write_through"
-    # Names the KV on disk and in Redis: None: a fingerprint of the weights, so KV of other
-    # weights is never served; `tier_namespace` separates engines that must not share it
-    # (the server's A/B arms).
-    model_id: str | None = None
-    tier_namespace: str = ""
-    # Keys the MAC of KV values on disk and in Redis (kvheat.tiers.codec.tier_key); None:
-    # KVHEAT_TIER_SECRET, else a disk folder's own key file and a per-process Redis key.
-    tier_secret: str | None = None
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_blocks is None and self.kv_memory_bytes is None:
-            raise ValueError("give num_blocks or kv_memory_bytes")
-        if self.scheduler.preemption == "swap" and self.swap_space_blocks <= 0:
-            raise ValueError("preemption='swap' needs swap_space_blocks > 0")
-        if self.host_tier_blocks < 0:
-            raise ValueError("host_tier_blocks must be >= 0")
-        if (self.disk_tier_dir is None) != (self.disk_tier_bytes <= 0):
-            raise ValueError("a disk tier needs both disk_tier_dir and disk_tier_bytes > 0")
-        if (self.redis_tier_url is None) != (self.redis_tier_bytes <= 0):
-            raise ValueError("a Redis tier needs both redis_tier_url and redis_tier_bytes > 0")
-        if self.tier_mode not in ("exclusive", "write_through"):
-            raise ValueError("tier_mode must be 'exclusive' or 'write_through'")
-
-
-class HostSwapSpace:
-    """Preempted sequences' blocks, copied to host memory (a bounded number of blocks)."""
-
-    def __init__(self, pool: DeviceKVPool, capacity_blocks: int) -> None:
-        self.pool = pool
-        self.capacity_blocks = capacity_blocks
-        self.saved: dict[str, list[torch.Tensor]] = {}
-        self.num_blocks = 0
-        self.swapped_out = 0
-        self.swapped_in = 0
-
-    def swap_out(self, seq_id: str, block_ids: list[int]) -> int:
-        self.discard(seq_id)
-        n = min(len(block_ids), self.capacity_blocks - self.num_blocks)
-        copies = [self.pool.block_view(b).to("cpu", copy=True) for b in block_ids[:n]]
-        if copies:
-            self.saved[seq_id] = copies
-            self.num_blocks += n
-            self.swapped_out += n
-        return n
-
-    def swap_in(self, seq_id: str, first_block: int, block_ids: list[int]) -> None:
-        copies = self.saved.pop(seq_id)
-        self.num_blocks -= len(copies)
-        for src, dst in zip(copies[first_block:], block_ids, strict=False):
-            self.pool.write_block(dst, src)
-            self.swapped_in += 1
-
-    def discard(self, seq_id: str) -> None:
-        copies = self.saved.pop(seq_id, None)
-        if copies is not None:
-            self.num_blocks -= len(copies)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    steps: int = 0
-    step_seconds: float = 0.0  # whole steps: scheduling, forward pass, sampling
-    schedule_seconds: float = 0.0  # the scheduler with the block cache's bookkeeping
-    other_seconds: float = 0.0  # batch building, sampling, finishing (frees blocks)
-    forward_seconds: float = 0.0
-    prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
-    decode_tokens: int = 0
-    preemptions: int = 0
-    failed_steps: int = 0  # forward passes that raised (their requests ended with "error")
-    unschedulable: int = 0  # requests that could never get their blocks (ended with "error")
-    # For "KV memory saved": blocks the running sequences hold, summed over steps, as
-    # logical references and as distinct physical blocks.
-    logical_blocks: int = 0
-    physical_blocks: int = 0
-
-    @property
-    def kv_memory_saved(self) -> float:
-        return 1.0 - self.physical_blocks / self.logical_blocks if self.logical_blocks else 0.0
-
-
 class _Req:
-    __slots__ = ("seq", "params", "metrics", "generator", "eos", "stalled_at")
+    """The engine's record of one request: its sequence, sampler, metrics and stop tokens."""
 
-    def __init__(self, seq: SchedSequence, params: SamplingParams, metrics: RequestMetrics,
-                 generator: torch.Generator | None, eos: set[int]) -> None:
+    __slots__ = ("seq", "sampler", "metrics", "eos", "stalled_at")
+
+    def __init__(self, seq: SchedSequence, sampler: RequestSampler, metrics: RequestMetrics,
+                 eos: set[int]) -> None:
         self.seq = seq
-        self.params = params
+        self.sampler = sampler
         self.metrics = metrics
-        self.generator = generator
         self.eos = eos
         self.stalled_at = -1  # output tokens when it last stalled alone (one retry each)
+
+    def append_token(self, tok: int, now: float) -> str | None:
+        """Take a sampled token; returns why the request is done ("stop", "length"), or None."""
+        seq, m = self.seq, self.metrics
+        seq.token_ids.append(tok)
+        if m.first_token is None:
+            m.first_token = now
+            m.num_cached_tokens = seq.num_cached_tokens
+            m.cached_by_tier = dict(seq.cached_by_tier)
+        m.token_times.append(now)
+        m.num_preemptions = seq.num_preemptions
+        if tok in self.eos:
+            return "stop"
+        if seq.num_output_tokens >= self.sampler.params.max_tokens:
+            return "length"
+        return None
+
+    def output(self, tokenizer: Any) -> RequestOutput:
+        seq = self.seq
+        out = list(seq.output_token_ids)
+        text = tokenizer.decode(out) if tokenizer is not None else None
+        return RequestOutput(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens], out,
+                             seq.finish_reason, self.metrics, text)
 
 
 class LLMEngine:
@@ -333,23 +194,15 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = list(prompt_token_ids)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary of {vocab}")
-        max_pos = self.model_config.max_position_embeddings
-        if len(prompt) + params.max_tokens > max_pos:
-            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the model's {max_pos} positions")
+        _check_prompt(prompt, params.max_tokens, self.model_config)
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + n
+        sampler = RequestSampler(params, self.model_config.vocab_size, self.kv_pool.device,
+                                 seed)  # checks logit_bias
         now = self.clock()
         seq = SchedSequence(rid, prompt, params.max_tokens, tenant, session, lora, arrival=now)
         self.scheduler.add(seq)  # validates the size against the pool
-        gen = None
-        if params.temperature > 0:
-            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + n
-            gen = torch.Generator(device=self.kv_pool.device).manual_seed(seed)
         eos = set() if params.ignore_eos else self._eos
-        self.requests[rid] = _Req(seq, params, RequestMetrics(now, len(prompt)), gen,
+        self.requests[rid] = _Req(seq, sampler, RequestMetrics(now, len(prompt)),
                                   eos | set(params.stop_token_ids))
         return rid
 
@@ -368,14 +221,7 @@ class LLMEngine:
         if r.seq.status is not SeqStatus.FINISHED:
             raise ValueError(f"request {request_id!r} has not finished")
         del self.requests[request_id]
-        return self._output(r)
-
-    def _output(self, r: _Req) -> RequestOutput:
-        seq = r.seq
-        out = list(seq.output_token_ids)
-        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
-        return RequestOutput(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens], out,
-                             seq.finish_reason, r.metrics, text)
+        return r.output(self.tokenizer)
 
     @property
     def has_unfinished(self) -> bool:
@@ -396,7 +242,7 @@ class LLMEngine:
             if sched.has_work and not sched.running:
                 self._end_unschedulable(out)
             return []
-        self._count_memory()
+        self.stats.count_memory(self.scheduler.running, self.cache.num_referenced)
         batch = [SeqBatchItem(it.token_ids, it.num_computed, it.block_table) for it in out.items]
         t1 = time.perf_counter()
         try:
@@ -465,70 +311,24 @@ class LLMEngine:
         self.scheduler.fresh.clear()
         self.stats.failed_steps += 1
 
-    def _count_memory(self) -> None:
-        st = self.stats
-        st.steps += 1
-        st.logical_blocks += sum(len(s.cache_req.blocks) for s in self.scheduler.running
-                                 if s.cache_req is not None)
-        st.physical_blocks += self.cache.num_referenced
-
     def _sample_and_finish(self, out: SchedulerOutput, logits: torch.Tensor) -> list[TokenOutput]:
         rows = [i for i, it in enumerate(out.items) if it.sample]
-        for it in out.items:  # decode: one token after the whole prompt's KV
-            if it.num_computed >= it.seq.num_prompt_tokens and len(it.token_ids) == 1:
-                self.stats.decode_tokens += 1
-            else:
-                self.stats.prefill_tokens += len(it.token_ids)
+        self.stats.count_tokens(out.items)
         if not rows:
             return []
         reqs = [self.requests[out.items[i].seq.seq_id] for i in rows]
-        tokens = self._sample(logits[rows], reqs)
+        tokens = sample(logits[rows], [r.sampler for r in reqs])  # logits[rows]: a copy
         now = self.clock()
         results: list[TokenOutput] = []
         for r, tok in zip(reqs, tokens, strict=True):
-            seq, m = r.seq, r.metrics
-            seq.token_ids.append(tok)
-            if m.first_token is None:
-                m.first_token = now
-                m.num_cached_tokens = seq.num_cached_tokens
-                m.cached_by_tier = dict(seq.cached_by_tier)
-            m.token_times.append(now)
-            m.num_preemptions = seq.num_preemptions
-            reason = None
-            if tok in r.eos:
-                reason = "stop"
-            elif seq.num_output_tokens >= r.params.max_tokens:
-                reason = "length"
+            seq = r.seq
+            reason = r.append_token(tok, now)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                m.finished = now
+                r.metrics.finished = now
             results.append(TokenOutput(seq.seq_id, tok, seq.num_output_tokens - 1,
                                        reason is not None, reason))
         return results
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, reqs: list[_Req]) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for i, r in enumerate(reqs):
-            p = r.params
-            if p.temperature < 1e-5:  # below this, dividing logits overflows: greedy
-                out.append(int(greedy[i]))
-                continue
-            row = logits[i].float() / p.temperature
-            if p.top_k:
-                kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, dim=-1)
-            if p.top_p < 1.0:
-                sp, idx = torch.sort(probs, descending=True)
-                # keep the smallest set whose mass reaches top_p (the first token always)
-                drop = sp.cumsum(0) - sp >= p.top_p
-                drop[0] = False  # a top_p below float32's smallest value must keep one token
-                sp = sp.masked_fill(drop, 0.0)
-                probs = torch.zeros_like(probs).scatter_(0, idx, sp)
-            out.append(int(torch.multinomial(probs, 1, generator=r.generator).item()))
-        return out
 
     # ---- driving ------------------------------------------------------------------------
     def stream(self, request_id: str) -> Iterator[TokenOutput]:
@@ -569,6 +369,17 @@ class LLMEngine:
 
     def check_accounting(self) -> None:
         self.scheduler.check_accounting()
+
+
+def _check_prompt(prompt: list[int], max_tokens: int, model_config: Any) -> None:
+    vocab = model_config.vocab_size
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]!r} is outside the vocabulary of {vocab}")
+    max_pos = model_config.max_position_embeddings
+    if len(prompt) + max_tokens > max_pos:
+        raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds "
+                         f"the model's {max_pos} positions")
 
 
 def _policy_name(name: str) -> str:

@@ -13,17 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tiers.device import DeviceKVPool
-from .attention import (
-    AttentionMetadata,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rope,
-    paged_gqa_attention,
-    softmax_scale,
-)
-from .config import ModelConfig
+from .attention import paged_gqa_attention, softmax_scale
+from .attention_metadata import AttentionMetadata
+from .kv_pool import DeviceKVPool
 from .linear import PackedGemm, fused_projection, make_gemm, project
+from .model_config import ModelConfig
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding, apply_rope
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu": F.gelu, "relu": F.relu,

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ModelConfig
 from .llama import CausalLM, LlamaForCausalLM
+from .model_config import ModelConfig
 
 # ---- tokenizer ------------------------------------------------------------------------------
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|pad|>"]

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..tiers.device import DeviceKVPool
-from .attention import AttentionMetadata, SeqSpan, build_metadata
-from .config import ModelConfig
+from .attention_metadata import AttentionMetadata, SeqSpan, build_metadata
+from .kv_pool import DeviceKVPool
+from .model_config import ModelConfig
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 Every step it builds one batch of work under a token budget: one token for each running
 sequence that decodes, then prefill chunks (continuations and new admissions) split among
-the three load classes of SPEC §4.3 by weight. Blocks come from `KVCacheManager`: a
+the three load classes by weight (load_classes.py; docs/engine.md). Blocks come from `KVCacheManager`: a
 sequence's manager request always covers exactly the tokens whose KV is computed or being
 computed this step, so `allocate` shares the cached prefix and `append_tokens` takes (and
 caches, once full) the blocks of each new chunk or decoded token. A finished sequence's
@@ -28,153 +28,18 @@ blocks to a host `SwapSpace` and writes them back when it resumes.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import xxhash
 
 from ..cache import KVCacheManager, OutOfBlocks, Request
 from ..cache.hashing import tokens_to_bytes
-
-SHORT, REGULAR, LONG = "short", "regular", "long"
-LOAD_CLASSES = (SHORT, REGULAR, LONG)
-
-
-@dataclass(slots=True, frozen=True)
-class ClassWeight:
-    """Weight of a load class: `base + load_coef * load_ratio`, capped (SPEC §4.3 table)."""
-
-    base: float
-    load_coef: float
-    cap: float | None = None
-
-    def weight(self, load_ratio: float) -> float:
-        w = self.base + self.load_coef * load_ratio
-        return w if self.cap is None else min(w, self.cap)
-
-
-def default_class_weights() -> dict[str, ClassWeight]:
-    # The design's table: short 1.8 (+0.5 x load), long-tail 0.3 (+0.2 x load, at most
-    # 0.45); regular is its calcWeight base 1.0 with the same +0.5 x load compensation.
-    return {SHORT: ClassWeight(1.8, 0.5), REGULAR: ClassWeight(1.0, 0.5),
-            LONG: ClassWeight(0.3, 0.2, 0.45)}
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 256  # tokens per step, decode and prefill together
-    max_num_seqs: int = 16  # running sequences at once
-    prefix_caching: str = "block"  # "block": any cached prefix; "exact": whole prompt only; "off"
-    preemption: str = "recompute"  # or "swap" (needs a SwapSpace)
-    # Load classes by estimated work (prompt + max new tokens, in tokens): the design
-    # classes by latency, and on one engine latency grows with work.
-    short_max_tokens: int = 128
-    long_min_tokens: int = 1024
-    class_weights: dict[str, ClassWeight] = field(default_factory=default_class_weights)
-    # Aging guard: a request waiting (or still in prefill) this long goes first, and while
-    # it cannot get its blocks no younger request is admitted.
-    aging_s: float = 5.0
-    # Lower tiers: a request arriving with fewer than this many ahead of it in the queue
-    # starts its disk / Redis loads at once (its plan pins those entries until it runs).
-    prefetch_queue_depth: int = 16
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.prefetch_queue_depth < 0:
-            raise ValueError("prefetch_queue_depth must be >= 0")
-        if self.prefix_caching not in ("block", "exact", "off"):
-            raise ValueError(f"prefix_caching must be block, exact or off, not {self.prefix_caching!r}")
-        if self.preemption not in ("recompute", "swap"):
-            raise ValueError(f"preemption must be recompute or swap, not {self.preemption!r}")
-        if set(self.class_weights) != set(LOAD_CLASSES):
-            raise ValueError(f"class_weights needs exactly the classes {LOAD_CLASSES}")
-        if not 0 < self.short_max_tokens < self.long_min_tokens:
-            raise ValueError("need 0 < short_max_tokens < long_min_tokens")
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-class Sequence:
-    """One request as the scheduler sees it: its tokens so far and how many have KV."""
-
-    __slots__ = (
-        "seq_id", "token_ids", "num_prompt_tokens", "max_tokens", "tenant", "session", "lora",
-        "arrival", "status", "num_computed", "cache_req", "load_class", "num_cached_tokens",
-        "num_preemptions", "swapped_tokens", "admitted_seq", "prompt_done", "finish_reason",
-        "full_req", "cached_by_tier",
-    )
-
-    def __init__(self, seq_id: str, prompt_token_ids: Seq[int], max_tokens: int,
-                 tenant: str | None = None, session: str | None = None,
-                 lora: str | None = None, arrival: float | None = None) -> None:
-        self.seq_id = seq_id
-        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then generated tokens
-        self.num_prompt_tokens = len(self.token_ids)
-        self.max_tokens = max_tokens
-        self.tenant = tenant
-        self.session = session
-        self.lora = lora
-        self.arrival = arrival  # set from the scheduler's clock when None
-        self.status = SeqStatus.WAITING
-        self.num_computed = 0  # leading tokens whose KV is in the pool
-        self.cache_req: Request | None = None  # the manager's view while blocks are held
-        self.full_req: Request | None = None  # all its tokens hashed, while their count holds
-        self.load_class = REGULAR
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
-        # The same tokens by the tier that held them ("device", "host", "disk", "redis"):
-        # taken together at admission, so the parts always add up to num_cached_tokens.
-        self.cached_by_tier: dict[str, int] = {}
-        self.num_preemptions = 0
-        self.swapped_tokens = 0  # tokens whose KV waits in the swap space
-        self.admitted_seq = 0  # admission order; the youngest is preempted first
-        self.prompt_done = False
-        self.finish_reason: str | None = None
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_pending(self) -> int:
-        """Tokens still to run before the next sample (1 while decoding)."""
-        return len(self.token_ids) - self.num_computed
-
-    def __repr__(self) -> str:
-        return (f"Sequence({self.seq_id!r}, {self.status.value}, computed={self.num_computed}/"
-                f"{len(self.token_ids)}, class={self.load_class})")
-
-
-@dataclass(slots=True)
-class ScheduledItem:
-    seq: Sequence
-    token_ids: list[int]  # the tokens to run this step
-    num_computed: int  # KV already in the pool before them
-    block_table: list[int]
-    sample: bool  # the chunk ends at the sequence's last token: sample the next one
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    items: list[ScheduledItem]
-    preempted: list[Sequence]
-    num_batched_tokens: int
-
-    @property
-    def empty(self) -> bool:
-        return not self.items
+from .config import SchedulerConfig
+from .load_classes import load_class, share_prefill_budget
+from .sequence import ScheduledItem, SchedulerOutput, SeqStatus, Sequence
 
 
 class SwapSpace(Protocol):
@@ -237,10 +102,9 @@ class Scheduler:
         if seq.num_prompt_tokens == 0:
             raise ValueError("empty prompt")
         tokens_to_bytes(seq.token_ids)  # bad token ids fail here, before anything changes
-        work = seq.num_prompt_tokens + seq.max_tokens
         cfg = self.config
-        seq.load_class = SHORT if work <= cfg.short_max_tokens else (
-            LONG if work >= cfg.long_min_tokens else REGULAR)
+        seq.load_class = load_class(seq.num_prompt_tokens + seq.max_tokens,
+                                    cfg.short_max_tokens, cfg.long_min_tokens)
         if seq.arrival is None:
             seq.arrival = self.clock()
         seq.status = SeqStatus.WAITING
@@ -303,7 +167,8 @@ class Scheduler:
                     self.cache.append_tokens(seq.cache_req, toks)
                     return True
                 except OutOfBlocks:
-                    victim = self._pick_victim(scheduled, now, seq.tenant)
+                    victim = _pick_victim(self.running, self.cache, scheduled, now,
+                                          self.config.aging_s, seq.tenant)
                     if victim is None:
                         victim = seq
                     self._preempt(victim)
@@ -331,25 +196,6 @@ class Scheduler:
                            preempted: list[Sequence], emit: Callable[[Sequence, int], None],
                            grow: Callable[[Sequence, int], bool]) -> int:
         cfg = self.config
-        cands = [s for s in self.running if s.seq_id not in scheduled and s.num_pending > 0
-                 and s.status is SeqStatus.RUNNING]
-        cands += self.waiting
-        if not cands:
-            return budget
-        aged = [s for s in cands if now - s.arrival >= cfg.aging_s]
-        aged.sort(key=lambda s: s.arrival)
-        # Load compensation: a class's share of the pending prefill work raises its weight.
-        pending = {c: 0 for c in LOAD_CLASSES}
-        for s in cands:
-            pending[s.load_class] += s.num_pending
-        total = sum(pending.values()) or 1
-        weights = {c: cfg.class_weights[c].weight(pending[c] / total)
-                   for c in LOAD_CLASSES if pending[c]}
-        wsum = sum(weights.values())
-        shares = {c: max(1, int(budget * w / wsum)) for c, w in weights.items()}
-        by_class: dict[str, list[Sequence]] = {c: [] for c in weights}
-        for s in sorted(cands, key=lambda s: (s.status is not SeqStatus.RUNNING, s.arrival)):
-            by_class[s.load_class].append(s)
         admit_blocked = False  # an aged request is waiting for blocks: admit nobody younger
 
         def try_run(seq: Sequence, limit: int) -> int:
@@ -374,28 +220,10 @@ class Scheduler:
             emit(seq, n)
             return n
 
-        # Aged requests first, whatever their class: the guard against starvation.
-        for seq in aged:
-            if budget <= 0:
-                return budget
-            budget -= try_run(seq, budget)
-        # Then each class within its weighted share of the rest.
-        left = budget
-        for c, seqs in by_class.items():
-            share = min(shares[c], left)
-            for seq in seqs:
-                if share <= 0:
-                    break
-                used = try_run(seq, share)
-                share -= used
-                left -= used
-        # Whatever a class left unused goes to the others, heaviest class first.
-        for c in sorted(by_class, key=lambda c: -weights[c]):
-            for seq in by_class[c]:
-                if left <= 0:
-                    return left
-                left -= try_run(seq, left)
-        return left
+        running = [s for s in self.running if s.seq_id not in scheduled and s.num_pending > 0
+                   and s.status is SeqStatus.RUNNING]
+        return share_prefill_budget(running, self.waiting, budget, now, cfg.class_weights,
+                                    cfg.aging_s, try_run)
 
     def _admit(self, seq: Sequence, limit: int) -> int:
         """Give a waiting sequence its cached prefix and blocks for its first chunk.
@@ -476,29 +304,6 @@ class Scheduler:
         self.fresh.clear()
 
     # ---- preemption -------------------------------------------------------------------
-    def _pick_victim(self, scheduled: set[str], now: float,
-                     tenant: str | None = None) -> Sequence | None:
-        """The youngest running sequence not scheduled this step; aged ones last. For a
-        `tenant` at its quota, only its own sequences: the blocks another tenant frees
-        would go to it past its quota (it preempts itself, or waits, instead). Others
-        take sequences of tenants over their quota first (they grew on free blocks)."""
-        cache = self.cache
-        quotas, usage = cache.quotas, cache.usage
-
-        def over(t: str | None) -> bool:
-            return t in quotas and usage.get(t, 0) > quotas[t]
-
-        own = tenant in quotas and usage.get(tenant, 0) >= quotas[tenant]
-        best: Sequence | None = None
-        best_key: tuple[bool, bool, int] | None = None
-        for s in self.running:
-            if s.seq_id in scheduled or (own and s.tenant != tenant):
-                continue
-            key = (over(s.tenant), now - s.arrival < self.config.aging_s, s.admitted_seq)
-            if best_key is None or key > best_key:
-                best, best_key = s, key
-        return best
-
     def _preempt(self, seq: Sequence) -> None:
         assert seq.cache_req is not None
         if self.config.preemption == "swap" and seq.num_computed > 0:
@@ -576,3 +381,26 @@ def _by_tier(device: int, loaded: list[tuple[str, int]], total: int) -> dict[str
         out[name] = out.get(name, 0) + take
         left -= take
     return out
+
+
+def _pick_victim(running: list[Sequence], cache: KVCacheManager, scheduled: set[str],
+                 now: float, aging_s: float, tenant: str | None = None) -> Sequence | None:
+    """The youngest running sequence not scheduled this step; aged ones last. For a
+    `tenant` at its quota, only its own sequences: the blocks another tenant frees
+    would go to it past its quota (it preempts itself, or waits, instead). Others
+    take sequences of tenants over their quota first (they grew on free blocks)."""
+    quotas, usage = cache.quotas, cache.usage
+
+    def over(t: str | None) -> bool:
+        return t in quotas and usage.get(t, 0) > quotas[t]
+
+    own = tenant in quotas and usage.get(tenant, 0) >= quotas[tenant]
+    best: Sequence | None = None
+    best_key: tuple[bool, bool, int] | None = None
+    for s in running:
+        if s.seq_id in scheduled or (own and s.tenant != tenant):
+            continue
+        key = (over(s.tenant), now - s.arrival < aging_s, s.admitted_seq)
+        if best_key is None or key > best_key:
+            best, best_key = s, key
+    return best

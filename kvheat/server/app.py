@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..cache import make_policy
-from ..engine.engine import EngineConfig, SamplingParams
+from ..engine import GREEDY_BELOW, EngineConfig, LLMEngine, SamplingParams
 from ..engine.loader import load_model
 from ..engine.scheduler import SchedulerConfig
 from .arms import ArmRouter, ArmStats
@@ -43,11 +43,10 @@ from .guard import RequestGuard
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .tracing import Tracing, end_span
-from .worker import EngineWorker, Finished, RequestHandle, RequestTooLarge, ServingEngine
+from .worker import EngineWorker, Finished, RequestHandle, RequestTooLarge
 
 log = logging.getLogger("kvheat.server")
 T = TypeVar("T")
-_GREEDY_BELOW = 1e-5
 
 
 class ApiError(Exception):
@@ -161,7 +160,7 @@ class KVHeatServer:
         self.keys: dict[str, TenantConfig] = {k: t for t in config.tenants for k in t.api_keys}
         self.tenants: dict[str, TenantConfig] = {t.name: t for t in config.tenants}
 
-        def engine_for(arm: str) -> ServingEngine:
+        def engine_for(arm: str) -> LLMEngine:
             a = arms[arm]
             sched = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                     max_num_seqs=config.max_num_seqs,
@@ -181,7 +180,7 @@ class KVHeatServer:
                                 tier_mode=config.tier_mode, tier_namespace=arm,
                                 tier_secret=config.tier_secret)
             try:
-                eng = ServingEngine(model, tok, ecfg)
+                eng = LLMEngine(model, tok, ecfg)
             except (OSError, ValueError) as e:  # e.g. a disk tier folder it cannot write
                 raise ConfigError(f"arm {arm!r}: cannot set up its engine: {e}") from None
             old = self._shared.pop(arm, None)
@@ -383,7 +382,7 @@ class KVHeatServer:
         temperature = body.temperature
         if temperature is None:
             temperature = tenant.temperature if tenant and tenant.temperature is not None else 1.0
-        if temperature < _GREEDY_BELOW:  # as vLLM: tiny temperatures overflow; use greedy
+        if temperature < GREEDY_BELOW:  # as vLLM: tiny temperatures overflow; use greedy
             temperature = 0.0
         top_p = body.top_p
         if top_p is None:

@@ -20,10 +20,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
-
-import torch
 
 from ..cache.misses import MISS_KINDS, MissClassifier
 from ..engine.engine import LLMEngine, SamplingParams, TokenOutput
@@ -33,23 +31,6 @@ from .tracing import Tracing
 
 log = logging.getLogger("kvheat.server")
 T = TypeVar("T")
-
-
-class ServingEngine(LLMEngine):
-    """An LLMEngine with per-request logit bias (tenants' sampling defaults, OpenAI's
-    `logit_bias`), added to the logits before sampling."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.logit_bias: dict[str, torch.Tensor] = {}
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Any]) -> list[int]:  # type: ignore[override]
-        if self.logit_bias:
-            for i, r in enumerate(reqs):
-                bias = self.logit_bias.get(r.seq.seq_id)
-                if bias is not None:
-                    logits[i] += bias.to(logits.dtype)  # `logits` is the caller's copy
-        return super()._sample(logits, reqs)
 
 
 class RequestTooLarge(ValueError):
@@ -111,7 +92,7 @@ class _Active:
 
 
 class EngineWorker:
-    def __init__(self, engine_factory: Callable[[str], ServingEngine], arms: Sequence[str],
+    def __init__(self, engine_factory: Callable[[str], LLMEngine], arms: Sequence[str],
                  metrics: ServerMetrics, arm_stats: ArmStats, tracing: Tracing,
                  tenant_quotas: dict[str, int | None] | None = None,
                  refresh_s: float = 0.25, cores: Sequence[int] | None = None) -> None:
@@ -123,7 +104,7 @@ class EngineWorker:
         self.tracing = tracing
         self.tenant_quotas = dict(tenant_quotas or {})
         self.refresh_s = refresh_s
-        self.engines: dict[str, ServingEngine] = {}
+        self.engines: dict[str, LLMEngine] = {}
         self.classifiers: dict[str, MissClassifier] = {}
         for arm in self.arms:
             self.engines[arm] = self._new_engine(arm)
@@ -140,7 +121,7 @@ class EngineWorker:
         # by the admin API only: it says which prompts other tenants sent)
         self.misses: dict[str, dict[str, dict[str, int]]] = {}
 
-    def _new_engine(self, arm: str) -> ServingEngine:
+    def _new_engine(self, arm: str) -> LLMEngine:
         eng = self.engine_factory(arm)
         for tenant, quota in self.tenant_quotas.items():
             if quota is not None:
@@ -204,22 +185,12 @@ class EngineWorker:
              logit_bias: dict[int, float] | None) -> None:
         eng = self.engines[handle.arm]
         rid = handle.request_id
-        bias = None
-        if logit_bias:
-            vocab = eng.model_config.vocab_size
-            bad = [t for t in logit_bias if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary "
-                                 f"of {vocab}")
-            bias = torch.zeros(vocab)
-            for t, v in logit_bias.items():
-                bias[t] = v
+        if logit_bias:  # a sampling parameter: the engine checks the ids against its vocabulary
+            params = replace(params, logit_bias=dict(logit_bias))
         too_large = _too_large(eng, prompt, params.max_tokens, handle.tenant)
         if too_large is not None:
             raise RequestTooLarge(too_large)
         eng.add_request(prompt, params, tenant=handle.tenant, request_id=rid)
-        if bias is not None:
-            eng.logit_bias[rid] = bias
         t0 = time.perf_counter()
         kinds = self.classifiers[handle.arm].prepare(eng.cache, prompt, handle.tenant)
         t1 = time.perf_counter()
@@ -261,7 +232,6 @@ class EngineWorker:
         eng = self.engines[a.arm]
         rid = a.handle.request_id
         self.active.pop(rid, None)
-        eng.logit_bias.pop(rid, None)
         try:
             out = eng.release(rid)
         except Exception as e:  # not finished in the engine: a bug, but answer the client
@@ -283,7 +253,7 @@ class EngineWorker:
         a.handle.push(fin)
 
     @staticmethod
-    def _explain_unschedulable(fin: Finished, eng: ServingEngine, a: _Active) -> None:
+    def _explain_unschedulable(fin: Finished, eng: LLMEngine, a: _Active) -> None:
         why = _too_large(eng, a.prompt, a.max_tokens, a.handle.tenant)
         if why is not None:  # e.g. prefixes pinned after it arrived
             fin.error, fin.status, fin.code = why, 400, "context_length_exceeded"
@@ -292,7 +262,7 @@ class EngineWorker:
                          "pinned prefixes or cached under quotas); retry later")
             fin.status, fin.code, fin.retry_after_s = 503, "kv_pool_exhausted", 1
 
-    def _record(self, a: _Active, eng: ServingEngine, out: Any, reason: str,
+    def _record(self, a: _Active, eng: LLMEngine, out: Any, reason: str,
                 cached: int) -> None:
         m = out.metrics
         tenant = a.handle.tenant or "none"
@@ -311,7 +281,7 @@ class EngineWorker:
         if m.first_token is not None:
             self.arm_stats.record(a.arm, m.ttft, a.prompt_tokens, cached)
 
-    def _trace(self, a: _Active, eng: ServingEngine, out: Any, reason: str,
+    def _trace(self, a: _Active, eng: LLMEngine, out: Any, reason: str,
                cached: int) -> None:
         m = out.metrics
         span = a.handle.span
@@ -392,7 +362,7 @@ class EngineWorker:
         for arm, eng in self.engines.items():
             self._guard("gauges", lambda arm=arm, eng=eng: self._refresh_arm(arm, eng))
 
-    def _refresh_arm(self, arm: str, eng: ServingEngine) -> None:
+    def _refresh_arm(self, arm: str, eng: LLMEngine) -> None:
         self.metrics.refresh_arm(arm, eng)
         usage = getattr(eng.cache, "tenant_usage", None)
         if usage is not None and self.tenant_quotas:
@@ -446,7 +416,7 @@ class EngineWorker:
                     fut.set_exception(RuntimeError("the engine loop stopped"))
 
 
-def _too_large(eng: ServingEngine, prompt: list[int], max_tokens: int,
+def _too_large(eng: LLMEngine, prompt: list[int], max_tokens: int,
                tenant: str | None) -> str | None:
     """Why the request can never be admitted to this engine's pool, or None. It needs
     blocks for prompt + max_tokens; it may use the whole pool but for blocks pinned by
@@ -473,7 +443,7 @@ def _too_large(eng: ServingEngine, prompt: list[int], max_tokens: int,
     return None
 
 
-def _close(engine: ServingEngine) -> None:
+def _close(engine: LLMEngine) -> None:
     try:
         engine.close()
     except Exception:  # shutting one engine down must not stop the others

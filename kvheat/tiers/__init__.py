@@ -7,13 +7,12 @@ load-or-recompute). Redis support needs redis-py (`pip install kvheat[tiers]`).
 """
 
 from .codec import CorruptValue, namespace_digest
-from .device import DeviceKVPool
 from .disk import DiskStore
 from .hierarchy import TierConfig, TierCounters, TieredCache, TierIndex
 from .host import HostStore
 from .store import KVStore, StoreStats, TransferModel
 
 __all__ = [
-    "CorruptValue", "DeviceKVPool", "DiskStore", "HostStore", "KVStore", "StoreStats", "TierConfig",
+    "CorruptValue", "DiskStore", "HostStore", "KVStore", "StoreStats", "TierConfig",
     "TierCounters", "TierIndex", "TieredCache", "TransferModel", "namespace_digest",
 ]

@@ -1,13 +1,14 @@
 """The device KV pool: the engine's paged KV buffer, one tensor for all layers.
 
 Block `b` of the pool holds the KV of `block_size` consecutive tokens of whatever
-sequence the cache manager gave it to, for every layer. Layouts (SPEC.md, section 1):
+sequence the cache manager gave it to, for every layer. Layouts:
 
 - GQA (Llama family): `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`, K then V;
 - MLA (DeepSeek family): `[layers, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`,
   the compressed latent then the rotated rope key, nothing else.
 
-`read_block` / `write_block` move one block (all layers) out and in, for the lower tiers.
+`read_block` / `write_block` move one block (all layers) out and in, for the lower tiers
+(kvheat.tiers) and the swap space.
 """
 
 from __future__ import annotations
