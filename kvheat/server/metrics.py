@@ -175,9 +175,7 @@ class ServerMetrics:
         self._advance(self.evictions, (arm, "device"), cache.stats.evicted_blocks)
         for tenant, n in engine.scheduler.preemptions_by_tenant.items():
             self._advance(self.preemptions, (arm, tenant or "none"), n)
-        tiered = getattr(engine, "tiers", None)
-        st = tiered.stats() if tiered is not None else {}
-        self._refresh_tiers(arm, st)
+        self._refresh_tiers(arm, engine.tiers.stats() if engine.tiers is not None else {})
 
     def refresh_tenants(self, arm: str, usage: Mapping[str, int]) -> None:
         for tenant, n in usage.items():
