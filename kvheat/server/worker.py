@@ -27,6 +27,7 @@ import torch
 
 from ..engine.engine import LLMEngine, SamplingParams, TokenOutput
 from .arms import ArmStats
+from .handle import Finished, RequestHandle
 from .metrics import ServerMetrics
 from .misses import MISS_KINDS, MissClassifier
 from .tracing import Tracing
@@ -55,45 +56,6 @@ class ServingEngine(LLMEngine):
 class RequestTooLarge(ValueError):
     """The request can never fit this arm's KV pool (pool, quota or pinned prefixes): a
     400 with code `context_length_exceeded`."""
-
-
-@dataclass(slots=True)
-class Finished:
-    """The last item of a request's stream."""
-
-    finish_reason: str  # stop, length, abort, error
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    error: str | None = None
-    status: int = 500  # the HTTP status of an error
-    code: str | None = None  # OpenAI's error code, when there is one
-    retry_after_s: int | None = None  # with a 503: when the request could fit again
-
-
-class RequestHandle:
-    """The asyncio side of one request: token ids, then one `Finished`."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, arm: str,
-                 tenant: str | None, endpoint: str, span: Any = None) -> None:
-        self.loop = loop
-        self.request_id = request_id
-        self.arm = arm
-        self.tenant = tenant
-        self.endpoint = endpoint
-        self.span = span
-        self.queue: asyncio.Queue[int | Finished] = asyncio.Queue()
-        self.finished: Finished | None = None
-
-    def push(self, item: int | Finished) -> None:  # engine thread
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    async def next(self) -> int | Finished:
-        item = await self.queue.get()
-        if isinstance(item, Finished):
-            self.finished = item
-        return item
 
 
 @dataclass(slots=True)
@@ -144,11 +106,7 @@ class EngineWorker:
         eng = self.engine_factory(arm)
         for tenant, quota in self.tenant_quotas.items():
             if quota is not None:
-                set_quota = getattr(eng.cache, "set_tenant_quota", None)
-                if set_quota is None:
-                    log.warning("this cache has no tenant quotas; quota of %s not applied", tenant)
-                    break
-                set_quota(tenant, quota)
+                eng.set_tenant_quota(tenant, quota)
         return eng
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -298,8 +256,8 @@ class EngineWorker:
         tenant = a.handle.tenant or "none"
         misses = (self.classifiers[a.arm].classify(a.miss_kinds, a.prompt_tokens, cached)
                   if m.first_token is not None else None)
-        by_tier = m.cached_by_tier if getattr(eng, "tiers", None) is not None \
-            and m.first_token is not None else None
+        by_tier = (m.cached_by_tier if eng.tiers is not None and m.first_token is not None
+                   else None)
         e2e = (m.finished - m.arrival) if m.finished is not None else None
         if misses is not None:  # all classes, isolation too: for the admin API only
             per = self.misses.setdefault(a.arm, {}).setdefault(tenant, dict.fromkeys(MISS_KINDS, 0))
@@ -320,8 +278,7 @@ class EngineWorker:
             tr.child(span, "prefix_match", a.match_start, a.match_end,
                      {"kvheat.matched_tokens": a.predicted_hit_tokens,
                       "kvheat.prompt_tokens": a.prompt_tokens})
-            tiers = getattr(eng, "tiers", None)
-            if tiers is not None:
+            if eng.tiers is not None:
                 tr.child(span, "tier_load", m.arrival, m.first_token or m.arrival, {})
             if m.first_token is not None:
                 tr.child(span, "prefill", m.arrival, m.first_token,
@@ -394,9 +351,9 @@ class EngineWorker:
 
     def _refresh_arm(self, arm: str, eng: ServingEngine) -> None:
         self.metrics.refresh_arm(arm, eng)
-        usage = getattr(eng.cache, "tenant_usage", None)
-        if usage is not None and self.tenant_quotas:
-            self.metrics.refresh_tenants(arm, {t: usage(t) for t in self.tenant_quotas})
+        if self.tenant_quotas:
+            self.metrics.refresh_tenants(arm, {t: eng.cache.tenant_usage(t)
+                                               for t in self.tenant_quotas})
 
     def _run(self) -> None:
         last_refresh = 0.0
@@ -460,12 +417,11 @@ def _too_large(eng: ServingEngine, prompt: list[int], max_tokens: int,
     pool = len(cache.blocks)
     if need > pool:
         return f"{what}; the KV pool has {pool} blocks"
-    quota = getattr(cache, "quotas", {}).get(tenant)
+    quota = cache.quotas.get(tenant)
     if quota is not None and need > quota:
         return f"{what}; the tenant's quota is {quota} blocks"
-    pins = getattr(cache, "pins", None)
-    if pins:
-        pinned = {b.block_id for p in pins.values() for b in p.blocks}
+    if cache.pins:
+        pinned = {b.block_id for p in cache.pins.values() for b in p.blocks}
         shared = {b.block_id for b in cache.match_prefix(cache.make_request("", prompt, tenant))}
         held = len(pinned - shared)
         if need > pool - held:
