@@ -231,24 +231,16 @@ class EngineWorker:
         reason = a.finish_override or out.finish_reason or "abort"
         cached = m.num_cached_tokens if m.first_token is not None else 0
         self._guard("metrics", lambda: self._record(a, eng, out, reason, cached))
-        self._guard("tracing", lambda: self._trace(a, eng, out, reason, cached))
+        self._guard("tracing", lambda: self.tracing.request_done(
+            a.handle.span, out, a.arm, reason, a.prompt_tokens, cached,
+            (a.match_start, a.match_end, a.predicted_hit_tokens), eng.tiers is not None))
         fin = Finished(reason, a.prompt_tokens, cached, len(out.output_token_ids))
         if error is not None:
             fin.error, fin.status, fin.code = error.error, error.status, error.code
             fin.retry_after_s = error.retry_after_s
         elif reason == "error":  # the engine could not schedule it (nothing else ends so)
-            self._explain_unschedulable(fin, eng, a)
+            _explain_unschedulable(fin, eng, a)
         a.handle.push(fin)
-
-    @staticmethod
-    def _explain_unschedulable(fin: Finished, eng: ServingEngine, a: _Active) -> None:
-        why = _too_large(eng, a.prompt, a.max_tokens, a.handle.tenant)
-        if why is not None:  # e.g. prefixes pinned after it arrived
-            fin.error, fin.status, fin.code = why, 400, "context_length_exceeded"
-        else:
-            fin.error = ("the KV pool cannot hold this request now (blocks are held by "
-                         "pinned prefixes or cached under quotas); retry later")
-            fin.status, fin.code, fin.retry_after_s = 503, "kv_pool_exhausted", 1
 
     def _record(self, a: _Active, eng: ServingEngine, out: Any, reason: str,
                 cached: int) -> None:
@@ -268,28 +260,6 @@ class EngineWorker:
                                      m.inter_token_latencies, e2e, misses, by_tier)
         if m.first_token is not None:
             self.arm_stats.record(a.arm, m.ttft, a.prompt_tokens, cached)
-
-    def _trace(self, a: _Active, eng: ServingEngine, out: Any, reason: str,
-               cached: int) -> None:
-        m = out.metrics
-        span = a.handle.span
-        if span is not None and self.tracing.enabled:
-            tr = self.tracing
-            tr.child(span, "prefix_match", a.match_start, a.match_end,
-                     {"kvheat.matched_tokens": a.predicted_hit_tokens,
-                      "kvheat.prompt_tokens": a.prompt_tokens})
-            if eng.tiers is not None:
-                tr.child(span, "tier_load", m.arrival, m.first_token or m.arrival, {})
-            if m.first_token is not None:
-                tr.child(span, "prefill", m.arrival, m.first_token,
-                         {"kvheat.cached_tokens": cached,
-                          "kvheat.computed_tokens": a.prompt_tokens - cached,
-                          "kvheat.preemptions": m.num_preemptions})
-                tr.child(span, "decode", m.first_token, m.finished or m.first_token,
-                         {"kvheat.generated_tokens": len(out.output_token_ids)})
-            span.set_attribute("kvheat.arm", a.arm)
-            span.set_attribute("kvheat.cached_tokens", cached)
-            span.set_attribute("kvheat.finish_reason", reason)
 
     # ---- side work that must never stop serving ---------------------------------------
     def _guard(self, where: str, fn: Callable[[], Any]) -> None:
@@ -332,13 +302,17 @@ class EngineWorker:
             a.handle.push(Finished("error", a.prompt_tokens, 0, 0,
                                    error=f"the engine failed: {type(exc).__name__}"))
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self, stopped: bool = False) -> None:
+        """Run the commands sent so far; once the loop has stopped, refuse them."""
         while True:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
             if not fut.set_running_or_notify_cancel():
+                continue
+            if stopped:
+                fut.set_exception(RuntimeError("the engine loop stopped"))
                 continue
             try:
                 fut.set_result(fn())
@@ -347,13 +321,8 @@ class EngineWorker:
 
     def refresh_gauges(self) -> None:
         for arm, eng in self.engines.items():
-            self._guard("gauges", lambda arm=arm, eng=eng: self._refresh_arm(arm, eng))
-
-    def _refresh_arm(self, arm: str, eng: ServingEngine) -> None:
-        self.metrics.refresh_arm(arm, eng)
-        if self.tenant_quotas:
-            self.metrics.refresh_tenants(arm, {t: eng.cache.tenant_usage(t)
-                                               for t in self.tenant_quotas})
+            self._guard("gauges", lambda arm=arm, eng=eng:
+                        self.metrics.refresh_arm(arm, eng, self.tenant_quotas))
 
     def _run(self) -> None:
         last_refresh = 0.0
@@ -394,13 +363,7 @@ class EngineWorker:
                                        error="the server is shutting down", status=503,
                                        code="shutting_down", retry_after_s=1))
             self.active.clear()
-            while True:  # answer commands that will never run
-                try:
-                    _, fut = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(RuntimeError("the engine loop stopped"))
+            self._drain_commands(stopped=True)  # answer commands that will never run
 
 
 def _too_large(eng: ServingEngine, prompt: list[int], max_tokens: int,
@@ -427,6 +390,16 @@ def _too_large(eng: ServingEngine, prompt: list[int], max_tokens: int,
         if need > pool - held:
             return f"{what}; pinned prefixes hold {held} of the pool's {pool} blocks"
     return None
+
+
+def _explain_unschedulable(fin: Finished, eng: ServingEngine, a: _Active) -> None:
+    why = _too_large(eng, a.prompt, a.max_tokens, a.handle.tenant)
+    if why is not None:  # e.g. prefixes pinned after it arrived
+        fin.error, fin.status, fin.code = why, 400, "context_length_exceeded"
+    else:
+        fin.error = ("the KV pool cannot hold this request now (blocks are held by "
+                     "pinned prefixes or cached under quotas); retry later")
+        fin.status, fin.code, fin.retry_after_s = 503, "kv_pool_exhausted", 1
 
 
 def _close(engine: ServingEngine) -> None:
