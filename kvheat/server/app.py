@@ -5,7 +5,8 @@ admin API under `/admin` (see admin.py).
 Every request is checked before it reaches the engine: a missing or wrong API key is
 401, an unknown model 404, bad fields, a prompt over the context length or bad token ids
 400, a full queue 503. A client that goes away mid-request has its request aborted, and
-its blocks are freed at once.
+its blocks are freed at once. Prompts are tokenized and checked in prompts.py, answers
+shaped in responses.py, errors in errors.py.
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
             parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
     param = None
     if errs and errs[0].get("type") != "json_invalid":  # its loc is a char offset
-        loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None
+        where = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
+        param = where[0] if where else None
     return error_response(400, "; ".join(parts) or "invalid request", param=param)
 
 

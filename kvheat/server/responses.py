@@ -26,23 +26,23 @@ if TYPE_CHECKING:
 DONE = b"data: [DONE]\n\n"
 
 
-def dumps(obj: Any) -> bytes:
+def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(dumps(obj), status_code=status, media_type="application/json")
+    return Response(_dumps(obj), status_code=status, media_type="application/json")
 
 
-def sse(obj: Any) -> bytes:
-    return b"data: " + dumps(obj) + b"\n\n"
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj) + b"\n\n"
 
 
-def openai_reason(reason: str) -> str:
+def _openai_reason(reason: str) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
-def usage(fin: Finished) -> dict[str, Any]:
+def _usage(fin: Finished) -> dict[str, Any]:
     return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
             "total_tokens": fin.prompt_tokens + fin.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
@@ -78,7 +78,7 @@ class Reply:
             out = self._envelope("text_completion", [{"index": 0, "text": text,
                                                       "logprobs": None,
                                                       "finish_reason": reason}])
-        out["usage"] = usage(fin)
+        out["usage"] = _usage(fin)
         return out
 
     @property
@@ -96,18 +96,18 @@ class Reply:
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": None,
                       "finish_reason": reason}
-        return sse(self._envelope(self._chunk_object, [choice]))
+        return _sse(self._envelope(self._chunk_object, [choice]))
 
     def usage_chunk(self, fin: Finished) -> bytes:
         """The last event before [DONE] when the client asked for `include_usage`."""
         out = self._envelope(self._chunk_object, [])
-        out["usage"] = usage(fin)
-        return sse(out)
+        out["usage"] = _usage(fin)
+        return _sse(out)
 
 
 def error_event(fin: Finished) -> bytes:
     """An error after the stream's status line went out: a final event before [DONE]."""
-    return sse({"error": {"message": fin.error, "type": error_type(fin.status),
+    return _sse({"error": {"message": fin.error, "type": error_type(fin.status),
                           "param": None, "code": fin.code}})
 
 
@@ -157,7 +157,7 @@ async def collect(reply: Reply, request: Request, worker: EngineWorker,
     if fin.error is not None:
         return finished_error(fin)
     text.flush()
-    reason = "stop" if text.stopped else openai_reason(fin.finish_reason)
+    reason = "stop" if text.stopped else _openai_reason(fin.finish_reason)
     return json_response(reply.body(text.text, reason, fin))
 
 
@@ -185,7 +185,7 @@ async def stream(reply: Reply, first: int | Finished, worker: EngineWorker,
             tail = text.flush()
             if tail:
                 yield reply.chunk(tail, None)
-            reason = "stop" if text.stopped else openai_reason(item.finish_reason)
+            reason = "stop" if text.stopped else _openai_reason(item.finish_reason)
             yield reply.chunk(None, reason)
             if reply.include_usage:
                 yield reply.usage_chunk(item)

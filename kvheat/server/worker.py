@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -321,8 +322,7 @@ class EngineWorker:
 
     def refresh_gauges(self) -> None:
         for arm, eng in self.engines.items():
-            self._guard("gauges", lambda arm=arm, eng=eng:
-                        self.metrics.refresh_arm(arm, eng, self.tenant_quotas))
+            self._guard("gauges", partial(self.metrics.refresh_arm, arm, eng, self.tenant_quotas))
 
     def _run(self) -> None:
         last_refresh = 0.0
