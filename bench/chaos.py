@@ -359,7 +359,7 @@ def reference_texts(answers: list[tuple[list[int], str, str]]) -> list[str]:
     import torch
 
     from kvheat.engine import EngineConfig, LLMEngine, SamplingParams
-    from kvheat.server.app import TextAssembler
+    from kvheat.server.detokenizer import TextAssembler
 
     torch.set_num_threads(1)
     eng = LLMEngine.from_pretrained(None, "llama", seed=0,

@@ -674,7 +674,7 @@ def test_arm_routing_is_stable_and_proportional() -> None:
 
 
 def test_text_assembler_holds_partial_characters_and_stop_strings() -> None:
-    from kvheat.server.app import TextAssembler
+    from kvheat.server.detokenizer import TextAssembler
 
     tok = Tokenizer.tiny()
     euro = tok.encode("€", add_special_tokens=False)

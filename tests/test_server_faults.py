@@ -237,7 +237,7 @@ def test_big_bodies_are_refused_before_they_are_read() -> None:
         assert out.startswith("HTTP/1.1 413"), out[:200]
         # Under the body limit but too long to fit the context: refused by its byte
         # length, before tokenizing (the message counts bytes, not tokens).
-        text = "word " * (s.server.prompt_byte_limit // 5 + 1)
+        text = "word " * (s.server.prompts.byte_limit // 5 + 1)
         r = _complete(s, text, "sk-a")
         assert r.status_code == 400, r.text
         err = r.json()["error"]
@@ -407,7 +407,7 @@ def test_shutdown_ends_long_streams_at_the_drain_deadline() -> None:
 # ---- 7. no U+FFFD where a token ends inside a character ---------------------------------------
 def test_text_never_ends_with_a_replacement_character() -> None:
     from kvheat.engine.loader import Tokenizer
-    from kvheat.server.app import TextAssembler
+    from kvheat.server.detokenizer import TextAssembler
 
     tok = Tokenizer.tiny()
     euro = tok.encode("€", add_special_tokens=False)

@@ -14,21 +14,40 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Request, Response
 
-from ..engine.engine import SamplingParams
+from ..engine import SamplingParams
+from .arms import ArmStats
+from .config import TenantConfig
+from .errors import ApiError
+from .handle import Finished, RequestHandle
+from .prompts import PromptEncoder
 from .protocol import PinRequest, QuotaRequest
-from .worker import Finished, RequestHandle
+from .responses import json_response
+from .worker import EngineWorker
 
-if TYPE_CHECKING:
-    from .app import KVHeatServer
+T = TypeVar("T")
 
 
-def admin_router(server: KVHeatServer) -> APIRouter:
-    from .app import ApiError, _json
+class AdminHost(Protocol):
+    """What the admin API uses of the server (`KVHeatServer`)."""
 
+    worker: EngineWorker
+    tenants: dict[str, TenantConfig]
+    prompts: PromptEncoder
+    arm_stats: ArmStats
+    model_name: str
+    max_model_len: int
+
+    def check_admin(self, authorization: str) -> None: ...
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+
+def admin_router(server: AdminHost) -> APIRouter:
     router = APIRouter(prefix="/admin", tags=["admin"])
     worker = server.worker
 
@@ -58,12 +77,12 @@ def admin_router(server: KVHeatServer) -> APIRouter:
         if sum(given) != 1:
             raise ApiError(400, "give exactly one of prompt, messages, token_ids")
         if body.token_ids is not None:
-            return server.completion_prompt(body.token_ids)
+            return server.prompts.completion(body.token_ids)
         if body.messages is not None:
             if not body.messages:
                 raise ApiError(400, "messages is empty", param="messages")
-            return server.chat_prompt(body.messages, body.add_generation_prompt)
-        ids = server.encode(body.prompt or "")
+            return server.prompts.chat(body.messages, body.add_generation_prompt)
+        ids = server.prompts.encode(body.prompt or "")
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         return ids
@@ -90,14 +109,12 @@ def admin_router(server: KVHeatServer) -> APIRouter:
                            "decode_tokens": eng.stats.decode_tokens,
                            "preemptions": eng.stats.preemptions},
             }
-            usage = getattr(c, "tenant_usage", None)
-            if usage is not None and server.tenants:
-                out["tenants"] = {t: {"blocks": usage(t),
+            if server.tenants:
+                out["tenants"] = {t: {"blocks": c.tenant_usage(t),
                                       "quota": worker.tenant_quotas.get(t)}
                                   for t in server.tenants}
-            tiers = getattr(eng, "tiers", None)
-            if tiers is not None:
-                out["tiers"] = tiers.stats()
+            if eng.tiers is not None:
+                out["tiers"] = eng.tiers.stats()
             return out
 
         arms = await on_engines(one)
@@ -107,13 +124,13 @@ def admin_router(server: KVHeatServer) -> APIRouter:
         for arm, per in misses.items():
             if arm in arms:
                 arms[arm]["misses"] = per
-        return _json({"model": server.model_name, "arms": arms,
+        return json_response({"model": server.model_name, "arms": arms,
                       "active_requests": worker.num_active})
 
     @router.get("/arms")
     async def arms(request: Request) -> Response:
         check(request)
-        return _json({"arms": server.arm_stats.summary()})
+        return json_response({"arms": server.arm_stats.summary()})
 
     @router.post("/tenants/{tenant}/flush")
     async def flush(tenant: str, request: Request) -> Response:
@@ -121,7 +138,7 @@ def admin_router(server: KVHeatServer) -> APIRouter:
         t = tenant_of(tenant)
         deleted = await on_engines(lambda eng: eng.flush_tenant(t))
         # `evicted_blocks`: device blocks, as before; `deleted`: entries per tier.
-        return _json({"tenant": tenant,
+        return json_response({"tenant": tenant,
                       "evicted_blocks": {arm: d["device"] for arm, d in deleted.items()},
                       "deleted": deleted})
 
@@ -138,7 +155,7 @@ def admin_router(server: KVHeatServer) -> APIRouter:
 
         res = await on_engines(apply)
         worker.tenant_quotas[t] = body.blocks  # rebuilt engines get it too
-        return _json({"tenant": t, "quota_blocks": body.blocks,
+        return json_response({"tenant": t, "quota_blocks": body.blocks,
                       "usage_blocks": {arm: u for arm, (_c, u) in res.items()},
                       "deleted_blocks": {arm: c for arm, (c, _u) in res.items()}})
 
@@ -164,7 +181,7 @@ def admin_router(server: KVHeatServer) -> APIRouter:
             while not isinstance(await h.next(), Finished):
                 pass
         pinned = await on_engines(lambda eng: eng.pin_prefix(prompt, t))
-        return _json({"tenant": t, "prompt_tokens": len(prompt), "pinned_tokens": pinned})
+        return json_response({"tenant": t, "prompt_tokens": len(prompt), "pinned_tokens": pinned})
 
     @router.post("/unpin")
     async def unpin(body: PinRequest, request: Request) -> Response:
@@ -172,6 +189,6 @@ def admin_router(server: KVHeatServer) -> APIRouter:
         t = tenant_of(body.tenant)
         prompt = await server.offload(prompt_of, body)
         unpinned = await on_engines(lambda eng: eng.unpin_prefix(prompt, t))
-        return _json({"tenant": t, "unpinned": unpinned})
+        return json_response({"tenant": t, "unpinned": unpinned})
 
     return router

@@ -1,4 +1,5 @@
-"""A/B arms (SPEC §4.1): `hash(user) % 100` picks the arm, each arm its own cache policy.
+"""A/B arms: `hash(user) % 100` picks the arm, each arm its own cache policy (docs/server.md,
+"A/B arms").
 
 The hash is xxh64 of the user string: stable across processes and restarts (Python's
 `hash` of a str is salted per process), so a user stays in one arm. `ArmStats` keeps what

@@ -10,7 +10,7 @@ as lists of tables:
     name = "acme"
     api_keys = ["sk-acme-1"]
     quota_blocks = 128                  # blocks of each arm's pool; fair sharing under contention
-    temperature = 0.7                   # sampling defaults (SPEC §3.3 "weight normalisation")
+    temperature = 0.7                   # sampling defaults (docs/server.md, "Tenants")
     logit_bias = { "13" = -100.0 }
 
     [[arms]]

@@ -43,7 +43,7 @@ class ServerEvents:
     def engine_built(self, arm: str, engine: Any) -> None:
         """Publish this (new) engine's changes; tell subscribers what it holds now."""
         self._engines[arm] = engine
-        attach(self.publisher, engine.cache, getattr(engine, "tiers", None),
+        attach(self.publisher, engine.cache, engine.tiers,
                rank=self.arms.index(arm))
         self.publisher.request_resync()
 
@@ -51,7 +51,7 @@ class ServerEvents:
         def build() -> list[tuple]:
             out: list[tuple] = []
             for arm, eng in list(self._engines.items()):
-                out += snapshot_items(eng.cache, getattr(eng, "tiers", None),
+                out += snapshot_items(eng.cache, eng.tiers,
                                       self.arms.index(arm), self.config.token_ids)
             return out
 

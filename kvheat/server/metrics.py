@@ -8,7 +8,7 @@ second, so a scrape never walks engine structures while they change.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -161,7 +161,8 @@ class ServerMetrics:
         self._last[key] = max(value, 0.0)
 
     # ---- refreshed from the engine thread ----------------------------------------------
-    def refresh_arm(self, arm: str, engine: Any) -> None:
+    def refresh_arm(self, arm: str, engine: Any, tenants: Iterable[str] = ()) -> None:
+        """Queues, blocks (and each of `tenants`' blocks), evictions, preemptions, tiers."""
         cache = engine.cache
         sched = engine.scheduler
         self.queue.labels(arm, "waiting").set(len(sched.waiting))
@@ -175,13 +176,9 @@ class ServerMetrics:
         self._advance(self.evictions, (arm, "device"), cache.stats.evicted_blocks)
         for tenant, n in engine.scheduler.preemptions_by_tenant.items():
             self._advance(self.preemptions, (arm, tenant or "none"), n)
-        tiered = getattr(engine, "tiers", None)
-        st = tiered.stats() if tiered is not None else {}
-        self._refresh_tiers(arm, st)
-
-    def refresh_tenants(self, arm: str, usage: Mapping[str, int]) -> None:
-        for tenant, n in usage.items():
-            self.tenant_blocks.labels(arm, tenant).set(n)
+        self._refresh_tiers(arm, engine.tiers.stats() if engine.tiers is not None else {})
+        for tenant in tenants:
+            self.tenant_blocks.labels(arm, tenant).set(cache.tenant_usage(tenant))
 
     def _refresh_tiers(self, arm: str, st: Mapping[str, Any]) -> None:
         """Lower-tier figures from `TieredCache.stats()`."""

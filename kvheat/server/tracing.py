@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+
+if TYPE_CHECKING:
+    from ..engine.engine import RequestOutput
 
 log = logging.getLogger("kvheat.server")
 
@@ -72,6 +75,30 @@ class Tracing:
         span = self.tracer.start_span(name, context=ctx, start_time=perf_to_ns(start),
                                       attributes=attributes or {})
         span.end(end_time=perf_to_ns(max(start, end)))
+
+    def request_done(self, span: Any, out: RequestOutput, arm: str, reason: str,
+                     prompt_tokens: int, cached: int, match: tuple[float, float, int],
+                     tier_load: bool) -> None:
+        """A finished request's child spans and outcome. `match`: when the prefix match
+        ran (start, end) and the tokens it found cached."""
+        if span is None or not self.enabled:
+            return
+        m = out.metrics
+        start, end, matched = match
+        self.child(span, "prefix_match", start, end,
+                   {"kvheat.matched_tokens": matched, "kvheat.prompt_tokens": prompt_tokens})
+        if tier_load:
+            self.child(span, "tier_load", m.arrival, m.first_token or m.arrival, {})
+        if m.first_token is not None:
+            self.child(span, "prefill", m.arrival, m.first_token,
+                       {"kvheat.cached_tokens": cached,
+                        "kvheat.computed_tokens": prompt_tokens - cached,
+                        "kvheat.preemptions": m.num_preemptions})
+            self.child(span, "decode", m.first_token, m.finished or m.first_token,
+                       {"kvheat.generated_tokens": len(out.output_token_ids)})
+        span.set_attribute("kvheat.arm", arm)
+        span.set_attribute("kvheat.cached_tokens", cached)
+        span.set_attribute("kvheat.finish_reason", reason)
 
     def shutdown(self) -> None:
         if self.provider is not None:

@@ -21,11 +21,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, TypeVar
 
 from ..cache.misses import MISS_KINDS, MissClassifier
-from ..engine.engine import LLMEngine, SamplingParams, TokenOutput
+from ..engine import LLMEngine, SamplingParams, TokenOutput
 from .arms import ArmStats
+from .handle import Finished, RequestHandle
 from .metrics import ServerMetrics
 from .tracing import Tracing
 
@@ -36,45 +38,6 @@ T = TypeVar("T")
 class RequestTooLarge(ValueError):
     """The request can never fit this arm's KV pool (pool, quota or pinned prefixes): a
     400 with code `context_length_exceeded`."""
-
-
-@dataclass(slots=True)
-class Finished:
-    """The last item of a request's stream."""
-
-    finish_reason: str  # stop, length, abort, error
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    error: str | None = None
-    status: int = 500  # the HTTP status of an error
-    code: str | None = None  # OpenAI's error code, when there is one
-    retry_after_s: int | None = None  # with a 503: when the request could fit again
-
-
-class RequestHandle:
-    """The asyncio side of one request: token ids, then one `Finished`."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, arm: str,
-                 tenant: str | None, endpoint: str, span: Any = None) -> None:
-        self.loop = loop
-        self.request_id = request_id
-        self.arm = arm
-        self.tenant = tenant
-        self.endpoint = endpoint
-        self.span = span
-        self.queue: asyncio.Queue[int | Finished] = asyncio.Queue()
-        self.finished: Finished | None = None
-
-    def push(self, item: int | Finished) -> None:  # engine thread
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    async def next(self) -> int | Finished:
-        item = await self.queue.get()
-        if isinstance(item, Finished):
-            self.finished = item
-        return item
 
 
 @dataclass(slots=True)
@@ -125,11 +88,7 @@ class EngineWorker:
         eng = self.engine_factory(arm)
         for tenant, quota in self.tenant_quotas.items():
             if quota is not None:
-                set_quota = getattr(eng.cache, "set_tenant_quota", None)
-                if set_quota is None:
-                    log.warning("this cache has no tenant quotas; quota of %s not applied", tenant)
-                    break
-                set_quota(tenant, quota)
+                eng.set_tenant_quota(tenant, quota)
         return eng
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -243,24 +202,16 @@ class EngineWorker:
         reason = a.finish_override or out.finish_reason or "abort"
         cached = m.num_cached_tokens if m.first_token is not None else 0
         self._guard("metrics", lambda: self._record(a, eng, out, reason, cached))
-        self._guard("tracing", lambda: self._trace(a, eng, out, reason, cached))
+        self._guard("tracing", lambda: self.tracing.request_done(
+            a.handle.span, out, a.arm, reason, a.prompt_tokens, cached,
+            (a.match_start, a.match_end, a.predicted_hit_tokens), eng.tiers is not None))
         fin = Finished(reason, a.prompt_tokens, cached, len(out.output_token_ids))
         if error is not None:
             fin.error, fin.status, fin.code = error.error, error.status, error.code
             fin.retry_after_s = error.retry_after_s
         elif reason == "error":  # the engine could not schedule it (nothing else ends so)
-            self._explain_unschedulable(fin, eng, a)
+            _explain_unschedulable(fin, eng, a)
         a.handle.push(fin)
-
-    @staticmethod
-    def _explain_unschedulable(fin: Finished, eng: LLMEngine, a: _Active) -> None:
-        why = _too_large(eng, a.prompt, a.max_tokens, a.handle.tenant)
-        if why is not None:  # e.g. prefixes pinned after it arrived
-            fin.error, fin.status, fin.code = why, 400, "context_length_exceeded"
-        else:
-            fin.error = ("the KV pool cannot hold this request now (blocks are held by "
-                         "pinned prefixes or cached under quotas); retry later")
-            fin.status, fin.code, fin.retry_after_s = 503, "kv_pool_exhausted", 1
 
     def _record(self, a: _Active, eng: LLMEngine, out: Any, reason: str,
                 cached: int) -> None:
@@ -268,8 +219,8 @@ class EngineWorker:
         tenant = a.handle.tenant or "none"
         misses = (self.classifiers[a.arm].classify(a.miss_kinds, a.prompt_tokens, cached)
                   if m.first_token is not None else None)
-        by_tier = m.cached_by_tier if getattr(eng, "tiers", None) is not None \
-            and m.first_token is not None else None
+        by_tier = (m.cached_by_tier if eng.tiers is not None and m.first_token is not None
+                   else None)
         e2e = (m.finished - m.arrival) if m.finished is not None else None
         if misses is not None:  # all classes, isolation too: for the admin API only
             per = self.misses.setdefault(a.arm, {}).setdefault(tenant, dict.fromkeys(MISS_KINDS, 0))
@@ -280,29 +231,6 @@ class EngineWorker:
                                      m.inter_token_latencies, e2e, misses, by_tier)
         if m.first_token is not None:
             self.arm_stats.record(a.arm, m.ttft, a.prompt_tokens, cached)
-
-    def _trace(self, a: _Active, eng: LLMEngine, out: Any, reason: str,
-               cached: int) -> None:
-        m = out.metrics
-        span = a.handle.span
-        if span is not None and self.tracing.enabled:
-            tr = self.tracing
-            tr.child(span, "prefix_match", a.match_start, a.match_end,
-                     {"kvheat.matched_tokens": a.predicted_hit_tokens,
-                      "kvheat.prompt_tokens": a.prompt_tokens})
-            tiers = getattr(eng, "tiers", None)
-            if tiers is not None:
-                tr.child(span, "tier_load", m.arrival, m.first_token or m.arrival, {})
-            if m.first_token is not None:
-                tr.child(span, "prefill", m.arrival, m.first_token,
-                         {"kvheat.cached_tokens": cached,
-                          "kvheat.computed_tokens": a.prompt_tokens - cached,
-                          "kvheat.preemptions": m.num_preemptions})
-                tr.child(span, "decode", m.first_token, m.finished or m.first_token,
-                         {"kvheat.generated_tokens": len(out.output_token_ids)})
-            span.set_attribute("kvheat.arm", a.arm)
-            span.set_attribute("kvheat.cached_tokens", cached)
-            span.set_attribute("kvheat.finish_reason", reason)
 
     # ---- side work that must never stop serving ---------------------------------------
     def _guard(self, where: str, fn: Callable[[], Any]) -> None:
@@ -345,13 +273,17 @@ class EngineWorker:
             a.handle.push(Finished("error", a.prompt_tokens, 0, 0,
                                    error=f"the engine failed: {type(exc).__name__}"))
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self, stopped: bool = False) -> None:
+        """Run the commands sent so far; once the loop has stopped, refuse them."""
         while True:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
             if not fut.set_running_or_notify_cancel():
+                continue
+            if stopped:
+                fut.set_exception(RuntimeError("the engine loop stopped"))
                 continue
             try:
                 fut.set_result(fn())
@@ -360,13 +292,7 @@ class EngineWorker:
 
     def refresh_gauges(self) -> None:
         for arm, eng in self.engines.items():
-            self._guard("gauges", lambda arm=arm, eng=eng: self._refresh_arm(arm, eng))
-
-    def _refresh_arm(self, arm: str, eng: LLMEngine) -> None:
-        self.metrics.refresh_arm(arm, eng)
-        usage = getattr(eng.cache, "tenant_usage", None)
-        if usage is not None and self.tenant_quotas:
-            self.metrics.refresh_tenants(arm, {t: usage(t) for t in self.tenant_quotas})
+            self._guard("gauges", partial(self.metrics.refresh_arm, arm, eng, self.tenant_quotas))
 
     def _run(self) -> None:
         last_refresh = 0.0
@@ -407,13 +333,7 @@ class EngineWorker:
                                        error="the server is shutting down", status=503,
                                        code="shutting_down", retry_after_s=1))
             self.active.clear()
-            while True:  # answer commands that will never run
-                try:
-                    _, fut = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(RuntimeError("the engine loop stopped"))
+            self._drain_commands(stopped=True)  # answer commands that will never run
 
 
 def _too_large(eng: LLMEngine, prompt: list[int], max_tokens: int,
@@ -430,17 +350,26 @@ def _too_large(eng: LLMEngine, prompt: list[int], max_tokens: int,
     pool = len(cache.blocks)
     if need > pool:
         return f"{what}; the KV pool has {pool} blocks"
-    quota = getattr(cache, "quotas", {}).get(tenant)
+    quota = cache.quotas.get(tenant)
     if quota is not None and need > quota:
         return f"{what}; the tenant's quota is {quota} blocks"
-    pins = getattr(cache, "pins", None)
-    if pins:
-        pinned = {b.block_id for p in pins.values() for b in p.blocks}
+    if cache.pins:
+        pinned = {b.block_id for p in cache.pins.values() for b in p.blocks}
         shared = {b.block_id for b in cache.match_prefix(cache.make_request("", prompt, tenant))}
         held = len(pinned - shared)
         if need > pool - held:
             return f"{what}; pinned prefixes hold {held} of the pool's {pool} blocks"
     return None
+
+
+def _explain_unschedulable(fin: Finished, eng: LLMEngine, a: _Active) -> None:
+    why = _too_large(eng, a.prompt, a.max_tokens, a.handle.tenant)
+    if why is not None:  # e.g. prefixes pinned after it arrived
+        fin.error, fin.status, fin.code = why, 400, "context_length_exceeded"
+    else:
+        fin.error = ("the KV pool cannot hold this request now (blocks are held by "
+                     "pinned prefixes or cached under quotas); retry later")
+        fin.status, fin.code, fin.retry_after_s = 503, "kv_pool_exhausted", 1
 
 
 def _close(engine: LLMEngine) -> None:
