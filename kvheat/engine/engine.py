@@ -28,6 +28,7 @@ from ..cache import (
     policy_names,
 )
 from ..tiers.device import DeviceKVPool
+from ..tiers.spec import TierSpec, build_tiers
 from .runner import ModelRunner, SeqBatchItem
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SeqStatus
 from .scheduler import Sequence as SchedSequence
@@ -110,23 +111,12 @@ class EngineConfig:
     policy: str = "kvheat"  # eviction policy of the block cache (kvheat.heat's scale-free heat)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     swap_space_blocks: int = 0  # host blocks for swap preemption (with preemption="swap")
-    # Lower KV tiers under the device cache (kvheat.tiers), in this order: host memory,
-    # local disk (survives a restart), Redis (shared by replicas).
-    host_tier_blocks: int = 0  # >0: a host tier of this many blocks
-    disk_tier_dir: str | None = None
-    disk_tier_bytes: int = 0
-    redis_tier_url: str | None = None
-    redis_tier_bytes: int = 0
-    redis_cluster: bool = False
-    tier_mode: str = "exclusive"  # or "write_through"
+    # Lower KV tiers under the device cache (kvheat.tiers.TierSpec): host memory, local
+    # disk (survives a restart), Redis (shared by replicas).
+    tiers: TierSpec = field(default_factory=TierSpec)
     # Names the KV on disk and in Redis: None: a fingerprint of the weights, so KV of other
-    # weights is never served; `tier_namespace` separates engines that must not share it
-    # (the server's A/B arms).
+    # weights is never served.
     model_id: str | None = None
-    tier_namespace: str = ""
-    # Keys the MAC of KV values on disk and in Redis (kvheat.tiers.codec.tier_key); None:
-    # KVHEAT_TIER_SECRET, else a disk folder's own key file and a per-process Redis key.
-    tier_secret: str | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
@@ -136,14 +126,6 @@ class EngineConfig:
             raise ValueError("give num_blocks or kv_memory_bytes")
         if self.scheduler.preemption == "swap" and self.swap_space_blocks <= 0:
             raise ValueError("preemption='swap' needs swap_space_blocks > 0")
-        if self.host_tier_blocks < 0:
-            raise ValueError("host_tier_blocks must be >= 0")
-        if (self.disk_tier_dir is None) != (self.disk_tier_bytes <= 0):
-            raise ValueError("a disk tier needs both disk_tier_dir and disk_tier_bytes > 0")
-        if (self.redis_tier_url is None) != (self.redis_tier_bytes <= 0):
-            raise ValueError("a Redis tier needs both redis_tier_url and redis_tier_bytes > 0")
-        if self.tier_mode not in ("exclusive", "write_through"):
-            raise ValueError("tier_mode must be 'exclusive' or 'write_through'")
 
 
 class HostSwapSpace:
@@ -238,8 +220,9 @@ class LLMEngine:
         self.swap_space = (HostSwapSpace(pool, cfg.swap_space_blocks)
                            if cfg.scheduler.preemption == "swap" else None)
         self._prefill_speed: float | None = None  # tokens/s, a moving average
-        self.tiers: TieredCache | None = self._make_tiers(model) if (
-            cfg.host_tier_blocks > 0 or cfg.disk_tier_dir or cfg.redis_tier_url) else None
+        self.tiers: TieredCache | None = build_tiers(
+            cfg.tiers, self.cache, pool, cfg.model_id or model_fingerprint(model),
+            self.prefill_tokens_per_s) if cfg.tiers.enabled else None
         self.clock = clock
         self.scheduler = Scheduler(cfg.scheduler, self.cache, self.swap_space, clock,
                                    self.tiers)
@@ -250,35 +233,6 @@ class LLMEngine:
         self._eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._failed: BaseException | None = None
         self.ended: list[str] = []  # ended inside `step` without a token: see pop_ended
-
-    def _make_tiers(self, model: torch.nn.Module) -> TieredCache:
-        from ..tiers import DiskStore, HostStore, KVStore, TierConfig, TieredCache
-
-        cfg, pool = self.config, self.kv_pool
-        stores: list[KVStore] = []
-        if cfg.host_tier_blocks > 0:
-            stores.append(HostStore(cfg.host_tier_blocks * pool.bytes_per_block,
-                                    pool.bytes_per_block))
-        model_id = cfg.model_id or model_fingerprint(model)
-        if cfg.tier_namespace:
-            model_id += "/" + cfg.tier_namespace
-        layout = f"{pool.layout}-b{pool.block_size}-{str(pool.dtype).removeprefix('torch.')}"
-        if cfg.disk_tier_dir:
-            stores.append(DiskStore(cfg.disk_tier_dir, cfg.disk_tier_bytes, model=model_id,
-                                    layout=layout, secret=cfg.tier_secret))
-        if cfg.redis_tier_url:
-            from ..tiers.redis_store import RedisStore, connect
-
-            stores.append(RedisStore(connect(cfg.redis_tier_url, cluster=cfg.redis_cluster),
-                                     cfg.redis_tier_bytes, model=model_id, layout=layout,
-                                     secret=cfg.tier_secret))
-        slow = any(not st.inline for st in stores)
-        # Host only: synchronous copies, always loaded (a memory copy beats recomputing,
-        # bench/tiers.py). With disk or Redis: background demotion, prefetch, and loads
-        # only where they beat this engine's measured prefill speed.
-        tc = TierConfig(mode=cfg.tier_mode, async_io=slow, calibrate=slow,
-                        prefill_tokens_per_s=self.prefill_tokens_per_s if slow else None)
-        return TieredCache(self.cache, pool, stores, tc)
 
     # ---- tenants (the admin API calls these between steps) -------------------------------
     def flush_tenant(self, tenant: str | None) -> dict[str, int]:
