@@ -379,13 +379,13 @@ def test_disk_loads_start_while_a_request_waits(llama: tuple, tmp_path) -> None:
     plans = tc.counters.prefetch_plans
     ids = [e.add_request(p, sp) for p in (ps[0], ps[1], ps[0] + [7])]
     # Planned on arrival, the disk reads in flight while they wait (one runs at a time).
-    assert tc.counters.prefetch_plans == plans + 3 and len(tc._prefetched) == 3
+    assert tc.counters.prefetch_plans == plans + 3 and len(tc.promoter.plans) == 3
     e.abort(ids[2])  # a waiting request that goes away releases its pins
-    assert len(tc._prefetched) == 2
+    assert len(tc.promoter.plans) == 2
     run_checked(e)
     outs = [e.release(i) for i in ids[:2]]
     assert [o.output_token_ids for o in outs] == [f.output_token_ids for f in first[:2]]
     assert [o.metrics.num_cached_tokens for o in outs] == [63, 63]
-    assert tc.counters.prefetch_used >= 2 and not tc._prefetched
+    assert tc.counters.prefetch_used >= 2 and not tc.promoter.plans
     assert not any(b.ref_cnt for idx in tc.indexes for b in idx.entries.values())
     e.close()

@@ -43,6 +43,8 @@ class TieredCache:
         self.clock = clock or mgr.clock
         self.block_bytes = device.bytes_per_block
         probe = device.block_view(0)
+        self.block_shape = tuple(probe.shape)
+        self.block_dtype = probe.dtype
         self.lower = low = LowerTiers(mgr, tiers, self.block_bytes, spec.policy, self.clock)
         self.indexes: list[TierIndex] = low.indexes
         self.links = low.links
@@ -57,7 +59,7 @@ class TieredCache:
         self.index_listeners: list[IndexListener] = low.listeners
         slow = any(not st.inline for st in tiers)
         background = slow if spec.async_io is None else spec.async_io
-        self.cost = LoadCost(tiers, self.block_bytes, tuple(probe.shape), probe.dtype,
+        self.cost = LoadCost(tiers, self.block_bytes, self.block_shape, self.block_dtype,
                              prefill_tokens_per_s, spec.remeasure_s, low.counters)
         self.reads = Reads(low, self.cost.estimate_load_s, spec.load_workers if background else 0)
         self.demoter = Demoter(low, device, spec.mode == "write_through", spec.queue_size,

@@ -334,7 +334,7 @@ class RedisStore(KVStore):
                         found.append((hdr.key, hdr.ns, name, size))
             return found
 
-        found = self._call(run, [])
+        found: list[tuple[bytes, bytes, str, int]] = self._call(run, [])
         with self._lock:
             for _k, _ns, name, size in found:
                 self._used += size - self.sizes.get(name, 0)
