@@ -39,11 +39,13 @@ from .codec import (
 from .redis_wire import (
     DIRECT_MIN_BYTES,
     DOWN_ERRORS,
-    MAX_HEADER,
     ReplyReader,
     bulk,
     connect,
+    delete_names,
     raw_socket,
+    scan_headers,
+    scan_names,
     send_buffers,
 )
 from .store import KVStore, copy_out, log
@@ -311,30 +313,8 @@ class RedisStore(KVStore):
     def stored(self) -> Iterable[tuple[bytes, bytes]]:
         """Entries of this model and layout already in Redis (from another process or an
         earlier run): found with SCAN, headers read with GETRANGE and checked."""
-
-        def run() -> list[tuple[bytes, bytes, str, int]]:
-            found: list[tuple[bytes, bytes, str, int]] = []
-            names = list(self.client.scan_iter(match=self.prefix + "*", count=1000))
-            for i in range(0, len(names), 512):
-                chunk = names[i:i + 512]
-                pipe = self.client.pipeline(transaction=False)
-                for n in chunk:
-                    pipe.getrange(n, 0, MAX_HEADER - 1)
-                    pipe.strlen(n)
-                res = pipe.execute()
-                for j, n in enumerate(chunk):
-                    head, size = res[2 * j], res[2 * j + 1]
-                    try:
-                        hdr = decode_header(head)
-                    except CorruptValue:
-                        continue
-                    name = n.decode() if isinstance(n, bytes) else n
-                    if size == hdr.body_offset + hdr.payload_len and \
-                            name == self.rkey(hdr.key, hdr.ns):
-                        found.append((hdr.key, hdr.ns, name, size))
-            return found
-
-        found: list[tuple[bytes, bytes, str, int]] = self._call(run, [])
+        found: list[tuple[bytes, bytes, str, int]] = self._call(
+            lambda: scan_headers(self.client, self.prefix, self.rkey), [])
         with self._lock:
             for _k, _ns, name, size in found:
                 self._used += size - self.sizes.get(name, 0)
@@ -347,14 +327,10 @@ class RedisStore(KVStore):
         match = f"{self.prefix}{self.ns(salt).hex()[:16]}:*"
 
         def run() -> int:
-            names = list(self.client.scan_iter(match=match, count=1000))
-            n = 0
-            for i in range(0, len(names), 512):
-                chunk = names[i:i + 512]
-                n += sum(self.client.delete(k) for k in chunk) if self.cluster \
-                    else self.client.delete(*chunk)
+            names = scan_names(self.client, match)
+            n = delete_names(self.client, names, self.cluster)
             for k in names:
-                self._forget(k.decode() if isinstance(k, bytes) else k)
+                self._forget(k)
             return n
 
         n = self._call(run, 0)

@@ -1,13 +1,14 @@
-"""Talking to Redis: a fail-fast redis-py client (`connect`), and direct socket I/O for
-large values on a single node (`raw_socket`, `send_buffers`, `ReplyReader`), which the
-Redis tier (`redis_store.py`) uses for MSET and large MGETs.
+"""Talking to Redis: a fail-fast redis-py client (`connect`), SCAN-based listing and
+deletion by name pattern (node or cluster), and direct socket I/O for large values on a
+single node (`raw_socket`, `send_buffers`, `ReplyReader`), which the Redis tier
+(`redis_store.py`) uses for MSET and large MGETs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -15,7 +16,7 @@ import redis.exceptions as rexc
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .codec import HEAD_SIZE, MAX_KEY, MAX_NDIM, NS_SIZE, header_size
+from .codec import HEAD_SIZE, MAX_KEY, MAX_NDIM, NS_SIZE, CorruptValue, decode_header, header_size
 
 # Errors that mean the tier is unreachable (not one failed command).
 DOWN_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
@@ -41,6 +42,46 @@ def connect(url: str = "redis://127.0.0.1:6379/0", cluster: bool = False,
     except (ImportError, TypeError):  # a redis-py without these internals: its default
         kw.pop("command_packer", None)
         return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **kw)
+
+
+def scan_names(client: Any, match: str) -> list[str]:
+    """Every key name matching `match` (SCAN; all nodes of a cluster)."""
+    return [n.decode() if isinstance(n, bytes) else n
+            for n in client.scan_iter(match=match, count=1000)]
+
+
+def delete_names(client: Any, names: list[str], cluster: bool) -> int:
+    """Delete `names` in batches; returns how many existed."""
+    n = 0
+    for i in range(0, len(names), 512):
+        chunk = names[i:i + 512]
+        # A cluster's keys live on several nodes: one DEL each.
+        n += sum(client.delete(k) for k in chunk) if cluster else client.delete(*chunk)
+    return n
+
+
+def scan_headers(client: Any, prefix: str, name_of: Callable[[bytes, bytes], str]
+                 ) -> list[tuple[bytes, bytes, str, int]]:
+    """(key, namespace, name, size) of each value under `prefix` whose header checks out
+    and whose name is `name_of(key, namespace)`: headers read with GETRANGE, pipelined."""
+    found: list[tuple[bytes, bytes, str, int]] = []
+    names = scan_names(client, prefix + "*")
+    for i in range(0, len(names), 512):
+        chunk = names[i:i + 512]
+        pipe = client.pipeline(transaction=False)
+        for n in chunk:
+            pipe.getrange(n, 0, MAX_HEADER - 1)
+            pipe.strlen(n)
+        res = pipe.execute()
+        for j, name in enumerate(chunk):
+            head, size = res[2 * j], res[2 * j + 1]
+            try:
+                hdr = decode_header(head)
+            except CorruptValue:
+                continue
+            if size == hdr.body_offset + hdr.payload_len and name == name_of(hdr.key, hdr.ns):
+                found.append((hdr.key, hdr.ns, name, size))
+    return found
 
 
 # Direct I/O on a single node (a cluster always goes through redis-py). redis-py packs
