@@ -14,8 +14,9 @@ from .counters import TierCounters
 from .loads import Plan
 from .store import KVStore
 
-# Engine prefill speed in tokens/s: a number or a callable reading the live figure.
-PrefillSpeed = float | Callable[[], float] | None
+# Engine prefill speed in tokens/s: a number or a callable reading the live figure (None
+# before the first measurement: every block is loaded then).
+PrefillSpeed = float | Callable[[], float | None] | None
 
 
 class LoadCost:

@@ -21,6 +21,8 @@ IndexListener = Callable[[str, bytes, bytes | None, int, bool], None]
 
 
 class LowerTiers:
+    """`stores[i]` with `indexes[i]`, top first; `links` across them; `lock` guards both."""
+
     def __init__(self, mgr: KVCacheManager, stores: list[KVStore], block_bytes: int,
                  policy: str | None, clock: Callable[[], float]) -> None:
         self.mgr = mgr
