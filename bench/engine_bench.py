@@ -39,6 +39,7 @@ from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConf
 from kvheat.replay import PreparedTrace, load_trace, replay
 from kvheat.replay.traces import TraceRequest
 from kvheat.replay.workload import EngineRequest, cpu_workload, materialize, scale_trace
+from kvheat.tiers.spec import TierSpec
 
 
 @dataclass(slots=True)
@@ -143,7 +144,7 @@ class StrategyRun:
                  cfg: BenchConfig) -> None:
         ecfg = EngineConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                             policy=strat.policy, seed=cfg.seed,
-                            host_tier_blocks=cfg.host_blocks if strat.host_tier else 0,
+                            tiers=TierSpec(host_blocks=cfg.host_blocks if strat.host_tier else 0),
                             scheduler=SchedulerConfig(
                                 prefix_caching=strat.prefix_caching,
                                 max_num_batched_tokens=cfg.max_batched_tokens,

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from tiers import free_port, start_redis  # noqa: E402
 
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, load_model  # noqa: E402
+from kvheat.tiers import TierSpec  # noqa: E402
 
 SP = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -69,15 +70,15 @@ def main() -> None:
         proc = start_redis(Path(tmp) / "redis", redis_port)
         try:
             for tier in ("host", "disk", "redis"):
-                kw: dict[str, object] = {
-                    "host": dict(host_tier_blocks=256),
-                    "disk": dict(disk_tier_dir=str(Path(tmp) / "disk"), disk_tier_bytes=1 << 28),
-                    "redis": dict(redis_tier_url=f"redis://127.0.0.1:{redis_port}/0",
-                                  redis_tier_bytes=1 << 28,
-                                  tier_secret="bench-tier-secret-0123456789"),
+                spec = {
+                    "host": TierSpec(host_blocks=256),
+                    "disk": TierSpec(disk_dir=str(Path(tmp) / "disk"), disk_bytes=1 << 28),
+                    "redis": TierSpec(redis_url=f"redis://127.0.0.1:{redis_port}/0",
+                                      redis_bytes=1 << 28,
+                                      secret="bench-tier-secret-0123456789"),
                 }[tier]
                 e = LLMEngine(model, tok, EngineConfig(num_blocks=args.device_blocks,
-                                                       policy="lru", **kw))  # type: ignore[arg-type]
+                                                       policy="lru", tiers=spec))
                 run_burst(e, heads)
                 run_burst(e, fillers)  # pushes the prefixes down to the tier
                 e.tiers.flush()

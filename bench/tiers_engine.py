@@ -42,6 +42,7 @@ from engine import wide_llama  # noqa: E402
 from tiers import free_port, start_redis  # noqa: E402
 
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
+from kvheat.tiers import TierSpec  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -111,7 +112,8 @@ def main() -> None:
     sched = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=4)
 
     def cfg(**kw: object) -> EngineConfig:
-        return EngineConfig(num_blocks=args.device_blocks, block_size=16, scheduler=sched, **kw)
+        return EngineConfig(num_blocks=args.device_blocks, block_size=16, scheduler=sched,
+                            tiers=TierSpec(**kw))  # type: ignore[arg-type]
 
     block_bytes = 2 * 2 * 4 * 128 * 4 * 16
     results: dict[str, dict] = {}
@@ -119,17 +121,16 @@ def main() -> None:
         disk = str(Path(tmp) / "disk")
         runs: list[tuple[str, dict]] = [
             ("device only", {}),
-            ("+ host tier", {"host_tier_blocks": big}),
-            ("+ disk tier", {"disk_tier_dir": disk, "disk_tier_bytes": 2 * big * block_bytes}),
-            ("disk after restart", {"disk_tier_dir": disk,
-                                    "disk_tier_bytes": 2 * big * block_bytes}),
+            ("+ host tier", {"host_blocks": big}),
+            ("+ disk tier", {"disk_dir": disk, "disk_bytes": 2 * big * block_bytes}),
+            ("disk after restart", {"disk_dir": disk, "disk_bytes": 2 * big * block_bytes}),
         ]
         proc = None
         if shutil.which("redis-server"):
             port = free_port()
             proc = start_redis(Path(tmp) / "redis", port)
-            runs.append(("+ Redis tier", {"redis_tier_url": f"redis://127.0.0.1:{port}/0",
-                                          "redis_tier_bytes": 2 * big * block_bytes}))
+            runs.append(("+ Redis tier", {"redis_url": f"redis://127.0.0.1:{port}/0",
+                                          "redis_bytes": 2 * big * block_bytes}))
         try:
             for name, kw in runs:
                 results[name] = run(model, cfg(**kw), reqs)

@@ -34,7 +34,7 @@ import kvheat.heat  # noqa: E402,F401  (registers the kvheat policy)
 from kvheat.cache import CacheConfig, KVCacheManager, make_policy  # noqa: E402
 from kvheat.engine.kv_pool import DeviceKVPool  # noqa: E402
 from kvheat.replay.traces import load_trace  # noqa: E402
-from kvheat.tiers import DiskStore, HostStore, TierConfig, TieredCache  # noqa: E402
+from kvheat.tiers import DiskStore, HostStore, TieredCache, TierSpec  # noqa: E402
 
 torch.set_num_threads(1)
 BLOCK = 512
@@ -87,9 +87,8 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
         host = HostStore(host_tokens // BLOCK * bb, bb)
         disk = DiskStore(Path(tmp) / "disk", disk_tokens // BLOCK * (bb + 128), fsync=False)
         tc = TieredCache(mgr, pool, [host, disk],
-                         TierConfig(policy=policy, async_io=async_io,
-                                    prefill_tokens_per_s=prefill_tps, calibrate=True),
-                         clock=lambda: now[0])
+                         TierSpec(policy=policy, async_io=async_io, calibrate=True),
+                         prefill_tokens_per_s=prefill_tps, clock=lambda: now[0])
         wrong = 0
         parent_of: dict[bytes, bytes | None] = {}  # the trace's own prefix tree
         samples: list[int] = []

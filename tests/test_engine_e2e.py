@@ -11,6 +11,7 @@ import pytest
 
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.engine.loader import load_model
+from kvheat.tiers import TierSpec
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -221,7 +222,8 @@ def test_host_tier_serves_blocks_the_device_evicted(llama: tuple) -> None:
     outs = {}
     for host in (0, 64):  # 12 device blocks cannot keep six 4-5 block prompts
         # LRU: which blocks the device evicts is the premise here, not the policy under test.
-        e = LLMEngine(model, tok, EngineConfig(num_blocks=12, host_tier_blocks=host, policy="lru"))
+        e = LLMEngine(model, tok, EngineConfig(num_blocks=12, policy="lru",
+                                               tiers=TierSpec(host_blocks=host)))
         first = e.generate(ps, sp)
         ids = [e.add_request(p, sp) for p in ps[:2]]
         run_checked(e)
@@ -320,8 +322,8 @@ def test_disk_tier_survives_a_restart_and_never_serves_other_weights(llama: tupl
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
 
     def cfg() -> EngineConfig:  # 12 device blocks cannot keep six 4-5 block prompts
-        return EngineConfig(num_blocks=12, policy="lru", disk_tier_dir=str(tmp_path / "kv"),
-                            disk_tier_bytes=1 << 24)
+        return EngineConfig(num_blocks=12, policy="lru",
+                            tiers=TierSpec(disk_dir=str(tmp_path / "kv"), disk_bytes=1 << 24))
 
     e1 = LLMEngine(model, tok, cfg())
     first = e1.generate(ps, sp)
@@ -352,11 +354,11 @@ def test_disk_tier_survives_a_restart_and_never_serves_other_weights(llama: tupl
 
 def test_engine_tier_config_is_checked(llama: tuple, tmp_path) -> None:
     with pytest.raises(ValueError, match="disk tier needs both"):
-        EngineConfig(disk_tier_dir=str(tmp_path))
+        EngineConfig(tiers=TierSpec(disk_dir=str(tmp_path)))
     with pytest.raises(ValueError, match="Redis tier needs both"):
-        EngineConfig(redis_tier_bytes=1 << 20)
+        EngineConfig(tiers=TierSpec(redis_bytes=1 << 20))
     with pytest.raises(ValueError, match="tier_mode"):
-        EngineConfig(tier_mode="inclusive")
+        EngineConfig(tiers=TierSpec(mode="inclusive"))
 
 
 def test_redis_tier_under_host_tier_and_redis_dying(llama: tuple, redis_server) -> None:
@@ -365,9 +367,8 @@ def test_redis_tier_under_host_tier_and_redis_dying(llama: tuple, redis_server) 
     ps = [[rng.randrange(2, 1000) for _ in range(64)] for _ in range(6)]
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     # 12 device blocks, 4 host blocks: most evicted blocks go on down to Redis.
-    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, policy="lru", host_tier_blocks=4,
-                                           redis_tier_url=redis_server.url,
-                                           redis_tier_bytes=1 << 24))
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, policy="lru", tiers=TierSpec(
+        host_blocks=4, redis_url=redis_server.url, redis_bytes=1 << 24)))
     first = e.generate(ps, sp)
     e.tiers.flush()
     host, red = e.tiers.tiers
@@ -388,8 +389,8 @@ def test_disk_loads_start_while_a_request_waits(llama: tuple, tmp_path) -> None:
     rng = random.Random(11)
     ps = [[rng.randrange(2, 1000) for _ in range(64)] for _ in range(6)]
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
-    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, policy="lru", disk_tier_dir=str(tmp_path),
-                                           disk_tier_bytes=1 << 24,
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, policy="lru",
+                                           tiers=TierSpec(disk_dir=str(tmp_path), disk_bytes=1 << 24),
                                            scheduler=SchedulerConfig(max_num_seqs=1)))
     first = e.generate(ps, sp)  # ps[0] and ps[1] end on disk
     e.tiers.flush()
@@ -397,13 +398,13 @@ def test_disk_loads_start_while_a_request_waits(llama: tuple, tmp_path) -> None:
     plans = tc.counters.prefetch_plans
     ids = [e.add_request(p, sp) for p in (ps[0], ps[1], ps[0] + [7])]
     # Planned on arrival, the disk reads in flight while they wait (one runs at a time).
-    assert tc.counters.prefetch_plans == plans + 3 and len(tc._prefetched) == 3
+    assert tc.counters.prefetch_plans == plans + 3 and len(tc.promoter.plans) == 3
     e.abort(ids[2])  # a waiting request that goes away releases its pins
-    assert len(tc._prefetched) == 2
+    assert len(tc.promoter.plans) == 2
     run_checked(e)
     outs = [e.release(i) for i in ids[:2]]
     assert [o.output_token_ids for o in outs] == [f.output_token_ids for f in first[:2]]
     assert [o.metrics.num_cached_tokens for o in outs] == [63, 63]
-    assert tc.counters.prefetch_used >= 2 and not tc._prefetched
+    assert tc.counters.prefetch_used >= 2 and not tc.promoter.plans
     assert not any(b.ref_cnt for idx in tc.indexes for b in idx.entries.values())
     e.close()

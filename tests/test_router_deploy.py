@@ -141,12 +141,12 @@ def test_event_ports_config_and_network_policy(tmp_path: Path) -> None:
 def test_the_shared_tier_points_at_the_redis_cluster(tmp_path: Path) -> None:
     objs = objects()
     cfg, _ = config(objs, tmp_path)
-    assert cfg.redis_cluster and cfg.redis_tier_shared and int(cfg.redis_tier_bytes) > 0
+    assert cfg.tiers.redis_cluster and cfg.tiers.redis_shared and cfg.tiers.redis_bytes > 0
     sts = objs["StatefulSet/redis-cluster"]
     svc = objs[f"Service/{sts['spec']['serviceName']}"]
     assert svc["spec"]["clusterIP"] == "None" and selects(svc["spec"]["selector"], sts)
-    m = re.fullmatch(r"redis://([^:/]+):(\d+)/0", cfg.redis_tier_url or "")
-    assert m, cfg.redis_tier_url
+    m = re.fullmatch(r"redis://([^:/]+):(\d+)/0", cfg.tiers.redis_url or "")
+    assert m, cfg.tiers.redis_url
     pod_host = f"{sts['metadata']['name']}-0.{svc['metadata']['name']}"
     assert m.group(1) == pod_host
     conf = objs["ConfigMap/redis-cluster"]["data"]["redis.conf"]

@@ -27,6 +27,7 @@ from kvheat.engine.loader import Tokenizer
 from kvheat.server.app import KVHeatServer
 from kvheat.server.cli import arms_command
 from kvheat.server.config import ArmConfig, ServerConfig, TenantConfig
+from kvheat.tiers import TierSpec
 
 MODEL = "kvheat-tiny-llama"
 ADMIN = "admin-secret"
@@ -474,7 +475,8 @@ def test_quota_evicts_own_blocks_not_others() -> None:
 
 
 def test_host_tier_serves_evicted_prefix() -> None:
-    s = start(ServerConfig(num_blocks=24, host_tier_blocks=64, threads=1, max_num_seqs=4))
+    s = start(ServerConfig(num_blocks=24, tiers=TierSpec(host_blocks=64), threads=1,
+                           max_num_seqs=4))
     try:
         c = s.client()
         keep = "Demote me to host memory. " + SYSTEM
@@ -639,7 +641,7 @@ def test_tier_config_sizes_and_arm_folders(tmp_path: Any) -> None:
                     '[[arms]]\nname = "lru"\nshare = 50\n'
                     '[[arms]]\nname = "heat"\nshare = 50\npolicy = "kvheat"\n')
     cfg = load_config(toml)
-    assert cfg.disk_tier_bytes == 16 << 20
+    assert cfg.tiers.disk_bytes == 16 << 20
     server = KVHeatServer(cfg)
     try:
         disks = {arm: eng.tiers.tiers[0] for arm, eng in server.worker.engines.items()}
@@ -656,7 +658,7 @@ def test_tier_config_sizes_and_arm_folders(tmp_path: Any) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     with pytest.raises(ConfigError, match="cannot set up"):
-        KVHeatServer(ServerConfig(disk_tier_dir=str(blocked), disk_tier_bytes=1 << 20))
+        KVHeatServer(ServerConfig(tiers=TierSpec(disk_dir=str(blocked), disk_bytes=1 << 20)))
 
 
 def test_arm_routing_is_stable_and_proportional() -> None:

@@ -96,9 +96,9 @@ def test_configmap_server_config_loads(tmp_path: Path) -> None:
     # The disk tier lives on a volume the deployment mounts, larger than its cap.
     dep = _k8s()["Deployment/kvheat"]["spec"]["template"]["spec"]
     mounts = {m["mountPath"]: m["name"] for m in dep["containers"][0]["volumeMounts"]}
-    vol = {v["name"]: v for v in dep["volumes"]}[mounts[cfg.disk_tier_dir]]
+    vol = {v["name"]: v for v in dep["volumes"]}[mounts[cfg.tiers.disk_dir]]
     size = vol["emptyDir"]["sizeLimit"]
-    assert size.endswith("Gi") and int(size[:-2]) << 30 > int(cfg.disk_tier_bytes)
+    assert size.endswith("Gi") and int(size[:-2]) << 30 > cfg.tiers.disk_bytes
     # The kill comes after the server's drain deadline, with time to close up.
     assert dep["terminationGracePeriodSeconds"] >= cfg.drain_timeout_s + 3
 

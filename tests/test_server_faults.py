@@ -13,6 +13,7 @@ import httpx
 from test_server import MODEL, Served, start, stop
 
 from kvheat.server.config import ServerConfig
+from kvheat.tiers import TierSpec
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -34,8 +35,8 @@ def test_disk_tier_hits_never_stop_the_engine_loop(tmp_path: Path) -> None:
     pool by four 200-token prompts, sent again (159 tokens come back from disk), then new
     prompts. The device series was the cache's hit count minus the tiers', counted at
     other times: it went negative and prometheus-client's error killed the loop."""
-    s = start(ServerConfig(num_blocks=24, threads=1, disk_tier_dir=str(tmp_path / "kv"),
-                           disk_tier_bytes="64MiB"))
+    s = start(ServerConfig(num_blocks=24, threads=1,
+                           tiers=TierSpec(disk_dir=str(tmp_path / "kv"), disk_bytes=64 << 20)))
     try:
         from_disk = 0
         for rnd in range(6):
@@ -287,8 +288,8 @@ def _fill_device(s: Served, seed: int, n: int = 4) -> None:
 
 
 def test_disk_faults_found_at_start_up_are_exported(tmp_path: Path) -> None:
-    cfg = ServerConfig(num_blocks=24, threads=1, disk_tier_dir=str(tmp_path / "kv"),
-                       disk_tier_bytes="64MiB")
+    cfg = ServerConfig(num_blocks=24, threads=1,
+                       tiers=TierSpec(disk_dir=str(tmp_path / "kv"), disk_bytes=64 << 20))
     s = start(cfg)
     try:
         _fill_device(s, 100, 5)
@@ -322,8 +323,8 @@ def test_a_full_disk_shows_in_metrics(tmp_path: Path) -> None:
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        s = start(ServerConfig(num_blocks=24, threads=1, disk_tier_dir=str(mnt),
-                               disk_tier_bytes="64MiB"))
+        s = start(ServerConfig(num_blocks=24, threads=1,
+                               tiers=TierSpec(disk_dir=str(mnt), disk_bytes=64 << 20)))
         try:
             _fill_device(s, 200, 6)
             s.wait_metric("kvheat_tier_faults_total", 1, tier="disk", kind="full_events")
@@ -343,8 +344,8 @@ def test_a_full_disk_shows_in_metrics(tmp_path: Path) -> None:
 
 
 def test_redis_faults_show_in_metrics(redis_server: Any) -> None:
-    s = start(ServerConfig(num_blocks=24, threads=1, redis_tier_url=redis_server.url,
-                           redis_tier_bytes="64MiB"))
+    s = start(ServerConfig(num_blocks=24, threads=1,
+                           tiers=TierSpec(redis_url=redis_server.url, redis_bytes=64 << 20)))
     try:
         keep = _ids(400, 160)
         assert _complete(s, keep).status_code == 200

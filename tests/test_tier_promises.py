@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from kvheat.tiers import TierSpec
 
 SP = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -52,8 +53,8 @@ def lower_entries(e: LLMEngine, tenant: str | None) -> dict[str, int]:
 def test_a_waiting_request_reads_its_disk_blocks_once(llama: tuple, tmp_path: Path) -> None:
     model, tok, _ = llama
     ps = prompts(1, 6)
-    e = LLMEngine(model, tok, EngineConfig(num_blocks=16, policy="lru", disk_tier_dir=str(tmp_path),
-                                           disk_tier_bytes=1 << 24))
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=16, policy="lru",
+                                           tiers=TierSpec(disk_dir=str(tmp_path), disk_bytes=1 << 24)))
     first = run(e, [(p, None) for p in ps])  # the first ones end on disk
     e.tiers.flush()
     disk = e.tiers.tiers[0]
@@ -94,9 +95,9 @@ def test_flush_deletes_a_tenant_from_every_tier_and_only_it(llama: tuple, tmp_pa
     a_ps, b_ps = prompts(3, 3), prompts(4, 3)
 
     def cfg() -> EngineConfig:
-        return EngineConfig(num_blocks=12, policy="lru", host_tier_blocks=8,
-                            disk_tier_dir=str(tmp_path), disk_tier_bytes=1 << 24,
-                            tier_mode=mode)
+        return EngineConfig(num_blocks=12, policy="lru",
+                            tiers=TierSpec(host_blocks=8, disk_dir=str(tmp_path),
+                                           disk_bytes=1 << 24, mode=mode))
 
     e = LLMEngine(model, tok, cfg())
     run(e, [(p, t) for pa, pb in zip(a_ps, b_ps, strict=True) for p, t in ((pa, "a"), (pb, "b"))])
@@ -125,7 +126,8 @@ def test_flush_deletes_a_tenant_from_every_tier_and_only_it(llama: tuple, tmp_pa
 
 def test_quota_cut_deletes_the_excess_without_demoting_it(llama: tuple) -> None:
     model, tok, _ = llama
-    e = LLMEngine(model, tok, EngineConfig(num_blocks=32, policy="lru", host_tier_blocks=4))
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=32, policy="lru",
+                                           tiers=TierSpec(host_blocks=4)))
     b_p = prompts(5, 1)[0]
     run(e, [(b_p, "b")])
     e.cache.evict(32)  # b's blocks go to the host tier
@@ -206,8 +208,9 @@ def test_kv_planted_in_redis_without_the_secret_is_never_served(llama: tuple,
 
     def eng() -> LLMEngine:
         return LLMEngine(model, tok, EngineConfig(
-            num_blocks=8, policy="lru", redis_tier_url=redis_server.url,
-            redis_tier_bytes=1 << 24, tier_secret="the deployment's own secret"))
+            num_blocks=8, policy="lru", tiers=TierSpec(
+                redis_url=redis_server.url, redis_bytes=1 << 24,
+                secret="the deployment's own secret")))
 
     e = eng()
     want = run(e, [(victim, "victim")])[0].output_token_ids
@@ -275,8 +278,8 @@ def test_soak_tiers_tenants_arms_and_admin_calls(llama: tuple, tmp_path: Path, s
     rng = random.Random(seed)
     tenants = ["a", "b", "c", "d"]
     e = LLMEngine(model, tok, EngineConfig(
-        num_blocks=20, policy="lru", host_tier_blocks=6, disk_tier_dir=str(tmp_path),
-        disk_tier_bytes=40 * 70_000, tier_mode=mode,
+        num_blocks=20, policy="lru", tiers=TierSpec(
+            host_blocks=6, disk_dir=str(tmp_path), disk_bytes=40 * 70_000, mode=mode),
         scheduler=SchedulerConfig(prefix_caching=prefix, max_num_batched_tokens=96)))
     e.cache.config.share_groups.update({"c": "cd", "d": "cd"})  # c and d share their KV
     ref = LLMEngine(model, tok, EngineConfig(num_blocks=256))
@@ -335,6 +338,6 @@ def test_soak_tiers_tenants_arms_and_admin_calls(llama: tuple, tmp_path: Path, s
         # Every per-key table stays bounded: by tenants, not by prompts or requests.
         assert len(e.cache._roots) <= len(tenants) and len(e.cache.usage) <= len(tenants) + 1
         assert all(len(st._ns_cache) <= len(tenants) + 2 for st in tc.tiers)
-        assert len(tc._prefetched) <= len(live) and len(tc._flushes) <= 2
+        assert len(tc.promoter.plans) <= len(live) and len(tc.lower.flushes) <= 2
     assert checked >= 15
     e.close()

@@ -19,7 +19,7 @@ from test_tiers import LAYOUTS
 
 from kvheat.cache import CacheConfig, KVCacheManager
 from kvheat.engine.kv_pool import DeviceKVPool
-from kvheat.tiers import DiskStore, HostStore, KVStore, TierConfig, TieredCache
+from kvheat.tiers import DiskStore, HostStore, KVStore, TieredCache, TierSpec
 from kvheat.tiers.redis_store import RedisStore, connect
 
 torch.set_num_threads(1)
@@ -84,7 +84,8 @@ def build(layout: str, tiers: list[KVStore] | None, tmp_path: Path, device_block
                  DiskStore(tmp_path / "disk", disk_blocks * (pool.bytes_per_block + 200),
                            fsync=False)]
     cfg.setdefault("calibrate", False)
-    return TieredCache(mgr, pool, tiers, TierConfig(**cfg)), pool
+    speed = cfg.pop("prefill_tokens_per_s", None)
+    return TieredCache(mgr, pool, tiers, TierSpec(**cfg), prefill_tokens_per_s=speed), pool
 
 
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
@@ -207,7 +208,7 @@ def test_decision_picks_the_profitable_prefix(tmp_path: Path) -> None:
     # A tier judged too slow gets no reads; after `remeasure_s` without one, a single
     # block is loaded anyway so its estimate can follow the tier getting faster.
     assert loc[1] == [1, 1, 1, 1] and tc.counters.remeasure_loads == 0
-    tc.config.remeasure_s = 0.0
+    tc.cost.remeasure_s = 0.0
     assert eng.run(ps[1]) == BS  # checked against the KV the stand-in wrote
     assert tc.counters.remeasure_loads == 1 and len(disk.read_model.samples) == 2
 
@@ -264,7 +265,7 @@ def test_fault_restart_serves_only_verified_disk_blocks(tmp_path: Path) -> None:
     disk2 = DiskStore(disk_dir, 1000 * (pool2.bytes_per_block + 200), fsync=False)
     assert disk2.rejected_on_open == 1
     host2 = HostStore(pool2.bytes_per_block, pool2.bytes_per_block)
-    tc2 = TieredCache(mgr2, pool2, [host2, disk2], TierConfig(async_io=False, calibrate=False))
+    tc2 = TieredCache(mgr2, pool2, [host2, disk2], TierSpec(async_io=False, calibrate=False))
     assert len(tc2.indexes[1]) == len(files) - 1
     eng2 = Engine(tc2, pool2)
     served = sum(eng2.run(p) for p in ps)
@@ -323,7 +324,7 @@ def test_refused_host_put_goes_down_with_a_private_copy(tmp_path: Path) -> None:
     mgr = KVCacheManager(CacheConfig(4, BS))
     host = HostStore(pool.bytes_per_block, pool.bytes_per_block)
     disk = DiskStore(tmp_path / "disk", 1 << 20, fsync=False)
-    tc = TieredCache(mgr, pool, [host, disk], TierConfig(async_io=True, calibrate=False))
+    tc = TieredCache(mgr, pool, [host, disk], TierSpec(async_io=True, calibrate=False))
     eng = Engine(tc, pool)
     a, b, c = prompts(3, 4)
     eng.run(a)
@@ -430,7 +431,7 @@ def test_refused_demotion_takes_children_along(tmp_path: Path) -> None:
     pool = make_pool("gqa", 4)
     mgr = KVCacheManager(CacheConfig(4, BS))
     host = HostStore(pool.bytes_per_block, pool.bytes_per_block)
-    tc = TieredCache(mgr, pool, [host], TierConfig(async_io=False, calibrate=False))
+    tc = TieredCache(mgr, pool, [host], TierSpec(async_io=False, calibrate=False))
     eng = Engine(tc, pool)
     a, b = prompts(2, 2)
     c, d = prompts(2, 1, seed=1)
@@ -477,7 +478,7 @@ def test_bottom_tier_evicts_leaves_first(tmp_path: Path) -> None:
     pool = make_pool("gqa", 4)
     mgr = KVCacheManager(CacheConfig(4, BS))
     host = HostStore(3 * pool.bytes_per_block, pool.bytes_per_block)
-    tc = TieredCache(mgr, pool, [host], TierConfig(async_io=False, calibrate=False))
+    tc = TieredCache(mgr, pool, [host], TierSpec(async_io=False, calibrate=False))
     idx = tc.indexes[0]
     eng = Engine(tc, pool)
     a = prompts(1, 2)[0]
@@ -552,7 +553,7 @@ def test_replay_leaves_no_unreachable_entries(policy: str, async_io: bool,
     mgr = KVCacheManager(CacheConfig(6, BS, policy=policy))
     host = HostStore(4 * pool.bytes_per_block, pool.bytes_per_block)
     disk = DiskStore(tmp_path / "disk", 5 * (pool.bytes_per_block + 200), fsync=False)
-    tc = TieredCache(mgr, pool, [host, disk], TierConfig(policy=policy, async_io=async_io,
+    tc = TieredCache(mgr, pool, [host, disk], TierSpec(policy=policy, async_io=async_io,
                                                          calibrate=False))
     eng = Engine(tc, pool)
     rng = random.Random(7)
@@ -566,8 +567,8 @@ def test_replay_leaves_no_unreachable_entries(policy: str, async_io: bool,
             tc.flush()
             assert unreachable(tc, keys) == []
             below = {k for idx in tc.indexes for k in idx.entries}
-            assert set(tc._held) == below  # nothing in flight after flush
-            assert all(tc._held[k] == sum(k in idx.entries for idx in tc.indexes)
+            assert set(tc.links.held) == below  # nothing in flight after flush
+            assert all(tc.links.held[k] == sum(k in idx.entries for idx in tc.indexes)
                        for k in below)
             checks += 1
     assert checks == 15 and tc.counters.dropped_bottom > 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..tiers.spec import TierSpec
 from .load_classes import LOAD_CLASSES, ClassWeight, default_class_weights
 
 
@@ -52,23 +53,12 @@ class EngineConfig:
     policy: str = "kvheat"  # eviction policy of the block cache (kvheat.heat's scale-free heat)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     swap_space_blocks: int = 0  # host blocks for swap preemption (with preemption="swap")
-    # Lower KV tiers under the device cache (kvheat.tiers), in this order: host memory,
-    # local disk (survives a restart), Redis (shared by replicas).
-    host_tier_blocks: int = 0  # >0: a host tier of this many blocks
-    disk_tier_dir: str | None = None
-    disk_tier_bytes: int = 0
-    redis_tier_url: str | None = None
-    redis_tier_bytes: int = 0
-    redis_cluster: bool = False
-    tier_mode: str = "exclusive"  # or "write_through"
+    # Lower KV tiers under the device cache (kvheat.tiers.TierSpec): host memory, local
+    # disk (survives a restart), Redis (shared by replicas).
+    tiers: TierSpec = field(default_factory=TierSpec)
     # Names the KV on disk and in Redis: None: a fingerprint of the weights, so KV of other
-    # weights is never served; `tier_namespace` separates engines that must not share it
-    # (the server's A/B arms).
+    # weights is never served.
     model_id: str | None = None
-    tier_namespace: str = ""
-    # Keys the MAC of KV values on disk and in Redis (kvheat.tiers.codec.tier_key); None:
-    # KVHEAT_TIER_SECRET, else a disk folder's own key file and a per-process Redis key.
-    tier_secret: str | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
@@ -78,11 +68,3 @@ class EngineConfig:
             raise ValueError("give num_blocks or kv_memory_bytes")
         if self.scheduler.preemption == "swap" and self.swap_space_blocks <= 0:
             raise ValueError("preemption='swap' needs swap_space_blocks > 0")
-        if self.host_tier_blocks < 0:
-            raise ValueError("host_tier_blocks must be >= 0")
-        if (self.disk_tier_dir is None) != (self.disk_tier_bytes <= 0):
-            raise ValueError("a disk tier needs both disk_tier_dir and disk_tier_bytes > 0")
-        if (self.redis_tier_url is None) != (self.redis_tier_bytes <= 0):
-            raise ValueError("a Redis tier needs both redis_tier_url and redis_tier_bytes > 0")
-        if self.tier_mode not in ("exclusive", "write_through"):
-            raise ValueError("tier_mode must be 'exclusive' or 'write_through'")

@@ -25,6 +25,7 @@ from ..cache import (
     make_policy,
     policy_names,
 )
+from ..tiers.spec import build_tiers
 from .config import EngineConfig
 from .kv_pool import DeviceKVPool
 from .outputs import EngineStats, RequestMetrics, RequestOutput, TokenOutput
@@ -99,8 +100,9 @@ class LLMEngine:
         self.swap_space = (HostSwapSpace(pool, cfg.swap_space_blocks)
                            if cfg.scheduler.preemption == "swap" else None)
         self._prefill_speed: float | None = None  # tokens/s, a moving average
-        self.tiers: TieredCache | None = self._make_tiers(model) if (
-            cfg.host_tier_blocks > 0 or cfg.disk_tier_dir or cfg.redis_tier_url) else None
+        self.tiers: TieredCache | None = build_tiers(
+            cfg.tiers, self.cache, pool, cfg.model_id or model_fingerprint(model),
+            self.prefill_tokens_per_s) if cfg.tiers.enabled else None
         self.clock = clock
         self.scheduler = Scheduler(cfg.scheduler, self.cache, self.swap_space, clock,
                                    self.tiers)
@@ -111,35 +113,6 @@ class LLMEngine:
         self._eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._failed: BaseException | None = None
         self.ended: list[str] = []  # ended inside `step` without a token: see pop_ended
-
-    def _make_tiers(self, model: torch.nn.Module) -> TieredCache:
-        from ..tiers import DiskStore, HostStore, KVStore, TierConfig, TieredCache
-
-        cfg, pool = self.config, self.kv_pool
-        stores: list[KVStore] = []
-        if cfg.host_tier_blocks > 0:
-            stores.append(HostStore(cfg.host_tier_blocks * pool.bytes_per_block,
-                                    pool.bytes_per_block))
-        model_id = cfg.model_id or model_fingerprint(model)
-        if cfg.tier_namespace:
-            model_id += "/" + cfg.tier_namespace
-        layout = f"{pool.layout}-b{pool.block_size}-{str(pool.dtype).removeprefix('torch.')}"
-        if cfg.disk_tier_dir:
-            stores.append(DiskStore(cfg.disk_tier_dir, cfg.disk_tier_bytes, model=model_id,
-                                    layout=layout, secret=cfg.tier_secret))
-        if cfg.redis_tier_url:
-            from ..tiers.redis_store import RedisStore, connect
-
-            stores.append(RedisStore(connect(cfg.redis_tier_url, cluster=cfg.redis_cluster),
-                                     cfg.redis_tier_bytes, model=model_id, layout=layout,
-                                     secret=cfg.tier_secret))
-        slow = any(not st.inline for st in stores)
-        # Host only: synchronous copies, always loaded (a memory copy beats recomputing,
-        # bench/tiers.py). With disk or Redis: background demotion, prefetch, and loads
-        # only where they beat this engine's measured prefill speed.
-        tc = TierConfig(mode=cfg.tier_mode, async_io=slow, calibrate=slow,
-                        prefill_tokens_per_s=self.prefill_tokens_per_s if slow else None)
-        return TieredCache(self.cache, pool, stores, tc)
 
     # ---- tenants (the admin API calls these between steps) -------------------------------
     def flush_tenant(self, tenant: str | None) -> dict[str, int]:

@@ -57,9 +57,6 @@ def snapshot_items(mgr: KVCacheManager, tiers: Any = None, rank: int = 0,
         out.append((rank, True, "device", b.key, parent, b.num_tokens,
                     b.content if with_tokens else None))
     if tiers is not None:
-        with tiers._lock:
-            parents = dict(tiers._parent)
-            for st, idx in zip(tiers.tiers, tiers.indexes):
-                for key, e in list(idx.entries.items()):
-                    out.append((rank, True, st.name, key, parents.get(key), e.num_tokens, None))
+        for name, key, parent, tokens in tiers.entries():
+            out.append((rank, True, name, key, parent, tokens, None))
     return out

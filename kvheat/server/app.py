@@ -20,7 +20,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -79,20 +78,9 @@ class KVHeatServer:
             sched = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                     max_num_seqs=config.max_num_seqs,
                                     prefix_caching=a.prefix_caching)
-            host = config.host_tier_blocks if a.host_tier_blocks is None else a.host_tier_blocks
-            # Arms never share lower-tier KV (it would blur the A/B comparison): a disk
-            # folder and a Redis namespace each.
-            disk = str(Path(config.disk_tier_dir) / arm) if config.disk_tier_dir else None
             ecfg = EngineConfig(num_blocks=a.num_blocks or config.num_blocks,
                                 block_size=config.block_size, policy=a.policy,
-                                scheduler=sched, seed=config.seed, host_tier_blocks=host,
-                                disk_tier_dir=disk,
-                                disk_tier_bytes=int(config.disk_tier_bytes),
-                                redis_tier_url=config.redis_tier_url,
-                                redis_tier_bytes=int(config.redis_tier_bytes),
-                                redis_cluster=config.redis_cluster,
-                                tier_mode=config.tier_mode, tier_namespace=arm,
-                                tier_secret=config.tier_secret)
+                                scheduler=sched, seed=config.seed, tiers=config.arm_tiers(a))
             try:
                 eng = LLMEngine(model, tok, ecfg)
             except (OSError, ValueError) as e:  # e.g. a disk tier folder it cannot write
@@ -100,7 +88,7 @@ class KVHeatServer:
             old = self._shared.pop(arm, None)
             if old is not None:
                 old.close()
-            if config.redis_tier_url and config.redis_tier_shared and eng.tiers is not None:
+            if config.tiers.redis_url and config.tiers.redis_shared and eng.tiers is not None:
                 from ..tiers.shared import SharedTierFeed
 
                 self._shared[arm] = SharedTierFeed(eng.tiers)

@@ -28,9 +28,11 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from ..tiers.spec import TierSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -113,22 +115,10 @@ class ServerConfig:
     seed: int = 0
     num_blocks: int = 512
     block_size: int = 16
-    host_tier_blocks: int = 0  # >0: a host-memory KV tier of this many blocks per arm
-    # A KV tier on local disk (kept across restarts; a folder per arm under the directory)
-    # and one in Redis; sizes in bytes or as "64GiB", "500MB".
-    disk_tier_dir: str | None = None
-    disk_tier_bytes: int | str = 0
-    redis_tier_url: str | None = None
-    redis_tier_bytes: int | str = 0
-    redis_cluster: bool = False
-    # Replicas on one Redis tier tell each other (pub/sub) which blocks they put there, so
-    # any replica loads what another demoted (kvheat.tiers.shared).
-    redis_tier_shared: bool = True
-    tier_mode: str = "exclusive"  # or "write_through"
-    # Keys the MAC of every KV value read back from disk or Redis, and their key names;
-    # None: the KVHEAT_TIER_SECRET environment variable (better: it stays out of files).
-    # Servers sharing a Redis (or a disk folder) need the same one.
-    tier_secret: str | None = None
+    # Lower KV tiers under each arm's device pool (kvheat.tiers.TierSpec). In a config
+    # file and as `serve` options they are flat keys (TIER_KEYS); sizes in bytes or as
+    # "64GiB", "500MB". Each arm gets its own disk folder and Redis namespace (`arm_tiers`).
+    tiers: TierSpec = field(default_factory=TierSpec)
     policy: str = "kvheat"  # the single arm's policy when no arms are configured
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
@@ -159,10 +149,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ConfigError("num_blocks and block_size must be positive")
-        if self.host_tier_blocks < 0:
-            raise ConfigError("host_tier_blocks must be >= 0")
-        self.disk_tier_bytes = parse_size(self.disk_tier_bytes, "disk_tier_bytes")
-        self.redis_tier_bytes = parse_size(self.redis_tier_bytes, "redis_tier_bytes")
+        if not isinstance(self.tiers, TierSpec):
+            raise ConfigError("tiers must be a TierSpec (config files use the flat tier keys)")
         if isinstance(self.engine_cores, str):
             self.engine_cores = parse_cores(self.engine_cores)
         if self.engine_cores is not None:
@@ -174,14 +162,6 @@ class ServerConfig:
         self.max_body_bytes = parse_size(self.max_body_bytes, "max_body_bytes")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1KiB")
-        if bool(self.disk_tier_dir) != (self.disk_tier_bytes > 0):
-            raise ConfigError("a disk tier needs both disk_tier_dir and disk_tier_bytes")
-        if bool(self.redis_tier_url) != (self.redis_tier_bytes > 0):
-            raise ConfigError("a Redis tier needs both redis_tier_url and redis_tier_bytes")
-        if self.tier_mode not in ("exclusive", "write_through"):
-            raise ConfigError("tier_mode must be exclusive or write_through")
-        if self.tier_secret is not None and len(self.tier_secret.encode()) < 16:
-            raise ConfigError("tier_secret must have at least 16 bytes")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.default_max_tokens < 1:
@@ -223,6 +203,16 @@ class ServerConfig:
             total = sum(a.share for a in self.arms)
             if total != 100:
                 raise ConfigError(f"the arms' shares add up to {total}, not 100")
+
+    def arm_tiers(self, arm: ArmConfig) -> TierSpec:
+        """An arm's tiers: its own host tier size when it sets one, and a disk folder and
+        Redis namespace of its own (arms never share lower-tier KV: it would blur the A/B
+        comparison)."""
+        t = self.tiers
+        return replace(t, host_blocks=t.host_blocks if arm.host_tier_blocks is None
+                       else arm.host_tier_blocks,
+                       disk_dir=str(Path(t.disk_dir) / arm.name) if t.disk_dir else None,
+                       namespace=arm.name)
 
     @property
     def arm_list(self) -> list[ArmConfig]:
@@ -314,4 +304,24 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
         if not isinstance(data, dict):
             raise ConfigError(f"config {p} must hold a mapping at the top")
     data.update({k: v for k, v in overrides.items() if v is not None})
+    if "tiers" in data:
+        raise ConfigError("give the tier keys flat (host_tier_blocks, disk_tier_dir, ...)")
+    data["tiers"] = tier_spec({k: data.pop(k) for k in list(data) if k in TIER_KEYS})
     return _build(ServerConfig, data, "server config")
+
+
+# The tier keys of a config file and the `serve` options -> their TierSpec fields.
+TIER_KEYS = {"host_tier_blocks": "host_blocks", "disk_tier_dir": "disk_dir",
+             "disk_tier_bytes": "disk_bytes", "redis_tier_url": "redis_url",
+             "redis_tier_bytes": "redis_bytes", "redis_cluster": "redis_cluster",
+             "redis_tier_shared": "redis_shared", "tier_mode": "mode", "tier_secret": "secret"}
+
+
+def tier_spec(keys: dict[str, Any]) -> TierSpec:
+    """A `TierSpec` from flat tier keys (TIER_KEYS), sizes read with `parse_size`."""
+    spec = {TIER_KEYS[k]: parse_size(v, k) if k.endswith("_bytes") else v
+            for k, v in keys.items()}
+    try:
+        return TierSpec(**spec)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None

@@ -3,16 +3,21 @@
 `device.py` holds the engine's paged KV pool; `host.py`, `disk.py` and `redis_store.py`
 hold real KV bytes per block key behind `store.KVStore`; `hierarchy.TieredCache` wraps a
 `KVCacheManager` and moves blocks between them (demotion, promotion, prefetch,
-load-or-recompute). Redis support needs redis-py (`pip install kvheat[tiers]`).
+load-or-recompute); `spec.TierSpec` declares them and `spec.build_tiers` builds them.
+Redis support needs redis-py (`pip install kvheat[tiers]`).
 """
 
 from .codec import CorruptValue, namespace_digest
+from .counters import TierCounters
 from .disk import DiskStore
-from .hierarchy import TierConfig, TierCounters, TieredCache, TierIndex
+from .hierarchy import TieredCache
 from .host import HostStore
-from .store import KVStore, StoreStats, TransferModel
+from .index import TierIndex
+from .spec import TierSpec, build_tiers
+from .store import DeviceBlocks, KVStore, StoreStats, TransferModel
 
 __all__ = [
-    "CorruptValue", "DiskStore", "HostStore", "KVStore", "StoreStats", "TierConfig",
-    "TierCounters", "TierIndex", "TieredCache", "TransferModel", "namespace_digest",
+    "CorruptValue", "DeviceBlocks", "DiskStore", "HostStore", "KVStore",
+    "StoreStats", "TierCounters", "TierIndex", "TierSpec", "TieredCache", "TransferModel",
+    "build_tiers", "namespace_digest",
 ]

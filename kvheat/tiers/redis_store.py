@@ -15,189 +15,44 @@ that marks it up again. Callers never see the exception.
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import redis
 import redis.exceptions as rexc
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from .codec import (
     HEAD_SIZE,
-    MAX_KEY,
-    MAX_NDIM,
     NS_SIZE,
     CorruptValue,
     decode,
     decode_header,
     encode_prefix,
-    header_size,
     keyed_digest,
     payload_tensor,
     tensor_bytes,
     verify_parts,
 )
+from .redis_wire import (
+    DIRECT_MIN_BYTES,
+    DOWN_ERRORS,
+    ReplyReader,
+    bulk,
+    connect,
+    delete_names,
+    raw_socket,
+    scan_headers,
+    scan_names,
+    send_buffers,
+)
 from .store import KVStore, copy_out, log
 
+__all__ = ["DIRECT_MIN_BYTES", "RedisStore", "connect"]
+
 T = TypeVar("T")
-_DOWN_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
-                rexc.BusyLoadingError, rexc.MasterDownError, rexc.TryAgainError,
-                rexc.SlotNotCoveredError, OSError)
-_MAX_HEADER = HEAD_SIZE + 4 * MAX_NDIM + MAX_KEY + NS_SIZE
-
-
-def connect(url: str = "redis://127.0.0.1:6379/0", cluster: bool = False,
-            timeout_s: float = 0.25) -> Any:
-    """A client that fails fast (no client-side retries: the tier does its own backoff)."""
-    kw: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-    if cluster:
-        return redis.cluster.RedisCluster.from_url(url, **kw)
-    # The pure-Python packer sends large values as their own buffers; hiredis's packer
-    # copies every value into one string first (measured 1.5x slower SETs of 64 KiB).
-    try:
-        from redis._parsers.encoders import Encoder
-        from redis.connection import PythonRespSerializer
-
-        kw["command_packer"] = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-        return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **kw)
-    except (ImportError, TypeError):  # a redis-py without these internals: its default
-        kw.pop("command_packer", None)
-        return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **kw)
-
-
-# Direct I/O on a single node (a cluster always goes through redis-py). redis-py packs
-# commands and parses replies well, but moves large values slowly: it sends each value
-# with its own `sendall` and turns every reply value into a `bytes` copy. So an MSET is
-# sent here as one scatter-gather `sendmsg` of the header and tensor buffers, and values
-# of at least DIRECT_MIN_BYTES are received straight into their destination tensors.
-# Measured on 2 cores: about 2.2x redis-py's MSET throughput at 64 KiB and 1 MiB, and 2x
-# its MGET at 1 MiB; below 256 KiB hiredis parses MGET replies faster than Python can.
-# Connections still come from (and go back to) redis-py's pool, which connects, AUTHs and
-# SELECTs; one that fails mid-command is disconnected, never reused.
-DIRECT_MIN_BYTES = 256 << 10
-_IOV_MAX = 1024
-
-
-@contextlib.contextmanager
-def _raw_socket(client: Any) -> Iterator[socket.socket]:
-    pool = client.connection_pool
-    conn = pool.get_connection()
-    try:
-        conn.connect()  # no-op when connected
-        sock = getattr(conn, "_sock", None)
-        if sock is None:
-            raise ConnectionError("redis-py connection has no socket")
-        yield sock
-    except BaseException:
-        conn.disconnect()  # the stream may be mid-command: never reuse it
-        raise
-    finally:
-        pool.release(conn)
-
-
-def _bulk(data: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(data), data)
-
-
-def _send(sock: socket.socket, bufs: list[memoryview]) -> None:
-    """Send every buffer, in order, with as few `sendmsg` calls as the kernel allows."""
-    i = 0
-    while i < len(bufs):
-        n = sock.sendmsg(bufs[i:i + _IOV_MAX])
-        while n and i < len(bufs):
-            if n >= len(bufs[i]):
-                n -= len(bufs[i])
-                i += 1
-            else:
-                bufs[i] = bufs[i][n:]
-                n = 0
-
-
-class _ReplyReader:
-    """Reads replies (RESP2 or RESP3) from a socket: a status line, or an MGET array of bulk
-    strings and nils whose payloads are received straight into destination buffers (an
-    output tensor's bytes, e.g. a device block) instead of through hiredis, a `bytes`
-    object and a copy.
-
-    Each value comes back as (header bytes, payload view) for the codec to verify; a value
-    whose header cannot be parsed is drained from the socket and returned as raw bytes,
-    so the stream stays in step and the codec reports it as corrupt."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = bytearray()
-
-    def _fill(self, n: int) -> None:
-        while len(self.buf) < n:
-            chunk = self.sock.recv(max(65536, n - len(self.buf)))
-            if not chunk:
-                raise ConnectionError("connection closed inside a reply")
-            self.buf += chunk
-
-    def _line(self) -> bytes:
-        start = 0
-        while (i := self.buf.find(b"\r\n", start)) < 0:
-            start = max(0, len(self.buf) - 1)
-            self._fill(len(self.buf) + 1)
-        line = bytes(self.buf[:i])
-        del self.buf[:i + 2]
-        return line
-
-    def _read_into(self, dst: memoryview) -> None:
-        """Exactly len(dst) bytes of the stream into dst: what is buffered, then the socket."""
-        k = min(len(self.buf), len(dst))
-        dst[:k] = self.buf[:k]
-        del self.buf[:k]
-        while k < len(dst):
-            n = self.sock.recv_into(dst[k:])
-            if n == 0:
-                raise ConnectionError("connection closed inside a value")
-            k += n
-
-    def status(self) -> None:
-        """Read a `+OK`-style reply; raise on an error reply."""
-        line = self._line()
-        if line[:1] == b"-":
-            raise rexc.ResponseError(line[1:].decode(errors="replace"))
-        if line[:1] != b"+":
-            raise rexc.InvalidResponse(f"unexpected reply {line[:32]!r}")
-
-    def read_array(self, dests: Sequence[memoryview | None]) -> list[tuple[bytes, memoryview] | None]:
-        line = self._line()
-        if line[:1] == b"-":
-            raise rexc.ResponseError(line[1:].decode(errors="replace"))
-        if line[:1] != b"*" or int(line[1:]) != len(dests):
-            raise rexc.InvalidResponse(f"unexpected MGET reply {line[:32]!r}")
-        return [self._value(d) for d in dests]
-
-    def _value(self, dest: memoryview | None) -> tuple[bytes, memoryview] | None:
-        line = self._line()
-        if line == b"_":  # RESP3 null (redis-py may speak either protocol)
-            return None
-        if line[:1] != b"$":
-            raise rexc.InvalidResponse(f"unexpected bulk header {line[:32]!r}")
-        n = int(line[1:])
-        if n < 0:  # RESP2 null
-            return None
-        first = min(n, HEAD_SIZE)
-        self._fill(first)
-        head_len = header_size(self.buf) if first == HEAD_SIZE else n
-        if not HEAD_SIZE <= head_len <= min(n, _MAX_HEADER):
-            head_len = n  # not our format: keep all of it for the codec to reject
-        self._fill(min(n, head_len))
-        head = bytes(self.buf[:head_len])
-        del self.buf[:head_len]
-        size = n - head_len
-        body = dest if dest is not None and len(dest) == size else memoryview(bytearray(size))
-        self._read_into(body)
-        self._fill(2)
-        del self.buf[:2]  # the bulk string's CRLF
-        return head, body
 
 
 class RedisStore(KVStore):
@@ -222,7 +77,7 @@ class RedisStore(KVStore):
         # What this process stored (the tier's used bytes and its eviction index).
         self.sizes: dict[str, int] = {}
         self._used = 0
-        # Direct I/O for MSET and large MGETs on a single node (see DIRECT_MIN_BYTES);
+        # Direct I/O for MSET and large MGETs on a single node (see redis_wire.DIRECT_MIN_BYTES);
         # False keeps every command on redis-py.
         self.direct_io = not self.cluster
         self._lock = threading.Lock()
@@ -247,7 +102,7 @@ class RedisStore(KVStore):
             return fallback
         try:
             result = fn()
-        except _DOWN_ERRORS as e:
+        except DOWN_ERRORS as e:
             self.stats.io_errors += 1
             with self._lock:  # several threads may fail at once: one outage, counted once
                 went = not self.down
@@ -307,11 +162,11 @@ class RedisStore(KVStore):
             else:
                 bufs = [memoryview(b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(values)))]
                 for rk, head, payload in values:
-                    bufs += [memoryview(_bulk(rk.encode()) + b"$%d\r\n" % (len(head) + len(payload))
+                    bufs += [memoryview(bulk(rk.encode()) + b"$%d\r\n" % (len(head) + len(payload))
                                         + head), payload, memoryview(b"\r\n")]
-                with _raw_socket(self.client) as sock:
-                    _send(sock, bufs)
-                    _ReplyReader(sock).status()
+                with raw_socket(self.client) as sock:
+                    send_buffers(sock, bufs)
+                    ReplyReader(sock).status()
             return True
 
         ok = bool(values) and self._call(run, False)
@@ -401,16 +256,16 @@ class RedisStore(KVStore):
     def _fetch_direct(self, keys: Sequence[bytes], rks: list[str], salt: str | None,
                       outs: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
         """`_fetch` with each payload received straight into its output tensor (or a
-        private buffer), then verified there; see `_ReplyReader`."""
+        private buffer), then verified there; see `ReplyReader`."""
         outs = outs if outs is not None else [None] * len(keys)
         dests = [tensor_bytes(o) if o is not None and o.device.type == "cpu"
                  and o.is_contiguous() else None for o in outs]
 
         def run() -> list[tuple[bytes, memoryview] | None]:
             args = [b"MGET", *(rk.encode() for rk in rks)]
-            with _raw_socket(self.client) as sock:
-                _send(sock, [memoryview(b"*%d\r\n" % len(args) + b"".join(map(_bulk, args)))])
-                reader = _ReplyReader(sock)
+            with raw_socket(self.client) as sock:
+                send_buffers(sock, [memoryview(b"*%d\r\n" % len(args) + b"".join(map(bulk, args)))])
+                reader = ReplyReader(sock)
                 got = reader.read_array(dests)
                 if reader.buf:
                     raise rexc.InvalidResponse("bytes after the MGET reply")
@@ -458,30 +313,8 @@ class RedisStore(KVStore):
     def stored(self) -> Iterable[tuple[bytes, bytes]]:
         """Entries of this model and layout already in Redis (from another process or an
         earlier run): found with SCAN, headers read with GETRANGE and checked."""
-
-        def run() -> list[tuple[bytes, bytes, str, int]]:
-            found: list[tuple[bytes, bytes, str, int]] = []
-            names = list(self.client.scan_iter(match=self.prefix + "*", count=1000))
-            for i in range(0, len(names), 512):
-                chunk = names[i:i + 512]
-                pipe = self.client.pipeline(transaction=False)
-                for n in chunk:
-                    pipe.getrange(n, 0, _MAX_HEADER - 1)
-                    pipe.strlen(n)
-                res = pipe.execute()
-                for j, n in enumerate(chunk):
-                    head, size = res[2 * j], res[2 * j + 1]
-                    try:
-                        hdr = decode_header(head)
-                    except CorruptValue:
-                        continue
-                    name = n.decode() if isinstance(n, bytes) else n
-                    if size == hdr.body_offset + hdr.payload_len and \
-                            name == self.rkey(hdr.key, hdr.ns):
-                        found.append((hdr.key, hdr.ns, name, size))
-            return found
-
-        found = self._call(run, [])
+        found: list[tuple[bytes, bytes, str, int]] = self._call(
+            lambda: scan_headers(self.client, self.prefix, self.rkey), [])
         with self._lock:
             for _k, _ns, name, size in found:
                 self._used += size - self.sizes.get(name, 0)
@@ -494,14 +327,10 @@ class RedisStore(KVStore):
         match = f"{self.prefix}{self.ns(salt).hex()[:16]}:*"
 
         def run() -> int:
-            names = list(self.client.scan_iter(match=match, count=1000))
-            n = 0
-            for i in range(0, len(names), 512):
-                chunk = names[i:i + 512]
-                n += sum(self.client.delete(k) for k in chunk) if self.cluster \
-                    else self.client.delete(*chunk)
+            names = scan_names(self.client, match)
+            n = delete_names(self.client, names, self.cluster)
             for k in names:
-                self._forget(k.decode() if isinstance(k, bytes) else k)
+                self._forget(k)
             return n
 
         n = self._call(run, 0)

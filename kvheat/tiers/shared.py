@@ -152,7 +152,7 @@ class SharedTierFeed:
             while len(self.peers) > self.max_peer_keys:
                 self.peers.popitem(last=False)
 
-    # ---- lookups (TieredCache._find) ---------------------------------------------------------
+    # ---- lookups (promotion.Promoter._find) --------------------------------------------------
     def lookup(self, key: bytes) -> tuple[int, Block] | None:
         with self._lock:
             tokens = self.peers.get(key)

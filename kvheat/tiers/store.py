@@ -1,5 +1,6 @@
-"""The interface every KV tier below the device implements, its counters, and the
-transfer-time model that load-or-recompute decisions use.
+"""The interface every KV tier below the device implements, its counters, the
+transfer-time model that load-or-recompute decisions use, and what the hierarchy needs of
+the device pool above them (`DeviceBlocks`).
 
 A store holds real KV bytes (one block or one 256-token chunk per key) and never serves a
 value it has not verified: a failed check is a miss, counted in `stats` and logged.
@@ -15,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
@@ -115,6 +117,20 @@ class TransferModel:
         if f is None:
             return None
         return ops * f[0] + nbytes / f[1]
+
+
+class DeviceBlocks(Protocol):
+    """What the hierarchy needs of the device's paged KV pool (the engine's DeviceKVPool):
+    one block's KV as a tensor view, written back whole."""
+
+    bytes_per_block: int
+    block_size: int  # tokens per block
+    layout: str  # "gqa" or "mla": with the dtype, names the stored format
+    dtype: torch.dtype
+
+    def block_view(self, block_id: int) -> torch.Tensor: ...
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None: ...
 
 
 class KVStore:

@@ -1,0 +1,239 @@
+"""Demotion: the blocks the device evicts go down to the lower tiers.
+
+Its bytes go to the first lower tier that is up (inline for the host tier: a memory copy,
+so the device block can be reused at once). A tier that must make room evicts its own
+coldest entry, in the order of the same policy family as the device, down to the next tier
+through a background thread with a bounded queue (a full queue drops the demotion,
+counted, never blocks serving). Exclusive by default: a block lives in one tier; with
+`write_through` a demoted block goes to every lower tier and keeps its copies when
+promoted. The bottom tier evicts leaves first (entries with no child held below), and a
+parent, with its descendants, only when it holds no leaf.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.block import Block
+from .index import UNKNOWN_OWNER
+from .lower import LowerTiers
+from .store import DeviceBlocks
+
+log = logging.getLogger("kvheat.tiers")
+
+
+@dataclass(slots=True)
+class Move:
+    """One block on its way to a lower tier (demoted, or handed down by a full tier)."""
+
+    tier: int
+    key: bytes
+    salt: str | None
+    tokens: int
+    kv: torch.Tensor
+    parent: bytes | None
+    owner: object  # the tenant that filled it (`UNKNOWN_OWNER`: found at start-up)
+    gen: int  # the owner's flush count when it left the device
+
+    def to(self, tier: int, kv: torch.Tensor) -> Move:
+        return Move(tier, self.key, self.salt, self.tokens, kv, self.parent, self.owner,
+                    self.gen)
+
+
+class Demoter:
+    """Places demoted blocks on the lower tiers, inline or through its queue and thread."""
+
+    def __init__(self, lower: LowerTiers, device: DeviceBlocks, write_through: bool,
+                 queue_size: int, background: bool) -> None:
+        self.lower = lower
+        self.device = device
+        self.write_through = write_through
+        self.queue: queue.Queue[Move | None] = queue.Queue(queue_size)
+        self.worker: threading.Thread | None = None
+        if background:
+            self.worker = threading.Thread(target=self._work, name="kvheat-demote", daemon=True)
+            self.worker.start()
+
+    def on_device_evict(self, b: Block) -> None:
+        """The manager's eviction listener: `b` is about to lose its KV."""
+        low = self.lower
+        if not low.stores or b.key is None:
+            return
+        salt = low.mgr.salt_of(b.tenant)
+        view = self.device.block_view(b.block_id)
+        # The device evicts leaves first, so the parent is still cached there now.
+        parent = b.parent.key if b.parent is not None else None
+        m = Move(0, b.key, salt, b.num_tokens, view, parent, b.tenant, low.flushed(b.tenant))
+        if self.write_through:
+            copy: torch.Tensor | None = None
+            for i, st in enumerate(low.stores):
+                if b.key in low.indexes[i].entries:
+                    with low.lock:
+                        e = low.indexes[i].get(b.key)
+                        if e is not None:
+                            low.indexes[i].touch(e, low.clock())
+                    continue
+                if st.inline:
+                    self.place(m.to(i, view), cascade=False)
+                else:
+                    if copy is None:
+                        copy = _private(view)
+                    self.enqueue(m.to(i, copy))
+        else:
+            first = next((i for i, st in enumerate(low.stores) if st.available()), None)
+            if first is None:
+                low.counters.demote_refused += 1
+            elif low.stores[first].inline:
+                self.place(m.to(first, view), cascade=True)
+            else:
+                self.enqueue(m.to(first, _private(view)))
+        # Refused or dropped: the key leaves with the device block, and its children below.
+        with low.lock:
+            dels = low.links.settle(b.key, leaving_device=True)
+        low.delete(dels)
+
+    def enqueue(self, m: Move) -> None:
+        """Hand a demotion to the background thread. The item holds `key` below from now
+        until it is placed, so a key moving between tiers is never taken for gone."""
+        low = self.lower
+        with low.lock:
+            low.links.hold(m.key, m.parent)
+        if self.worker is None:
+            try:
+                self.place(m, cascade=not self.write_through, owned=True)
+            finally:
+                low.release(m.key)
+            return
+        try:
+            self.queue.put_nowait(m)
+        except queue.Full:
+            low.counters.demote_dropped += 1
+            low.release(m.key)
+
+    def _work(self) -> None:
+        low = self.lower
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                self.place(item, cascade=not self.write_through, owned=True)
+            except Exception:  # the demotion thread must outlive any one bad block
+                low.counters.worker_errors += 1
+                log.exception("tier demotion failed")
+            finally:
+                if item is not None:
+                    try:
+                        low.release(item.key)
+                    except Exception:
+                        low.counters.worker_errors += 1
+                        log.exception("tier cleanup failed")
+                self.queue.task_done()
+
+    def place(self, m: Move, cascade: bool, owned: bool = False) -> None:
+        """Put one block into `m.tier`, making room by evicting that tier's coldest entries
+        (down to the next tier when `cascade`); a refused block itself goes down too.
+        `owned`: `m.kv` is a private copy; otherwise it may view a device block that is
+        reused as soon as this returns, so anything queued is copied first. The caller
+        holds the key meanwhile and settles it after (a refused key may be gone)."""
+        low = self.lower
+        st, idx = low.stores[m.tier], low.indexes[m.tier]
+        nxt = m.tier + 1 if cascade and m.tier + 1 < len(low.stores) else None
+        with low.lock:
+            if low.flushed(m.owner) != m.gen:  # its tenant was flushed meanwhile
+                return
+            if low.links.orphan(m.parent):  # its parent left while it waited in the queue
+                low.counters.orphans_dropped += 1
+                return
+            e = idx.get(m.key)
+            if e is not None:
+                # Already there (a key names its KV): refresh it. Rewriting would hide the
+                # entry from readers while the store replaces it (a load then misses).
+                idx.touch(e, low.clock())
+                return
+        if not st.available():
+            self._pass_down(m, nxt, owned)
+            return
+        need = st.entry_bytes(m.kv, m.key)
+        self._make_room(m.tier, m.key, need, nxt)
+        if not st.put(m.key, m.kv, m.salt):
+            self._pass_down(m, nxt, owned)
+            return
+        with low.lock:
+            # Checked again: making room above may have dropped the parent meanwhile,
+            # and a flush of its tenant may have run while it was written.
+            orphan = low.links.orphan(m.parent) or low.flushed(m.owner) != m.gen
+            if not orphan and idx.insert(m.key, m.salt, m.tokens, need, low.clock(),
+                                         low.links.children(m.key), m.owner, m.parent):
+                low.links.hold(m.key, m.parent)
+        if orphan:
+            low.counters.orphans_dropped += 1
+            st.delete(m.key, m.salt)
+            return
+        low.demotions[m.tier] += 1
+        low.counters.demotions += 1
+
+    def _pass_down(self, m: Move, nxt: int | None, owned: bool) -> None:
+        """`m.tier` refused the block: the next tier gets it, if there is one."""
+        if nxt is not None:
+            self.enqueue(m.to(nxt, m.kv if owned else _private(m.kv)))
+        else:
+            self.lower.counters.demote_refused += 1
+
+    def _make_room(self, tier: int, key: bytes, need: int, nxt: int | None) -> None:
+        """Evict `tier`'s coldest entries until `need` more bytes fit (for `key`, whose
+        own old entry's bytes count as free), handing them to `nxt` when it is up."""
+        low = self.lower
+        st, idx = low.stores[tier], low.indexes[tier]
+        victims: list[tuple[bytes, Block, bytes | None, object]] = []
+        with low.lock:
+            freed = 0
+            held = idx.sizes.get(key, 0)
+            while st.used_bytes() - held - freed + need > st.capacity_bytes:
+                v = idx.victim()
+                if v is None or v.key is None:
+                    break
+                freed += idx.sizes.get(v.key, 0)
+                owner = idx.owners.get(v.key, UNKNOWN_OWNER)
+                idx.remove(v.key)
+                # Its holding stays until it is handed down or dropped (released below).
+                victims.append((v.key, v, low.links.parent.get(v.key), owner))
+        for vkey, v, vparent, vowner in victims:
+            try:
+                if nxt is not None and low.stores[nxt].available():
+                    t = st.get(vkey, v.tenant)
+                    if t is not None:
+                        self.enqueue(Move(nxt, vkey, v.tenant, v.num_tokens, t, vparent,
+                                          vowner, low.flushed(vowner)))
+                elif tier == len(low.stores) - 1:
+                    low.counters.dropped_bottom += 1
+                st.delete(vkey, v.tenant)
+                low.evictions[tier] += 1
+            finally:
+                low.release(vkey)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until queued demotions are written (tests, benchmarks, shutdown)."""
+        if self.worker is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while self.queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.flush()
+            self.queue.put(None)
+            self.worker.join(timeout=5)
+            self.worker = None
+
+
+def _private(kv: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy that shares no memory with `kv` (a device block view)."""
+    return kv.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
