@@ -167,7 +167,7 @@ def test_exact_prompt_caching_keeps_tenants_and_bounded_tables(llama: tuple) -> 
     assert e.cache.stats.evicted_blocks > 24
     assert run(e, [(p, "b")])[0].metrics.num_cached_tokens == 96
     # One root per tenant, not per prompt; usage has one entry per tenant.
-    assert len(e.cache._roots) <= 2 and set(e.cache.usage) <= {"a", "b"}
+    assert len(e.cache.known_tenants()) <= 2 and set(e.cache.usage) <= {"a", "b"}
     e.close()
 
 
@@ -336,7 +336,7 @@ def test_soak_tiers_tenants_arms_and_admin_calls(llama: tuple, tmp_path: Path, s
         c = tc.counters
         assert c.read_bytes <= c.promoted_bytes + c.unused_read_bytes
         # Every per-key table stays bounded: by tenants, not by prompts or requests.
-        assert len(e.cache._roots) <= len(tenants) and len(e.cache.usage) <= len(tenants) + 1
+        assert len(e.cache.known_tenants()) <= len(tenants) and len(e.cache.usage) <= len(tenants) + 1
         assert all(len(st._ns_cache) <= len(tenants) + 2 for st in tc.tiers)
         assert len(tc.promoter.plans) <= len(live) and len(tc.lower.flushes) <= 2
     assert checked >= 15
