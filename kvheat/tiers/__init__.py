@@ -1,9 +1,11 @@
-"""KV tiers: the device pool, and host, disk and Redis stores below it under one policy.
+"""KV tiers: host, disk and Redis stores below the device pool, under one policy.
 
-`device.py` holds the engine's paged KV pool; `host.py`, `disk.py` and `redis_store.py`
-hold real KV bytes per block key behind `store.KVStore`; `hierarchy.TieredCache` wraps a
-`KVCacheManager` and moves blocks between them (demotion, promotion, prefetch,
-load-or-recompute); `spec.TierSpec` declares them and `spec.build_tiers` builds them.
+`host.py`, `disk.py` and `redis_store.py` hold real KV bytes per block key behind
+`store.KVStore`; `hierarchy.TieredCache` wraps a `KVCacheManager` and the device pool
+(typed by `store.DeviceBlocks`; the engine's is `kvheat.engine.kv_pool`) and moves blocks
+between them: `demotion`, `promotion` (prefetch, loads), `cost` (load or recompute),
+`lower` and `links` (what lies below, and its prefix links). `spec.TierSpec` declares the
+tiers and `spec.build_tiers` builds them.
 Redis support needs redis-py (`pip install kvheat[tiers]`).
 """
 

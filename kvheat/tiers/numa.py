@@ -1,4 +1,4 @@
-"""NUMA placement of host-tier buffers (SPEC.md 4.4).
+"""NUMA placement of host-tier buffers (docs/tiers.md, "Stores": the host tier).
 
 Linux places a page on the node of the CPU that first writes it. So a buffer is put on a
 node by allocating it and writing every page once from a thread bound to that node's CPUs
