@@ -20,7 +20,6 @@ from pathlib import Path
 
 from heat_replay import prepared
 
-import kvheat.heat  # noqa: F401
 from kvheat.cache import make_policy
 from kvheat.replay import replay
 

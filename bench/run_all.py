@@ -25,7 +25,6 @@ def run(*args: str) -> None:
 def main() -> None:
     OUT.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "kvheat.cli"]
-    import kvheat.heat  # noqa: F401  (registers the heat policies)
     from kvheat.cache import policy_names
     from kvheat.cli import main as cli
 
