@@ -94,12 +94,22 @@ def test_fused_score_gate() -> None:
 
 
 def test_lruk_history_and_regime() -> None:
-    h = LRUKHistory(2, [])
-    h.record(1.0)
-    assert h.eviction_key() == 1.0 - 1e12  # fewer than K accesses: before all others
-    h.record(5.0)
-    h.record(9.0)
-    assert h.times == [5.0, 9.0] and h.eviction_key() == 5.0
+    from kvheat.cache.block import Block
+    from kvheat.heat import LRUK
+
+    pol = LRUK(k=2)
+    pol.bind(8)
+    b = Block(0)
+    b.key = b"k"
+    pol.on_insert(b, 1.0)
+    assert isinstance(b.rec, LRUKHistory) and b.rec.times == [1.0]
+    assert pol._key(b) == 1.0 - 1e12  # fewer than K accesses: before all others
+    pol.on_hit(b, 5.0)
+    pol.on_hit(b, 9.0)
+    assert b.rec.times == [5.0, 9.0] and pol._key(b) == 5.0  # the K-th most recent access
+    pol.on_evict(b)
+    pol.on_insert(b, 12.0)  # back from the ghost: its last access is remembered
+    assert b.rec.times == [9.0, 12.0]
     r = Regime()
     assert [r.classify(b) for b in (0.5, 4.0, 9.0)] == ["low", "mid", "high"]
 

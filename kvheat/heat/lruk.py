@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..cache.block import Block
 from ..cache.ghost import Ghost
 from ..cache.policy import register_policy
 from .heap import HeapPolicy
 
 
+@dataclass(slots=True)
 class LRUKHistory:
-    """The last K access times of a block, oldest first: LRUK's per-block record."""
+    """LRUK's per-block record (`Block.rec`): the block's last K access times, oldest
+    first."""
 
-    __slots__ = ("k", "times")
-
-    def __init__(self, k: int, times: list[float]) -> None:
-        self.k = k
-        self.times = times
-
-    def record(self, now: float) -> None:
-        times = self.times
-        times.append(now)
-        if len(times) > self.k:
-            del times[0]
-
-    def eviction_key(self) -> float:
-        """The K-th most recent access time; blocks with fewer than K accesses sort before
-        all others (offset), LRU among themselves."""
-        times = self.times
-        return times[0] if len(times) == self.k else times[-1] - 1e12
+    times: list[float]
 
 
 @register_policy("lruk")
@@ -47,8 +35,9 @@ class LRUK(HeapPolicy):
         self.ghost: Ghost[float] = Ghost()
 
     def _key(self, b: Block) -> float:
-        h: LRUKHistory = b.rec
-        return h.eviction_key()
+        times: list[float] = b.rec.times
+        # Blocks with < K accesses sort before all others (offset), LRU among themselves.
+        return times[0] if len(times) == self.k else times[-1] - 1e12
 
     def on_insert(self, b: Block, now: float) -> None:
         assert b.key is not None
@@ -57,13 +46,15 @@ class LRUK(HeapPolicy):
         times.append(now)
         h: LRUKHistory | None = b.rec
         if h is None:  # the block's first insert: its record is reused from then on
-            b.rec = LRUKHistory(self.k, times[-self.k:])
+            b.rec = LRUKHistory(times[-self.k:])
         else:
             h.times = times[-self.k:]
 
     def on_hit(self, b: Block, now: float) -> None:
-        h: LRUKHistory = b.rec
-        h.record(now)
+        times: list[float] = b.rec.times
+        times.append(now)
+        if len(times) > self.k:
+            del times[0]
 
     def on_evict(self, b: Block) -> None:
         assert b.key is not None
