@@ -39,8 +39,8 @@ class HeatRecord:
 
 
 class HeatCounts(HeapPolicy):
-    """The clock, the generations and the history of the counts; the policy on top
-    (KVHeat) adds the key and the hooks."""
+    """The clock, the generations and the history of the counts (the key is
+    HeatPenalties', the cache's hooks are KVHeat's)."""
 
     REBASE_AT = 600.0  # λ·(v − base) beyond which the base moves (e^709 overflows)
 

@@ -156,6 +156,11 @@ class KVHeat(HeatFeedback):
                 return
         self._push_key(b, k)
 
+    def on_release_all(self, blocks: list[Block], now: float) -> None:
+        # The cache's batched release (a request's blocks, tail-first, after their refcounts
+        # changed): the same heap as `on_release` of each, without a call per block.
+        self.release_all(blocks)
+
     def release_all(self, blocks: Iterable[Block]) -> None:
         """`on_release` of each block in order, in one call (for a caller releasing many
         at once: the loop's lookups hoisted, the push inlined; the same heap after)."""
