@@ -46,8 +46,6 @@ def prepared(name: str, block: int) -> PreparedTrace:
 
 
 def _run(job: tuple[str, int, float, str, int]) -> dict:
-    import kvheat.heat  # noqa: F401  (registers the heat policies in the worker)
-
     name, block, scale, policy, cap = job
     r = replay(prepared(name, block), policy, cap, block, time_scale=scale)
     return {"trace": name, "block_tokens": block, "scale": scale, **r.as_dict()}

@@ -21,7 +21,7 @@ from heat_grid import ONLINE, prepared
 
 from kvheat.cache.block import Block
 from kvheat.heat import KVHeat
-from kvheat.heat.policies import ONE_OFF
+from kvheat.heat.penalties import ONE_OFF
 from kvheat.replay import parse_tokens, replay
 
 
@@ -39,7 +39,8 @@ class OracleAdmission(KVHeat):
     def on_insert(self, b: Block, now: float) -> None:
         super().on_insert(b, now)
         dead = self.next_use.get(b.key, math.inf) == math.inf  # type: ignore[arg-type]
-        b.state = (b.state | ONE_OFF) if dead else (b.state & ~ONE_OFF)
+        r = b.rec
+        r.flags = (r.flags | ONE_OFF) if dead else (r.flags & ~ONE_OFF)
 
 
 def main() -> None:

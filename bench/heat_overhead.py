@@ -1,6 +1,7 @@
 """Policy decision overhead per block access, measured inside the real cache.
 
-Every policy hook (insert, hit, acquire, release, leaf, victim, evict) is wrapped with a
+Every policy hook (insert, hit, acquire, release, leaf, victim, evict, and the batched
+acquire/release the cache calls where a policy overrides them) is wrapped with a
 nanosecond timer; per request the time spent in hooks is divided by the request's block
 accesses (the replay is the project's `kvheat.replay.replay`). The timer's own cost (an
 empty wrapped call, calibrated here) is subtracted. The policies run interleaved, round
@@ -20,11 +21,11 @@ from pathlib import Path
 
 from heat_replay import prepared
 
-import kvheat.heat  # noqa: F401
 from kvheat.cache import make_policy
 from kvheat.replay import replay
 
-HOOKS = ("on_insert", "on_hit", "on_acquire", "on_release", "on_leaf", "victim", "on_evict")
+HOOKS = ("on_insert", "on_hit", "on_acquire", "on_release", "on_leaf", "victim", "on_evict",
+         "on_acquire_all", "on_release_all")
 
 
 def _calibrate(n: int = 200_000) -> float:

@@ -14,7 +14,6 @@ import json
 from functools import cache
 from pathlib import Path
 
-import kvheat.heat  # noqa: F401  (registers the heat policies)
 from kvheat.replay import PreparedTrace, parse_tokens, replay
 from kvheat.replay.traces import TraceRequest, WorkloadConfig, generate_workload, load_trace
 

@@ -26,7 +26,6 @@ def run(*args: str) -> None:
 def main() -> None:
     OUT.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "kvheat.cli"]
-    import kvheat.heat  # noqa: F401  (registers the heat policies)
     from kvheat.cache import policy_names
 
     policies = [p for p in ("lru", "fifo", "lfu", "arc", "s3fifo", "twoq", "kvheat", "belady")

@@ -1,4 +1,4 @@
-"""Heat: decay functions, decayed entropy, scores, tuning, drift and the heat policies."""
+"""Heat: decayed entropy, the fused score, tuning, drift and the heat policies."""
 
 from __future__ import annotations
 
@@ -10,56 +10,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvheat.heat  # noqa: F401  (registers the heat policies)
 from kvheat.cache import CacheConfig, KVCacheManager, make_policy, policy_names
 from kvheat.heat import (
-    Decay,
     DriftDetector,
     EntropyTracker,
-    HotnessCounter,
     KVHeat,
     LRUKHistory,
     OnlineTuner,
     Regime,
-    exponential,
     fused_score,
-    hyperbolic,
-    logarithmic,
     shannon_bits,
 )
 from kvheat.heat.reuse import ReuseGapEstimator
 from kvheat.replay import PreparedTrace, replay
 from kvheat.replay.traces import WorkloadConfig, generate_workload
-
-
-# ---- decay -----------------------------------------------------------------------------
-def test_decay_matches_seed_table() -> None:
-    # SPEC §2.2 / seed table: λ = α = 0.2 at t = 1, 5, 10.
-    assert [round(exponential(t, 0.2), 2) for t in (1, 5, 10)] == [0.82, 0.37, 0.14]
-    assert [round(hyperbolic(t, 0.2), 2) for t in (1, 5, 10)] == [0.83, 0.50, 0.33]
-
-
-def test_decay_vectorised_equals_scalar_and_log_decreases() -> None:
-    t = np.array([0.0, 1.0, 5.0, 10.0, 100.0])
-    for kind in ("exp", "hyperbolic", "log"):
-        d = Decay(kind, 0.2)
-        vec = d(t)
-        assert vec.shape == t.shape
-        assert np.allclose(vec, [d(float(x)) for x in t])
-        assert vec[0] == 1.0 and np.all(np.diff(vec) < 0), kind
-        assert d(d.half_life()) == pytest.approx(0.5)
-    assert logarithmic(10.0, 1.0) == pytest.approx(1 / (1 + math.log(11)))
-
-
-def test_decay_rejects_bad_input() -> None:
-    with pytest.raises(ValueError):
-        Decay("linear", 0.2)
-    with pytest.raises(ValueError):
-        Decay("exp", 0.0)
-    with pytest.raises(ValueError):
-        exponential(-1.0)
-    with pytest.raises(ValueError):
-        hyperbolic(np.array([1.0, -2.0]))
 
 
 # ---- entropy ---------------------------------------------------------------------------
@@ -129,31 +93,23 @@ def test_fused_score_gate() -> None:
         fused_score(1.5, 0.5)
 
 
-def test_hotness_counter_per_second_decay() -> None:
-    c = HotnessCounter(0.995)
-    assert c.half_life() == pytest.approx(138.3, abs=0.1)
-    c.hit("chunk", 0.0)
-    assert c.heat("chunk", c.half_life()) == pytest.approx(0.5)
-    c.hit("chunk", 10.0)
-    assert c.heat("chunk", 10.0) == pytest.approx(1 + 0.995 ** 10)
-    d = HotnessCounter(0.995, dedup_s=5.0)
-    d.hit("s", 0.0)
-    d.hit("s", 1.0)  # within the dedup window: not counted again
-    assert d.heat("s", 1.0) == pytest.approx(0.995)
-    c.hit("cold", 0.0)
-    assert [k for k, _ in c.hottest(10.0, 1)] == ["chunk"]
-    assert c.forget_below(10_000.0, 1e-3) == 2 and not c.heat_at
-    with pytest.raises(ValueError):
-        HotnessCounter(1.5)
-
-
 def test_lruk_history_and_regime() -> None:
-    h = LRUKHistory(2)
-    h.record(1.0)
-    assert h.kth_time() == -math.inf
-    h.record(5.0)
-    h.record(9.0)
-    assert h.kth_time() == 5.0
+    from kvheat.cache.block import Block
+    from kvheat.heat import LRUK
+
+    pol = LRUK(k=2)
+    pol.bind(8)
+    b = Block(0)
+    b.key = b"k"
+    pol.on_insert(b, 1.0)
+    assert isinstance(b.rec, LRUKHistory) and b.rec.times == [1.0]
+    assert pol._key(b) == 1.0 - 1e12  # fewer than K accesses: before all others
+    pol.on_hit(b, 5.0)
+    pol.on_hit(b, 9.0)
+    assert b.rec.times == [5.0, 9.0] and pol._key(b) == 5.0  # the K-th most recent access
+    pol.on_evict(b)
+    pol.on_insert(b, 12.0)  # back from the ghost: its last access is remembered
+    assert b.rec.times == [9.0, 12.0]
     r = Regime()
     assert [r.classify(b) for b in (0.5, 4.0, 9.0)] == ["low", "mid", "high"]
 
@@ -281,14 +237,14 @@ def test_kvheat_drift_detector_resets_stale_heat() -> None:
         mgr.allocate(r)
         mgr.free(r)
     root = mgr.match_prefix(mgr.make_hashed_request("q", [0], 4))[0]
-    assert pol.log_count(root, root.next_use) > 3.0  # the root got hot
+    assert pol.log_count(root, root.rec.last) > 3.0  # the root got hot
     for i in range(256):  # phase B: a single conversation takes over
         now[0] = 256.0 + i
         r = mgr.make_hashed_request(f"b{i}", [7, 9], 8)
         mgr.allocate(r)
         mgr.free(r)
     assert pol.stats()["drifts"] >= 1
-    assert root.key is None or pol.log_count(root, root.next_use) <= 1e-9  # stale heat dropped (or evicted)
+    assert root.key is None or pol.log_count(root, root.rec.last) <= 1e-9  # stale heat dropped (or evicted)
     mgr.check_invariants()
 
 
@@ -486,7 +442,7 @@ def test_kvheat_bulk_release_and_rebuild_keep_the_heap_order() -> None:
     """`release_all` is `on_release` in a loop, and KVHeat's inlined `_rebuild` is the
     generic one: the same victims in the same order (ties included)."""
     from kvheat.cache.block import Block
-    from kvheat.heat.policies import _HeapPolicy
+    from kvheat.heat.heap import HeapPolicy
 
     def run(bulk: bool) -> list[int]:
         rng = random.Random(7)
@@ -512,7 +468,7 @@ def test_kvheat_bulk_release_and_rebuild_keep_the_heap_order() -> None:
             if t % 8 == 0:
                 pol.gen += 1
                 pol.gens.append((pol.base, pol.lam))
-                (pol._rebuild if bulk else lambda: _HeapPolicy._rebuild(pol))()
+                (pol._rebuild if bulk else lambda: HeapPolicy._rebuild(pol))()
         out = []
         while (b := pol.victim()) is not None:
             out.append(b.block_id)

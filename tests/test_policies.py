@@ -43,6 +43,20 @@ def test_registry_lists_all_baselines() -> None:
         make_policy("nope")
 
 
+def test_heat_policies_are_found_without_importing_kvheat_heat() -> None:
+    """`make_policy` loads the plugin policies by name (kvheat/cache/policy.py): a fresh
+    interpreter that imports only kvheat.cache gets `kvheat`, `lruk` and `fused`."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvheat.cache import make_policy, policy_names; "
+            "assert 'kvheat.heat' not in sys.modules; "
+            "print(type(make_policy('kvheat')).__name__, "
+            "{'kvheat', 'lruk', 'fused'} <= set(policy_names()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["KVHeat", "True"]
+
+
 def test_lru() -> None:
     m, hits = run("lru", "ABCAD")  # D evicts B, the least recently used
     assert cached(m) == "ACD"

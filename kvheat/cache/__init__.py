@@ -1,13 +1,15 @@
-"""The block cache: blocks, prefix hashing, the manager and baseline eviction policies.
+"""The block cache: blocks, prefix hashing, the manager, the policy interface (with the
+plugin registry that finds kvheat.heat's policies by name) and baseline eviction policies.
 
 No torch here: this layer runs anywhere, including the trace replayer.
 """
 
 from . import policies  # noqa: F401  (registers the baseline policies)
 from .block import Block, BlockQueue
+from .ghost import Ghost
 from .hashing import block_keys, chain_key, root_key, tokens_to_bytes
 from .manager import KVCacheManager
-from .policy import EvictionPolicy, make_policy, policy_names, register_policy
+from .policy import PARKED, EvictionPolicy, make_policy, policy_names, register_policy
 from .request import (
     CacheConfig,
     CacheError,
@@ -19,8 +21,8 @@ from .request import (
 )
 
 __all__ = [
-    "Block", "BlockQueue", "CacheConfig", "CacheError", "CacheStats", "EvictionPolicy",
-    "KVCacheManager", "OutOfBlocks", "PromptTooLong", "Request", "UnknownRequest",
+    "PARKED", "Block", "BlockQueue", "CacheConfig", "CacheError", "CacheStats", "EvictionPolicy",
+    "Ghost", "KVCacheManager", "OutOfBlocks", "PromptTooLong", "Request", "UnknownRequest",
     "block_keys", "chain_key", "make_policy", "policy_names", "register_policy", "root_key",
     "tokens_to_bytes",
 ]

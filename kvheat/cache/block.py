@@ -3,16 +3,23 @@
 A block is one page of KV for `block_size` tokens. Its links (`prev`, `next`) live on the
 block itself, so a queue can unlink any block in O(1) without searching (as vLLM's
 free-block queue does).
+
+Besides the tree and the links, a block carries only what means the same to every policy
+that reads it (`freq`, `state`, `heap_ver`); whatever else a policy keeps per block is its
+own record in `rec` (KVHeat's `HeatRecord`, LRU-K's `LRUKHistory`, Fused's candidate index).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
 
 
 class Block:
     __slots__ = (
         "block_id", "key", "content", "parent", "num_children", "ref_cnt", "num_tokens",
         "depth", "tenant", "prev", "next", "queue", "parked", "state", "freq",
-        "last_access", "inserted_at", "next_use", "heap_ver", "meta",
+        "last_access", "inserted_at", "heap_ver", "rec",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -29,13 +36,15 @@ class Block:
         self.next: Block | None = None
         self.queue: BlockQueue | None = None
         self.parked: BlockQueue | None = None  # queue to rejoin (cold end) once evictable again
-        self.state = 0  # policy-owned: which list of the policy the block logically belongs to
-        self.freq = 0
-        self.last_access = 0.0
+        self.state = 0  # which list of the policy the block belongs to (ARC, 2Q, S3-FIFO)
+        self.freq = 0  # accesses counted by the policy (LFU, S3-FIFO's 2 bits, Fused)
+        self.last_access = 0.0  # cache clock of the last insert or hit (set by the cache)
         self.inserted_at = 0.0
-        self.next_use = 0.0
-        self.heap_ver = 0
-        self.meta: object = None  # free slot for policies that need more per-block state
+        # Which heap entry of the policy is live (Belady: a version, heat heaps: a slot).
+        self.heap_ver: float = 0
+        # The policy's own per-block record; its type is the policy's (one policy type per
+        # cache), so it is typed here as Any and precisely where each policy reads it.
+        self.rec: Any = None
 
     @property
     def evictable(self) -> bool:
@@ -92,17 +101,17 @@ class BlockQueue:
 
     def popleft(self) -> Block | None:
         b = self.head.next
-        if b is self.tail:
+        if b is None or b is self.tail:
             return None
-        self.remove(b)  # type: ignore[arg-type]
+        self.remove(b)
         return b
 
     def __len__(self) -> int:
         return self.size
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Block]:
         b = self.head.next
-        while b is not self.tail:
-            nxt = b.next  # type: ignore[union-attr]
+        while b is not None and b is not self.tail:  # (never None: the tail sentinel ends it)
+            nxt = b.next
             yield b
             b = nxt

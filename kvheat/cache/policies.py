@@ -6,10 +6,10 @@ All of them evict only refcount-0 leaves (see `policy.py`). Ghost lists hold key
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 
 from .block import Block, BlockQueue
-from .policy import EvictionPolicy, register_policy
+from .ghost import Ghost
+from .policy import PARKED, EvictionPolicy, register_policy
 
 
 @register_policy("lru")
@@ -134,24 +134,6 @@ class LFU(EvictionPolicy):
         return None
 
 
-class _Ghost:
-    """Keys of recently evicted blocks, bounded, oldest dropped first."""
-
-    def __init__(self) -> None:
-        self.keys: OrderedDict[bytes, None] = OrderedDict()
-
-    def add(self, key: bytes, limit: int) -> None:
-        self.keys[key] = None
-        while len(self.keys) > max(limit, 0):
-            self.keys.popitem(last=False)
-
-    def take(self, key: bytes) -> bool:
-        return self.keys.pop(key, 0) is None
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-
 T1, T2 = 1, 2
 
 
@@ -166,7 +148,8 @@ class ARC(EvictionPolicy):
         super().__init__()
         self.t = {T1: BlockQueue("t1"), T2: BlockQueue("t2")}
         self.size = {T1: 0, T2: 0}  # logical sizes, referenced blocks included
-        self.b1, self.b2 = _Ghost(), _Ghost()
+        self.b1: Ghost[bool] = Ghost()
+        self.b2: Ghost[bool] = Ghost()
         self.p = 0.0
 
     def on_insert(self, b: Block, now: float) -> None:
@@ -214,7 +197,8 @@ class ARC(EvictionPolicy):
         # Each ghost list remembers up to one cache's worth of keys. (Classic ARC trims B1
         # to c - |T1| before admitting the missed key; here eviction runs before the
         # newcomer is known, and that trim would drop the very key about to hit.)
-        (self.b1 if b.state == T1 else self.b2).add(b.key, self.capacity)  # type: ignore[arg-type]
+        assert b.key is not None
+        (self.b1 if b.state == T1 else self.b2).add(b.key, True, self.capacity)
 
     def stats(self) -> dict[str, float]:
         return {"p": self.p, "t1": self.size[T1], "t2": self.size[T2]}
@@ -241,10 +225,11 @@ class TwoQ(EvictionPolicy):
         self.a1in = BlockQueue("a1in")
         self.am = BlockQueue("am")
         self.n_a1in = 0
-        self.a1out = _Ghost()
+        self.a1out: Ghost[bool] = Ghost()
 
     def on_insert(self, b: Block, now: float) -> None:
-        if self.a1out.take(b.key):  # type: ignore[arg-type]
+        assert b.key is not None
+        if self.a1out.take(b.key):
             b.state = AM
         else:
             b.state = A1IN
@@ -283,7 +268,8 @@ class TwoQ(EvictionPolicy):
     def on_evict(self, b: Block) -> None:
         if b.state == A1IN:
             self.n_a1in -= 1
-            self.a1out.add(b.key, int(self.kout * self.capacity))  # type: ignore[arg-type]
+            assert b.key is not None
+            self.a1out.add(b.key, True, int(self.kout * self.capacity))
 
     def forget(self, b: Block) -> None:
         super().forget(b)
@@ -308,11 +294,12 @@ class S3FIFO(EvictionPolicy):
         self.s = BlockQueue("small")
         self.m = BlockQueue("main")
         self.n = {SMALL: 0, MAIN: 0}
-        self.ghost = _Ghost()
+        self.ghost: Ghost[bool] = Ghost()
 
     def on_insert(self, b: Block, now: float) -> None:
         b.freq = 0
-        b.state = MAIN if self.ghost.take(b.key) else SMALL  # type: ignore[arg-type]
+        assert b.key is not None
+        b.state = MAIN if self.ghost.take(b.key) else SMALL
         self.n[b.state] += 1
         (self.m if b.state == MAIN else self.s).append(b)
 
@@ -348,7 +335,8 @@ class S3FIFO(EvictionPolicy):
     def on_evict(self, b: Block) -> None:
         self.n[b.state] -= 1
         if b.state == SMALL:
-            self.ghost.add(b.key, int((1 - self.small_frac) * self.capacity))  # type: ignore[arg-type]
+            assert b.key is not None
+            self.ghost.add(b.key, True, int((1 - self.small_frac) * self.capacity))
 
     def forget(self, b: Block) -> None:
         super().forget(b)
@@ -369,14 +357,15 @@ class Belady(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self.heap: list[tuple[float, int, int, int, Block]] = []
+        self.heap: list[tuple[float, int, int, float, Block]] = []
         self.next_use: dict[bytes, float] = {}
         self._seq = 0
 
     def _push(self, b: Block) -> None:
         b.heap_ver += 1
         self._seq += 1
-        nu = self.next_use.get(b.key, float("inf"))  # type: ignore[arg-type]
+        assert b.key is not None
+        nu = self.next_use.get(b.key, float("inf"))
         heapq.heappush(self.heap, (-nu, -b.depth, self._seq, b.heap_ver, b))
 
     def on_acquire(self, b: Block) -> None:
@@ -403,11 +392,9 @@ class Belady(EvictionPolicy):
             if ver != b.heap_ver or b.key is None:
                 continue
             if b.ref_cnt or b.num_children:
-                b.parked = _PARKED
+                b.parked = PARKED
                 continue
             b.heap_ver += 1
             return b
         return None
 
-
-_PARKED = BlockQueue("parked")

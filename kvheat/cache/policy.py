@@ -6,13 +6,25 @@ policy keeps candidates in its own queues; when the block at the cold end of a q
 not evictable (still referenced, or a parent of cached blocks) it is *parked*: taken out of
 the queue and put back at the cold end once it becomes evictable, since it was the coldest
 when met. Every hook is O(1) per block.
+
+Policies register by name (`register_policy`). Those of other packages (kvheat's own heat
+policies included: `kvheat.heat` depends on this package, not the reverse) are plugins,
+imported the first time `make_policy` or `policy_names` meets a name it does not know: the
+modules named in the entry-point group `kvheat.policies` (pyproject.toml), then kvheat's
+own `_BUILTIN_PLUGINS` (so a source checkout that was not reinstalled finds them too).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from importlib.metadata import entry_points
 
 from .block import Block, BlockQueue
+
+# Where heap-ordered policies park an unevictable block they met: a marker, never filled
+# (such a policy pushes the block back into its heap once it is evictable again).
+PARKED = BlockQueue("parked")
 
 
 class EvictionPolicy:
@@ -83,7 +95,7 @@ class EvictionPolicy:
         """Pop the coldest evictable block of `q`, parking the unevictable ones met first."""
         tail = q.tail
         b = q.head.next
-        while b is not tail:
+        while b is not None and b is not tail:  # (never None: the tail sentinel ends it)
             nxt = b.next
             q.remove(b)
             if b.ref_cnt == 0 and b.num_children == 0:
@@ -98,6 +110,9 @@ class EvictionPolicy:
 
 PolicyFactory = Callable[..., EvictionPolicy]
 _REGISTRY: dict[str, PolicyFactory] = {}
+PLUGIN_GROUP = "kvheat.policies"
+_BUILTIN_PLUGINS = ("kvheat.heat.policies",)
+_plugins_loaded = False
 
 
 def register_policy(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
@@ -108,11 +123,26 @@ def register_policy(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
     return deco
 
 
+def _load_plugins() -> None:
+    """Import every plugin module once; each registers its policies on import."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for ep in entry_points(group=PLUGIN_GROUP):
+        ep.load()
+    for module in _BUILTIN_PLUGINS:
+        importlib.import_module(module)
+
+
 def make_policy(name: str, **kwargs: object) -> EvictionPolicy:
+    if name not in _REGISTRY:
+        _load_plugins()
     if name not in _REGISTRY:
         raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name](**kwargs)
 
 
 def policy_names() -> list[str]:
+    _load_plugins()
     return sorted(_REGISTRY)

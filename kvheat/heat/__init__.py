@@ -1,18 +1,19 @@
-"""Heat: decay functions, decayed access entropy, heat scores and the heat policies.
+"""Heat: decayed access entropy, drift, tuning and the heat eviction policies.
 
-Importing this package registers the `kvheat`, `lruk` and `fused` eviction policies.
+The policies (`kvheat`, `lruk`, `fused`) need no import to be found: `make_policy` loads
+them by name (kvheat/cache/policy.py).
 """
 
-from . import policies  # noqa: F401  (registers the heat policies)
-from .decay import Decay, exponential, hyperbolic, log_add_exp, logarithmic, rate_for_half_life
+from .counts import HeatRecord
 from .drift import DriftDetector
 from .entropy import EntropyTracker, shannon_bits
-from .policies import LRUK, Fused, KVHeat
-from .scoring import HotnessCounter, LRUKHistory, Regime, decayed_log_count, fused_score
+from .fused import Fused, fused_score
+from .kvheat import KVHeat
+from .lruk import LRUK, LRUKHistory
+from .regime import Regime
 from .tuning import OnlineTuner
 
 __all__ = [
-    "LRUK", "Decay", "DriftDetector", "EntropyTracker", "Fused", "HotnessCounter", "KVHeat",
-    "LRUKHistory", "OnlineTuner", "Regime", "decayed_log_count", "exponential", "fused_score",
-    "hyperbolic", "log_add_exp", "logarithmic", "rate_for_half_life", "shannon_bits",
+    "LRUK", "DriftDetector", "EntropyTracker", "Fused", "HeatRecord", "KVHeat", "LRUKHistory",
+    "OnlineTuner", "Regime", "fused_score", "shannon_bits",
 ]

@@ -1,4 +1,4 @@
-"""Drift detector (SPEC §4.2): windowed access entropy; a drop larger than `threshold`
+"""Drift detector (docs/heat.md, "Online tuning and drift"): windowed access entropy; a drop larger than `threshold`
 bits between consecutive windows, both holding at least `min_count` accesses, signals
 that the workload has changed (e.g. a few new prefixes took over), so the policy
 re-weights. A window closes after `window` accesses, or, with `window_s`, after that many

@@ -1,6 +1,6 @@
 """Shannon entropy of a key distribution under exponential time decay, O(1) per access.
 
-SPEC §3.2. Entropy does not change when every weight is scaled by the same factor, so
+docs/heat.md ("Decayed entropy") has the measurements. Entropy does not change when every weight is scaled by the same factor, so
 instead of decaying all keys on each access (O(n)) a new access gets the *growing* weight
 e^{λ(t - base)}. With u_k the summed weights of key k, U = Σu_k and V = Σu_k·ln u_k,
 
@@ -48,13 +48,13 @@ class EntropyTracker:
     """Decayed access entropy over arbitrary hashable keys.
 
     `half_life`: decay half-life in the units of the `now` passed to `update` (seconds),
-    or in accesses when `now` is omitted. `sample_low`/`low_bits`: the seed's
-    entropy-adaptive sampling (§3.1): while H < `low_bits`, only a `sample_low` fraction
+    or in accesses when `now` is omitted. `sample_low`/`low_bits`: entropy-adaptive
+    sampling (docs/heat.md, "Decayed entropy"): while H < `low_bits`, only a `sample_low` fraction
     of accesses is recorded, each with weight 1/`sample_low` (unbiased counts).
     """
 
-    def __init__(self, half_life: float = 1000.0, capacity: int = 1024,  # noqa: ARG002 (kept for callers; arrays grow per key)
-                 sample_low: float = 1.0, low_bits: float = 4.2, seed: int = 0) -> None:
+    def __init__(self, half_life: float = 1000.0, sample_low: float = 1.0, low_bits: float = 4.2,
+                 seed: int = 0) -> None:
         if half_life <= 0:
             raise ValueError("half_life must be positive")
         if not 0 < sample_low <= 1:

@@ -11,7 +11,7 @@ reuse gap of the traffic the cache serves, measured here online:
   sample when its first hash byte is below `rate * 256`), so the estimate does not depend
   on what the cache holds, and costs one byte compare for the other keys;
 - gaps go into a histogram with `bins_per_octave` logarithmic bins, smoothed by `smoothing`
-  every `window` samples (the design's §2.4 feedback window), and the estimate is one of
+  every `window` samples (the feedback window of `OnlineTuner`), and the estimate is one of
   its quantiles;
 - the last-access map keeps two generations, the newer retiring the older when it holds
   `max_keys` keys, so memory stays bounded and gaps up to about 2 × `max_keys` / `rate`

@@ -1,11 +1,10 @@
-"""Online tuning (SPEC §2.4): a parameter adapted from hit/miss feedback.
+"""Online tuning (docs/heat.md, "Online tuning and drift"): a parameter adapted from hit/miss feedback.
 
 A hill climber on one parameter (kept in log space): every `step_events` block events
 it measures the hit ratio of the last step and turns the change since the previous
 step into a signed gradient sample (did the last move help?). A move that hurt reverses
 the direction and halves the step (down to `min_step`); a run of moves that helped, as
-judged by the exponentially smoothed sum of the last `window` (64) samples (factor 0.95,
-the seed's formula), grows it back. The value stays within [lo, hi]."""
+judged by the exponentially smoothed sum of the last `window` (64) samples (factor 0.95), grows it back. The value stays within [lo, hi]."""
 
 from __future__ import annotations
 

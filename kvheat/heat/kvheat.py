@@ -1,0 +1,227 @@
+"""`kvheat`: the default eviction policy, decayed-frequency heat on the cache's own clock.
+
+A block's heat is its exponentially decayed access count on a virtual clock (counts.py),
+times its penalty factors (penalties.py), adapted while it runs (feedback.py); the coldest
+evictable leaf goes first (heap.py). The class below wires the cache's hooks to those
+parts, with the per-access work inlined: it is the hot path of every replay and server.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable
+
+from ..cache.block import Block
+from ..cache.policy import register_policy
+from .counts import HeatRecord
+from .entropy import LN2
+from .feedback import HeatFeedback
+from .penalties import EXTENSION, FRESH, PINNED
+
+
+@register_policy("kvheat")
+class KVHeat(HeatFeedback):
+    """Decayed-frequency heat with history, suffix demotion and optional adaptation.
+
+    The half-life is `reuse_mult` times the workload's typical reuse gap, measured online
+    (`ReuseGapEstimator`), unless `half_life` fixes it (in block accesses); every penalty
+    is a number of half-lives. Each block's `rec` is its `HeatRecord`.
+    """
+
+    name = "kvheat"
+
+    # Every default is dimensionless (a multiple of the learned half-life, a count of
+    # depth-1 accesses for the entropy window, bits for the regime): docs/heat.md has the
+    # measurements behind each, at every time scale and capacity.
+    def __init__(self, half_life: float | None = None, reuse_mult: float = 1.0,
+                 reuse_quantile: float = 0.5, ghost: float = 8.0, tail_penalty: float = 6.67,
+                 regime: bool = True, admit_penalty: float = 1.6, pin_bonus: float = 4.0,
+                 tune: bool = False, drift: bool = False, entropy_half_life: float = 1024.0,
+                 drift_window: int = 2048, drift_threshold: float = 1.0,
+                 extension_penalty: float = 2.67, adapt_extension: bool = True,
+                 max_count: float = math.inf, entropy_sample: int = 1,
+                 penalty_fade: float = 2.0) -> None:
+        super().__init__()
+        if entropy_sample < 1:
+            raise ValueError("entropy_sample must be >= 1")
+        if half_life is not None and half_life <= 0:
+            raise ValueError("half_life must be positive (block accesses)")
+        if reuse_mult <= 0:
+            raise ValueError("reuse_mult must be positive")
+        self._init_counts(half_life, reuse_quantile, ghost, max_count)
+        self._init_penalties(tail_penalty, admit_penalty, pin_bonus, extension_penalty,
+                             adapt_extension, penalty_fade)
+        self._init_feedback(reuse_mult, regime, tune, drift, entropy_half_life, entropy_sample,
+                            drift_window, drift_threshold)
+        self.ghost_hits = 0
+
+    def on_insert(self, b: Block, now: float) -> None:
+        # Runs once per block filled: flags precomputed, few attribute lookups.
+        if now != self._t:
+            self._advance(now)
+        self._acc += 1
+        w = self._w
+        n = b.num_tokens
+        bs = self.block_size
+        if n > bs:
+            self.block_size = bs = n
+        key: bytes = b.key  # type: ignore[assignment]  # set: the block is cached
+        if key[0] < self._sample_below and self.gaps.observe(key, self._v):
+            self._measured_half_life()
+            w = self._w
+        r: HeatRecord | None = b.rec
+        if r is None:  # the block's first insert: its record is reused from then on
+            r = b.rec = HeatRecord()
+        g = self.ghost.pop(key, None)
+        if g is None and self.ghost_old:
+            g = self.ghost_old.pop(key, None)
+        if g is None:
+            st = self._new_flags
+            p = b.parent
+            if p is not None and self._extensions:
+                # A new block extending a prefix known before this request (hit now, or
+                # back from the ghost: count > 1) below depth 0 is an appended suffix; a
+                # new parent passes its flag on down the chain.
+                pr: HeatRecord = p.rec
+                if p.inserted_at != now or pr.count != w:
+                    if p.depth >= 1:
+                        st |= EXTENSION
+                else:
+                    st |= pr.flags & EXTENSION
+            if n == bs:
+                # Inserted counts are added to `reuse` in batches of 64 (exact: the
+                # smoothing only applies at the batch end).
+                if st & EXTENSION:
+                    self._ext_seen += 1
+                else:
+                    st |= FRESH
+                self._first_seen += 1
+                if self._first_seen >= 64:
+                    self._update_penalties()
+            r.count = w
+        else:
+            self.ghost_hits += 1
+            m, gen, v, st = g
+            if gen != self.gen:
+                m = self._convert(m, gen, v)
+            r.count = m + w
+            if st & (EXTENSION | FRESH):
+                self.reuse[0 if st & EXTENSION else 2] += 1.0
+            st = 0
+        if self._pin_roots and b.depth == 0:
+            st |= PINNED
+        r.gen = self.gen
+        r.last = self._v
+        r.flags = st
+        if (b.depth == 1 and self._feedback) or self.tuner is not None:
+            self._observe(b, now, False)
+
+    def on_hit(self, b: Block, now: float) -> None:
+        if now != self._t:
+            self._advance(now)
+        self._acc += 1
+        key: bytes = b.key  # type: ignore[assignment]  # set: the block is cached
+        if key[0] < self._sample_below and self.gaps.observe(key, self._v):
+            self._measured_half_life()
+        r: HeatRecord = b.rec
+        if r.gen != self.gen:
+            self._rescale(r)
+        m = r.count + self._w
+        r.count = m if m < self._cap else self._cap
+        r.last = self._v
+        st = r.flags
+        if st > PINNED:
+            if st & (EXTENSION | FRESH):
+                self.reuse[0 if st & EXTENSION else 2] += 1.0
+            r.flags = st & PINNED  # seen again: no longer a one-off
+        if (b.depth == 1 and self._feedback) or self.tuner is not None:
+            self._observe(b, now, True)
+
+    def on_release(self, b: Block, now: float) -> None:
+        # _push with the key computed inline: this runs once per block access.
+        b.parked = None
+        r: HeatRecord = b.rec
+        if r.gen != self.gen:
+            self._rescale(r)
+        k = r.count * self._flag[r.flags]
+        if b.num_tokens < self.block_size:
+            k *= self._tail
+        if k == self._last_key:  # the same key as the previous push: same bucket
+            bucket = self.owner.get(self._last_slot)
+            if bucket is not None:
+                bucket.append(b)
+                b.heap_ver = self._last_slot
+                self._entries += 1
+                return
+        self._push_key(b, k)
+
+    def on_release_all(self, blocks: list[Block], now: float) -> None:
+        # The cache's batched release (a request's blocks, tail-first, after their refcounts
+        # changed): the same heap as `on_release` of each, without a call per block.
+        self.release_all(blocks)
+
+    def release_all(self, blocks: Iterable[Block]) -> None:
+        """`on_release` of each block in order, in one call (for a caller releasing many
+        at once: the loop's lookups hoisted, the push inlined; the same heap after)."""
+        gen, flag, bs, tail = self.gen, self._flag, self.block_size, self._tail
+        rescale, nextafter, inf, heappush = self._rescale, math.nextafter, math.inf, heapq.heappush
+        for b in blocks:
+            b.parked = None
+            r: HeatRecord = b.rec
+            if r.gen != gen:
+                rescale(r)
+            k = r.count * flag[r.flags]
+            if b.num_tokens < bs:
+                k *= tail
+            owner = self.owner
+            if k == self._last_key:
+                bucket = owner.get(self._last_slot)
+                if bucket is not None:
+                    bucket.append(b)
+                    b.heap_ver = self._last_slot
+                    self._entries += 1
+                    continue
+            u = k
+            while u in owner:
+                u = nextafter(u, inf)
+            self._last_key = k
+            self._last_slot = u
+            owner[u] = [b]
+            b.heap_ver = u
+            heappush(self.heap, u)
+            self._entries += 1
+            if self._entries > self._compact_at:
+                self._compact()
+
+    def on_evict(self, b: Block) -> None:
+        r: HeatRecord = b.rec
+        self.evict_age += (self._acc - r.last - self.evict_age) * 0.004
+        ghost = self.ghost
+        ghost[b.key] = (r.count, r.gen, r.last, r.flags)  # type: ignore[index]  # set: cached
+        if len(ghost) >= self.ghost_limit:
+            self.ghost_old = ghost if self.ghost_limit else {}
+            self.ghost = {}
+
+    def bind(self, capacity_blocks: int) -> None:
+        super().bind(capacity_blocks)
+        self.ghost_limit = int(self.ghost_mult * capacity_blocks * 2 / 3)
+        self._compact_at = 2 * capacity_blocks + 256
+        if self.fixed_half_life is None and self.gaps.estimate is None:
+            # Until the first reuse gaps are in: the cache's own size, in accesses.
+            self.half_life = float(max(capacity_blocks, 1))
+            self.lam = LN2 / self.half_life
+            self.gens[self.gen] = (self.base, self.lam)
+
+    def stats(self) -> dict[str, float]:
+        out = {"half_life_accesses": self.half_life, "ghost_hits": self.ghost_hits,
+               "admit_penalty": self.admit_penalty, "evict_age": self.evict_age,
+               "extension_penalty": self.extension_penalty,
+               "retunes": self.retunes}
+        if self.gaps.estimate is not None:
+            out["reuse_gap_accesses"] = self.gaps.estimate
+        if self.tracker is not None:
+            out["entropy_bits"] = self.tracker.bits()
+        if self.detector is not None:
+            out["drifts"] = self.detector.drifts
+        return out

@@ -1,0 +1,62 @@
+"""`lruk`: LRU-K (O'Neil et al.), K = 2 by default, with retained history."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cache.block import Block
+from ..cache.ghost import Ghost
+from ..cache.policy import register_policy
+from .heap import HeapPolicy
+
+
+@dataclass(slots=True)
+class LRUKHistory:
+    """LRUK's per-block record (`Block.rec`): the block's last K access times, oldest
+    first."""
+
+    times: list[float]
+
+
+@register_policy("lruk")
+class LRUK(HeapPolicy):
+    """LRU-K: evict the block whose K-th most recent access is oldest (fewer than K
+    accesses counts as infinitely old, LRU among those). History survives eviction in a
+    ghost map (a key's last access), as LRU-K's retained-information period."""
+
+    name = "lruk"
+
+    def __init__(self, k: int = 2, ghost: float = 8.0) -> None:
+        super().__init__()
+        if k < 1:
+            raise ValueError("K must be >= 1")
+        self.k = k
+        self.ghost_mult = ghost
+        self.ghost: Ghost[float] = Ghost()
+
+    def _key(self, b: Block) -> float:
+        times: list[float] = b.rec.times
+        # Blocks with < K accesses sort before all others (offset), LRU among themselves.
+        return times[0] if len(times) == self.k else times[-1] - 1e12
+
+    def on_insert(self, b: Block, now: float) -> None:
+        assert b.key is not None
+        last = self.ghost.take(b.key)
+        times = [last] if last is not None and self.k > 1 else []
+        times.append(now)
+        h: LRUKHistory | None = b.rec
+        if h is None:  # the block's first insert: its record is reused from then on
+            b.rec = LRUKHistory(times[-self.k:])
+        else:
+            h.times = times[-self.k:]
+
+    def on_hit(self, b: Block, now: float) -> None:
+        times: list[float] = b.rec.times
+        times.append(now)
+        if len(times) > self.k:
+            del times[0]
+
+    def on_evict(self, b: Block) -> None:
+        assert b.key is not None
+        h: LRUKHistory = b.rec
+        self.ghost.add(b.key, h.times[-1], int(self.ghost_mult * self.capacity))
