@@ -20,7 +20,6 @@ hold without sharing), summed over every engine step.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import platform
 import time
@@ -247,8 +246,6 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    with contextlib.suppress(ImportError):
-        import kvheat.heat  # noqa: F401  (registers the heat policies)
     model, _, mcfg = load_model(cfg.model_path, cfg.family, seed=cfg.seed)
     reqs = build_workload(cfg, mcfg.vocab_size)
     strategies = []

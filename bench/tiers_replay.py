@@ -30,7 +30,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import kvheat.heat  # noqa: E402,F401  (registers the kvheat policy)
 from kvheat.cache import CacheConfig, KVCacheManager, make_policy  # noqa: E402
 from kvheat.engine.kv_pool import DeviceKVPool  # noqa: E402
 from kvheat.replay.traces import load_trace  # noqa: E402

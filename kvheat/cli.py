@@ -14,14 +14,6 @@ def main() -> None:
     """kvheat: a KV-cache manager for LLM inference."""
 
 
-def _load_heat() -> None:
-    # Registers the heat policies (kvheat, ...) beside the baselines, when present.
-    try:
-        import kvheat.heat  # noqa: F401
-    except ImportError as e:  # pragma: no cover - the heat package ships with kvheat
-        click.echo(f"warning: heat policies unavailable: {e}", err=True)
-
-
 @main.command()
 @click.argument("trace", default="builtin")
 @click.option("--capacity", default="1M,3M,10M", show_default=True,
@@ -69,7 +61,6 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
     from .replay import replay as run_replay
     from .replay.report import plot, print_misses, print_table, summarize, write_json
 
-    _load_heat()
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise click.BadParameter("plots need matplotlib: pip install 'kvheat[plot]'",
                                  param_hint="--plot")

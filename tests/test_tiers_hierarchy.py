@@ -547,8 +547,6 @@ def test_replay_leaves_no_unreachable_entries(policy: str, async_io: bool,
     """Prompts that share heads of many lengths, replayed in a random order through small
     tiers: whatever each tier evicts, no lower-tier entry is left behind a missing key, and
     the links agree with the indexes."""
-    import kvheat.heat  # noqa: F401  (registers the kvheat policy)
-
     pool = make_pool("gqa", 6)
     mgr = KVCacheManager(CacheConfig(6, BS, policy=policy))
     host = HostStore(4 * pool.bytes_per_block, pool.bytes_per_block)

@@ -9,7 +9,6 @@ the end. Settings are in config.py, what comes back in outputs.py.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +22,6 @@ from ..cache import (
     EvictionPolicy,
     KVCacheManager,
     make_policy,
-    policy_names,
 )
 from ..tiers.spec import build_tiers
 from .config import EngineConfig
@@ -94,7 +92,7 @@ class LLMEngine:
         self.kv_pool = pool
         self.runner = ModelRunner(model, pool)
         if policy is None:
-            policy = make_policy(_policy_name(cfg.policy))
+            policy = make_policy(cfg.policy)
         self.cache = KVCacheManager(CacheConfig(pool.num_blocks, cfg.block_size, cfg.policy),
                                     policy=policy)
         self.swap_space = (HostSwapSpace(pool, cfg.swap_space_blocks)
@@ -353,13 +351,6 @@ def _check_prompt(prompt: list[int], max_tokens: int, model_config: Any) -> None
     if len(prompt) + max_tokens > max_pos:
         raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds "
                          f"the model's {max_pos} positions")
-
-
-def _policy_name(name: str) -> str:
-    if name not in policy_names():
-        with contextlib.suppress(ImportError):  # heat policies register on import
-            import kvheat.heat  # noqa: F401
-    return name
 
 
 def model_fingerprint(model: torch.nn.Module, sample_bytes: int = 1 << 16) -> str:

@@ -326,8 +326,6 @@ class _DrainingServer(uvicorn.Server):
 
 
 def _check_policy(name: str) -> None:
-    with contextlib.suppress(ImportError):
-        import kvheat.heat  # noqa: F401  (registers the heat policies)
     try:
         pol = make_policy(name)
     except (KeyError, ValueError) as e:
