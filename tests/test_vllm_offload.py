@@ -219,7 +219,7 @@ def test_replayed_workload_stays_consistent_with_the_manager() -> None:
     # The manager's own count of idle chunks agrees with the policy's.
     mgr = _manager(300)
     replay_offload(trace, "kvheat", 300, keys=keys, manager=mgr, time_scale=0.2)
-    assert mgr._num_evictable_cache_chunks == len(mgr._policy._evictable)
+    assert mgr._num_evictable_cache_chunks == mgr._policy.num_evictable()
     assert mgr._num_write_pending_chunks == 0
 
 
@@ -344,12 +344,14 @@ class PolicyContract(RuleBasedStateMachine):
         self._both("clear")
         self.ref.clear()
         assert self.a.chunks == {} and self.a.ghost_size() == 0
-        assert self.a.heat.heap == [] and self.a._evictable == set()
+        assert self.a.heat.heap == [] and self.a.evictable_keys() == set()
+        assert self.a.num_evictable() == 0
 
     @invariant()
     def agrees_with_model(self):
         assert set(self.a.chunks) == set(self.ref)
-        assert self.a._evictable == {k for k, r in self.ref.items() if r == 0}
+        assert self.a.evictable_keys() == {k for k, r in self.ref.items() if r == 0}
+        assert self.a.num_evictable() == len(self.a.evictable_keys())
 
 
 PolicyContract.TestCase.settings = settings(
