@@ -110,12 +110,16 @@ class KVHeatCachePolicy(CachePolicy):
     `KVHeat` (vLLM itself passes only `cache_capacity`)."""
 
     def __init__(self, cache_capacity: int, finish_inserts: bool = False,
-                 monotone: bool = False, early_hits: bool = False,
+                 monotone: bool = False, early_hits: bool = False, gated: bool = False,
                  **heat_kwargs: object) -> None:
         super().__init__(cache_capacity)
         self.early_hits = early_hits
         self.finish_inserts = finish_inserts
         self.monotone = monotone
+        # monotone and early_hits only while the cache is tight: the mean age of its
+        # evictions (accesses since last use, over about the last capacity evictions)
+        # under KVHeat's penalty_fade reuse gaps, the bound KVHeat fades its penalties by
+        self.gated = gated
         self._heat_kwargs = heat_kwargs
         self.chunks: dict[OffloadKey, _Chunk] = {}
         # The manager's most frequent call, at C speed (an instance attribute shadows the
@@ -138,6 +142,8 @@ class KVHeatCachePolicy(CachePolicy):
         self._stores: _Stores | None = None
         self._loading = False  # the last event was a load's start (early_hits)
         self._chunk_tokens = 0  # tokens per chunk: gcd of the positions seen
+        self._evicted = 0
+        self._evict_age = 0.0  # the gate's mean eviction age (gated)
 
     # -- lookups ---------------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:
@@ -266,7 +272,7 @@ class KVHeatCachePolicy(CachePolicy):
                 c.w_load = 0.0
             elif c.ref_cnt >= 0:  # reused, or found pending from another's store
                 heat.on_hit(c, now)
-        if not self.monotone:
+        if not self.monotone or (self.gated and not self._tight()):
             heat.release_all([c for c in reversed(present) if not c.ref_cnt])
             return
         # Every use of a chunk is a use of its whole prefix, so a head is at least as hot
@@ -307,7 +313,7 @@ class KVHeatCachePolicy(CachePolicy):
     def mark_non_evictable(self, key: OffloadKey) -> None:
         # Its heap entry stays and is parked when met (ref_cnt > 0 by then: kvheat's rule).
         self._free -= 1
-        if self.early_hits:
+        if self.early_hits and (not self.gated or self._tight()):
             c = self.chunks[key]
             if c.w_load:
                 return
@@ -321,6 +327,13 @@ class KVHeatCachePolicy(CachePolicy):
             heat = self.heat
             heat.on_hit(c, self._tick)
             c.w_load = heat._w
+
+    def _tight(self) -> bool:
+        if not self._evicted:
+            return False  # nothing evicted yet: every reuse so far was held
+        heat = self.heat
+        gap = heat.gaps.estimate if heat.gaps is not None else None
+        return gap is not None and self._evict_age < heat.penalty_fade * gap
 
     # -- eviction --------------------------------------------------------------------
     def evict(self, n: int, protected: set[OffloadKey]
@@ -353,6 +366,11 @@ class KVHeatCachePolicy(CachePolicy):
             if c.ref_cnt == 0:
                 heat.on_release(c, self._tick)
         out: list[tuple[OffloadKey, ChunkStatus]] = []
+        if self.gated:
+            acc, cap = heat._acc, max(self.cache_capacity, 1)
+            for c in picked:
+                self._evicted += 1
+                self._evict_age += (acc - c.next_use - self._evict_age) / min(self._evicted, cap)
         for c in picked:
             heat.on_evict(c)  # the ghost keeps its heat
             key = c.key
