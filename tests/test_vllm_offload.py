@@ -147,7 +147,7 @@ def test_monotone_heads_are_never_colder_than_their_tails() -> None:
 
     def keys_after(monotone: bool) -> list[float]:
         mgr = _manager(16)
-        pol = KVHeatCachePolicy(16, monotone=monotone)
+        pol = KVHeatCachePolicy(16, monotone=monotone, early_hits=False, gated=False)
         mgr._policy = pol  # the manager holds no chunks yet: swap in the configured twin
         _chain_request(mgr, chain, "a")
         pol.chunks[chain[3]].meta *= 8.0  # the tail hotter than its head (as a lost
@@ -165,7 +165,7 @@ def test_early_hits_count_a_load_once() -> None:
     counts = {}
     for early in (False, True):
         mgr = _manager(16)
-        pol = KVHeatCachePolicy(16, early_hits=early)
+        pol = KVHeatCachePolicy(16, monotone=False, early_hits=early, gated=False)
         mgr._policy = pol
         _chain_request(mgr, chain, "a")
         ctx = ReqContext("b")
@@ -192,7 +192,7 @@ def test_finish_inserts_move_a_stored_chunk_to_the_request_end() -> None:
     heat_of = {}
     for finish in (False, True):
         mgr = _manager(16)
-        pol = KVHeatCachePolicy(16, finish_inserts=finish)
+        pol = KVHeatCachePolicy(16, finish_inserts=finish, monotone=False, early_hits=False)
         mgr._policy = pol
         ctx = ReqContext("long")
         mgr.on_new_request(ctx)
@@ -219,8 +219,8 @@ def test_gated_rules_run_only_while_evictions_are_young() -> None:
     # With the gate shut the rules do nothing: the same counts as the plain policy.
     chain = [_key(i) for i in range(3)]
     counts = []
-    for p in (KVHeatCachePolicy(16), KVHeatCachePolicy(16, monotone=True, early_hits=True,
-                                                        gated=True)):
+    for p in (KVHeatCachePolicy(16, monotone=False, early_hits=False),
+              KVHeatCachePolicy(16)):
         mgr = _manager(16)
         mgr._policy = p
         _chain_request(mgr, chain, "a")
@@ -236,8 +236,7 @@ def test_gated_rules_run_only_while_evictions_are_young() -> None:
 def test_gate_tracks_the_mean_eviction_age() -> None:
     trace = generate_workload(WorkloadConfig(num_conversations=150, arrival_rate=3.0, seed=3))
     mgr = _manager(300)
-    pol = KVHeatCachePolicy(300, monotone=True, early_hits=True, gated=True)
-    mgr._policy = pol
+    pol = mgr._policy  # the default: gated rules
     ages = []
     evict = pol.evict
 
@@ -305,14 +304,15 @@ def test_kvheat_beats_lru_and_arc_inside_vllm_on_mooncake() -> None:
 
 
 class PolicyContract(RuleBasedStateMachine):
-    """Drives two KVHeatCachePolicy twins with vLLM's calls against a model of ref counts.
+    """Drives two KVHeatCachePolicy twins (no rules) with vLLM's calls against a model of
+    ref counts.
     Failing evictions go to `a` only: if they changed any state, the twins would later
     evict differently."""
 
     pending = Bundle("pending")
     ready = Bundle("ready")
 
-    policy_flags: dict[str, bool] = {}
+    policy_flags: dict[str, bool] = {"monotone": False, "early_hits": False}
 
     def __init__(self) -> None:
         super().__init__()
@@ -432,10 +432,20 @@ TestPolicyContract = PolicyContract.TestCase
 
 
 class PolicyContractAllRules(PolicyContract):
-    """The same contract with every opt-in rule on (early hits flush and re-key inside
-    mark_non_evictable; the gate counts evictions)."""
+    """The same contract with every rule on, always (early hits flush and re-key inside
+    mark_non_evictable); the default (gated) machine is `PolicyContractGated`."""
 
-    policy_flags = {"monotone": True, "early_hits": True, "finish_inserts": True, "gated": True}
+    policy_flags = {"finish_inserts": True, "gated": False}
+
+
+class PolicyContractGated(PolicyContract):
+    """The default policy: monotone and early hits behind the gate."""
+
+    policy_flags = {}
+
+
+PolicyContractGated.TestCase.settings = PolicyContract.TestCase.settings
+TestPolicyContractGated = PolicyContractGated.TestCase
 
 
 PolicyContractAllRules.TestCase.settings = PolicyContract.TestCase.settings

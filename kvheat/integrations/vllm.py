@@ -107,10 +107,14 @@ class _Stores:
 
 class KVHeatCachePolicy(CachePolicy):
     """vLLM `CachePolicy` driven by kvheat's `KVHeat`. Extra keyword arguments go to
-    `KVHeat` (vLLM itself passes only `cache_capacity`)."""
+    `KVHeat` (vLLM itself passes only `cache_capacity`).
+
+    By default `monotone` and `early_hits` run `gated`: only while the cache is tight
+    (docs/vllm.md has the grid: each rule alone loses where the cache holds nearly every
+    reuse). `gated=False` runs them always; `finish_inserts` stays off."""
 
     def __init__(self, cache_capacity: int, finish_inserts: bool = False,
-                 monotone: bool = False, early_hits: bool = False, gated: bool = False,
+                 monotone: bool = True, early_hits: bool = True, gated: bool = True,
                  **heat_kwargs: object) -> None:
         super().__init__(cache_capacity)
         self.early_hits = early_hits
