@@ -9,8 +9,8 @@ offloading connector's extra config, no fork and no patch::
         "cache_policy_module_path": "kvheat.integrations.vllm"}}'
 
 `KVHeatCachePolicy` runs `kvheat.heat.KVHeat` (the project's default, scale-free policy)
-over vLLM's offload chunks. Each chunk is a kvheat `Block` that also serves as its `ChunkStatus`;
-the heat policy sees the same hooks the kvheat block cache gives it:
+over vLLM's offload chunks. Each chunk is a kvheat `Block` that also serves as its
+`ChunkStatus`; the heat policy sees the same hooks the kvheat block cache gives it:
 
 - `insert` (a store miss being written): `on_insert`, which also restores the heat an
   evicted chunk left in the ghost map. Its parent and depth come from the key's end-token
@@ -24,6 +24,11 @@ the heat policy sees the same hooks the kvheat block cache gives it:
   pushes are queued and made in bulk before the next call that reads or re-keys the heap).
 - `evict(n, protected)`: the n coldest evictable, unprotected chunks, or None with no state
   change when fewer exist (checked before anything is popped).
+
+Two rules on top run only while the cache is tight (`gated`: the mean age of its evictions
+under KVHeat's `penalty_fade` reuse gaps): `monotone` (a request's head is never left colder
+than a chunk after it) and `early_hits` (a load's start counts the reuse; the request's end
+moves it to then). docs/vllm.md has the grid behind that default.
 
 The clock is kvheat's own: block accesses, with one timestamp per request event, so the
 policy reads no wall clock. This module imports vLLM; kvheat itself never does.
