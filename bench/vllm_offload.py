@@ -7,11 +7,20 @@ time scales, prints the offload prefix hit rate of each policy and the time per 
 call, and writes JSON. Needs the `vllm` extra.
 
     python bench/vllm_offload.py [--capacity 1M,3M,10M] [--time-scale 0.1,1,10] [--limit N]
+
+With `--overhead ROUNDS` it measures only the per-call cost: lru, arc and kvheat in turn
+on each cell (A B C A B C ...), ROUNDS times, printing the median and range of each
+policy's µs per manager call and of the per-round ratios kvheat/arc and kvheat/lru (the
+machine may be shared: the ratios of neighbouring runs are what compare). `--gc collect`
+(the default) starts every run from a collected heap, so each pays for the garbage it
+makes itself; `--gc keep` leaves the collector alone, and a full collection lands on
+whichever run crosses its threshold.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -35,6 +44,10 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N requests of each trace")
     ap.add_argument("--traces", default="conversation,synthetic,builtin")
     ap.add_argument("--json", default="results/vllm_offload.json")
+    ap.add_argument("--overhead", type=int, default=0, metavar="ROUNDS",
+                    help="only the per-call cost, interleaved, ROUNDS rounds")
+    ap.add_argument("--gc", choices=("collect", "keep"), default="collect",
+                    help="--overhead: collect before every run, or leave gc alone")
     a = ap.parse_args()
     ct = a.chunk_tokens
     caps = [parse_tokens(c) for c in a.capacity.split(",")]
@@ -52,6 +65,9 @@ def main() -> None:
             continue
         trace = trace[: a.limit] if a.limit else trace
         keys = request_keys(trace, ct)
+        if a.overhead:
+            rows += overhead(name, trace, keys, caps, scales, ct, a.overhead, a.gc == "collect")
+            continue
         print(f"\n{name}: {len(trace)} requests, {ct}-token chunks")
         print(f"{'capacity':>9} {'scale':>6} " + " ".join(f"{p:>8}" for p in POLICIES)
               + "   kvheat-best  us/call lru/arc/kvheat")
@@ -67,6 +83,13 @@ def main() -> None:
                       + "/".join(f"{us[p]:.0f}" for p in ("lru", "arc", "kvheat")), flush=True)
                 rows.append({"trace": name, "capacity_tokens": cap, "time_scale": ts,
                              "results": {p: r.as_dict() for p, r in res.items()}})
+    if a.overhead:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump({"chunk_tokens": ct, "rounds": a.overhead, "gc": a.gc, "rows": rows},
+                      f, indent=1)
+        print(f"wrote {a.json}")
+        return
     ratios = [r["results"]["kvheat"]["manager_s"] / r["results"]["kvheat"]["calls"]
               / (r["results"]["arc"]["manager_s"] / r["results"]["arc"]["calls"]) for r in rows]
     wins = sum(r["results"]["kvheat"]["hit_rate"] > max(r["results"]["lru"]["hit_rate"],
@@ -80,6 +103,39 @@ def main() -> None:
         json.dump({"chunk_tokens": ct, "rows": rows,
                    "overhead_ratio_kvheat_arc": ratios}, f, indent=1)
     print(f"wrote {a.json}")
+
+
+def overhead(name, trace, keys, caps, scales, ct, rounds, collect) -> list[dict]:
+    """Per-call cost of lru, arc and kvheat, interleaved run by run, `rounds` times."""
+    pols = ("lru", "arc", "kvheat")
+    print(f"\n{name}: {len(trace)} requests; {rounds} rounds of {'/'.join(pols)}, "
+          f"gc {'collected before each run' if collect else 'left alone'}")
+    print(f"{'capacity':>9} {'scale':>6}  us/call median [min-max] lru / arc / kvheat"
+          f"{'':>20}kvheat/arc          kvheat/lru")
+    rows = []
+    for cap in caps:
+        for ts in scales:
+            us: dict[str, list[float]] = {p: [] for p in pols}
+            hits: dict[str, set[float]] = {p: set() for p in pols}
+            for _ in range(rounds):
+                for p in pols:
+                    if collect:
+                        gc.collect()
+                    r = replay_offload(trace, p, cap // ct, ct, time_scale=ts, keys=keys)
+                    us[p].append(r.manager_s / r.calls * 1e6)
+                    hits[p].add(r.hit_rate)
+            ka = [k / x for k, x in zip(us["kvheat"], us["arc"])]
+            kl = [k / x for k, x in zip(us["kvheat"], us["lru"])]
+
+            def span(v: list[float], f: str = ".1f") -> str:
+                return f"{statistics.median(v):{f}} [{min(v):{f}}-{max(v):{f}}]"
+            print(f"{cap / 1e6:>8g}M {ts:>6g}  " + " / ".join(span(us[p]) for p in pols)
+                  + f"   {span(ka, '.2f')}   {span(kl, '.2f')}", flush=True)
+            assert all(len(h) == 1 for h in hits.values()), hits  # same decisions each run
+            rows.append({"trace": name, "capacity_tokens": cap, "time_scale": ts,
+                         "us_per_call": us, "kvheat_over_arc": ka, "kvheat_over_lru": kl,
+                         "hit_rate": {p: h.pop() for p, h in hits.items()}})
+    return rows
 
 
 if __name__ == "__main__":

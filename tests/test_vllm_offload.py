@@ -147,7 +147,7 @@ def test_monotone_heads_are_never_colder_than_their_tails() -> None:
 
     def keys_after(monotone: bool) -> list[float]:
         mgr = _manager(16)
-        pol = KVHeatCachePolicy(16, monotone=monotone)
+        pol = KVHeatCachePolicy(16, monotone=monotone, early_hits=False, gated=False)
         mgr._policy = pol  # the manager holds no chunks yet: swap in the configured twin
         _chain_request(mgr, chain, "a")
         pol.chunks[chain[3]].meta *= 8.0  # the tail hotter than its head (as a lost
@@ -165,7 +165,7 @@ def test_early_hits_count_a_load_once() -> None:
     counts = {}
     for early in (False, True):
         mgr = _manager(16)
-        pol = KVHeatCachePolicy(16, early_hits=early)
+        pol = KVHeatCachePolicy(16, monotone=False, early_hits=early, gated=False)
         mgr._policy = pol
         _chain_request(mgr, chain, "a")
         ctx = ReqContext("b")
@@ -192,7 +192,7 @@ def test_finish_inserts_move_a_stored_chunk_to_the_request_end() -> None:
     heat_of = {}
     for finish in (False, True):
         mgr = _manager(16)
-        pol = KVHeatCachePolicy(16, finish_inserts=finish)
+        pol = KVHeatCachePolicy(16, finish_inserts=finish, monotone=False, early_hits=False)
         mgr._policy = pol
         ctx = ReqContext("long")
         mgr.on_new_request(ctx)
@@ -208,6 +208,74 @@ def test_finish_inserts_move_a_stored_chunk_to_the_request_end() -> None:
     assert heat_of[True][0] > heat_of[True][1]
 
 
+def test_gated_rules_run_only_while_evictions_are_young() -> None:
+    pol = KVHeatCachePolicy(16, monotone=True, early_hits=True, gated=True)
+    assert not pol._tight()  # nothing evicted yet: every reuse so far was held
+    pol.heat.gaps.estimate = 100.0
+    pol._evicted, pol._evict_age = 5, 50.0
+    assert pol._tight()
+    pol._evict_age = pol.heat.penalty_fade * 100.0
+    assert not pol._tight()
+    # With the gate shut the rules do nothing: the same counts as the plain policy.
+    chain = [_key(i) for i in range(3)]
+    counts = []
+    for p in (KVHeatCachePolicy(16, monotone=False, early_hits=False),
+              KVHeatCachePolicy(16)):
+        mgr = _manager(16)
+        mgr._policy = p
+        _chain_request(mgr, chain, "a")
+        ctx = ReqContext("b")
+        mgr.on_new_request(ctx)
+        for j, k in enumerate(chain):
+            ctx.set_offload_key_position(k, (j + 1) * 16)
+        mgr.prepare_load(chain, ctx)
+        counts.append([p.heat.log_count(p.chunks[k]) for k in chain])
+    assert counts[0] == counts[1]
+
+
+def test_gate_tracks_the_mean_eviction_age() -> None:
+    trace = generate_workload(WorkloadConfig(num_conversations=150, arrival_rate=3.0, seed=3))
+    mgr = _manager(300)
+    pol = mgr._policy  # the default: gated rules
+    ages = []
+    evict = pol.evict
+
+    def watched(n, protected):
+        acc = pol.heat._acc
+        out = evict(n, protected)
+        ages.extend(acc - c.next_use for _, c in out or ())
+        return out
+    pol.evict = watched
+    r = replay_offload(trace, "kvheat", 300, keys=request_keys(trace, 512), manager=mgr,
+                       time_scale=0.2)
+    assert r.evictions == pol._evicted == len(ages) > 300
+    # over about the last `capacity` evictions: inside their range, near their mean
+    last = ages[-300:]
+    assert min(last) <= pol._evict_age <= max(last)
+
+
+def test_the_policy_chunk_is_the_managers_chunk_status() -> None:
+    mgr = _manager(8)
+    pol = mgr._policy
+    keys = [_key(i) for i in range(3)]
+    ctx = ReqContext("a")
+    mgr.on_new_request(ctx)
+    for j, k in enumerate(keys):
+        ctx.set_offload_key_position(k, (j + 1) * 16)
+    out = mgr.prepare_store(keys, ctx)
+    assert out is not None and list(out.store_spec.block_ids) == [0, 1, 2]
+    assert [(pol.get(k).ref_cnt, pol.get(k).is_ready) for k in keys] == [(-1, False)] * 3
+    assert mgr.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+    mgr.complete_store(keys, ctx)
+    assert [pol.get(k).chunk_id for k in keys] == [0, 1, 2]
+    assert pol.num_evictable() == mgr._num_evictable_cache_chunks == 3
+    mgr.prepare_load(keys[:2], ctx)
+    assert [pol.get(k).ref_cnt for k in keys] == [1, 1, 0]
+    assert pol.num_evictable() == mgr._num_evictable_cache_chunks == 1
+    mgr.complete_load(keys[:2], ctx)
+    assert pol.num_evictable() == 3 and pol.evictable_keys() == set(keys)
+
+
 def test_replayed_workload_stays_consistent_with_the_manager() -> None:
     trace = generate_workload(WorkloadConfig(num_conversations=150, arrival_rate=3.0, seed=3))
     keys = request_keys(trace, 512)
@@ -219,7 +287,7 @@ def test_replayed_workload_stays_consistent_with_the_manager() -> None:
     # The manager's own count of idle chunks agrees with the policy's.
     mgr = _manager(300)
     replay_offload(trace, "kvheat", 300, keys=keys, manager=mgr, time_scale=0.2)
-    assert mgr._num_evictable_cache_chunks == len(mgr._policy._evictable)
+    assert mgr._num_evictable_cache_chunks == mgr._policy.num_evictable()
     assert mgr._num_write_pending_chunks == 0
 
 
@@ -236,17 +304,20 @@ def test_kvheat_beats_lru_and_arc_inside_vllm_on_mooncake() -> None:
 
 
 class PolicyContract(RuleBasedStateMachine):
-    """Drives two KVHeatCachePolicy twins with vLLM's calls against a model of ref counts.
+    """Drives two KVHeatCachePolicy twins (no rules) with vLLM's calls against a model of
+    ref counts.
     Failing evictions go to `a` only: if they changed any state, the twins would later
     evict differently."""
 
     pending = Bundle("pending")
     ready = Bundle("ready")
 
+    policy_flags: dict[str, bool] = {"monotone": False, "early_hits": False}
+
     def __init__(self) -> None:
         super().__init__()
-        self.a = KVHeatCachePolicy(6)
-        self.b = KVHeatCachePolicy(6)
+        self.a = KVHeatCachePolicy(6, **self.policy_flags)
+        self.b = KVHeatCachePolicy(6, **self.policy_flags)
         self.ref: dict[bytes, int] = {}  # the model: key -> ref_cnt (-1: being written)
         self.next = 0
         self.req = 0
@@ -344,15 +415,38 @@ class PolicyContract(RuleBasedStateMachine):
         self._both("clear")
         self.ref.clear()
         assert self.a.chunks == {} and self.a.ghost_size() == 0
-        assert self.a.heat.heap == [] and self.a._evictable == set()
+        assert self.a.heat.heap == [] and self.a.evictable_keys() == set()
+        assert self.a.num_evictable() == 0
 
     @invariant()
     def agrees_with_model(self):
         assert set(self.a.chunks) == set(self.ref)
-        assert self.a._evictable == {k for k, r in self.ref.items() if r == 0}
+        assert self.a.evictable_keys() == {k for k, r in self.ref.items() if r == 0}
+        assert self.a.num_evictable() == len(self.a.evictable_keys())
 
 
 PolicyContract.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestPolicyContract = PolicyContract.TestCase
+
+
+class PolicyContractAllRules(PolicyContract):
+    """The same contract with every rule on, always (early hits flush and re-key inside
+    mark_non_evictable); the default (gated) machine is `PolicyContractGated`."""
+
+    policy_flags = {"finish_inserts": True, "gated": False}
+
+
+class PolicyContractGated(PolicyContract):
+    """The default policy: monotone and early hits behind the gate."""
+
+    policy_flags = {}
+
+
+PolicyContractGated.TestCase.settings = PolicyContract.TestCase.settings
+TestPolicyContractGated = PolicyContractGated.TestCase
+
+
+PolicyContractAllRules.TestCase.settings = PolicyContract.TestCase.settings
+TestPolicyContractAllRules = PolicyContractAllRules.TestCase

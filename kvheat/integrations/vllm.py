@@ -9,8 +9,8 @@ offloading connector's extra config, no fork and no patch::
         "cache_policy_module_path": "kvheat.integrations.vllm"}}'
 
 `KVHeatCachePolicy` runs `kvheat.heat.KVHeat` (the project's default, scale-free policy)
-over vLLM's offload chunks. Each chunk is a kvheat `Block` carrying vLLM's `ChunkStatus`;
-the heat policy sees the same hooks the kvheat block cache gives it:
+over vLLM's offload chunks. Each chunk is a kvheat `Block` that also serves as its
+`ChunkStatus`; the heat policy sees the same hooks the kvheat block cache gives it:
 
 - `insert` (a store miss being written): `on_insert`, which also restores the heat an
   evicted chunk left in the ghost map. Its parent and depth come from the key's end-token
@@ -24,6 +24,11 @@ the heat policy sees the same hooks the kvheat block cache gives it:
   pushes are queued and made in bulk before the next call that reads or re-keys the heap).
 - `evict(n, protected)`: the n coldest evictable, unprotected chunks, or None with no state
   change when fewer exist (checked before anything is popped).
+
+Two rules on top run only while the cache is tight (`gated`: the mean age of its evictions
+under KVHeat's `penalty_fade` reuse gaps): `monotone` (a request's head is never left colder
+than a chunk after it) and `early_hits` (a load's start counts the reuse; the request's end
+moves it to then). docs/vllm.md has the grid behind that default.
 
 The clock is kvheat's own: block accesses, with one timestamp per request event, so the
 policy reads no wall clock. This module imports vLLM; kvheat itself never does.
@@ -53,18 +58,22 @@ def _move_access_to_now(heat: KVHeat, c: _Chunk, weight: float, now: float) -> N
 
 
 class _Chunk(Block):
-    """A kvheat block standing for one vLLM offload chunk."""
+    """A kvheat block standing for one vLLM offload chunk, and that chunk's status too:
+    it has `ChunkStatus`'s `ref_cnt` (-1 while being written), `chunk_id` and `is_ready`,
+    and `get` / `evict` hand it to the manager in place of the `ChunkStatus` it inserted
+    (vLLM's manager reads and writes a stored chunk only through `get`). One long-lived
+    object per chunk instead of two: fewer objects for the garbage collector to promote
+    and scan. kvheat's heap reads the same `ref_cnt` (non-zero: skip, as vLLM's rule)."""
 
-    __slots__ = ("status", "w_ins", "w_load", "seen", "pos")
+    __slots__ = ("chunk_id", "w_ins", "w_load", "seen", "pos")
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
         # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
         # once per stored chunk). on_insert sets meta, freq, next_use and state.
-        self.block_id = status.chunk_id
+        self.chunk_id = status.chunk_id
         self.key = key
-        self.status = status
         self.num_tokens = 1  # vLLM offloads whole chunks only: no partial-tail demotion
-        self.ref_cnt = 0 if status.ref_cnt == 0 else 1  # kvheat's view: evictable or not
+        self.ref_cnt = status.ref_cnt
         self.parent = None
         self.num_children = 0
         self.parked = None
@@ -72,6 +81,10 @@ class _Chunk(Block):
         self.w_ins = 0.0  # weight of the insert's access while the storing request runs
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
         self.seen = -1.0  # the tick of the last request end that listed it
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref_cnt >= 0
 
 
 def _known(depth: int) -> Block:
@@ -99,22 +112,31 @@ class _Stores:
 
 class KVHeatCachePolicy(CachePolicy):
     """vLLM `CachePolicy` driven by kvheat's `KVHeat`. Extra keyword arguments go to
-    `KVHeat` (vLLM itself passes only `cache_capacity`)."""
+    `KVHeat` (vLLM itself passes only `cache_capacity`).
+
+    By default `monotone` and `early_hits` run `gated`: only while the cache is tight
+    (docs/vllm.md has the grid: each rule alone loses where the cache holds nearly every
+    reuse). `gated=False` runs them always; `finish_inserts` stays off."""
 
     def __init__(self, cache_capacity: int, finish_inserts: bool = False,
-                 monotone: bool = False, early_hits: bool = False,
+                 monotone: bool = True, early_hits: bool = True, gated: bool = True,
                  **heat_kwargs: object) -> None:
         super().__init__(cache_capacity)
         self.early_hits = early_hits
         self.finish_inserts = finish_inserts
         self.monotone = monotone
+        # monotone and early_hits only while the cache is tight: the mean age of its
+        # evictions (accesses since last use, over about the last capacity evictions)
+        # under KVHeat's penalty_fade reuse gaps, the bound KVHeat fades its penalties by
+        self.gated = gated
         self._heat_kwargs = heat_kwargs
         self.chunks: dict[OffloadKey, _Chunk] = {}
-        self._status: dict[OffloadKey, ChunkStatus] = {}
         # The manager's most frequent call, at C speed (an instance attribute shadows the
         # method; same answer).
-        self.get = self._status.get  # type: ignore[method-assign]
-        self._evictable: set[OffloadKey] = set()
+        self.get = self.chunks.get  # type: ignore[method-assign]
+        # Evictable chunks are those whose kvheat ref_cnt is 0; only their count is kept
+        # (a set beside the chunk dict cost a hash-set update on every mark).
+        self._free = 0
         # Chunks marked evictable whose heap push waits for the next evict or request
         # end (a request end that re-pushes one makes its earlier push moot).
         self._pend: list[_Chunk] = []
@@ -129,10 +151,12 @@ class KVHeatCachePolicy(CachePolicy):
         self._stores: _Stores | None = None
         self._loading = False  # the last event was a load's start (early_hits)
         self._chunk_tokens = 0  # tokens per chunk: gcd of the positions seen
+        self._evicted = 0
+        self._evict_age = 0.0  # the gate's mean eviction age (gated)
 
     # -- lookups ---------------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:
-        return self._status.get(key)
+        return self.chunks.get(key)  # type: ignore[return-value]
 
     # -- stores ----------------------------------------------------------------------
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
@@ -186,19 +210,18 @@ class KVHeatCachePolicy(CachePolicy):
     def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
         c = _Chunk(key, chunk)
         self.chunks[key] = c
-        self._status[key] = chunk
         self._place(c)
         c.inserted_at = self._tick
         self.heat.on_insert(c, self._tick)
         c.w_ins = self.heat._w  # this access's weight, in generation c.freq
         if chunk.ref_cnt == 0:
-            self._evictable.add(key)
+            self._free += 1
             self._pend.append(c)
 
     def remove(self, key: OffloadKey) -> None:
         c = self.chunks.pop(key)
-        del self._status[key]
-        self._evictable.discard(key)
+        if not c.ref_cnt:
+            self._free -= 1
         self.heat.forget(c)
         c.key = None  # any heap entry left behind is stale
 
@@ -213,12 +236,12 @@ class KVHeatCachePolicy(CachePolicy):
         chunks, heat = self.chunks, self.heat
         for key in hits:
             c = chunks.get(key)
-            if c is not None and c.status.ref_cnt >= 0:
+            if c is not None and c.ref_cnt >= 0:
                 heat.on_hit(c, now)
-        evictable = self._evictable
         for key in reversed(keys):
-            if key in evictable:
-                heat.on_release(chunks[key], now)
+            c = chunks.get(key)
+            if c is not None and not c.ref_cnt:
+                heat.on_release(c, now)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         # vLLM 0.32's scheduler no longer calls touch (accesses arrive through
@@ -256,11 +279,10 @@ class KVHeatCachePolicy(CachePolicy):
             elif c.w_load:  # its load already counted the hit: move it to now
                 _move_access_to_now(heat, c, c.w_load, now)
                 c.w_load = 0.0
-            elif c.status.ref_cnt >= 0:  # reused, or found pending from another's store
+            elif c.ref_cnt >= 0:  # reused, or found pending from another's store
                 heat.on_hit(c, now)
-        evictable = self._evictable
-        if not self.monotone:
-            heat.release_all([c for c in reversed(present) if c.key in evictable])
+        if not self.monotone or (self.gated and not self._tight()):
+            heat.release_all([c for c in reversed(present) if not c.ref_cnt])
             return
         # Every use of a chunk is a use of its whole prefix, so a head is at least as hot
         # as any chunk after it; where its count says otherwise its history was lost
@@ -277,33 +299,35 @@ class KVHeatCachePolicy(CachePolicy):
                 c.meta = top / f
             else:
                 top = k
-            if c.key in evictable:
+            if not c.ref_cnt:
                 back.append(c)
         heat.release_all(back)
 
+    # vLLM's manager calls these exactly when a chunk's ref_cnt reaches 0 / leaves 0, and
+    # keeps the count itself (on the chunk `get` returned).
     def mark_evictable(self, key: OffloadKey) -> None:
-        c = self.chunks[key]
-        c.ref_cnt = 0
-        self._evictable.add(key)
-        self._pend.append(c)  # pushed by the next evict or request end
+        self._free += 1
+        self._pend.append(self.chunks[key])  # pushed by the next evict or request end
 
-    def _flush(self, skip: float = math.nan) -> None:
+    def _flush(self, skip: float = math.nan, busy: _Chunk | None = None) -> None:
         """Push the chunks marked evictable since the last flush, in mark order. Every
         call that may change a key or re-key the heap (stores, request ends, early hits,
         evictions) flushes first, so the heap is as if each was pushed when marked, less
         the chunks the request ending at tick `skip` re-pushes now (entries superseded
-        before any evict could pop them)."""
+        before any evict could pop them) and `busy`, being made non-evictable."""
         pend, self._pend = self._pend, []
         self.heat.release_all([c for c in pend if c.ref_cnt == 0 and c.key is not None
-                               and c.seen != skip])
+                               and c.seen != skip and c is not busy])
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
-        c = self.chunks[key]
-        c.ref_cnt = 1  # its heap entry is parked when met (kvheat's rule)
-        self._evictable.discard(key)
-        if self.early_hits and not c.w_load:
+        # Its heap entry stays and is parked when met (ref_cnt > 0 by then: kvheat's rule).
+        self._free -= 1
+        if self.early_hits and (not self.gated or self._tight()):
+            c = self.chunks[key]
+            if c.w_load:
+                return
             if self._pend:
-                self._flush()
+                self._flush(busy=c)  # c's ref_cnt is still 0: the manager raises it next
             # A load begins: a request reuses the chunk now. Count the hit now, so the
             # chunk is not cold while the request runs; the request's end moves it there.
             if not self._loading:  # the first load of a request: a new timestamp
@@ -313,16 +337,23 @@ class KVHeatCachePolicy(CachePolicy):
             heat.on_hit(c, self._tick)
             c.w_load = heat._w
 
+    def _tight(self) -> bool:
+        if not self._evicted:
+            return False  # nothing evicted yet: every reuse so far was held
+        heat = self.heat
+        gap = heat.gaps.estimate if heat.gaps is not None else None
+        return gap is not None and self._evict_age < heat.penalty_fade * gap
+
     # -- eviction --------------------------------------------------------------------
     def evict(self, n: int, protected: set[OffloadKey]
               ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n <= 0:
             return []
-        evictable = self._evictable
-        free = len(evictable)
+        free = self._free
+        chunks = self.chunks
         if free - len(protected) < n:  # count exactly only when it may not suffice
-            free -= len(protected & evictable) if len(protected) < free else sum(
-                1 for k in evictable if k in protected)
+            free -= sum(1 for k in protected if (p := chunks.get(k)) is not None
+                        and not p.ref_cnt)
         if free < n:
             return None  # atomic: nothing popped, nothing changed
         if self._pend:
@@ -336,34 +367,44 @@ class KVHeatCachePolicy(CachePolicy):
                 for b in picked + skipped:
                     heat.on_release(b, self._tick)
                 return None
-            if c.key in protected or c.status.ref_cnt != 0:
+            if c.key in protected or c.ref_cnt != 0:
                 skipped.append(c)
             else:
                 picked.append(c)
         for c in skipped:  # back in the heap with their unchanged key
-            if c.status.ref_cnt == 0:
+            if c.ref_cnt == 0:
                 heat.on_release(c, self._tick)
         out: list[tuple[OffloadKey, ChunkStatus]] = []
+        if self.gated:
+            acc, cap = heat._acc, max(self.cache_capacity, 1)
+            for c in picked:
+                self._evicted += 1
+                self._evict_age += (acc - c.next_use - self._evict_age) / min(self._evicted, cap)
         for c in picked:
             heat.on_evict(c)  # the ghost keeps its heat
             key = c.key
-            del self.chunks[key]  # type: ignore[arg-type]
-            del self._status[key]  # type: ignore[arg-type]
-            evictable.discard(key)  # type: ignore[arg-type]
+            del chunks[key]  # type: ignore[arg-type]
             c.key = None
-            out.append((key, c.status))  # type: ignore[arg-type]
+            out.append((key, c))  # type: ignore[arg-type]
+        self._free -= n
         return out
 
     def clear(self) -> None:
         for c in self.chunks.values():
             c.key = None
         self.chunks.clear()
-        self._status.clear()
-        self._evictable.clear()
+        self._free = 0
         self._pend.clear()
         self._reset()  # a fresh heat policy: heap, ghosts, learned half-life and regime
 
     # -- introspection ---------------------------------------------------------------
+    def evictable_keys(self) -> set[OffloadKey]:
+        """The chunks `evict` may take (ref_cnt 0), protected or not."""
+        return {k for k, c in self.chunks.items() if not c.ref_cnt}
+
+    def num_evictable(self) -> int:
+        return self._free
+
     def ghost_size(self) -> int:
         return len(self.heat.ghost) + len(self.heat.ghost_old)
 
