@@ -150,7 +150,7 @@ def test_monotone_heads_are_never_colder_than_their_tails() -> None:
         pol = KVHeatCachePolicy(16, monotone=monotone, early_hits=False, gated=False)
         mgr._policy = pol  # the manager holds no chunks yet: swap in the configured twin
         _chain_request(mgr, chain, "a")
-        pol.chunks[chain[3]].meta *= 8.0  # the tail hotter than its head (as a lost
+        pol.chunks[chain[3]].rec.count *= 8.0  # the tail hotter than its head (as a lost
         _chain_request(mgr, chain, "b")  # ghost or an admission penalty leaves it)
         heat = pol.heat
         return [heat._key(pol.chunks[k]) for k in chain]
@@ -243,7 +243,7 @@ def test_gate_tracks_the_mean_eviction_age() -> None:
     def watched(n, protected):
         acc = pol.heat._acc
         out = evict(n, protected)
-        ages.extend(acc - c.next_use for _, c in out or ())
+        ages.extend(acc - c.rec.last for _, c in out or ())
         return out
     pol.evict = watched
     r = replay_offload(trace, "kvheat", 300, keys=request_keys(trace, 512), manager=mgr,

@@ -43,7 +43,8 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
 from ..cache.block import Block
-from ..heat.policies import EXTENSION, FRESH, KVHeat
+from ..heat.kvheat import KVHeat
+from ..heat.penalties import EXTENSION, FRESH
 
 __all__ = ["KVHeatCachePolicy"]
 
@@ -52,9 +53,10 @@ def _move_access_to_now(heat: KVHeat, c: _Chunk, weight: float, now: float) -> N
     """Move a chunk's access counted earlier with `weight` to `now` (same count)."""
     if now != heat._t:
         heat._advance(now)
-    if c.freq == heat.gen:
-        c.meta += heat._w - weight
-        c.next_use = heat._v
+    r = c.rec
+    if r.gen == heat.gen:
+        r.count += heat._w - weight
+        r.last = heat._v
 
 
 class _Chunk(Block):
@@ -69,7 +71,7 @@ class _Chunk(Block):
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
         # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
-        # once per stored chunk). on_insert sets meta, freq, next_use and state.
+        # once per stored chunk). on_insert fills the record (`rec`, a HeatRecord).
         self.chunk_id = status.chunk_id
         self.key = key
         self.num_tokens = 1  # vLLM offloads whole chunks only: no partial-tail demotion
@@ -77,6 +79,7 @@ class _Chunk(Block):
         self.parent = None
         self.num_children = 0
         self.parked = None
+        self.rec = None
         self.heap_ver = math.nan
         self.w_ins = 0.0  # weight of the insert's access while the storing request runs
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
@@ -202,7 +205,7 @@ class KVHeatCachePolicy(CachePolicy):
         if prev is not None and prev.pos == pos - tpc:
             p = prev
             # New in this request: inherit its flag; back from the ghost: a known prefix.
-            known = bool(p.state & EXTENSION) or (not p.state & FRESH and p.depth >= 1)
+            known = bool(p.rec.flags & EXTENSION) or (not p.rec.flags & FRESH and p.depth >= 1)
             c.parent = _KNOWN if known else _KNOWN_ROOT
         else:
             c.parent = _KNOWN if depth > 1 else _KNOWN_ROOT
@@ -213,7 +216,7 @@ class KVHeatCachePolicy(CachePolicy):
         self._place(c)
         c.inserted_at = self._tick
         self.heat.on_insert(c, self._tick)
-        c.w_ins = self.heat._w  # this access's weight, in generation c.freq
+        c.w_ins = self.heat._w  # this access's weight, in generation c.rec.gen
         if chunk.ref_cnt == 0:
             self._free += 1
             self._pend.append(c)
@@ -291,12 +294,13 @@ class KVHeatCachePolicy(CachePolicy):
         flag, gen, top = heat._flag, heat.gen, 0.0
         back = []
         for c in reversed(present):
-            if c.freq != gen:
-                heat._rescale(c)
-            f = flag[c.state]
-            k = c.meta * f
+            r = c.rec
+            if r.gen != gen:
+                heat._rescale(r)
+            f = flag[r.flags]
+            k = r.count * f
             if k < top:
-                c.meta = top / f
+                r.count = top / f
             else:
                 top = k
             if not c.ref_cnt:
@@ -379,7 +383,7 @@ class KVHeatCachePolicy(CachePolicy):
             acc, cap = heat._acc, max(self.cache_capacity, 1)
             for c in picked:
                 self._evicted += 1
-                self._evict_age += (acc - c.next_use - self._evict_age) / min(self._evicted, cap)
+                self._evict_age += (acc - c.rec.last - self._evict_age) / min(self._evicted, cap)
         for c in picked:
             heat.on_evict(c)  # the ghost keeps its heat
             key = c.key
