@@ -210,12 +210,17 @@ def test_finish_inserts_move_a_stored_chunk_to_the_request_end() -> None:
 
 def test_gated_rules_run_only_while_evictions_are_young() -> None:
     pol = KVHeatCachePolicy(16, monotone=True, early_hits=True, gated=True)
-    assert not pol._tight()  # nothing evicted yet: every reuse so far was held
+    from kvheat.integrations.vllm import _tight
+
+    def tight() -> bool:
+        return _tight(pol.heat, pol._evicted, pol._evict_age)
+
+    assert not tight()  # nothing evicted yet: every reuse so far was held
     pol.heat.gaps.estimate = 100.0
     pol._evicted, pol._evict_age = 5, 50.0
-    assert pol._tight()
+    assert tight()
     pol._evict_age = pol.heat.penalty_fade * 100.0
-    assert not pol._tight()
+    assert not tight()
     # With the gate shut the rules do nothing: the same counts as the plain policy.
     chain = [_key(i) for i in range(3)]
     counts = []

@@ -90,6 +90,15 @@ class _Chunk(Block):
         return self.ref_cnt >= 0
 
 
+def _tight(heat: KVHeat, evicted: int, evict_age: float) -> bool:
+    """The gate: the cache has evicted, and the mean age of its evictions is under
+    KVHeat's `penalty_fade` reuse gaps."""
+    if not evicted:
+        return False  # nothing evicted yet: every reuse so far was held
+    gap = heat.gaps.estimate if heat.gaps is not None else None
+    return gap is not None and evict_age < heat.penalty_fade * gap
+
+
 def _known(depth: int) -> Block:
     """A stand-in parent for a chunk whose predecessor this request did not store: the
     cache knew that prefix before (vLLM stores a request's chunks head-to-tail)."""
@@ -284,7 +293,7 @@ class KVHeatCachePolicy(CachePolicy):
                 c.w_load = 0.0
             elif c.ref_cnt >= 0:  # reused, or found pending from another's store
                 heat.on_hit(c, now)
-        if not self.monotone or (self.gated and not self._tight()):
+        if not self.monotone or (self.gated and not _tight(self.heat, self._evicted, self._evict_age)):
             heat.release_all([c for c in reversed(present) if not c.ref_cnt])
             return
         # Every use of a chunk is a use of its whole prefix, so a head is at least as hot
@@ -326,7 +335,7 @@ class KVHeatCachePolicy(CachePolicy):
     def mark_non_evictable(self, key: OffloadKey) -> None:
         # Its heap entry stays and is parked when met (ref_cnt > 0 by then: kvheat's rule).
         self._free -= 1
-        if self.early_hits and (not self.gated or self._tight()):
+        if self.early_hits and (not self.gated or _tight(self.heat, self._evicted, self._evict_age)):
             c = self.chunks[key]
             if c.w_load:
                 return
@@ -340,13 +349,6 @@ class KVHeatCachePolicy(CachePolicy):
             heat = self.heat
             heat.on_hit(c, self._tick)
             c.w_load = heat._w
-
-    def _tight(self) -> bool:
-        if not self._evicted:
-            return False  # nothing evicted yet: every reuse so far was held
-        heat = self.heat
-        gap = heat.gaps.estimate if heat.gaps is not None else None
-        return gap is not None and self._evict_age < heat.penalty_fade * gap
 
     # -- eviction --------------------------------------------------------------------
     def evict(self, n: int, protected: set[OffloadKey]
