@@ -678,6 +678,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=60.0, help="client timeout: hung past it")
     ap.add_argument("--overhead-requests", type=int, default=200)
+    ap.add_argument("--overhead-runs", type=int, default=1,
+                    help="--overhead-only: runs in a row, each from fresh replicas (median)")
     ap.add_argument("--no-kill", action="store_true")
     ap.add_argument("--overhead-only", action="store_true",
                     help="only the router overhead, direct and through each router (--json)")
@@ -699,9 +701,15 @@ def main() -> int:
         try:
             b.redis.start()
             if args.overhead_only:
-                overhead = b.overhead(routers, args.overhead_requests)
+                runs = [b.overhead(routers, args.overhead_requests)
+                        for _ in range(args.overhead_runs)]
+                report = {"command": " ".join(["bench/cluster.py", *sys.argv[1:]]),
+                          "machine": {"cpus": os.cpu_count(), "load": os.getloadavg()},
+                          "runs": runs, "median_over_direct_ms": {
+                              k: statistics.median(r[k]["over_direct_ms"] for r in runs)
+                              for k in runs[0]}}
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps({"overhead": overhead}, indent=2) + "\n")
+                Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
                 return 0
             rounds: list[Round] = []
             reference: dict[tuple[int, int], str] = {}
