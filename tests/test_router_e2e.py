@@ -219,7 +219,7 @@ def test_replicas_leave_and_join_through_the_admin_api(cluster) -> None:
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_replica(cluster) -> None:
-    _, rt = cluster
+    reps, rt = cluster
     body = {"model": MODEL, "prompt": SYSTEM + " a client that leaves", "max_tokens": 200,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", rt.base + "/v1/completions", json=body, timeout=30,
@@ -230,6 +230,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_replica(cluster) -> None:
                 break
     assert wait_for(lambda: all(x.state.in_flight == 0 and not x.pending
                                 for x in rt.router.replicas.values()))
+    for s in reps:  # the replica's request ends too (the router dropped its connection)
+        s.wait_idle()
 
 
 def _spawn_replica() -> tuple[subprocess.Popen[bytes], str]:
