@@ -218,6 +218,22 @@ def test_replicas_leave_and_join_through_the_admin_api(cluster) -> None:
     assert wait_for(lambda: rt.router.replicas[gone].events is not None)
 
 
+def test_a_client_that_leaves_mid_stream_frees_its_replica(cluster) -> None:
+    reps, rt = cluster
+    body = {"model": MODEL, "prompt": SYSTEM + " a client that leaves", "max_tokens": 200,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", rt.base + "/v1/completions", json=body, timeout=30,
+                      headers={"Authorization": "Bearer sk-acme"}) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 2:
+                break
+    assert wait_for(lambda: all(x.state.in_flight == 0 and not x.pending
+                                for x in rt.router.replicas.values()))
+    for s in reps:  # the replica's request ends too (the router dropped its connection)
+        s.wait_idle()
+
+
 def _spawn_replica() -> tuple[subprocess.Popen[bytes], str]:
     port, ev, rp = _free_port(), _free_port(), _free_port()
     proc = subprocess.Popen(

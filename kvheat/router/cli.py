@@ -77,7 +77,7 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
     except RouterConfigError as e:
         raise click.ClickException(str(e)) from None
     router = KVHeatRouter(cfg)
-    _ = router.tokenizer  # load it now, not on the first request
+    _ = router.keys.tokenizer  # load it now, not on the first request
     click.echo(f"kvheat route: {policy} over {len(cfg.replicas)} replica(s)"
                f"{' + ' + discover if discover else ''} on http://{host}:{port}", err=True)
     uvicorn.run(router.app, host=host, port=port, log_level=log_level, access_log=False)

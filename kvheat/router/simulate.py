@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..cache import CacheConfig, KVCacheManager, Request, make_policy
+from ..cache import CacheConfig, KVCacheManager, make_policy
 from ..replay.replayer import PreparedTrace, replay
 from .index import DEVICE, SHARED_TIER, PrefixIndex
 from .policy import RouteRequest, RoutingPolicy
@@ -160,8 +160,6 @@ def simulate(pt: PreparedTrace,
              router: str | RoutingPolicy | Callable[[PrefixIndex], RoutingPolicy],
              cfg: ClusterConfig,
              bound: bool = True) -> ClusterResult:
-    import kvheat.heat  # noqa: F401  (registers the kvheat eviction policy)
-
     bt = pt.block_tokens
     n_blocks = cfg.capacity_tokens // bt
     if n_blocks <= 0:
@@ -180,7 +178,8 @@ def simulate(pt: PreparedTrace,
     shared = _SharedTier(cfg.shared_tokens // bt, index, names) if cfg.shared_tokens else None
     caches: list[KVCacheManager] = []
     for i, name in enumerate(names):
-        mgr = KVCacheManager(CacheConfig(num_blocks=n_blocks, block_size=bt),
+        mgr = KVCacheManager(CacheConfig(num_blocks=n_blocks, block_size=bt,
+                                         share_groups=pt.share_groups),
                              policy=make_policy(cfg.cache_policy), clock=lambda: now[0])
         mgr.index_listeners.append(_feed(index, name))
         if shared is not None:
@@ -215,8 +214,8 @@ def simulate(pt: PreparedTrace,
         if len(bts) > n_blocks:  # never fits this cache: computed whole, not cached
             hit = loaded = 0
         else:
-            req = Request(str(i), r.tenant, pt.roots[r.tenant], keys, pt.contents[i], bts,
-                          r.input_length, session=r.session)
+            req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant,
+                                          r.session)
             matched = mgr.match_prefix(req)
             n_dev = len(matched)
             n_sh = shared.continuation(keys, n_dev) if shared is not None else 0
@@ -254,8 +253,6 @@ def single_cache_bound(pt: PreparedTrace, cfg: ClusterConfig) -> float:
     routing cost nothing."""
     key = (id(pt), cfg.replicas * cfg.capacity_tokens + cfg.shared_tokens, cfg.cache_policy)
     if key not in _bounds:
-        import kvheat.heat  # noqa: F401
-
         _bounds[key] = replay(pt, cfg.cache_policy, key[1], pt.block_tokens,
                               time_scale=cfg.time_scale).hit_rate
     return _bounds[key]

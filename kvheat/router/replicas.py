@@ -1,0 +1,192 @@
+"""The replicas behind `kvheat route`: who they are, whether they are in rotation (health
+checks), where their KV events come from, and how they join and leave (the admin API or
+DNS discovery)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from ..kvevents import KVEventSubscriber
+from .config import ReplicaSpec, RouterConfig
+from .index import DEVICE, LOCAL_TIER, SHARED_TIER, PrefixIndex
+from .metrics import RouterMetrics
+from .policy import ReplicaState, RoutingPolicy
+
+log = logging.getLogger("kvheat.router")
+_PLACES = ((DEVICE, "device"), (LOCAL_TIER, "local"), (SHARED_TIER, "shared"))
+
+
+@dataclass(slots=True)
+class Replica:
+    spec: ReplicaSpec
+    state: ReplicaState
+    block_size: int
+    healthy: bool = False  # until the first health check passes
+    failures: int = 0
+    events: KVEventSubscriber | None = None
+    pending: dict[int, float] = field(default_factory=dict)  # request -> expected prefill
+    prewarming: bool = False
+    routed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.url
+
+
+class ReplicaRegistry:
+    """The replicas by URL, kept in step with the prefix index and the policy."""
+
+    def __init__(self, config: RouterConfig, index: PrefixIndex, policy: RoutingPolicy,
+                 metrics: RouterMetrics) -> None:
+        self.config = config
+        self.index = index
+        self.policy = policy
+        self.metrics = metrics
+        self.replicas: dict[str, Replica] = {}
+        self.client: aiohttp.ClientSession | None = None  # set while the app runs
+        self._discovered_missing: dict[str, int] = {}
+        for spec in config.replicas:
+            self.add(spec)
+
+    def add(self, spec: ReplicaSpec) -> Replica:
+        if spec.url in self.replicas:
+            return self.replicas[spec.url]
+        r = Replica(spec, ReplicaState(spec.url, healthy=False),
+                    spec.block_size or self.config.block_size)
+        self.replicas[spec.url] = r
+        self.index.add_replica(spec.url, foreign_hashes=spec.kind == "vllm")
+        if spec.kind == "vllm" and spec.events:
+            self._subscribe(r, spec.events, spec.replay)
+        return r
+
+    def remove(self, url: str) -> bool:
+        r = self.replicas.pop(url, None)
+        if r is None:
+            return False
+        if r.events is not None:
+            r.events.close(timeout_s=0.5)
+        self.index.remove_replica(url)
+        self.policy.forget_replica(url)
+        self.metrics.forget(url)
+        return True
+
+    def close(self) -> None:
+        for r in self.replicas.values():
+            if r.events is not None:
+                r.events.close(timeout_s=0.5)
+
+    def _subscribe(self, r: Replica, endpoint: str, replay: str | None) -> None:
+        r.events = KVEventSubscriber(r.name, endpoint, replay, self.index.apply,
+                                     self.index.clear_replica)
+
+    async def _discover_events(self, r: Replica) -> None:
+        """Ask a kvheat replica where it publishes (GET /kv_events) and subscribe."""
+        if r.events is not None or r.spec.kind != "kvheat" or self.client is None:
+            return
+        try:
+            async with self.client.get(r.name + "/kv_events",
+                                       timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                if resp.status != 200:
+                    return
+                info = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return
+        host = r.spec.host
+        ep = f"tcp://{host}:{info['port']}" if info.get("port") else info.get("endpoint")
+        rp = f"tcp://{host}:{info['replay_port']}" if info.get("replay_port") else None
+        if r.spec.block_size is None and info.get("block_size"):
+            r.block_size = int(info["block_size"])
+        if ep:
+            self._subscribe(r, ep, rp)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in list(self.replicas.values())))
+
+    async def health_loop(self) -> None:
+        while True:
+            try:
+                if self.config.discover:
+                    await self._discover()
+                await self.check_all()
+                self.refresh_gauges()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop outlives any one bad check
+                log.exception("health check round")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def check(self, r: Replica) -> None:
+        assert self.client is not None
+        try:
+            async with self.client.get(r.name + "/health", timeout=aiohttp.ClientTimeout(
+                    total=max(0.5, self.config.health_interval_s))) as resp:
+                ok = resp.status == 200
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if ok:
+            r.failures = 0
+            if not r.healthy:
+                log.info("replica %s is in rotation", r.name)
+            r.healthy = r.state.healthy = True
+            await self._discover_events(r)
+        else:
+            r.failures += 1
+            if r.healthy and r.failures >= self.config.health_failures:
+                log.warning("replica %s failed %d health checks: out of rotation", r.name,
+                            r.failures)
+                r.healthy = r.state.healthy = False
+
+    def mark_failed(self, r: Replica) -> None:
+        """A request could not reach `r`: out of rotation until a health check passes."""
+        r.failures = max(r.failures, self.config.health_failures)
+        r.healthy = r.state.healthy = False
+
+    async def _discover(self) -> None:
+        host, port = self.config.discover.rsplit(":", 1)  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError:
+            return
+        urls = {f"http://{'[' + a[4][0] + ']' if ':' in a[4][0] else a[4][0]}:{port}"
+                for a in infos}
+        for u in urls:
+            self._discovered_missing.pop(u, None)
+            if u not in self.replicas:
+                log.info("replica %s joined (DNS)", u)
+                self.add(ReplicaSpec(u))
+        for u in list(self.replicas):
+            if u not in urls and u not in {s.url for s in self.config.replicas}:
+                n = self._discovered_missing.get(u, 0) + 1
+                self._discovered_missing[u] = n
+                if n >= self.config.health_failures:
+                    log.info("replica %s left (DNS)", u)
+                    self.remove(u)
+
+    def refresh_gauges(self) -> None:
+        m = self.metrics
+        for r in self.replicas.values():
+            m.healthy.labels(r.name).set(1 if r.healthy else 0)
+            m.in_flight.labels(r.name).set(r.state.in_flight)
+            for place, label in _PLACES:
+                m.index_blocks.labels(r.name, label).set(self.index.blocks_of(r.name, place))
+            if r.events is not None:
+                m.event_batches.labels(r.name).set(r.events.stats.batches)
+                m.event_resets.labels(r.name).set(r.events.stats.resets)
+
+    def describe(self, r: Replica) -> dict[str, Any]:
+        ev = r.events.stats if r.events is not None else None
+        return {"url": r.name, "kind": r.spec.kind, "healthy": r.healthy,
+                "in_flight": r.state.in_flight, "routed": r.routed,
+                "block_size": r.block_size,
+                "index_blocks": {label: self.index.blocks_of(r.name, place)
+                                 for place, label in _PLACES},
+                "events": None if ev is None else {"batches": ev.batches, "gaps": ev.gaps,
+                                                   "resets": ev.resets, "bad": ev.bad}}
