@@ -67,11 +67,15 @@ class _Chunk(Block):
     object per chunk instead of two: fewer objects for the garbage collector to promote
     and scan. kvheat's heap reads the same `ref_cnt` (non-zero: skip, as vLLM's rule)."""
 
-    __slots__ = ("chunk_id", "w_ins", "w_load", "seen", "pos")
+    # count, last, gen, flags: KVHeat's per-block record, kept on the chunk itself
+    # (`rec` is the chunk): no second object per stored chunk for the collector, and no
+    # reference cycle (a property, not a slot pointing back).
+    __slots__ = ("chunk_id", "w_ins", "w_load", "seen", "pos", "count", "last", "gen", "flags")
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
         # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
-        # once per stored chunk). on_insert fills the record (`rec`, a HeatRecord).
+        # once per stored chunk). on_insert fills the record: `rec` is the chunk, with
+        # HeatRecord's fields.
         self.chunk_id = status.chunk_id
         self.key = key
         self.num_tokens = 1  # vLLM offloads whole chunks only: no partial-tail demotion
@@ -79,11 +83,14 @@ class _Chunk(Block):
         self.parent = None
         self.num_children = 0
         self.parked = None
-        self.rec = None
         self.heap_ver = math.nan
         self.w_ins = 0.0  # weight of the insert's access while the storing request runs
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
         self.seen = -1.0  # the tick of the last request end that listed it
+
+    @property
+    def rec(self) -> _Chunk:  # type: ignore[override]
+        return self
 
     @property
     def is_ready(self) -> bool:
