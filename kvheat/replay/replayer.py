@@ -73,19 +73,16 @@ class PreparedTrace:
         self.block_tokens = block_tokens
         self.share_groups = dict(share_groups or {})
         self.keys: list[list[bytes]] = []
-        self.contents: list[list[bytes]] = []
         self.block_tokens_of: list[list[int]] = []
         roots: dict[str | None, bytes] = {}
         for r in trace:
             root = roots.get(r.tenant)
             if root is None:
                 root = roots[r.tenant] = root_key(tenant_salt(r.tenant, self.share_groups))
-            ks, cs = trace_block_keys(root, r.hash_ids)
+            ks = trace_block_keys(root, r.hash_ids)[0]
             n = len(r.hash_ids)
             self.keys.append(ks)
-            self.contents.append(cs)
             self.block_tokens_of.append([block_tokens] * (n - 1) + [r.input_length - (n - 1) * block_tokens])
-        self.roots = roots
         self._next_use: list[list[float]] | None = None
         self._plain_keys: list[list[bytes]] | None = None
 
