@@ -249,6 +249,8 @@ def main() -> int:
     ap.add_argument("--overhead-requests", type=int, default=200)
     ap.add_argument("--overhead-runs", type=int, default=1,
                     help="--overhead-only: runs in a row, each from fresh replicas (median)")
+    ap.add_argument("--route-arg", action="append", default=[],
+                    help="an extra option for `kvheat route` (repeatable), e.g. --no-prewarm")
     ap.add_argument("--no-kill", action="store_true")
     ap.add_argument("--overhead-only", action="store_true",
                     help="only the router overhead, direct and through each router (--json)")

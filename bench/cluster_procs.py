@@ -166,6 +166,7 @@ def start_router(kind: str, port: int, replicas: list[Replica], args: argparse.N
                "--log-level", "warning"]
         for u in urls:
             cmd += ["--replica", u]
+        cmd += args.route_arg
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     else:
         policy = "round_robin" if kind == "rr" else "cache_aware"
