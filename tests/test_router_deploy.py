@@ -171,8 +171,10 @@ def test_every_manifest_validates_against_the_kubernetes_schemas() -> None:
 
     # The oldest release from 1.30 on that this kubernetes-validate ships (1.30.0 while it
     # ships it: a newer one that drops old schemas moves up, not out) and its newest.
-    shipped = sorted({v for v in all_versions() if tuple(map(int, v.split("."))) >= (1, 30)},
-                     key=lambda v: tuple(map(int, v.split("."))))
+    def release(v: str) -> tuple[int, ...]:
+        return tuple(map(int, v.split(".")))
+
+    shipped = sorted({v for v in all_versions() if release(v) >= (1, 30)}, key=release)
     assert shipped, "kubernetes-validate ships no schema from 1.30 on"
     versions = [shipped[0], shipped[-1]]
     version = versions[0]
