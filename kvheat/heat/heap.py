@@ -80,12 +80,18 @@ class HeapPolicy(EvictionPolicy):
 
     def _live(self) -> list[Block]:
         self._park_bucket()
-        seen: dict[int, Block] = {}
+        # A block is live in one bucket at most (the one its `heap_ver` names), perhaps
+        # twice there: keep its first entry, in bucket order.
+        live: list[Block] = []
         for u, bucket in self.owner.items():
+            start = len(live)
             for b in bucket:
                 if u == b.heap_ver and b.key is not None:
-                    seen[id(b)] = b
-        return list(seen.values())
+                    b.heap_ver = math.inf  # taken: a later entry of it reads as stale
+                    live.append(b)
+            for i in range(start, len(live)):
+                live[i].heap_ver = u
+        return live
 
     def _rebuild(self) -> None:
         live = self._live()
@@ -103,6 +109,13 @@ class HeapPolicy(EvictionPolicy):
         owner: dict[float, list[Block]] = {}
         kept = 0
         for u, bucket in self.owner.items():
+            for b in bucket:
+                if u != b.heap_ver or b.key is None:
+                    break
+            else:  # all live (most buckets): the same list, nothing allocated
+                owner[u] = bucket
+                kept += len(bucket)
+                continue
             live = [b for b in bucket if u == b.heap_ver and b.key is not None]
             if live:
                 owner[u] = live

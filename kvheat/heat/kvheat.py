@@ -166,6 +166,10 @@ class KVHeat(HeatFeedback):
         at once: the loop's lookups hoisted, the push inlined; the same heap after)."""
         gen, flag, bs, tail = self.gen, self._flag, self.block_size, self._tail
         rescale, nextafter, inf, heappush = self._rescale, math.nextafter, math.inf, heapq.heappush
+        owner, heap = self.owner, self.heap
+        last_k, last_u = self._last_key, self._last_slot
+        bucket = owner.get(last_u)  # the last push's bucket, unless victim took it since
+        entries, compact_at = self._entries, self._compact_at
         for b in blocks:
             b.parked = None
             r: HeatRecord = b.rec
@@ -174,25 +178,27 @@ class KVHeat(HeatFeedback):
             k = r.count * flag[r.flags]
             if b.num_tokens < bs:
                 k *= tail
-            owner = self.owner
-            if k == self._last_key:
-                bucket = owner.get(self._last_slot)
-                if bucket is not None:
-                    bucket.append(b)
-                    b.heap_ver = self._last_slot
-                    self._entries += 1
-                    continue
+            if k == last_k and bucket is not None:
+                bucket.append(b)
+                b.heap_ver = last_u
+                entries += 1
+                continue
             u = k
             while u in owner:
                 u = nextafter(u, inf)
-            self._last_key = k
-            self._last_slot = u
-            owner[u] = [b]
+            last_k = k
+            last_u = u
+            bucket = owner[u] = [b]
             b.heap_ver = u
-            heappush(self.heap, u)
-            self._entries += 1
-            if self._entries > self._compact_at:
+            heappush(heap, u)
+            entries += 1
+            if entries > compact_at:
+                self._last_key, self._last_slot, self._entries = last_k, last_u, entries
                 self._compact()
+                owner, heap, bucket = self.owner, self.heap, None
+                last_k, last_u = self._last_key, self._last_slot
+                entries, compact_at = self._entries, self._compact_at
+        self._last_key, self._last_slot, self._entries = last_k, last_u, entries
 
     def on_evict(self, b: Block) -> None:
         r: HeatRecord = b.rec
