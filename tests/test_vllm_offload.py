@@ -238,6 +238,103 @@ def test_gated_rules_run_only_while_evictions_are_young() -> None:
     assert counts[0] == counts[1]
 
 
+def _load(mgr: CPUOffloadingManager, keys, name: str) -> ReqContext:
+    """A request that loads `keys` (all cached) and is still running (decoding)."""
+    ctx = ReqContext(name)
+    mgr.on_new_request(ctx)
+    for j, k in enumerate(keys):
+        ctx.set_offload_key_position(k, (j + 1) * 16)
+    mgr.prepare_load(keys, ctx)
+    mgr.complete_load(keys, ctx)
+    return ctx
+
+
+def test_hold_gate_opens_once_evictions_are_old() -> None:
+    from kvheat.integrations.vllm import _loose, _tight
+
+    pol = KVHeatCachePolicy(16)
+    assert not _loose(pol.heat, pol._evicted, pol._evict_age)  # nothing evicted yet
+    pol._evicted, pol._evict_age = 5, 1e9
+    pol.heat.gaps.estimate = None
+    assert not _loose(pol.heat, pol._evicted, pol._evict_age)  # no reuse gap measured
+    pol.heat.gaps.estimate = 100.0
+    for age in (50.0, pol.heat.penalty_fade * 100.0, 1e9):
+        pol._evict_age = age  # once it has evicted and measured a gap: the complement
+        assert _loose(pol.heat, 5, age) != _tight(pol.heat, 5, age)
+
+
+def test_hold_keeps_a_loaded_chunk_until_its_request_ends(monkeypatch) -> None:
+    import kvheat.integrations.vllm as kv
+
+    monkeypatch.setattr(kv, "_loose", lambda *a: True)  # a roomy cache: the gate open
+    cold, hot, new = ([_key(b + i) for i in range(2)] for b in (0, 10, 20))
+    kept = {}
+    for hold in (False, True):
+        mgr = _manager(4)
+        pol = KVHeatCachePolicy(4, hold=hold)
+        mgr._policy = pol
+        _chain_request(mgr, cold, "a")  # stored once
+        for i in range(3):
+            _chain_request(mgr, hot, f"h{i}")  # used three times: hotter
+        ctx = _load(mgr, cold, "b")  # a request loads the cold chain and decodes ...
+        _chain_request(mgr, new, "c")  # ... while another one stores two chunks
+        kept[hold] = {k for k in cold + hot if pol.get(k) is not None}
+        mgr.on_request_finished(ctx)
+        if hold:  # its end puts them back in the heap, at their heat
+            assert all(pol.get(k).parked is None and pol.get(k).heap_ver == pol.get(k).heap_ver
+                       for k in cold)
+            assert pol.fallbacks == 0
+    assert kept[False] == set(hot)  # the reuse in flight is lost
+    assert kept[True] == set(cold)
+
+
+def test_held_chunks_go_when_nothing_else_is_left(monkeypatch) -> None:
+    import kvheat.integrations.vllm as kv
+
+    monkeypatch.setattr(kv, "_loose", lambda *a: True)
+    chain = [_key(0), _key(1)]
+    mgr = _manager(2)
+    pol = KVHeatCachePolicy(2)
+    mgr._policy = pol
+    _chain_request(mgr, chain, "a")
+    _load(mgr, chain, "b")  # both held, both evictable
+    assert pol.num_evictable() == 2 and pol.heat.victim() is None
+    assert pol.evict(2, {chain[0]}) is None  # one unprotected: nothing happens
+    got = pol.evict(1, set())
+    assert got is not None and [k for k, _ in got] == [chain[1]]  # the tail first
+    assert pol.fallbacks == 1 and pol.num_evictable() == 1
+
+
+def test_leaves_a_dead_tail_goes_before_its_live_head() -> None:
+    chain = [_key(i) for i in range(3)]
+    order = {}
+    for leaves in (False, True):
+        mgr = _manager(8)
+        pol = KVHeatCachePolicy(8, leaves=leaves, monotone=False, early_hits=False)
+        mgr._policy = pol
+        _chain_request(mgr, chain, "a")
+        pol.chunks[chain[2]].rec.count *= 8.0  # the tail hotter than its head (as a lost
+        _chain_request(mgr, chain, "b")  # ghost or an admission penalty leaves it)
+        order[leaves] = [k for _ in chain for k, _ in pol.evict(1, set())]
+    assert order[False][-1] == chain[2]  # the tail last: dead weight once a chunk before
+    assert order[True] == chain[::-1]  # it went; leaves first: each parent in its turn
+
+
+def test_leaves_fall_back_to_a_parent_when_every_leaf_is_pinned() -> None:
+    chain = [_key(0), _key(1)]
+    mgr = _manager(4)
+    pol = KVHeatCachePolicy(4, leaves=True)
+    mgr._policy = pol
+    _chain_request(mgr, chain, "a")
+    assert pol.chunks[chain[0]].num_children == 1
+    ctx = ReqContext("b")
+    mgr.prepare_load([chain[1]], ctx)  # the leaf pinned: only its parent is evictable
+    assert pol.evict(2, set()) is None
+    got = pol.evict(1, set())
+    assert got is not None and [k for k, _ in got] == [chain[0]]
+    assert pol.fallbacks == 1
+
+
 def test_gate_tracks_the_mean_eviction_age() -> None:
     trace = generate_workload(WorkloadConfig(num_conversations=150, arrival_rate=3.0, seed=3))
     mgr = _manager(300)
@@ -455,3 +552,25 @@ TestPolicyContractGated = PolicyContractGated.TestCase
 
 PolicyContractAllRules.TestCase.settings = PolicyContract.TestCase.settings
 TestPolicyContractAllRules = PolicyContractAllRules.TestCase
+
+
+class PolicyContractHeld(PolicyContract):
+    """The default policy with parent links on and the hold's gate forced open, so chunks
+    are held, parked for their successors and taken by the fallback."""
+
+    policy_flags = {"leaves": True}
+
+    def __init__(self) -> None:
+        import kvheat.integrations.vllm as kv
+
+        self._loose, kv._loose = kv._loose, lambda *a: True
+        super().__init__()
+
+    def teardown(self) -> None:
+        import kvheat.integrations.vllm as kv
+
+        kv._loose = self._loose
+
+
+PolicyContractHeld.TestCase.settings = PolicyContract.TestCase.settings
+TestPolicyContractHeld = PolicyContractHeld.TestCase

@@ -23,12 +23,19 @@ over vLLM's offload chunks. Each chunk is a kvheat `Block` that also serves as i
 - `mark_evictable` / `mark_non_evictable`: the chunk enters / leaves the eviction heap (the
   pushes are queued and made in bulk before the next call that reads or re-keys the heap).
 - `evict(n, protected)`: the n coldest evictable, unprotected chunks, or None with no state
-  change when fewer exist (checked before anything is popped).
+  change when fewer exist (checked before anything is popped); when the heap runs out,
+  the coldest of the evictable chunks kept out of it (held, below, or parked for their
+  cached successors with `leaves`).
 
 Two rules on top run only while the cache is tight (`gated`: the mean age of its evictions
 under KVHeat's `penalty_fade` reuse gaps): `monotone` (a request's head is never left colder
 than a chunk after it) and `early_hits` (a load's start counts the reuse; the request's end
-moves it to then). docs/vllm.md has the grid behind that default.
+moves it to then). While it is not (it has evicted, measured a reuse gap, and the mean age
+is at least `penalty_fade` gaps) `hold` covers the same window without touching heat: a
+chunk whose load completes stays out of the heap until a request listing it ends (kvheat's
+own cache keeps a running request's blocks referenced), evicted before that only when no
+other chunk is left. `leaves` (off) links each chunk to its cached predecessor so a chain
+loses its tail first. docs/vllm.md has the grid behind these defaults.
 
 The clock is kvheat's own: block accesses, with one timestamp per request event, so the
 policy reads no wall clock. This module imports vLLM; kvheat itself never does.
@@ -36,6 +43,7 @@ policy reads no wall clock. This module imports vLLM; kvheat itself never does.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Sequence
 
@@ -43,6 +51,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
 from ..cache.block import Block
+from ..cache.policy import PARKED
 from ..heat.kvheat import KVHeat
 from ..heat.penalties import EXTENSION, FRESH
 
@@ -70,7 +79,8 @@ class _Chunk(Block):
     # count, last, gen, flags: KVHeat's per-block record, kept on the chunk itself
     # (`rec` is the chunk): no second object per stored chunk for the collector, and no
     # reference cycle (a property, not a slot pointing back).
-    __slots__ = ("chunk_id", "w_ins", "w_load", "seen", "pos", "count", "last", "gen", "flags")
+    __slots__ = ("chunk_id", "w_ins", "w_load", "seen", "pos", "pred", "stored", "count", "last",
+                 "gen", "flags")
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
         # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
@@ -87,6 +97,10 @@ class _Chunk(Block):
         self.w_ins = 0.0  # weight of the insert's access while the storing request runs
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
         self.seen = -1.0  # the tick of the last request end that listed it
+        # The cached chunk right before it in its prefix (`leaves` only): `num_children` of
+        # that chunk counts this one, so kvheat's heap parks it while this one is cached.
+        self.pred: _Chunk | None = None
+        self.stored = False  # its store completed: a later mark_evictable ends a load
 
     @property
     def rec(self) -> _Chunk:  # type: ignore[override]
@@ -116,6 +130,16 @@ def _known(depth: int) -> Block:
 
 
 _KNOWN_ROOT, _KNOWN = _known(0), _known(1)
+_HELD = object()  # a chunk's `parked` while the request that loaded it runs (`hold`)
+
+
+def _loose(heat: KVHeat, evicted: int, evict_age: float) -> bool:
+    """The hold's gate, the complement of `_tight` once the cache has evicted and measured
+    a reuse gap: the mean age of its evictions is at least `penalty_fade` reuse gaps."""
+    if not evicted:
+        return False
+    gap = heat.gaps.estimate if heat.gaps is not None else None
+    return gap is not None and evict_age >= heat.penalty_fade * gap
 
 
 class _Stores:
@@ -135,12 +159,22 @@ class KVHeatCachePolicy(CachePolicy):
 
     By default `monotone` and `early_hits` run `gated`: only while the cache is tight
     (docs/vllm.md has the grid: each rule alone loses where the cache holds nearly every
-    reuse). `gated=False` runs them always; `finish_inserts` stays off."""
+    reuse). `gated=False` runs them always; `finish_inserts` stays off. `hold` (on) keeps
+    a loaded chunk out of the heap while its request runs, under the gate's complement;
+    `leaves` (off) parks a chunk while its successor is cached."""
 
     def __init__(self, cache_capacity: int, finish_inserts: bool = False,
                  monotone: bool = True, early_hits: bool = True, gated: bool = True,
-                 **heat_kwargs: object) -> None:
+                 hold: bool = True, leaves: bool = False, **heat_kwargs: object) -> None:
         super().__init__(cache_capacity)
+        # A chunk whose load completes stays out of the heap until the request that loaded
+        # it ends, while the cache is not tight (the gate's complement: early_hits covers a
+        # tight cache); evicted only when no other chunk is left.
+        self.hold = hold
+        self._held: dict[_Chunk, None] = {}  # held chunks (and some released since)
+        # Parent links from request order: a chunk whose successor is cached is parked by
+        # the heap and evicted only when no leaf is left (off: docs/vllm.md has the grid).
+        self.leaves = leaves
         self.early_hits = early_hits
         self.finish_inserts = finish_inserts
         self.monotone = monotone
@@ -171,6 +205,7 @@ class KVHeatCachePolicy(CachePolicy):
         self._loading = False  # the last event was a load's start (early_hits)
         self._chunk_tokens = 0  # tokens per chunk: gcd of the positions seen
         self._evicted = 0
+        self.fallbacks = 0  # evictions of held or parked chunks: nothing else was left
         self._evict_age = 0.0  # the gate's mean eviction age (gated)
 
     # -- lookups ---------------------------------------------------------------------
@@ -220,6 +255,9 @@ class KVHeatCachePolicy(CachePolicy):
             return
         if prev is not None and prev.pos == pos - tpc:
             p = prev
+            if self.leaves and p.key is not None:
+                c.pred = p
+                p.num_children += 1
             # New in this request: inherit its flag; back from the ghost: a known prefix.
             known = bool(p.rec.flags & EXTENSION) or (not p.rec.flags & FRESH and p.depth >= 1)
             c.parent = _KNOWN if known else _KNOWN_ROOT
@@ -235,6 +273,7 @@ class KVHeatCachePolicy(CachePolicy):
         c.w_ins = self.heat._w  # this access's weight, in generation c.rec.gen
         if chunk.ref_cnt == 0:
             self._free += 1
+            c.stored = True
             self._pend.append(c)
 
     def remove(self, key: OffloadKey) -> None:
@@ -243,6 +282,33 @@ class KVHeatCachePolicy(CachePolicy):
             self._free -= 1
         self.heat.forget(c)
         c.key = None  # any heap entry left behind is stale
+        if c.pred is not None:
+            self._unlink(c)
+
+    def _unlink(self, c: _Chunk) -> None:
+        """`c` leaves the cache: its predecessor has one cached successor fewer, and, a
+        leaf again and parked by the heap for its children, goes back into the heap."""
+        p = c.pred
+        c.pred = None
+        if p is not None and p.key is not None:
+            p.num_children -= 1
+            if not p.num_children and p.parked is PARKED and not p.ref_cnt:
+                self.heat.on_release(p, self._tick)
+
+    def _link(self, group: Sequence[OffloadKey]) -> None:
+        """Point each cached chunk of a head-to-tail group at the cached chunk right before
+        it (one depth less), where it does not already."""
+        chunks = self.chunks
+        prev = None
+        for key in group:
+            c = chunks.get(key)
+            if c is not None and prev is not None and c.pred is not prev and (
+                    c.depth == prev.depth + 1):
+                if c.pred is not None:
+                    self._unlink(c)
+                c.pred = prev
+                prev.num_children += 1
+            prev = c
 
     # -- accesses --------------------------------------------------------------------
     def _access(self, keys: Sequence[OffloadKey], hits: Iterable[OffloadKey]) -> None:
@@ -280,7 +346,22 @@ class KVHeatCachePolicy(CachePolicy):
         now = self._tick
         chunks, heat = self.chunks, self.heat
         finish = self.finish_inserts
+        if len(self._held) > self.cache_capacity + 64:  # drop those released since
+            self._held = {c: None for c in self._held if c.parked is _HELD and c.key is not None}
         present = [c for key in ordered if (c := chunks.get(key)) is not None]
+        if self.leaves:
+            if len(key_groups) == 1:
+                prev = None
+                for c in present:  # a dropped key between two cached ones: depths differ
+                    if prev is not None and c.pred is not prev and c.depth == prev.depth + 1:
+                        if c.pred is not None:
+                            self._unlink(c)
+                        c.pred = prev
+                        prev.num_children += 1
+                    prev = c
+            else:
+                for group in key_groups:
+                    self._link(group)
         if self._pend:
             # The others' pushes first (before any key changes, as when they were marked);
             # this request's own are redone below.
@@ -327,7 +408,17 @@ class KVHeatCachePolicy(CachePolicy):
     # keeps the count itself (on the chunk `get` returned).
     def mark_evictable(self, key: OffloadKey) -> None:
         self._free += 1
-        self._pend.append(self.chunks[key])  # pushed by the next evict or request end
+        c = self.chunks[key]
+        if c.stored and self.hold and _loose(self.heat, self._evicted, self._evict_age):
+            # A load completed (a store's completion is the first mark): held for the
+            # request that loaded it, as kvheat's own cache keeps a running request's
+            # blocks referenced; back in the heap when a request listing it ends.
+            c.parked = _HELD
+            c.heap_ver = math.nan  # its entry from before the load is stale
+            self._held[c] = None
+        else:
+            c.stored = True
+            self._pend.append(c)  # pushed by the next evict or request end
 
     def _flush(self, skip: float = math.nan, busy: _Chunk | None = None) -> None:
         """Push the chunks marked evictable since the last flush, in mark order. Every
@@ -374,9 +465,14 @@ class KVHeatCachePolicy(CachePolicy):
         heat = self.heat
         picked: list[_Chunk] = []
         skipped: list[_Chunk] = []
+        leaves = self.leaves
         while len(picked) < n:
             c = heat.victim()
-            if c is None:  # cannot happen while every evictable chunk is in the heap
+            if c is None:
+                if leaves or self.hold:  # the rest are held, or parked for successors
+                    self._evict_rest(n - len(picked), protected, picked)
+                    break
+                # cannot happen while every evictable chunk is in the heap
                 for b in picked + skipped:
                     heat.on_release(b, self._tick)
                 return None
@@ -384,11 +480,13 @@ class KVHeatCachePolicy(CachePolicy):
                 skipped.append(c)
             else:
                 picked.append(c)
+                if leaves and c.pred is not None:
+                    self._unlink(c)  # its predecessor may be a leaf now, in this call too
         for c in skipped:  # back in the heap with their unchanged key
             if c.ref_cnt == 0:
                 heat.on_release(c, self._tick)
         out: list[tuple[OffloadKey, ChunkStatus]] = []
-        if self.gated:
+        if self.gated or self.hold:
             acc, cap = heat._acc, max(self.cache_capacity, 1)
             for c in picked:
                 self._evicted += 1
@@ -402,12 +500,45 @@ class KVHeatCachePolicy(CachePolicy):
         self._free -= n
         return out
 
+    def _evict_rest(self, k: int, protected: set[OffloadKey], picked: list[_Chunk]) -> None:
+        """Append the `k` coldest evictable, unprotected chunks out of the heap (no other
+        is left; the count said enough exist): held for a running request (`hold`) first,
+        leaves before parents, then those the heap parked for their cached successors."""
+        heat = self.heat
+        gen, flag, rescale = heat.gen, heat._flag, heat._rescale
+        cands = []
+        held = self._held = {c: None for c in self._held
+                             if c.parked is _HELD and c.key is not None}
+        for c in held:
+            if not c.ref_cnt and c.key not in protected:
+                if c.gen != gen:
+                    rescale(c)
+                # equal heat: the later marked first (a load's tail after its head)
+                cands.append((c.num_children > 0, c.count * flag[c.flags], -len(cands), c))
+        if len(cands) < k:
+            for c in self.chunks.values():
+                if c.parked is PARKED and not c.ref_cnt and c.num_children and (
+                        c.key not in protected):
+                    if c.gen != gen:
+                        rescale(c)
+                    cands.append((True, c.count * flag[c.flags], len(cands), c))
+        start = len(picked)
+        for *_, c in heapq.nsmallest(k, cands):
+            c.parked = None
+            c.heap_ver = math.nan
+            picked.append(c)
+            self.fallbacks += 1
+        for c in picked[start:]:
+            if c.pred is not None:
+                self._unlink(c)
+
     def clear(self) -> None:
         for c in self.chunks.values():
             c.key = None
         self.chunks.clear()
         self._free = 0
         self._pend.clear()
+        self._held = {}
         self._reset()  # a fresh heat policy: heap, ghosts, learned half-life and regime
 
     # -- introspection ---------------------------------------------------------------
