@@ -305,36 +305,6 @@ def test_held_chunks_go_when_nothing_else_is_left(monkeypatch) -> None:
     assert pol.fallbacks == 1 and pol.num_evictable() == 1
 
 
-def test_leaves_a_dead_tail_goes_before_its_live_head() -> None:
-    chain = [_key(i) for i in range(3)]
-    order = {}
-    for leaves in (False, True):
-        mgr = _manager(8)
-        pol = KVHeatCachePolicy(8, leaves=leaves, monotone=False, early_hits=False)
-        mgr._policy = pol
-        _chain_request(mgr, chain, "a")
-        pol.chunks[chain[2]].rec.count *= 8.0  # the tail hotter than its head (as a lost
-        _chain_request(mgr, chain, "b")  # ghost or an admission penalty leaves it)
-        order[leaves] = [k for _ in chain for k, _ in pol.evict(1, set())]
-    assert order[False][-1] == chain[2]  # the tail last: dead weight once a chunk before
-    assert order[True] == chain[::-1]  # it went; leaves first: each parent in its turn
-
-
-def test_leaves_fall_back_to_a_parent_when_every_leaf_is_pinned() -> None:
-    chain = [_key(0), _key(1)]
-    mgr = _manager(4)
-    pol = KVHeatCachePolicy(4, leaves=True)
-    mgr._policy = pol
-    _chain_request(mgr, chain, "a")
-    assert pol.chunks[chain[0]].num_children == 1
-    ctx = ReqContext("b")
-    mgr.prepare_load([chain[1]], ctx)  # the leaf pinned: only its parent is evictable
-    assert pol.evict(2, set()) is None
-    got = pol.evict(1, set())
-    assert got is not None and [k for k, _ in got] == [chain[0]]
-    assert pol.fallbacks == 1
-
-
 def test_gate_tracks_the_mean_eviction_age() -> None:
     trace = generate_workload(WorkloadConfig(num_conversations=150, arrival_rate=3.0, seed=3))
     mgr = _manager(300)
@@ -555,10 +525,10 @@ TestPolicyContractAllRules = PolicyContractAllRules.TestCase
 
 
 class PolicyContractHeld(PolicyContract):
-    """The default policy with parent links on and the hold's gate forced open, so chunks
-    are held, parked for their successors and taken by the fallback."""
+    """The default policy with the hold's gate forced open, so chunks are held and taken
+    by the fallback."""
 
-    policy_flags = {"leaves": True}
+    policy_flags = {}
 
     def __init__(self) -> None:
         import kvheat.integrations.vllm as kv

@@ -24,8 +24,7 @@ over vLLM's offload chunks. Each chunk is a kvheat `Block` that also serves as i
   pushes are queued and made in bulk before the next call that reads or re-keys the heap).
 - `evict(n, protected)`: the n coldest evictable, unprotected chunks, or None with no state
   change when fewer exist (checked before anything is popped); when the heap runs out,
-  the coldest of the evictable chunks kept out of it (held, below, or parked for their
-  cached successors with `leaves`).
+  the coldest of the evictable chunks held out of it (below).
 
 Two rules on top run only while the cache is tight (`gated`: the mean age of its evictions
 under KVHeat's `penalty_fade` reuse gaps): `monotone` (a request's head is never left colder
@@ -34,8 +33,7 @@ moves it to then). While it is not (it has evicted, measured a reuse gap, and th
 is at least `penalty_fade` gaps) `hold` covers the same window without touching heat: a
 chunk whose load completes stays out of the heap until a request listing it ends (kvheat's
 own cache keeps a running request's blocks referenced), evicted before that only when no
-other chunk is left. `leaves` (off) links each chunk to its cached predecessor so a chain
-loses its tail first. docs/vllm.md has the grid behind these defaults.
+other chunk is left. docs/vllm.md has the grid behind these defaults.
 
 The clock is kvheat's own: block accesses, with one timestamp per request event, so the
 policy reads no wall clock. This module imports vLLM; kvheat itself never does.
@@ -51,7 +49,6 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
 from ..cache.block import Block
-from ..cache.policy import PARKED
 from ..heat.kvheat import KVHeat
 from ..heat.penalties import EXTENSION, FRESH
 
@@ -79,8 +76,8 @@ class _Chunk(Block):
     # count, last, gen, flags: KVHeat's per-block record, kept on the chunk itself
     # (`rec` is the chunk): no second object per stored chunk for the collector, and no
     # reference cycle (a property, not a slot pointing back).
-    __slots__ = ("chunk_id", "w_ins", "w_load", "seen", "pos", "pred", "stored", "count", "last",
-                 "gen", "flags")
+    __slots__ = ("chunk_id", "w_ins", "w_load", "seen", "pos", "stored", "count", "last", "gen",
+                 "flags")
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
         # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
@@ -97,9 +94,6 @@ class _Chunk(Block):
         self.w_ins = 0.0  # weight of the insert's access while the storing request runs
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
         self.seen = -1.0  # the tick of the last request end that listed it
-        # The cached chunk right before it in its prefix (`leaves` only): `num_children` of
-        # that chunk counts this one, so kvheat's heap parks it while this one is cached.
-        self.pred: _Chunk | None = None
         self.stored = False  # its store completed: a later mark_evictable ends a load
 
     @property
@@ -160,21 +154,17 @@ class KVHeatCachePolicy(CachePolicy):
     By default `monotone` and `early_hits` run `gated`: only while the cache is tight
     (docs/vllm.md has the grid: each rule alone loses where the cache holds nearly every
     reuse). `gated=False` runs them always; `finish_inserts` stays off. `hold` (on) keeps
-    a loaded chunk out of the heap while its request runs, under the gate's complement;
-    `leaves` (off) parks a chunk while its successor is cached."""
+    a loaded chunk out of the heap while its request runs, under the gate's complement."""
 
     def __init__(self, cache_capacity: int, finish_inserts: bool = False,
                  monotone: bool = True, early_hits: bool = True, gated: bool = True,
-                 hold: bool = True, leaves: bool = False, **heat_kwargs: object) -> None:
+                 hold: bool = True, **heat_kwargs: object) -> None:
         super().__init__(cache_capacity)
         # A chunk whose load completes stays out of the heap until the request that loaded
         # it ends, while the cache is not tight (the gate's complement: early_hits covers a
         # tight cache); evicted only when no other chunk is left.
         self.hold = hold
         self._held: dict[_Chunk, None] = {}  # held chunks (and some released since)
-        # Parent links from request order: a chunk whose successor is cached is parked by
-        # the heap and evicted only when no leaf is left (off: docs/vllm.md has the grid).
-        self.leaves = leaves
         self.early_hits = early_hits
         self.finish_inserts = finish_inserts
         self.monotone = monotone
@@ -255,9 +245,6 @@ class KVHeatCachePolicy(CachePolicy):
             return
         if prev is not None and prev.pos == pos - tpc:
             p = prev
-            if self.leaves and p.key is not None:
-                c.pred = p
-                p.num_children += 1
             # New in this request: inherit its flag; back from the ghost: a known prefix.
             known = bool(p.rec.flags & EXTENSION) or (not p.rec.flags & FRESH and p.depth >= 1)
             c.parent = _KNOWN if known else _KNOWN_ROOT
@@ -282,33 +269,6 @@ class KVHeatCachePolicy(CachePolicy):
             self._free -= 1
         self.heat.forget(c)
         c.key = None  # any heap entry left behind is stale
-        if c.pred is not None:
-            self._unlink(c)
-
-    def _unlink(self, c: _Chunk) -> None:
-        """`c` leaves the cache: its predecessor has one cached successor fewer, and, a
-        leaf again and parked by the heap for its children, goes back into the heap."""
-        p = c.pred
-        c.pred = None
-        if p is not None and p.key is not None:
-            p.num_children -= 1
-            if not p.num_children and p.parked is PARKED and not p.ref_cnt:
-                self.heat.on_release(p, self._tick)
-
-    def _link(self, group: Sequence[OffloadKey]) -> None:
-        """Point each cached chunk of a head-to-tail group at the cached chunk right before
-        it (one depth less), where it does not already."""
-        chunks = self.chunks
-        prev = None
-        for key in group:
-            c = chunks.get(key)
-            if c is not None and prev is not None and c.pred is not prev and (
-                    c.depth == prev.depth + 1):
-                if c.pred is not None:
-                    self._unlink(c)
-                c.pred = prev
-                prev.num_children += 1
-            prev = c
 
     # -- accesses --------------------------------------------------------------------
     def _access(self, keys: Sequence[OffloadKey], hits: Iterable[OffloadKey]) -> None:
@@ -349,19 +309,6 @@ class KVHeatCachePolicy(CachePolicy):
         if len(self._held) > self.cache_capacity + 64:  # drop those released since
             self._held = {c: None for c in self._held if c.parked is _HELD and c.key is not None}
         present = [c for key in ordered if (c := chunks.get(key)) is not None]
-        if self.leaves:
-            if len(key_groups) == 1:
-                prev = None
-                for c in present:  # a dropped key between two cached ones: depths differ
-                    if prev is not None and c.pred is not prev and c.depth == prev.depth + 1:
-                        if c.pred is not None:
-                            self._unlink(c)
-                        c.pred = prev
-                        prev.num_children += 1
-                    prev = c
-            else:
-                for group in key_groups:
-                    self._link(group)
         if self._pend:
             # The others' pushes first (before any key changes, as when they were marked);
             # this request's own are redone below.
@@ -465,11 +412,10 @@ class KVHeatCachePolicy(CachePolicy):
         heat = self.heat
         picked: list[_Chunk] = []
         skipped: list[_Chunk] = []
-        leaves = self.leaves
         while len(picked) < n:
             c = heat.victim()
             if c is None:
-                if leaves or self.hold:  # the rest are held, or parked for successors
+                if self.hold:  # the rest are held for their running requests
                     self._evict_rest(n - len(picked), protected, picked)
                     break
                 # cannot happen while every evictable chunk is in the heap
@@ -480,8 +426,6 @@ class KVHeatCachePolicy(CachePolicy):
                 skipped.append(c)
             else:
                 picked.append(c)
-                if leaves and c.pred is not None:
-                    self._unlink(c)  # its predecessor may be a leaf now, in this call too
         for c in skipped:  # back in the heap with their unchanged key
             if c.ref_cnt == 0:
                 heat.on_release(c, self._tick)
@@ -501,9 +445,8 @@ class KVHeatCachePolicy(CachePolicy):
         return out
 
     def _evict_rest(self, k: int, protected: set[OffloadKey], picked: list[_Chunk]) -> None:
-        """Append the `k` coldest evictable, unprotected chunks out of the heap (no other
-        is left; the count said enough exist): held for a running request (`hold`) first,
-        leaves before parents, then those the heap parked for their cached successors."""
+        """Append the `k` coldest held, unprotected chunks (the heap is empty and the count
+        said enough evictable chunks exist, so the rest are held for running requests)."""
         heat = self.heat
         gen, flag, rescale = heat.gen, heat._flag, heat._rescale
         cands = []
@@ -514,23 +457,12 @@ class KVHeatCachePolicy(CachePolicy):
                 if c.gen != gen:
                     rescale(c)
                 # equal heat: the later marked first (a load's tail after its head)
-                cands.append((c.num_children > 0, c.count * flag[c.flags], -len(cands), c))
-        if len(cands) < k:
-            for c in self.chunks.values():
-                if c.parked is PARKED and not c.ref_cnt and c.num_children and (
-                        c.key not in protected):
-                    if c.gen != gen:
-                        rescale(c)
-                    cands.append((True, c.count * flag[c.flags], len(cands), c))
-        start = len(picked)
+                cands.append((c.count * flag[c.flags], -len(cands), c))
         for *_, c in heapq.nsmallest(k, cands):
             c.parked = None
             c.heap_ver = math.nan
             picked.append(c)
             self.fallbacks += 1
-        for c in picked[start:]:
-            if c.pred is not None:
-                self._unlink(c)
 
     def clear(self) -> None:
         for c in self.chunks.values():
