@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -61,6 +62,7 @@ from cluster_procs import (  # noqa: E402
     RedisCluster,
     Replica,
     _wait,
+    cpu_seconds,
     free_port,
     make_model,
     start_replica,
@@ -113,10 +115,19 @@ class Bench:
     def one_round(self, kind: str, k: int, convs: list[list[Turn]]) -> tuple[Round, list[Result]]:
         self.fresh_replicas()
         proc, base = self.router(kind)
+
+        def cpu() -> tuple[float, float]:
+            return cpu_seconds(proc), sum(cpu_seconds(r.proc) for r in self.replicas)
+
+        cpu0, first = cpu(), []
+        timer = threading.Timer(1.0, lambda: first.append(cpu()))
+        timer.start()
         try:
             results, wall = asyncio.run(run_load(base, convs, self.args.clients,
                                                  self.args.max_tokens, self.args.timeout))
+            cpu1 = cpu()
         finally:
+            timer.cancel()
             stop(proc)
         loads = replica_load(self.replicas)
         ok = [r for r in results if r.status == "ok"]
@@ -130,11 +141,16 @@ class Bench:
                    [{"conv": r.conv, "turn": r.turn, "start": round(r.start, 3),
                      "ttft": None if r.ttft is None else round(r.ttft, 4),
                      "prompt": r.prompt_tokens, "cached": r.cached_tokens,
-                     "replica": r.replica, "status": r.status} for r in results])
+                     "replica": r.replica, "status": r.status} for r in results],
+                   cpu1[0] - cpu0[0], cpu1[1] - cpu0[1],
+                   first[0][0] - cpu0[0] if first else None,
+                   first[0][1] - cpu0[1] if first else None)
         print(f"  {kind:8s} round {k}: hit {rd.hit_rate:.1%}  TTFT p50 "
               f"{1000 * (rd.ttft_p50_s or 0):.0f} ms p99 {1000 * (rd.ttft_p99_s or 0):.0f} ms  "
               f"{rd.requests_per_s:.2f} req/s  errors {rd.errors}  req max/mean "
-              f"{rd.imbalance_requests or 0:.2f}  prefill max/mean {rd.imbalance_prefill or 0:.2f}",
+              f"{rd.imbalance_requests or 0:.2f}  prefill max/mean {rd.imbalance_prefill or 0:.2f}"
+              f"  cpu s router {rd.router_cpu_s:.2f} replicas {rd.replica_cpu_s:.2f} (first s: "
+              f"{rd.router_cpu_first_s or 0:.2f} / {rd.replica_cpu_first_s or 0:.2f})",
               flush=True)
         return rd, results
 

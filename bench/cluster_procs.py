@@ -147,6 +147,18 @@ def wait_http(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float =
     raise RuntimeError(f"{url} did not become ready")
 
 
+def cpu_seconds(proc: subprocess.Popen[bytes] | None) -> float:
+    """User + system CPU seconds a live process has used so far, all its threads (Linux
+    /proc; 0 where it cannot be read)."""
+    if proc is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is not None and proc.poll() is None:
         proc.terminate()

@@ -22,6 +22,12 @@ class Round:
     imbalance_requests: float | None = None
     imbalance_prefill: float | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)  # per request, for analysis
+    # CPU seconds the router and the replicas (all three) used: over the round, and over
+    # its first second (the cold burst, where the TTFT tail is)
+    router_cpu_s: float | None = None
+    replica_cpu_s: float | None = None
+    router_cpu_first_s: float | None = None
+    replica_cpu_first_s: float | None = None
 
 
 def summarize(rounds: list[Round]) -> list[dict[str, Any]]:
@@ -36,7 +42,8 @@ def summarize(rounds: list[Round]) -> list[dict[str, Any]]:
             return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
         out.append({"router": kind, "rounds": len(rs), **{a: agg(a) for a in (
             "hit_rate", "ttft_p50_s", "ttft_p99_s", "requests_per_s", "imbalance_requests",
-            "imbalance_prefill")}, "errors": sum(r.errors for r in rs)})
+            "imbalance_prefill", "router_cpu_s", "replica_cpu_s", "router_cpu_first_s",
+            "replica_cpu_first_s")}, "errors": sum(r.errors for r in rs)})
     return out
 
 
