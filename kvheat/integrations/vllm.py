@@ -195,7 +195,7 @@ class KVHeatCachePolicy(CachePolicy):
         self._loading = False  # the last event was a load's start (early_hits)
         self._chunk_tokens = 0  # tokens per chunk: gcd of the positions seen
         self._evicted = 0
-        self.fallbacks = 0  # evictions of held or parked chunks: nothing else was left
+        self.fallbacks = 0  # evictions of held chunks: nothing else was left
         self._evict_age = 0.0  # the gate's mean eviction age (gated)
 
     # -- lookups ---------------------------------------------------------------------
