@@ -130,10 +130,8 @@ _HELD = object()  # a chunk's `parked` while the request that loaded it runs (`h
 def _loose(heat: KVHeat, evicted: int, evict_age: float) -> bool:
     """The hold's gate, the complement of `_tight` once the cache has evicted and measured
     a reuse gap: the mean age of its evictions is at least `penalty_fade` reuse gaps."""
-    if not evicted:
-        return False
-    gap = heat.gaps.estimate if heat.gaps is not None else None
-    return gap is not None and evict_age >= heat.penalty_fade * gap
+    return (bool(evicted) and heat.gaps is not None and heat.gaps.estimate is not None
+            and not _tight(heat, evicted, evict_age))
 
 
 class _Stores:
@@ -306,8 +304,8 @@ class KVHeatCachePolicy(CachePolicy):
         now = self._tick
         chunks, heat = self.chunks, self.heat
         finish = self.finish_inserts
-        if len(self._held) > self.cache_capacity + 64:  # drop those released since
-            self._held = {c: None for c in self._held if c.parked is _HELD and c.key is not None}
+        if len(self._held) > self.cache_capacity + 64:
+            self._prune_held()
         present = [c for key in ordered if (c := chunks.get(key)) is not None]
         if self._pend:
             # The others' pushes first (before any key changes, as when they were marked);
@@ -447,22 +445,22 @@ class KVHeatCachePolicy(CachePolicy):
     def _evict_rest(self, k: int, protected: set[OffloadKey], picked: list[_Chunk]) -> None:
         """Append the `k` coldest held, unprotected chunks (the heap is empty and the count
         said enough evictable chunks exist, so the rest are held for running requests)."""
-        heat = self.heat
-        gen, flag, rescale = heat.gen, heat._flag, heat._rescale
+        key = self.heat._key
         cands = []
-        held = self._held = {c: None for c in self._held
-                             if c.parked is _HELD and c.key is not None}
-        for c in held:
+        for c in self._prune_held():
             if not c.ref_cnt and c.key not in protected:
-                if c.gen != gen:
-                    rescale(c)
                 # equal heat: the later marked first (a load's tail after its head)
-                cands.append((c.count * flag[c.flags], -len(cands), c))
+                cands.append((key(c), -len(cands), c))
         for *_, c in heapq.nsmallest(k, cands):
             c.parked = None
             c.heap_ver = math.nan
             picked.append(c)
             self.fallbacks += 1
+
+    def _prune_held(self) -> dict[_Chunk, None]:
+        """Drop the chunks released (or evicted) since they were held."""
+        self._held = {c: None for c in self._held if c.parked is _HELD and c.key is not None}
+        return self._held
 
     def clear(self) -> None:
         for c in self.chunks.values():
