@@ -16,7 +16,9 @@ from heat_replay import prepared
 from kvheat.heat import KVHeat
 from kvheat.replay import replay
 
-OFF = dict(ghost=0, tail_penalty=0, regime=False, extension_penalty=0, adapt_extension=False)
+OFF = dict(ghost=0, tail_penalty=0, regime=False, extension_penalty=0, adapt_extension=False,
+           adapt_mult=False)
+FIXED = dict(adapt_mult=False)  # the multiple held at its start (the default before issue 16)
 GHOST = 8.0  # the default: keeps the last ~8x capacity evictions (5.3-10.7x)
 # Every time is in the policy's own units: block accesses, or half-lives (the half-life
 # itself is the workload's median reuse gap, measured online).
@@ -26,10 +28,12 @@ VARIANTS = {
     "+ history (ghost ~8x capacity)": dict(OFF, ghost=GHOST),
     "+ partial-tail demotion": dict(OFF, ghost=GHOST, tail_penalty=6.67),
     "+ entropy regime (one-off demotion)": dict(OFF, ghost=GHOST, tail_penalty=6.67, regime=True),
-    "+ fixed extension demotion (1.33 half-lives)": dict(extension_penalty=1.33, adapt_extension=False),
-    "+ learned extension demotion = kvheat default": dict(),
-    "default, half-life 0.5x the reuse gap": dict(reuse_mult=0.5),
-    "default, half-life 2x the reuse gap": dict(reuse_mult=2.0),
+    "+ fixed extension demotion (1.33 half-lives)": dict(FIXED, extension_penalty=1.33,
+                                                         adapt_extension=False),
+    "+ learned extension demotion": dict(FIXED),
+    "+ the multiple following returning victims = kvheat default": dict(),
+    "default, half-life 0.5x the reuse gap": dict(FIXED, reuse_mult=0.5),
+    "default, half-life 2x the reuse gap": dict(FIXED, reuse_mult=2.0),
     "default, admission penalty 0.8 (was the default)": dict(admit_penalty=0.8),
     "default, penalties that never fade": dict(penalty_fade=math.inf),
     "default + online tuning of the multiplier": dict(tune=True),

@@ -31,9 +31,18 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is missing
     sys.exit(f"needs vLLM (pip install -e '.[vllm]'): {e}")
 from kvheat.replay import generate_workload, load_trace, parse_tokens
+from kvheat.replay.traces import WorkloadConfig
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-POLICIES = ("lru", "arc", "kvheat", "belady")
+# Generator shapes no default was chosen on (`--traces gen-a,gen-b,gen-c,gen-d`): other
+# seeds, flatter or steeper prompt popularity, longer think times, more turns, tenants.
+HELD_OUT = {
+    "gen-a": WorkloadConfig(seed=7),
+    "gen-b": WorkloadConfig(seed=3, zipf_s=0.8, think_time_s=600.0, single_turn_frac=0.6),
+    "gen-c": WorkloadConfig(seed=5, mean_turns=8.0, arrival_rate=4.0),
+    "gen-d": WorkloadConfig(seed=9, num_system_prompts=40, zipf_s=1.4, think_time_s=60.0,
+                            tenants=4),
+}
 
 
 def main() -> None:
@@ -42,7 +51,11 @@ def main() -> None:
     ap.add_argument("--time-scale", default="0.1,1,10", help="timestamps multiplied by")
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--limit", type=int, default=None, help="first N requests of each trace")
-    ap.add_argument("--traces", default="conversation,synthetic,builtin")
+    ap.add_argument("--traces", default="conversation,synthetic,builtin",
+                    help="conversation, synthetic, builtin, or held-out generator shapes "
+                         + ",".join(HELD_OUT))
+    ap.add_argument("--policies", default="lru,arc,kvheat,belady",
+                    help="hit-rate runs: lru, arc, kvheat, belady, kvheat-fixed (multiple 1)")
     ap.add_argument("--json", default="results/vllm_offload.json")
     ap.add_argument("--overhead", type=int, default=0, metavar="ROUNDS",
                     help="only the per-call cost, interleaved, ROUNDS rounds")
@@ -52,12 +65,17 @@ def main() -> None:
     ct = a.chunk_tokens
     caps = [parse_tokens(c) for c in a.capacity.split(",")]
     scales = [float(s) for s in a.time_scale.split(",")]
+    policies = a.policies.split(",")
+    if not {"lru", "arc", "kvheat"} <= set(policies):
+        sys.exit("--policies needs lru, arc and kvheat (the comparison)")
     files = {"conversation": "mooncake_conversation_part1.jsonl",
              "synthetic": "mooncake_synthetic_trace.jsonl"}
     rows = []
     for name in a.traces.split(","):
         if name == "builtin":
             trace = generate_workload(block_tokens=ct)
+        elif name in HELD_OUT:
+            trace = generate_workload(HELD_OUT[name], block_tokens=ct)
         elif (TRACES / files[name]).exists():
             trace = load_trace(TRACES / files[name], ct)
         else:
@@ -69,16 +87,16 @@ def main() -> None:
             rows += overhead(name, trace, keys, caps, scales, ct, a.overhead, a.gc == "collect")
             continue
         print(f"\n{name}: {len(trace)} requests, {ct}-token chunks")
-        print(f"{'capacity':>9} {'scale':>6} " + " ".join(f"{p:>8}" for p in POLICIES)
+        print(f"{'capacity':>9} {'scale':>6} " + " ".join(f"{p:>12}" for p in policies)
               + "   kvheat-best  us/call lru/arc/kvheat")
         for cap in caps:
             for ts in scales:
                 res = {p: replay_offload(trace, p, cap // ct, ct, time_scale=ts, keys=keys)
-                       for p in POLICIES}
+                       for p in policies}
                 hr = {p: r.hit_rate for p, r in res.items()}
                 us = {p: r.manager_s / r.calls * 1e6 for p, r in res.items()}
                 best = max(hr["lru"], hr["arc"])
-                print(f"{cap / 1e6:>8g}M {ts:>6g} " + " ".join(f"{hr[p]:>8.2%}" for p in POLICIES)
+                print(f"{cap / 1e6:>8g}M {ts:>6g} " + " ".join(f"{hr[p]:>12.2%}" for p in policies)
                       + f"   {100 * (hr['kvheat'] - best):>+8.2f}pt  "
                       + "/".join(f"{us[p]:.0f}" for p in ("lru", "arc", "kvheat")), flush=True)
                 rows.append({"trace": name, "capacity_tokens": cap, "time_scale": ts,

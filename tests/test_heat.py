@@ -21,6 +21,7 @@ from kvheat.heat import (
     fused_score,
     shannon_bits,
 )
+from kvheat.heat.feedback import MULT_HI, MULT_LO
 from kvheat.heat.reuse import ReuseGapEstimator
 from kvheat.replay import PreparedTrace, replay
 from kvheat.replay.traces import WorkloadConfig, generate_workload
@@ -477,3 +478,50 @@ def test_kvheat_bulk_release_and_rebuild_keep_the_heap_order() -> None:
 
     assert run(True) == run(False)
     assert len(run(True)) == 48
+
+
+def test_kvheat_multiple_lengthens_when_hot_victims_return() -> None:
+    # A hot set twice the cache's size, crossed by one-off blocks: the hot blocks that come
+    # back after eviction are hotter than the median victim (a one-off), so the multiple
+    # grows towards frequency, within its bounds.
+    rng = random.Random(3)
+    pol = KVHeat()
+    mgr = KVCacheManager(CacheConfig(64, 4), pol, clock=lambda: 0.0)
+    one_off = 1_000_000
+    for i in range(6000):
+        if rng.random() < 0.5:
+            key = rng.randrange(128)
+        else:
+            key, one_off = one_off, one_off + 1
+        r = mgr.make_hashed_request(str(i), [key], 4)
+        mgr.allocate(r)
+        mgr.free(r)
+    mgr.check_invariants()
+    assert pol.ghost_hits > 0
+    assert 4.0 <= pol.reuse_mult <= 2.0 ** MULT_HI, pol.reuse_mult
+    assert KVHeat(adapt_mult=False).reuse_mult == 1.0
+
+
+def test_kvheat_multiple_steps_by_victim_heat_and_stays_in_bounds() -> None:
+    pol = KVHeat()
+    pol.bind(100)
+    pol._victim_heat = 3.0  # the median victim: 8 accesses' worth of heat
+    hot, cold = 64.0, 1.0
+    pol._ghost_feedback(hot, pol.gen, pol._acc)
+    assert pol._mult_log == pytest.approx((MULT_HI - MULT_LO) / 100)
+    for _ in range(1000):
+        pol._ghost_feedback(cold, pol.gen, pol._acc)
+    # Re-keyed once (the first time it moved a quarter octave), then not again within
+    # one cache turnover (capacity evictions), however far the multiple moves meanwhile.
+    assert pol._mult_log == MULT_LO and 2.0 ** -0.35 < pol.reuse_mult < 2.0 ** -0.25
+    pol.evictions += 100
+    pol._ghost_feedback(cold, pol.gen, pol._acc)
+    assert pol.reuse_mult == 2.0 ** MULT_LO
+    for _ in range(1000):
+        pol._ghost_feedback(hot, pol.gen, pol._acc)
+    assert pol._mult_log == MULT_HI and pol.reuse_mult == 2.0 ** MULT_LO
+    pol.evictions += 100
+    pol._ghost_feedback(hot, pol.gen, pol._acc)
+    assert pol.reuse_mult == 2.0 ** MULT_HI
+    # Penalties keep their length in reuse gaps: their half-life count scales by 1/mult.
+    assert pol.penalty_scale == pytest.approx(1.0 / pol.reuse_mult)

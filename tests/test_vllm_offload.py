@@ -118,6 +118,7 @@ def test_reset_cache_clears_chunks_and_ghosts() -> None:
     assert pol.ghost_size() > 0
     mgr.reset_cache()
     assert pol.chunks == {} and pol.ghost_size() == 0
+    assert pol.heat.evictions == 0 and pol.heat.reuse_mult == 1.0  # the multiple restarts
     assert mgr.lookup(_key(3), ReqContext("q")) is LookupResult.MISS
 
 

@@ -9,18 +9,31 @@ from __future__ import annotations
 import math
 
 from ..cache.block import Block
+from .counts import HeatRecord
 from .drift import DriftDetector
 from .entropy import LN2, EntropyTracker
 from .penalties import ONE_OFF, HeatPenalties
 from .regime import HIGH, LOW, Regime
 from .tuning import OnlineTuner
 
+# log2 bounds of the multiple under `adapt_mult`: a quarter to eight reuse gaps.
+MULT_LO, MULT_HI = -2.0, 3.0
+
 
 class HeatFeedback(HeatPenalties):
     def _init_feedback(self, reuse_mult: float, regime: bool, tune: bool, drift: bool,
                        entropy_half_life: float, entropy_sample: int, drift_window: int,
-                       drift_threshold: float) -> None:
+                       drift_threshold: float, adapt_mult: bool = False) -> None:
         self.reuse_mult = reuse_mult
+        self.base_reuse_mult = reuse_mult
+        # With `adapt_mult` the multiple follows the victims that come back (ghost hits,
+        # `_ghost_feedback`); its step is set at `bind`, when the capacity is known.
+        self.adapt_mult = adapt_mult
+        self._mult_log = math.log2(reuse_mult)
+        self._mult_step = 0.0  # set at bind: (MULT_HI − MULT_LO) / capacity
+        self._victim_heat = 0.0
+        self._victim_spread = 0.0
+        self._rekey_at = 0  # eviction count before which the multiple is not re-keyed
         self.entropy_sample = entropy_sample
         self._entropy_n = entropy_sample - 1  # the first access is recorded
         self.use_regime = regime
@@ -32,6 +45,52 @@ class HeatFeedback(HeatPenalties):
         self.detector = DriftDetector(drift_window, drift_threshold, drift_window // 4) if drift else None
         self._feedback = regime or drift  # entropy regime / drift watch depth-1 keys
         self._set_mode("mid")
+
+    def _evicted_heat(self, r: HeatRecord) -> None:
+        """Track the median log heat of the victims (at their last access), over about
+        the ghost history's length."""
+        m = r.count
+        if m <= 0:
+            return
+        base, lam = self.gens[r.gen]  # log2 of the heat at the last access, inlined
+        x = math.log2(m) - lam * (r.last - base) / LN2
+        if self.evictions <= 1:
+            self._victim_heat = x
+            return
+        # The median victim, by stochastic approximation: returns of a random sample of
+        # victims then step up and down equally often, whatever the spread's skew.
+        d = x - self._victim_heat
+        n = min(self.evictions, max(1, self.ghost_limit))
+        self._victim_spread += (abs(d) - self._victim_spread) / n
+        step = self._victim_spread / 32
+        self._victim_heat += step if d > 0 else -step
+
+    def _ghost_feedback(self, m: float, gen: int, v: float) -> None:
+        """A victim came back: one hotter than the median victim (both by heat at the last
+        access) asks for more frequency (a longer multiple), a colder one for more
+        recency. At a balanced multiple, returns come from both halves equally often."""
+        if m <= 0:
+            return
+        base, lam = self.gens[gen]
+        d = math.log2(m) - lam * (v - base) / LN2 - self._victim_heat
+        x = self._mult_log + (self._mult_step if d > 0 else -self._mult_step)
+        self._mult_log = x = min(MULT_HI, max(MULT_LO, x))
+        # Re-keying costs O(cached blocks): at most once per cache turnover (capacity
+        # evictions) keeps it O(1) per eviction however the multiple wanders.
+        if abs(x - math.log2(self.reuse_mult)) > 0.25 and self.evictions >= self._rekey_at:
+            self._rekey_at = self.evictions + self.capacity
+            self._set_mult(2.0 ** x)
+
+    def _set_mult(self, mult: float) -> None:
+        """A new multiple: the penalties, stated in half-lives at the starting multiple,
+        keep their length in reuse gaps, and the heap is re-keyed once."""
+        self.reuse_mult = mult
+        self.penalty_scale = self.base_reuse_mult / mult
+        self._factors()
+        hl = self.half_life
+        self._measured_half_life()
+        if self.half_life == hl:
+            self._rebuild()
 
     def _measured_half_life(self) -> None:
         """The reuse-gap estimate moved: follow it when the half-life it implies is more

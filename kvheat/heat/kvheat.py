@@ -16,7 +16,7 @@ from ..cache.block import Block
 from ..cache.policy import register_policy
 from .counts import HeatRecord
 from .entropy import LN2
-from .feedback import HeatFeedback
+from .feedback import MULT_HI, MULT_LO, HeatFeedback
 from .penalties import EXTENSION, FRESH, PINNED
 
 
@@ -41,7 +41,7 @@ class KVHeat(HeatFeedback):
                  drift_window: int = 2048, drift_threshold: float = 1.0,
                  extension_penalty: float = 2.67, adapt_extension: bool = True,
                  max_count: float = math.inf, entropy_sample: int = 1,
-                 penalty_fade: float = 2.0) -> None:
+                 penalty_fade: float = 2.0, adapt_mult: bool = True) -> None:
         super().__init__()
         if entropy_sample < 1:
             raise ValueError("entropy_sample must be >= 1")
@@ -53,7 +53,8 @@ class KVHeat(HeatFeedback):
         self._init_penalties(tail_penalty, admit_penalty, pin_bonus, extension_penalty,
                              adapt_extension, penalty_fade)
         self._init_feedback(reuse_mult, regime, tune, drift, entropy_half_life, entropy_sample,
-                            drift_window, drift_threshold)
+                            drift_window, drift_threshold,
+                            adapt_mult and half_life is None and not tune)
         self.ghost_hits = 0
 
     def on_insert(self, b: Block, now: float) -> None:
@@ -103,6 +104,9 @@ class KVHeat(HeatFeedback):
         else:
             self.ghost_hits += 1
             m, gen, v, st = g
+            if self.adapt_mult:
+                self._ghost_feedback(m, gen, v)
+                w = self._w
             if gen != self.gen:
                 m = self._convert(m, gen, v)
             r.count = m + w
@@ -202,7 +206,11 @@ class KVHeat(HeatFeedback):
 
     def on_evict(self, b: Block) -> None:
         r: HeatRecord = b.rec
-        self.evict_age += (self._acc - r.last - self.evict_age) * 0.004
+        # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
+        self.evictions += 1
+        self.evict_age += (self._acc - r.last - self.evict_age) / min(self.evictions, 250)
+        if self.adapt_mult:
+            self._evicted_heat(r)
         ghost = self.ghost
         ghost[b.key] = (r.count, r.gen, r.last, r.flags)  # type: ignore[index]  # set: cached
         if len(ghost) >= self.ghost_limit:
@@ -218,12 +226,13 @@ class KVHeat(HeatFeedback):
             self.half_life = float(max(capacity_blocks, 1))
             self.lam = LN2 / self.half_life
             self.gens[self.gen] = (self.base, self.lam)
+        self._mult_step = (MULT_HI - MULT_LO) / max(capacity_blocks, 1)
 
     def stats(self) -> dict[str, float]:
         out = {"half_life_accesses": self.half_life, "ghost_hits": self.ghost_hits,
                "admit_penalty": self.admit_penalty, "evict_age": self.evict_age,
                "extension_penalty": self.extension_penalty,
-               "retunes": self.retunes}
+               "retunes": self.retunes, "reuse_mult": self.reuse_mult}
         if self.gaps.estimate is not None:
             out["reuse_gap_accesses"] = self.gaps.estimate
         if self.tracker is not None:

@@ -36,6 +36,7 @@ class HeatPenalties(HeatCounts):
         self.admit_penalty = admit_penalty
         self.penalty_fade = penalty_fade
         self.evict_age = 0.0  # mean age at eviction since last access, accesses (EWMA)
+        self.evictions = 0
         self.pin_bonus = pin_bonus
         # Updated every 64 first-seen inserts, smoothing 0.95 (docs/heat.md, "Online
         # tuning and drift").
@@ -46,11 +47,13 @@ class HeatPenalties(HeatCounts):
         self._first_seen = 0  # first-seen full blocks since the last update
         self._ext_seen = 0  # of which extensions
         self._extensions = extension_penalty > 0
+        self.penalty_scale = 1.0  # (adapt_mult) the starting multiple over the current one
         self._factors()
 
     def _factors(self) -> None:
         """Key multipliers, precomputed: per flag combination and for a partial tail."""
-        self._tail = 2.0 ** -self.tail_penalty
+        scale = self.penalty_scale
+        self._tail = 2.0 ** (-self.tail_penalty * scale)
         f = []
         for st in range(16):
             s = 0.0
@@ -60,7 +63,7 @@ class HeatPenalties(HeatCounts):
                 s -= self.admit_penalty
             if st & EXTENSION:
                 s -= self.extension_penalty
-            f.append(2.0 ** s)
+            f.append(2.0 ** (s * scale))
         self._flag = f
 
     def _key(self, b: Block) -> float:
@@ -82,7 +85,9 @@ class HeatPenalties(HeatCounts):
             r[i] *= 0.95
         fade = 1.0
         gap = self.gaps.estimate
-        if gap and self.penalty_fade < math.inf:
+        if not self.evictions:
+            fade = 0.0  # nothing evicted yet: every reuse so far was held
+        elif gap and self.penalty_fade < math.inf:
             fade = max(0.0, 1.0 - self.evict_age / (gap * self.penalty_fade))
         self.admit_penalty = self.max_admit_penalty * fade
         if self.adapt_extension:

@@ -26,6 +26,7 @@ import heapq
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -33,12 +34,22 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
 from ..cache.hashing import chain_key, root_key
 from ..replay.traces import TraceRequest
+from .vllm import KVHeatCachePolicy
 
 KVHEAT = ("KVHeatCachePolicy", "kvheat.integrations.vllm")
 BELADY = ("BeladyCachePolicy", "kvheat.integrations.vllm_replay")
 POLICIES: dict[str, tuple[str, str | None]] = {
     "lru": ("lru", None), "arc": ("arc", None), "kvheat": KVHEAT, "belady": BELADY,
+    "kvheat-fixed": ("KVHeatFixedMultiple", "kvheat.integrations.vllm_replay"),
 }
+
+
+class KVHeatFixedMultiple(KVHeatCachePolicy):
+    """kvheat's policy with the half-life's multiple held at 1 (`adapt_mult=False`, the
+    default before it followed returning victims): the comparison arm of the benchmark."""
+
+    def __init__(self, cache_capacity: int, **kwargs: Any) -> None:
+        super().__init__(cache_capacity, adapt_mult=False, **kwargs)
 
 
 class BeladyCachePolicy(CachePolicy):
