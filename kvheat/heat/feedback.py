@@ -30,6 +30,7 @@ class HeatFeedback(HeatPenalties):
         # `_ghost_feedback`); its step is set at `bind`, when the capacity is known.
         self.adapt_mult = adapt_mult
         self._mult_log = math.log2(reuse_mult)
+        self._keyed_log = self._mult_log  # log2 of the multiple the heap is keyed with
         self._mult_step = 0.0  # set at bind: (MULT_HI − MULT_LO) / capacity
         self._victim_heat = 0.0
         self._victim_spread = 0.0
@@ -77,7 +78,7 @@ class HeatFeedback(HeatPenalties):
         self._mult_log = x = min(MULT_HI, max(MULT_LO, x))
         # Re-keying costs O(cached blocks): at most once per cache turnover (capacity
         # evictions) keeps it O(1) per eviction however the multiple wanders.
-        if abs(x - math.log2(self.reuse_mult)) > 0.25 and self.evictions >= self._rekey_at:
+        if abs(x - self._keyed_log) > 0.25 and self.evictions >= self._rekey_at:
             self._rekey_at = self.evictions + self.capacity
             self._set_mult(2.0 ** x)
 
@@ -85,6 +86,7 @@ class HeatFeedback(HeatPenalties):
         """A new multiple: the penalties, stated in half-lives at the starting multiple,
         keep their length in reuse gaps, and the heap is re-keyed once."""
         self.reuse_mult = mult
+        self._keyed_log = math.log2(mult)
         self.penalty_scale = self.base_reuse_mult / mult
         self._factors()
         hl = self.half_life
