@@ -90,7 +90,7 @@ class HeatCounts(HeapPolicy):
         self.base = base
         self.gen += 1
         self.gens.append((base, self.lam))
-        self._rebuild()  # live heap keys convert now (via _key), other blocks on next touch
+        self._rekey()  # live heap keys convert at the next victim, other blocks on next touch
 
     def _convert(self, m: float, gen: int, v: float) -> float:
         """A sum relative to generation `gen`, last access `v`, in the current one: the

@@ -92,7 +92,7 @@ class HeatFeedback(HeatPenalties):
         hl = self.half_life
         self._measured_half_life()
         if self.half_life == hl:
-            self._rebuild()
+            self._rekey()
 
     def _measured_half_life(self) -> None:
         """The reuse-gap estimate moved: follow it when the half-life it implies is more

@@ -32,6 +32,9 @@ class HeapPolicy(EvictionPolicy):
         self._last_key = math.nan
         self._last_slot = math.nan
         self._cur: list[Block] = []  # the bucket `victim` is draining (left of heap)
+        # Keys changed (new generation or half-life) but the heap is not re-keyed yet: it
+        # is, once, when a victim is next taken (`_rekey`), however many changes came first.
+        self._stale = False
         self._cur_i = 0
         self._cur_u = math.nan
         self._entries = 0  # pushes since the last compaction, plus what it kept
@@ -94,6 +97,7 @@ class HeapPolicy(EvictionPolicy):
         return live
 
     def _rebuild(self) -> None:
+        self._stale = False
         live = self._live()
         self.heap = []
         self.owner = {}
@@ -102,9 +106,16 @@ class HeapPolicy(EvictionPolicy):
         for b in live:
             self._push(b)
 
+    def _rekey(self) -> None:
+        """Every key changed: re-key the heap before the next victim, not now."""
+        self._stale = True
+
     def _compact(self) -> None:
         """Drop superseded entries (keys unchanged, so one heapify): keeps the heap, and
         the log n of every push, near the number of evictable blocks."""
+        if self._stale:  # a rebuild compacts too
+            self._rebuild()
+            return
         self._park_bucket()
         owner: dict[float, list[Block]] = {}
         kept = 0
@@ -140,6 +151,8 @@ class HeapPolicy(EvictionPolicy):
             self._push(b)
 
     def victim(self) -> Block | None:
+        if self._stale:
+            self._rebuild()
         heap = self.heap
         while True:
             cur, i = self._cur, self._cur_i

@@ -100,6 +100,7 @@ class HeatPenalties(HeatCounts):
         """`HeapPolicy._rebuild` with the key, the rescale and the push inlined and one
         heapify at the end (the same buckets and slots, so the same order): this runs over
         every cached block at each new generation or half-life."""
+        self._stale = False
         live = self._live()
         gen, gens, lam, base = self.gen, self.gens, self.lam, self.base
         flag, bs, tail = self._flag, self.block_size, self._tail
