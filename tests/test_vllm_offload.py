@@ -316,7 +316,7 @@ def test_gate_tracks_the_mean_eviction_age() -> None:
     def watched(n, protected):
         acc = pol.heat._acc
         out = evict(n, protected)
-        ages.extend(acc - c.rec.last for _, c in out or ())
+        ages.extend(acc - c.last for _, c in out or ())  # the record is on the chunk
         return out
     pol.evict = watched
     r = replay_offload(trace, "kvheat", 300, keys=request_keys(trace, 512), manager=mgr,

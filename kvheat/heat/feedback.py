@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 from ..cache.block import Block
-from .counts import HeatRecord
 from .drift import DriftDetector
 from .entropy import LN2, EntropyTracker
 from .penalties import ONE_OFF, HeatPenalties
@@ -47,25 +46,6 @@ class HeatFeedback(HeatPenalties):
         self._feedback = regime or drift  # entropy regime / drift watch depth-1 keys
         self._set_mode("mid")
 
-    def _evicted_heat(self, r: HeatRecord) -> None:
-        """Track the median log heat of the victims (at their last access), over about
-        the ghost history's length."""
-        m = r.count
-        if m <= 0:
-            return
-        base, lam = self.gens[r.gen]  # log2 of the heat at the last access, inlined
-        x = math.log2(m) - lam * (r.last - base) / LN2
-        if self.evictions <= 1:
-            self._victim_heat = x
-            return
-        # The median victim, by stochastic approximation: returns of a random sample of
-        # victims then step up and down equally often, whatever the spread's skew.
-        d = x - self._victim_heat
-        n = min(self.evictions, max(1, self.ghost_limit))
-        self._victim_spread += (abs(d) - self._victim_spread) / n
-        step = self._victim_spread / 32
-        self._victim_heat += step if d > 0 else -step
-
     def _ghost_feedback(self, m: float, gen: int, v: float) -> None:
         """A victim came back: one hotter than the median victim (both by heat at the last
         access) asks for more frequency (a longer multiple), a colder one for more
@@ -75,7 +55,7 @@ class HeatFeedback(HeatPenalties):
         base, lam = self.gens[gen]
         d = math.log2(m) - lam * (v - base) / LN2 - self._victim_heat
         x = self._mult_log + (self._mult_step if d > 0 else -self._mult_step)
-        self._mult_log = x = min(MULT_HI, max(MULT_LO, x))
+        self._mult_log = x = MULT_HI if x > MULT_HI else MULT_LO if x < MULT_LO else x
         # Re-keying costs O(cached blocks): at most once per cache turnover (capacity
         # evictions) keeps it O(1) per eviction however the multiple wanders.
         if abs(x - self._keyed_log) > 0.25 and self.evictions >= self._rekey_at:

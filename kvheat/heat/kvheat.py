@@ -205,17 +205,42 @@ class KVHeat(HeatFeedback):
         self._last_key, self._last_slot, self._entries = last_k, last_u, entries
 
     def on_evict(self, b: Block) -> None:
-        r: HeatRecord = b.rec
-        # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
-        self.evictions += 1
-        self.evict_age += (self._acc - r.last - self.evict_age) / min(self.evictions, 250)
-        if self.adapt_mult:
-            self._evicted_heat(r)
-        ghost = self.ghost
-        ghost[b.key] = (r.count, r.gen, r.last, r.flags)  # type: ignore[index]  # set: cached
-        if len(ghost) >= self.ghost_limit:
-            self.ghost_old = ghost if self.ghost_limit else {}
-            self.ghost = {}
+        self.on_evict_all((b,))
+
+    def on_evict_all(self, blocks: Iterable[Block]) -> None:
+        """`on_evict` of each block in order, in one call: the eviction age, the median
+        victim (`_evicted_heat`, inlined) and the ghost history, lookups hoisted."""
+        acc, n_ev, age = self._acc, self.evictions, self.evict_age
+        adapt = self.adapt_mult
+        gens, log2, spread, med = self.gens, math.log2, self._victim_spread, self._victim_heat
+        horizon = max(1, self.ghost_limit)
+        ghost, limit = self.ghost, self.ghost_limit
+        for b in blocks:
+            r: HeatRecord = b.rec
+            # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
+            n_ev += 1
+            last = r.last
+            age += (acc - last - age) / (n_ev if n_ev < 250 else 250)
+            m = r.count
+            if adapt and m > 0:
+                # The median victim's log2 heat at its last access, by stochastic
+                # approximation over about the ghost history's length: returns of a
+                # random sample of victims then step up and down equally often,
+                # whatever the spread's skew.
+                base, lam = gens[r.gen]
+                x = log2(m) - lam * (last - base) / LN2
+                if n_ev <= 1:
+                    med = x
+                else:
+                    d = x - med
+                    spread += ((d if d > 0 else -d) - spread) / (n_ev if n_ev < horizon else horizon)
+                    med += spread / 32 if d > 0 else -spread / 32
+            ghost[b.key] = (m, r.gen, last, r.flags)  # type: ignore[index]  # set: cached
+            if len(ghost) >= limit:
+                self.ghost_old = ghost if limit else {}
+                self.ghost = ghost = {}
+        self.evictions, self.evict_age = n_ev, age
+        self._victim_spread, self._victim_heat = spread, med
 
     def bind(self, capacity_blocks: int) -> None:
         super().bind(capacity_blocks)

@@ -74,8 +74,9 @@ class _Chunk(Block):
     and scan. kvheat's heap reads the same `ref_cnt` (non-zero: skip, as vLLM's rule)."""
 
     # count, last, gen, flags: KVHeat's per-block record, kept on the chunk itself
-    # (`rec` is the chunk): no second object per stored chunk for the collector, and no
-    # reference cycle (a property, not a slot pointing back).
+    # (`rec` is the chunk): no second object per stored chunk for the collector. The
+    # cycle `rec` makes lasts while the chunk is cached (it is alive then anyway): evict,
+    # remove and clear break it, so a chunk that leaves is freed by its refcount.
     __slots__ = ("chunk_id", "w_ins", "w_load", "seen", "pos", "stored", "count", "last", "gen",
                  "flags")
 
@@ -95,10 +96,7 @@ class _Chunk(Block):
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
         self.seen = -1.0  # the tick of the last request end that listed it
         self.stored = False  # its store completed: a later mark_evictable ends a load
-
-    @property
-    def rec(self) -> _Chunk:  # type: ignore[override]
-        return self
+        self.rec = self  # a slot, not a property: KVHeat reads it at every access
 
     @property
     def is_ready(self) -> bool:
@@ -266,7 +264,7 @@ class KVHeatCachePolicy(CachePolicy):
         if not c.ref_cnt:
             self._free -= 1
         self.heat.forget(c)
-        c.key = None  # any heap entry left behind is stale
+        c.key = c.rec = None  # any heap entry left behind is stale; the cycle broken
 
     # -- accesses --------------------------------------------------------------------
     def _access(self, keys: Sequence[OffloadKey], hits: Iterable[OffloadKey]) -> None:
@@ -378,7 +376,10 @@ class KVHeatCachePolicy(CachePolicy):
     def mark_non_evictable(self, key: OffloadKey) -> None:
         # Its heap entry stays and is parked when met (ref_cnt > 0 by then: kvheat's rule).
         self._free -= 1
-        if self.early_hits and (not self.gated or _tight(self.heat, self._evicted, self._evict_age)):
+        # `_tight`, inlined (this runs at every load's start)
+        if self.early_hits and (not self.gated or (
+                self._evicted and (est := self.heat.gaps.estimate) is not None
+                and self._evict_age < self.heat.penalty_fade * est)):
             c = self.chunks[key]
             if c.w_load:
                 return
@@ -408,36 +409,41 @@ class KVHeatCachePolicy(CachePolicy):
         if self._pend:
             self._flush()
         heat = self.heat
+        victim = heat.victim
         picked: list[_Chunk] = []
         skipped: list[_Chunk] = []
-        while len(picked) < n:
-            c = heat.victim()
+        k = n
+        while k:
+            c = victim()
             if c is None:
                 if self.hold:  # the rest are held for their running requests
-                    self._evict_rest(n - len(picked), protected, picked)
+                    self._evict_rest(k, protected, picked)
                     break
                 # cannot happen while every evictable chunk is in the heap
                 for b in picked + skipped:
                     heat.on_release(b, self._tick)
                 return None
-            if c.key in protected or c.ref_cnt != 0:
+            # (the heap skips chunks with ref_cnt > 0 itself)
+            if c.key in protected:
                 skipped.append(c)
             else:
                 picked.append(c)
-        for c in skipped:  # back in the heap with their unchanged key
-            if c.ref_cnt == 0:
-                heat.on_release(c, self._tick)
-        out: list[tuple[OffloadKey, ChunkStatus]] = []
+                k -= 1
+        if skipped:  # back in the heap with their unchanged key
+            heat.release_all([c for c in skipped if not c.ref_cnt])
         if self.gated or self.hold:
             acc, cap = heat._acc, max(self.cache_capacity, 1)
+            ev, age = self._evicted, self._evict_age
             for c in picked:
-                self._evicted += 1
-                self._evict_age += (acc - c.rec.last - self._evict_age) / min(self._evicted, cap)
+                ev += 1
+                age += (acc - c.last - age) / (ev if ev < cap else cap)
+            self._evicted, self._evict_age = ev, age
+        heat.on_evict_all(picked)  # the ghost keeps its heat
+        out: list[tuple[OffloadKey, ChunkStatus]] = []
         for c in picked:
-            heat.on_evict(c)  # the ghost keeps its heat
             key = c.key
             del chunks[key]  # type: ignore[arg-type]
-            c.key = None
+            c.key = c.rec = None  # any heap entry left behind is stale; the cycle broken
             out.append((key, c))  # type: ignore[arg-type]
         self._free -= n
         return out
@@ -464,7 +470,7 @@ class KVHeatCachePolicy(CachePolicy):
 
     def clear(self) -> None:
         for c in self.chunks.values():
-            c.key = None
+            c.key = c.rec = None
         self.chunks.clear()
         self._free = 0
         self._pend.clear()
