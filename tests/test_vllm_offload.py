@@ -545,3 +545,21 @@ class PolicyContractHeld(PolicyContract):
 
 PolicyContractHeld.TestCase.settings = PolicyContract.TestCase.settings
 TestPolicyContractHeld = PolicyContractHeld.TestCase
+
+
+def test_chunks_that_leave_drop_their_self_reference() -> None:
+    """`_Chunk.rec` points at the chunk while it is cached; evict, remove and clear break
+    that cycle, so a chunk that leaves is freed by its refcount, not the collector."""
+    mgr = _manager(4)
+    pol = mgr._policy
+    a, b = [_key(i) for i in range(4)], [_key(10 + i) for i in range(4)]
+    _chain_request(mgr, a, "a")
+    kept = [pol.get(k) for k in a]
+    assert all(c is not None and c.rec is c for c in kept)
+    _chain_request(mgr, b, "b")  # evicts the first chain to make room
+    evicted = [c for c in kept if c.key is None]  # the manager evicted them
+    assert evicted and all(c.rec is None for c in evicted)
+    live = [pol.get(k) for k in b]
+    assert all(c is not None and c.rec is c for c in live)
+    pol.clear()
+    assert all(c.rec is None for c in live)

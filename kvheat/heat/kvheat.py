@@ -209,7 +209,7 @@ class KVHeat(HeatFeedback):
 
     def on_evict_all(self, blocks: Iterable[Block]) -> None:
         """`on_evict` of each block in order, in one call: the eviction age, the median
-        victim (`_evicted_heat`, inlined) and the ghost history, lookups hoisted."""
+        victim's heat (for `_ghost_feedback`) and the ghost history, lookups hoisted."""
         acc, n_ev, age = self._acc, self.evictions, self.evict_age
         adapt = self.adapt_mult
         gens, log2, spread, med = self.gens, math.log2, self._victim_spread, self._victim_heat
