@@ -42,6 +42,13 @@ HELD_OUT = {
     "gen-c": WorkloadConfig(seed=5, mean_turns=8.0, arrival_rate=4.0),
     "gen-d": WorkloadConfig(seed=9, num_system_prompts=40, zipf_s=1.4, think_time_s=60.0,
                             tenants=4),
+    # High-entropy shapes (thousands of prompts, flat popularity), added with the admission
+    # penalty that no longer fades: the four above never reach kvheat's high regime.
+    "gen-e": WorkloadConfig(seed=11, num_system_prompts=3000, zipf_s=0.6, single_turn_frac=0.6),
+    "gen-f": WorkloadConfig(seed=13, num_system_prompts=800, zipf_s=1.0, mean_turns=3.0,
+                            think_time_s=120.0, tenants=2),
+    "gen-g": WorkloadConfig(seed=17, num_system_prompts=5000, zipf_s=0.9, mean_turns=6.0,
+                            think_time_s=400.0, arrival_rate=3.0),
 }
 
 

@@ -9,9 +9,11 @@ A penalty of p half-lives is a constant factor 2^-p on the count, whatever the h
   scaled by how much less often such suffixes are reused than fresh prompts, measured on
   hits and ghost hits of first-seen blocks); both flags clear at the block's first reuse;
 - a root is PINNED while the regime is low (`pin_bonus`, a bonus).
-Both learned penalties fade as the cache's eviction age reaches `penalty_fade` reuse gaps:
-a cache that holds most reuses anyway loses by being choosy. docs/heat.md has the
-measurements behind each default.
+The extension penalty fades as the cache's eviction age reaches `penalty_fade` reuse gaps
+(a cache that holds most suffix reuses anyway loses by demoting them); the admission
+penalty does not: a long-lived cache still has to choose between one-offs and the rest,
+which is where ARC's scan resistance beat it. Neither applies before the first eviction.
+docs/heat.md has the measurements behind each default.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class HeatPenalties(HeatCounts):
 
     def _update_penalties(self) -> None:
         """Every 64 first-seen inserts: the extension penalty ∝ how much rarer extension
-        reuse is; both penalties fade with the cache's eviction age."""
+        reuse is, fading with the cache's eviction age; the admission penalty in full
+        once the cache has evicted."""
         r = self.reuse
         r[1] += self._ext_seen
         r[3] += self._first_seen - self._ext_seen
@@ -89,7 +92,7 @@ class HeatPenalties(HeatCounts):
             fade = 0.0  # nothing evicted yet: every reuse so far was held
         elif gap and self.penalty_fade < math.inf:
             fade = max(0.0, 1.0 - self.evict_age / (gap * self.penalty_fade))
-        self.admit_penalty = self.max_admit_penalty * fade
+        self.admit_penalty = self.max_admit_penalty if self.evictions else 0.0
         if self.adapt_extension:
             self.extension_penalty = self.max_extension_penalty * min(1.0, max(0.0, 1.0 - ratio)) * fade
         else:
