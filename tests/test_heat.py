@@ -281,6 +281,23 @@ def test_kvheat_learns_extension_penalty_from_reuse() -> None:
     assert pol2.extension_penalty < 0.25 * pol2.max_extension_penalty
 
 
+def test_kvheat_admission_penalty_stays_on_in_a_long_lived_cache() -> None:
+    # The extension penalty fades as the eviction age reaches penalty_fade reuse gaps; the
+    # admission penalty stays in full once the cache has evicted (none before).
+    pol = KVHeat(adapt_extension=False)
+    pol.bind(100)
+    pol.gaps.estimate = 10.0
+    pol._update_penalties()
+    assert pol.admit_penalty == 0.0 and pol.extension_penalty == 0.0  # nothing evicted yet
+    pol.evictions = 50
+    for age, ext in ((0.0, pol.max_extension_penalty), (10.0, pol.max_extension_penalty / 2),
+                     (1e6, 0.0)):
+        pol.evict_age = age
+        pol._update_penalties()
+        assert pol.admit_penalty == pol.max_admit_penalty
+        assert abs(pol.extension_penalty - ext) < 1e-9
+
+
 def test_drift_detector_time_windows_need_min_count() -> None:
     rng = random.Random(4)
     d = DriftDetector(threshold=1.0, min_count=200, window_s=10.0)
