@@ -542,3 +542,95 @@ def test_kvheat_multiple_steps_by_victim_heat_and_stays_in_bounds() -> None:
     assert pol.reuse_mult == 2.0 ** MULT_HI
     # Penalties keep their length in reuse gaps: their half-life count scales by 1/mult.
     assert pol.penalty_scale == pytest.approx(1.0 / pol.reuse_mult)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["hit", "hit", "hit", "evict", "pin"]),
+                          st.integers(0, 59), st.integers(1, 4)), min_size=20, max_size=160))
+def test_kvheat_lazy_take_evicts_what_a_push_per_access_would(ops) -> None:
+    """`take_lazy` with no push on a hit takes the same victims, in the same order, as
+    `victim` with a push at every access (each access at its own time: no equal keys);
+    protected blocks are set aside and come back when pushed."""
+    from kvheat.cache.block import Block
+
+    pols, blocks = [], []
+    for _ in range(2):
+        pol = KVHeat()
+        pol.bind(64)
+        bs = []
+        for i in range(60):
+            b = Block(i)
+            b.key, b.depth, b.num_tokens = i.to_bytes(2, "big") * 8, 2, 1
+            pol.on_insert(b, float(i))
+            pol.on_release(b, float(i))
+            bs.append(b)
+        pols.append(pol)
+        blocks.append(bs)
+    eager, lazy = pols
+    t = 60.0
+    taken: list[list[int]] = [[], []]
+    for op, i, n in ops:
+        t += 1.0
+        be, bl = blocks[0][i], blocks[1][i]
+        if op == "hit" and be.key is not None:
+            eager.on_hit(be, t)
+            eager.on_release(be, t)  # eager: re-pushed at its new key
+            lazy.on_hit(bl, t)  # lazy: its entry stays, now below its key
+        elif op in ("evict", "pin"):
+            guard = {blocks[1][i].key} if op == "pin" else set()
+            got_e = []
+            while len(got_e) < n and (b := eager.victim()) is not None:
+                got_e.append(b)
+            set_aside = [b for b in got_e if b.key in {blocks[0][i].key} and op == "pin"]
+            got_e = [b for b in got_e if b not in set_aside]
+            while set_aside and len(got_e) < n and (b := eager.victim()) is not None:
+                got_e.append(b)
+            got_l, skipped = lazy.take_lazy(n, guard)
+            assert [b.block_id for b in got_l] == [b.block_id for b in got_e]
+            for pol, got, rest in ((eager, got_e, set_aside), (lazy, got_l, skipped)):
+                pol.on_evict_all(got)
+                for b in got:
+                    b.key = None
+                pol.release_all(rest)
+            taken[0] += [b.block_id for b in got_e]
+            taken[1] += [b.block_id for b in got_l]
+    assert taken[0] == taken[1]
+    # what is left comes out in the same order too
+    rest_e = []
+    while (b := eager.victim()) is not None:
+        rest_e.append(b.block_id)
+        b.key = None
+    rest_l, _ = lazy.take_lazy(100, set())
+    assert [b.block_id for b in rest_l] == rest_e
+
+
+def test_kvheat_bulk_hits_count_as_one_at_a_time() -> None:
+    """`on_hit_all` is `on_hit` of each block in order: the same counts, flags, clock,
+    learned half-life and entropy, through half-life changes and depth-1 feedback."""
+    from kvheat.cache.block import Block
+
+    rng = random.Random(3)
+    twins = []
+    for _ in range(2):
+        pol = KVHeat()
+        pol.bind(256)
+        bs = []
+        for i in range(300):
+            b = Block(i)
+            b.key = i.to_bytes(4, "big") * 4
+            b.depth, b.num_tokens = i % 4, 1
+            pol.on_insert(b, float(i // 10))
+            bs.append(b)
+        twins.append((pol, bs))
+    picks = [[rng.randrange(300) for _ in range(rng.randrange(1, 12))] for _ in range(400)]
+    for t, pick in enumerate(picks, start=100):
+        (one, b1), (bulk, b2) = twins
+        for i in pick:
+            one.on_hit(b1[i], float(t))
+        bulk.on_hit_all([b2[i] for i in pick], float(t))
+    (one, b1), (bulk, b2) = twins
+    assert one.retunes == bulk.retunes > 0  # the half-life moved along the way
+    assert [(r.rec.count, r.rec.flags, r.rec.gen, r.rec.last) for r in b1] == \
+        [(r.rec.count, r.rec.flags, r.rec.gen, r.rec.last) for r in b2]
+    assert (one._acc, one.half_life, one.tracker.bits()) == \
+        (bulk._acc, bulk.half_life, bulk.tracker.bits())

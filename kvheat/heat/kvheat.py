@@ -142,6 +142,35 @@ class KVHeat(HeatFeedback):
         if (b.depth == 1 and self._feedback) or self.tuner is not None:
             self._observe(b, now, True)
 
+    def on_hit_all(self, blocks: Iterable[Block], now: float) -> None:
+        """`on_hit` of each block in order, at one timestamp, in one call (a request's
+        reused blocks): the same counts, flags and feedback, lookups hoisted."""
+        if now != self._t:
+            self._advance(now)
+        gaps, below = self.gaps, self._sample_below
+        observe = self._observe if self._feedback or self.tuner is not None else None
+        tuned = self.tuner is not None
+        reuse = self.reuse
+        for b in blocks:
+            self._acc += 1
+            key: bytes = b.key  # type: ignore[assignment]  # set: the block is cached
+            if key[0] < below and gaps.observe(key, self._v):
+                self._measured_half_life()  # may start a generation: read them per block
+            r: HeatRecord = b.rec
+            if r.gen != self.gen:
+                self._rescale(r)
+            m = r.count + self._w
+            cap = self._cap
+            r.count = m if m < cap else cap
+            r.last = self._v
+            st = r.flags
+            if st > PINNED:
+                if st & (EXTENSION | FRESH):
+                    reuse[0 if st & EXTENSION else 2] += 1.0
+                r.flags = st & PINNED  # seen again: no longer a one-off
+            if observe is not None and (b.depth == 1 or tuned):
+                observe(b, now, True)
+
     def on_release(self, b: Block, now: float) -> None:
         # _push with the key computed inline: this runs once per block access.
         b.parked = None

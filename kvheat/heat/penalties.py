@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Container
 
 from ..cache.block import Block
+from ..cache.policy import PARKED
 from .counts import HeatCounts, HeatRecord
 
 # HeatRecord.flags bits; all but PINNED clear at the block's first reuse.
@@ -100,41 +102,129 @@ class HeatPenalties(HeatCounts):
         self._factors()
 
     def _rebuild(self) -> None:
-        """`HeapPolicy._rebuild` with the key, the rescale and the push inlined and one
-        heapify at the end (the same buckets and slots, so the same order): this runs over
-        every cached block at each new generation or half-life."""
+        """`HeapPolicy._rebuild` in one pass over the old buckets, with the key, the
+        rescale and the push inlined and one heapify at the end (the same buckets and slots
+        as re-pushing `_live()`, so the same order): this runs over every cached block at
+        each new generation or half-life."""
         self._stale = False
-        live = self._live()
+        self._park_bucket()
         gen, gens, lam, base = self.gen, self.gens, self.lam, self.base
         flag, bs, tail = self._flag, self.block_size, self._tail
         exp, nextafter, inf = math.exp, math.nextafter, math.inf
         owner: dict[float, list[Block]] = {}
         last_k = last_u = math.nan
         bucket: list[Block] = []
-        for b in live:
-            r: HeatRecord = b.rec
-            if r.gen != gen:
-                g_base, g_lam = gens[r.gen]
-                v = r.last
-                r.count = r.count * exp(g_lam * (g_base - v) + lam * (v - base))
-                r.gen = gen
-            k = r.count * flag[r.flags]
-            if b.num_tokens < bs:
-                k *= tail
-            if k == last_k:
-                bucket.append(b)
-                b.heap_ver = last_u
-                continue
-            u = k
-            while u in owner:
-                u = nextafter(u, inf)
-            last_k = k
-            last_u = u
-            bucket = owner[u] = [b]
-            b.heap_ver = u
+        n = 0
+        for u0, old in self.owner.items():
+            for b in old:
+                # live: its newest entry (and the first of duplicates, as `_live`)
+                if u0 != b.heap_ver or b.key is None:
+                    continue
+                b.heap_ver = inf  # taken: another entry of it reads as stale
+                n += 1
+                r: HeatRecord = b.rec
+                if r.gen != gen:
+                    g_base, g_lam = gens[r.gen]
+                    v = r.last
+                    r.count = r.count * exp(g_lam * (g_base - v) + lam * (v - base))
+                    r.gen = gen
+                k = r.count * flag[r.flags]
+                if b.num_tokens < bs:
+                    k *= tail
+                if k == last_k:
+                    bucket.append(b)
+                    continue
+                u = k
+                while u in owner:
+                    u = nextafter(u, inf)
+                last_k = k
+                last_u = u
+                bucket = owner[u] = [b]
+        for u, bucket in owner.items():
+            for b in bucket:
+                b.heap_ver = u
         self.owner = owner
         self.heap = heap = list(owner)
         heapq.heapify(heap)
         self._last_key = last_k
         self._last_slot = last_u
-        self._entries = len(live)
+        self._entries = n
+
+    def take_lazy(self, n: int, protected: Container[object]
+                  ) -> tuple[list[Block], list[Block]]:
+        """Up to `n` victims in one call, for a caller that does not push a block again
+        when its key rises (a hit, a cleared flag, a raised head): between re-keys keys
+        only rise, so a block's heap entry is a lower bound of its key, and a block met
+        with a key above its entry is pushed back at its key instead of taken. The victims
+        are the coldest blocks, as `victim` with a push at every access would give (ties
+        aside); the caller saves that push (vLLM's offload tier, `KVHeatCachePolicy`).
+        Blocks whose key is in `protected` are taken and returned apart, for the caller
+        to push back; fewer than `n` victims when the heap runs dry."""
+        if self._stale:
+            self._rebuild()
+        heap, owner, heappop, heappush = self.heap, self.owner, heapq.heappop, heapq.heappush
+        nan, nextafter, inf = math.nan, math.nextafter, math.inf
+        gen, flag, bs, tail = self.gen, self._flag, self.block_size, self._tail
+        picked: list[Block] = []
+        skipped: list[Block] = []
+        if n <= 0:
+            return picked, skipped
+        if self._cur_i < len(self._cur) and heap and heap[0] < self._cur_u:
+            self._park_bucket()  # a smaller key arrived since the bucket was taken
+        cur, i, u = self._cur, self._cur_i, self._cur_u
+        last_k, last_u = self._last_key, self._last_slot
+        pushed = 0
+        while True:
+            if i >= len(cur):
+                if not heap:
+                    cur, i = [], 0
+                    break
+                u = heappop(heap)
+                cur = owner.pop(u)
+                i = 0
+            m = len(cur)
+            while i < m:
+                b = cur[i]
+                i += 1
+                if u != b.heap_ver or b.key is None:
+                    continue
+                if b.ref_cnt or b.num_children:
+                    b.parked = PARKED
+                    continue
+                r: HeatRecord = b.rec
+                if r.gen != gen:
+                    self._rescale(r)
+                k = r.count * flag[r.flags]
+                if b.num_tokens < bs:
+                    k *= tail
+                if k > u:  # hotter since its entry: back in at its key (above this one)
+                    pushed += 1
+                    bucket = owner.get(last_u) if k == last_k else None
+                    if bucket is not None:
+                        bucket.append(b)
+                        b.heap_ver = last_u
+                        continue
+                    v = k
+                    while v in owner:
+                        v = nextafter(v, inf)
+                    last_k, last_u = k, v
+                    owner[v] = [b]
+                    b.heap_ver = v
+                    heappush(heap, v)
+                    continue
+                b.heap_ver = nan
+                if b.key in protected:
+                    skipped.append(b)
+                    continue
+                picked.append(b)
+                if len(picked) == n:
+                    break
+            else:
+                continue
+            break
+        self._cur, self._cur_i, self._cur_u = cur, i, u
+        self._last_key, self._last_slot = last_k, last_u
+        self._entries += pushed
+        if self._entries > self._compact_at:
+            self._compact()
+        return picked, skipped
