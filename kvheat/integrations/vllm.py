@@ -18,13 +18,18 @@ over vLLM's offload chunks. Each chunk is a kvheat `Block` that also serves as i
   a new chunk right after another new chunk of the same request has that chunk as parent;
   a first new chunk below depth 1 extends a prefix the cache knew before the request.
 - `on_request_finished` (one request-scoped access, head-to-tail): `on_hit` for every ready
-  chunk the request reused, then the changed keys re-enter the heap tail-first, so equal
-  heat loses a chain's tail before its head (a prefix lookup stops at the first miss).
+  chunk the request reused; the chunks with no heap entry (held, parked) enter it
+  tail-first, so equal heat loses a chain's tail before its head (a prefix lookup stops at
+  the first miss).
 - `mark_evictable` / `mark_non_evictable`: the chunk enters / leaves the eviction heap (the
-  pushes are queued and made in bulk before the next call that reads or re-keys the heap).
+  pushes are queued and made in bulk, last marked first, before the next call that reads
+  or re-keys the heap).
 - `evict(n, protected)`: the n coldest evictable, unprotected chunks, or None with no state
   change when fewer exist (checked before anything is popped); when the heap runs out,
-  the coldest of the evictable chunks held out of it (below).
+  the coldest of the evictable chunks held out of it (below). A hit raises a chunk's key
+  without a push: its entry is a lower bound, and `KVHeat.take_lazy` pushes a chunk whose
+  key rose back at its key when it meets it, so a chunk is pushed about once per eviction
+  wave instead of once per access.
 
 Two rules on top run only while the cache is tight (`gated`: the mean age of its evictions
 under KVHeat's `penalty_fade` reuse gaps): `monotone` (a request's head is never left colder
@@ -77,7 +82,7 @@ class _Chunk(Block):
     # (`rec` is the chunk): no second object per stored chunk for the collector. The
     # cycle `rec` makes lasts while the chunk is cached (it is alive then anyway): evict,
     # remove and clear break it, so a chunk that leaves is freed by its refcount.
-    __slots__ = ("chunk_id", "w_ins", "w_load", "seen", "pos", "stored", "count", "last", "gen",
+    __slots__ = ("chunk_id", "w_ins", "w_load", "pos", "stored", "count", "last", "gen",
                  "flags")
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
@@ -94,7 +99,6 @@ class _Chunk(Block):
         self.heap_ver = math.nan
         self.w_ins = 0.0  # weight of the insert's access while the storing request runs
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
-        self.seen = -1.0  # the tick of the last request end that listed it
         self.stored = False  # its store completed: a later mark_evictable ends a load
         self.rec = self  # a slot, not a property: KVHeat reads it at every access
 
@@ -176,8 +180,7 @@ class KVHeatCachePolicy(CachePolicy):
         # Evictable chunks are those whose kvheat ref_cnt is 0; only their count is kept
         # (a set beside the chunk dict cost a hash-set update on every mark).
         self._free = 0
-        # Chunks marked evictable whose heap push waits for the next evict or request
-        # end (a request end that re-pushes one makes its earlier push moot).
+        # Chunks marked evictable whose heap push waits for the next evict or request end.
         self._pend: list[_Chunk] = []
         self._reset()
 
@@ -306,26 +309,31 @@ class KVHeatCachePolicy(CachePolicy):
             self._prune_held()
         present = [c for key in ordered if (c := chunks.get(key)) is not None]
         if self._pend:
-            # The others' pushes first (before any key changes, as when they were marked);
-            # this request's own are redone below.
-            for c in present:
-                c.seen = now
-            self._flush(now)
+            self._flush()  # before any key changes, as when they were marked
+        hits: list[_Chunk] = []  # counted in one call, in order with the moves between
         for c in present:
-            key = c.key
-            if key in insertion_only_keys:
+            if c.key in insertion_only_keys:
                 # Counted by on_insert; with finish_inserts its access moves to the end of
                 # the request, where the next turn's reuse gap starts.
                 if finish and c.w_ins:
+                    if hits:
+                        heat.on_hit_all(hits, now)
+                        hits = []
                     _move_access_to_now(heat, c, c.w_ins, now)
                     c.w_ins = 0.0
             elif c.w_load:  # its load already counted the hit: move it to now
+                if hits:
+                    heat.on_hit_all(hits, now)
+                    hits = []
                 _move_access_to_now(heat, c, c.w_load, now)
                 c.w_load = 0.0
             elif c.ref_cnt >= 0:  # reused, or found pending from another's store
-                heat.on_hit(c, now)
+                hits.append(c)
+        if hits:
+            heat.on_hit_all(hits, now)
         if not self.monotone or (self.gated and not _tight(self.heat, self._evicted, self._evict_age)):
-            heat.release_all([c for c in reversed(present) if not c.ref_cnt])
+            heat.release_all([c for c in reversed(present) if not c.ref_cnt
+                              and (c.parked is not None or c.heap_ver != c.heap_ver)])
             return
         # Every use of a chunk is a use of its whole prefix, so a head is at least as hot
         # as any chunk after it; where its count says otherwise its history was lost
@@ -343,7 +351,7 @@ class KVHeatCachePolicy(CachePolicy):
                 r.count = top / f
             else:
                 top = k
-            if not c.ref_cnt:
+            if not c.ref_cnt and (c.parked is not None or c.heap_ver != c.heap_ver):
                 back.append(c)
         heat.release_all(back)
 
@@ -363,15 +371,16 @@ class KVHeatCachePolicy(CachePolicy):
             c.stored = True
             self._pend.append(c)  # pushed by the next evict or request end
 
-    def _flush(self, skip: float = math.nan, busy: _Chunk | None = None) -> None:
-        """Push the chunks marked evictable since the last flush, in mark order. Every
-        call that may change a key or re-key the heap (stores, request ends, early hits,
-        evictions) flushes first, so the heap is as if each was pushed when marked, less
-        the chunks the request ending at tick `skip` re-pushes now (entries superseded
-        before any evict could pop them) and `busy`, being made non-evictable."""
+    def _flush(self, busy: _Chunk | None = None) -> None:
+        """Push the chunks marked evictable since the last flush that have no entry in
+        the heap, last marked first (vLLM marks a request's chunks head to tail: at equal
+        heat its tail goes first). Every call that may change a key or re-key the heap
+        (stores, request ends, early hits, evictions) flushes first, so the heap is as if
+        each was pushed when marked, less `busy`, being made non-evictable."""
         pend, self._pend = self._pend, []
-        self.heat.release_all([c for c in pend if c.ref_cnt == 0 and c.key is not None
-                               and c.seen != skip and c is not busy])
+        self.heat.release_all([c for c in reversed(pend) if c.ref_cnt == 0 and c.key is not None
+                               and (c.parked is not None or c.heap_ver != c.heap_ver)
+                               and c is not busy])
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         # Its heap entry stays and is parked when met (ref_cnt > 0 by then: kvheat's rule).
@@ -409,26 +418,14 @@ class KVHeatCachePolicy(CachePolicy):
         if self._pend:
             self._flush()
         heat = self.heat
-        victim = heat.victim
-        picked: list[_Chunk] = []
-        skipped: list[_Chunk] = []
-        k = n
-        while k:
-            c = victim()
-            if c is None:
-                if self.hold:  # the rest are held for their running requests
-                    self._evict_rest(k, protected, picked)
-                    break
-                # cannot happen while every evictable chunk is in the heap
+        # the n coldest, setting protected chunks aside (the heap skips ref_cnt > 0 itself)
+        picked, skipped = heat.take_lazy(n, protected)
+        if len(picked) < n:
+            if not self.hold:  # cannot happen while every evictable chunk is in the heap
                 for b in picked + skipped:
                     heat.on_release(b, self._tick)
                 return None
-            # (the heap skips chunks with ref_cnt > 0 itself)
-            if c.key in protected:
-                skipped.append(c)
-            else:
-                picked.append(c)
-                k -= 1
+            self._evict_rest(n - len(picked), protected, picked)  # the rest are held
         if skipped:  # back in the heap with their unchanged key
             heat.release_all([c for c in skipped if not c.ref_cnt])
         if self.gated or self.hold:
