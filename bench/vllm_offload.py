@@ -14,7 +14,14 @@ policy's µs per manager call and of the per-round ratios kvheat/arc and kvheat/
 machine may be shared: the ratios of neighbouring runs are what compare). `--gc collect`
 (the default) starts every run from a collected heap, so each pays for the garbage it
 makes itself; `--gc keep` leaves the collector alone, and a full collection lands on
-whichever run crosses its threshold.
+whichever run crosses its threshold. `--side-by-side N` runs the three in one replay instead,
+in turns of N events each (`replay_side_by_side`: each manager sees exactly its own calls):
+a burst of load on a shared machine then falls on all three alike, so the ratios spread
+less; the turns cost each policy some cache misses it would not have alone, so keep N in
+the thousands. In that mode the startup heap is frozen first, as vLLM's engine core does
+(`freeze_gc_heap`): otherwise the full collection the three caches' objects together
+trigger scans the whole process (vLLM and torch imports, ~0.35 s) inside whichever
+policy's call it lands on.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import sys
 from pathlib import Path
 
 try:
-    from kvheat.integrations.vllm_replay import replay_offload, request_keys
+    from kvheat.integrations.vllm_replay import replay_offload, replay_side_by_side, request_keys
 except ImportError as e:  # pragma: no cover - the extra is missing
     sys.exit(f"needs vLLM (pip install -e '.[vllm]'): {e}")
 from kvheat.replay import generate_workload, load_trace, parse_tokens
@@ -68,6 +75,8 @@ def main() -> None:
                     help="only the per-call cost, interleaved, ROUNDS rounds")
     ap.add_argument("--gc", choices=("collect", "keep"), default="collect",
                     help="--overhead: collect before every run, or leave gc alone")
+    ap.add_argument("--side-by-side", type=int, default=0, metavar="EVENTS",
+                    help="--overhead: the three policies in one replay, in turns of EVENTS")
     a = ap.parse_args()
     ct = a.chunk_tokens
     caps = [parse_tokens(c) for c in a.capacity.split(",")]
@@ -91,7 +100,12 @@ def main() -> None:
         trace = trace[: a.limit] if a.limit else trace
         keys = request_keys(trace, ct)
         if a.overhead:
-            rows += overhead(name, trace, keys, caps, scales, ct, a.overhead, a.gc == "collect")
+            if a.side_by_side:
+                from vllm.utils.gc_utils import freeze_gc_heap
+
+                freeze_gc_heap()  # the trace and imports are the static heap
+            rows += overhead(name, trace, keys, caps, scales, ct, a.overhead, a.gc == "collect",
+                             a.side_by_side)
             continue
         print(f"\n{name}: {len(trace)} requests, {ct}-token chunks")
         print(f"{'capacity':>9} {'scale':>6} " + " ".join(f"{p:>12}" for p in policies)
@@ -111,8 +125,8 @@ def main() -> None:
     if a.overhead:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         with open(a.json, "w", encoding="utf-8") as f:
-            json.dump({"chunk_tokens": ct, "rounds": a.overhead, "gc": a.gc, "rows": rows},
-                      f, indent=1)
+            json.dump({"chunk_tokens": ct, "rounds": a.overhead, "gc": a.gc,
+                       "side_by_side_events": a.side_by_side, "rows": rows}, f, indent=1)
         print(f"wrote {a.json}")
         return
     ratios = [r["results"]["kvheat"]["manager_s"] / r["results"]["kvheat"]["calls"]
@@ -130,10 +144,12 @@ def main() -> None:
     print(f"wrote {a.json}")
 
 
-def overhead(name, trace, keys, caps, scales, ct, rounds, collect) -> list[dict]:
-    """Per-call cost of lru, arc and kvheat, interleaved run by run, `rounds` times."""
+def overhead(name, trace, keys, caps, scales, ct, rounds, collect, side_by_side=0) -> list[dict]:
+    """Per-call cost of lru, arc and kvheat, interleaved run by run (or in turns of
+    `side_by_side` events within one replay), `rounds` times."""
     pols = ("lru", "arc", "kvheat")
-    print(f"\n{name}: {len(trace)} requests; {rounds} rounds of {'/'.join(pols)}, "
+    how = f"side by side in turns of {side_by_side} events" if side_by_side else "in turn"
+    print(f"\n{name}: {len(trace)} requests; {rounds} rounds of {'/'.join(pols)} {how}, "
           f"gc {'collected before each run' if collect else 'left alone'}")
     print(f"{'capacity':>9} {'scale':>6}  us/call median [min-max] lru / arc / kvheat"
           f"{'':>20}kvheat/arc          kvheat/lru")
@@ -142,13 +158,23 @@ def overhead(name, trace, keys, caps, scales, ct, rounds, collect) -> list[dict]
         for ts in scales:
             us: dict[str, list[float]] = {p: [] for p in pols}
             hits: dict[str, set[float]] = {p: set() for p in pols}
-            for _ in range(rounds):
-                for p in pols:
+            for i in range(rounds):
+                if side_by_side:
                     if collect:
                         gc.collect()
-                    r = replay_offload(trace, p, cap // ct, ct, time_scale=ts, keys=keys)
-                    us[p].append(r.manager_s / r.calls * 1e6)
-                    hits[p].add(r.hit_rate)
+                    order = pols[i % 3:] + pols[:i % 3]  # who goes first rotates
+                    runs = replay_side_by_side(trace, order, cap // ct, ct, time_scale=ts,
+                                               keys=keys, slice_events=side_by_side)
+                else:
+                    runs = []
+                    for p in pols:
+                        if collect:
+                            gc.collect()
+                        runs.append(replay_offload(trace, p, cap // ct, ct, time_scale=ts,
+                                                   keys=keys))
+                for r in runs:
+                    us[r.policy].append(r.manager_s / r.calls * 1e6)
+                    hits[r.policy].add(r.hit_rate)
             ka = [k / x for k, x in zip(us["kvheat"], us["arc"])]
             kl = [k / x for k, x in zip(us["kvheat"], us["lru"])]
 

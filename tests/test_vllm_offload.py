@@ -563,3 +563,17 @@ def test_chunks_that_leave_drop_their_self_reference() -> None:
     assert all(c is not None and c.rec is c for c in live)
     pol.clear()
     assert all(c.rec is None for c in live)
+
+
+def test_side_by_side_replays_each_policy_as_alone() -> None:
+    from kvheat.integrations.vllm_replay import replay_side_by_side
+
+    trace = generate_workload(WorkloadConfig(num_conversations=120, arrival_rate=3.0, seed=5))
+    keys = request_keys(trace, 512)
+    both = replay_side_by_side(trace, ["arc", "kvheat", "lru"], 200, keys=keys,
+                               time_scale=0.5, slice_events=7)
+    for r in both:
+        alone = replay_offload(trace, r.policy, 200, keys=keys, time_scale=0.5)
+        assert (r.hit_tokens, r.evictions, r.stores, r.calls, r.requests) == (
+            alone.hit_tokens, alone.evictions, alone.stores, alone.calls, alone.requests)
+        assert r.evictions > 0 and r.manager_s > 0

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +185,44 @@ def replay_offload(trace: Sequence[TraceRequest], policy: str, capacity_chunks: 
                    manager: CPUOffloadingManager | None = None) -> OffloadResult:
     """Play `trace` through a `CPUOffloadingManager` of `capacity_chunks` chunks running
     `policy` (a key of POLICIES), and count token-weighted offload prefix hits."""
+    steps = _replay_steps(trace, policy, capacity_chunks, chunk_tokens, time_scale,
+                          prefill_tps, decode_tps, load_tps, store_tps, touch, keys, manager)
+    return deque(steps, maxlen=1)[0]  # the last yield: the finished result
+
+
+def replay_side_by_side(trace: Sequence[TraceRequest], policies: Sequence[str],
+                        capacity_chunks: int, chunk_tokens: int = 512,
+                        time_scale: float = 1.0, keys: list[list[OffloadKey]] | None = None,
+                        slice_events: int = 16) -> list[OffloadResult]:
+    """`replay_offload` of each policy, run in turns of `slice_events` events each (one
+    manager per policy, each seeing exactly the calls it sees alone): a burst of load on
+    a shared machine then falls on every policy's calls alike, so the ratio of their
+    µs per call holds where run-after-run timings swing."""
+    keys = keys if keys is not None else request_keys(trace, chunk_tokens)
+    runs = [_replay_steps(trace, p, capacity_chunks, chunk_tokens, time_scale, keys=keys)
+            for p in policies]
+    out: list[OffloadResult | None] = [None] * len(runs)
+    live = list(range(len(runs)))
+    while live:
+        for i in list(live):
+            run = runs[i]
+            for _ in range(slice_events):
+                res = next(run, None)
+                if res is None:
+                    live.remove(i)
+                    break
+                out[i] = res
+    return out  # type: ignore[return-value]
+
+
+def _replay_steps(trace: Sequence[TraceRequest], policy: str, capacity_chunks: int,
+                  chunk_tokens: int = 512, time_scale: float = 1.0,
+                  prefill_tps: float = 20_000.0, decode_tps: float = 50.0,
+                  load_tps: float = 200_000.0, store_tps: float = 200_000.0,
+                  touch: bool = False, keys: list[list[OffloadKey]] | None = None,
+                  manager: CPUOffloadingManager | None = None
+                  ) -> Iterator[OffloadResult]:
+    """The replay of `replay_offload`, yielding its (running) result after each event."""
     name, module = POLICIES.get(policy, (policy, None))
     mgr = manager or CPUOffloadingManager(capacity_chunks, cache_policy=name,
                                           cache_policy_module_path=module)
@@ -295,8 +334,9 @@ def replay_offload(trace: Sequence[TraceRequest], policy: str, capacity_chunks: 
             res.manager_s += clock() - t0
             res.calls += 1
             res.chunk_ops += len(ks)
+        yield res
     res.wall_s = clock() - t_wall
     stats = getattr(pol, "stats", None)
     if callable(stats):
         res.policy_stats = stats()
-    return res
+    yield res
