@@ -548,7 +548,7 @@ TestPolicyContractHeld = PolicyContractHeld.TestCase
 
 
 def test_chunks_that_leave_drop_their_self_reference() -> None:
-    """`_Chunk.rec` points at the chunk while it is cached; evict, remove and clear break
+    """`Chunk.rec` points at the chunk while it is cached; evict, remove and clear break
     that cycle, so a chunk that leaves is freed by its refcount, not the collector."""
     mgr = _manager(4)
     pol = mgr._policy

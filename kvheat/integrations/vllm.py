@@ -53,58 +53,10 @@ from collections.abc import Iterable, Sequence
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
-from ..cache.block import Block
 from ..heat.kvheat import KVHeat
-from ..heat.penalties import EXTENSION, FRESH
+from .vllm_chunk import Chunk, Placement, move_access_to_now
 
 __all__ = ["KVHeatCachePolicy"]
-
-
-def _move_access_to_now(heat: KVHeat, c: _Chunk, weight: float, now: float) -> None:
-    """Move a chunk's access counted earlier with `weight` to `now` (same count)."""
-    if now != heat._t:
-        heat._advance(now)
-    r = c.rec
-    if r.gen == heat.gen:
-        r.count += heat._w - weight
-        r.last = heat._v
-
-
-class _Chunk(Block):
-    """A kvheat block standing for one vLLM offload chunk, and that chunk's status too:
-    it has `ChunkStatus`'s `ref_cnt` (-1 while being written), `chunk_id` and `is_ready`,
-    and `get` / `evict` hand it to the manager in place of the `ChunkStatus` it inserted
-    (vLLM's manager reads and writes a stored chunk only through `get`). One long-lived
-    object per chunk instead of two: fewer objects for the garbage collector to promote
-    and scan. kvheat's heap reads the same `ref_cnt` (non-zero: skip, as vLLM's rule)."""
-
-    # count, last, gen, flags: KVHeat's per-block record, kept on the chunk itself
-    # (`rec` is the chunk): no second object per stored chunk for the collector. The
-    # cycle `rec` makes lasts while the chunk is cached (it is alive then anyway): evict,
-    # remove and clear break it, so a chunk that leaves is freed by its refcount.
-    __slots__ = ("chunk_id", "w_ins", "w_load", "pos", "stored", "count", "last", "gen",
-                 "flags")
-
-    def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
-        # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
-        # once per stored chunk). on_insert fills the record: `rec` is the chunk, with
-        # HeatRecord's fields.
-        self.chunk_id = status.chunk_id
-        self.key = key
-        self.num_tokens = 1  # vLLM offloads whole chunks only: no partial-tail demotion
-        self.ref_cnt = status.ref_cnt
-        self.parent = None
-        self.num_children = 0
-        self.parked = None
-        self.heap_ver = math.nan
-        self.w_ins = 0.0  # weight of the insert's access while the storing request runs
-        self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
-        self.stored = False  # its store completed: a later mark_evictable ends a load
-        self.rec = self  # a slot, not a property: KVHeat reads it at every access
-
-    @property
-    def is_ready(self) -> bool:
-        return self.ref_cnt >= 0
 
 
 def _tight(heat: KVHeat, evicted: int, evict_age: float) -> bool:
@@ -116,16 +68,6 @@ def _tight(heat: KVHeat, evicted: int, evict_age: float) -> bool:
     return gap is not None and evict_age < heat.penalty_fade * gap
 
 
-def _known(depth: int) -> Block:
-    """A stand-in parent for a chunk whose predecessor this request did not store: the
-    cache knew that prefix before (vLLM stores a request's chunks head-to-tail)."""
-    b = Block(-1)
-    b.depth = depth
-    b.inserted_at = -math.inf
-    return b
-
-
-_KNOWN_ROOT, _KNOWN = _known(0), _known(1)
 _HELD = object()  # a chunk's `parked` while the request that loaded it runs (`hold`)
 
 
@@ -134,17 +76,6 @@ def _loose(heat: KVHeat, evicted: int, evict_age: float) -> bool:
     a reuse gap: the mean age of its evictions is at least `penalty_fade` reuse gaps."""
     return (bool(evicted) and heat.gaps is not None and heat.gaps.estimate is not None
             and not _tight(heat, evicted, evict_age))
-
-
-class _Stores:
-    """Per request (kept in its ReqContext): the last chunk it inserted, per KV group."""
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        # KV group (the key's last 4 bytes, as vLLM packs it) -> the last chunk inserted
-        # (a chunk's `pos` is its end token, set when it is recorded here)
-        self.last: dict[bytes, _Chunk] = {}
 
 
 class KVHeatCachePolicy(CachePolicy):
@@ -164,7 +95,7 @@ class KVHeatCachePolicy(CachePolicy):
         # it ends, while the cache is not tight (the gate's complement: early_hits covers a
         # tight cache); evicted only when no other chunk is left.
         self.hold = hold
-        self._held: dict[_Chunk, None] = {}  # held chunks (and some released since)
+        self._held: dict[Chunk, None] = {}  # held chunks (and some released since)
         self.early_hits = early_hits
         self.finish_inserts = finish_inserts
         self.monotone = monotone
@@ -173,7 +104,7 @@ class KVHeatCachePolicy(CachePolicy):
         # under KVHeat's penalty_fade reuse gaps, the bound KVHeat fades its penalties by
         self.gated = gated
         self._heat_kwargs = heat_kwargs
-        self.chunks: dict[OffloadKey, _Chunk] = {}
+        self.chunks: dict[OffloadKey, Chunk] = {}
         # The manager's most frequent call, at C speed (an instance attribute shadows the
         # method; same answer).
         self.get = self.chunks.get  # type: ignore[method-assign]
@@ -181,18 +112,15 @@ class KVHeatCachePolicy(CachePolicy):
         # (a set beside the chunk dict cost a hash-set update on every mark).
         self._free = 0
         # Chunks marked evictable whose heap push waits for the next evict or request end.
-        self._pend: list[_Chunk] = []
+        self._pend: list[Chunk] = []
         self._reset()
 
     def _reset(self) -> None:
         self.heat = KVHeat(**self._heat_kwargs)  # type: ignore[arg-type]
         self.heat.bind(max(self.cache_capacity, 1))
         self._tick = 0.0  # one timestamp per request event; KVHeat counts accesses itself
-        self._ctx: ReqContext | None = None  # the request whose store misses come next
-        self._pos = None  # that request's key -> end-token position lookup
-        self._stores: _Stores | None = None
+        self.placement = Placement()  # the storing request: its chunks' prefix
         self._loading = False  # the last event was a load's start (early_hits)
-        self._chunk_tokens = 0  # tokens per chunk: gcd of the positions seen
         self._evicted = 0
         self.fallbacks = 0  # evictions of held chunks: nothing else was left
         self._evict_age = 0.0  # the gate's mean eviction age (gated)
@@ -207,53 +135,14 @@ class KVHeatCachePolicy(CachePolicy):
         # Remember the request, so `insert` can place its chunks in their prefix.
         if self._pend:
             self._flush()  # before the inserts (and any rebuild they start)
-        self._ctx = req_context
-        self._stores = None
-        positions = getattr(req_context, "_offload_key_positions", None)
-        self._pos = positions.get if isinstance(positions, dict) else (
-            req_context.get_offload_key_position)
+        self.placement.begin(req_context)
         self._loading = False
         self._tick += 1.0
 
-    def _place(self, c: _Chunk) -> None:
-        """Set `c`'s depth from its position in the storing request, and its parent to a
-        stand-in that gives KVHeat's extension rule the answer kvheat's own cache would:
-        a chunk after this request's previous new chunk inherits that chunk's flag; one
-        after a chunk the request did not store extends a prefix known before it."""
-        pos = self._pos(c.key) if self._pos is not None else None
-        if pos is None or pos <= 0:
-            c.depth = -1  # unknown: neither a root nor the key naming a conversation
-            return
-        tpc = math.gcd(self._chunk_tokens, pos)
-        self._chunk_tokens = tpc
-        c.depth = depth = pos // tpc - 1
-        stores = self._stores
-        if stores is None:
-            ctx = self._ctx
-            stores = ctx.get_state(_Stores)  # type: ignore[union-attr]
-            if stores is None:
-                stores = _Stores()
-                ctx.set_state(stores)  # type: ignore[union-attr]
-            self._stores = stores
-        group = c.key[-4:]  # type: ignore[index]
-        last = stores.last
-        prev = last.get(group)
-        c.pos = pos
-        last[group] = c
-        if depth == 0:
-            return
-        if prev is not None and prev.pos == pos - tpc:
-            p = prev
-            # New in this request: inherit its flag; back from the ghost: a known prefix.
-            known = bool(p.rec.flags & EXTENSION) or (not p.rec.flags & FRESH and p.depth >= 1)
-            c.parent = _KNOWN if known else _KNOWN_ROOT
-        else:
-            c.parent = _KNOWN if depth > 1 else _KNOWN_ROOT
-
     def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
-        c = _Chunk(key, chunk)
+        c = Chunk(key, chunk)
         self.chunks[key] = c
-        self._place(c)
+        self.placement.place(c)
         c.inserted_at = self._tick
         self.heat.on_insert(c, self._tick)
         c.w_ins = self.heat._w  # this access's weight, in generation c.rec.gen
@@ -310,7 +199,7 @@ class KVHeatCachePolicy(CachePolicy):
         present = [c for key in ordered if (c := chunks.get(key)) is not None]
         if self._pend:
             self._flush()  # before any key changes, as when they were marked
-        hits: list[_Chunk] = []  # counted in one call, in order with the moves between
+        hits: list[Chunk] = []  # counted in one call, in order with the moves between
         for c in present:
             if c.key in insertion_only_keys:
                 # Counted by on_insert; with finish_inserts its access moves to the end of
@@ -319,13 +208,13 @@ class KVHeatCachePolicy(CachePolicy):
                     if hits:
                         heat.on_hit_all(hits, now)
                         hits = []
-                    _move_access_to_now(heat, c, c.w_ins, now)
+                    move_access_to_now(heat, c, c.w_ins, now)
                     c.w_ins = 0.0
             elif c.w_load:  # its load already counted the hit: move it to now
                 if hits:
                     heat.on_hit_all(hits, now)
                     hits = []
-                _move_access_to_now(heat, c, c.w_load, now)
+                move_access_to_now(heat, c, c.w_load, now)
                 c.w_load = 0.0
             elif c.ref_cnt >= 0:  # reused, or found pending from another's store
                 hits.append(c)
@@ -371,7 +260,7 @@ class KVHeatCachePolicy(CachePolicy):
             c.stored = True
             self._pend.append(c)  # pushed by the next evict or request end
 
-    def _flush(self, busy: _Chunk | None = None) -> None:
+    def _flush(self, busy: Chunk | None = None) -> None:
         """Push the chunks marked evictable since the last flush that have no entry in
         the heap, last marked first (vLLM marks a request's chunks head to tail: at equal
         heat its tail goes first). Every call that may change a key or re-key the heap
@@ -445,7 +334,7 @@ class KVHeatCachePolicy(CachePolicy):
         self._free -= n
         return out
 
-    def _evict_rest(self, k: int, protected: set[OffloadKey], picked: list[_Chunk]) -> None:
+    def _evict_rest(self, k: int, protected: set[OffloadKey], picked: list[Chunk]) -> None:
         """Append the `k` coldest held, unprotected chunks (the heap is empty and the count
         said enough evictable chunks exist, so the rest are held for running requests)."""
         key = self.heat._key
@@ -460,7 +349,7 @@ class KVHeatCachePolicy(CachePolicy):
             picked.append(c)
             self.fallbacks += 1
 
-    def _prune_held(self) -> dict[_Chunk, None]:
+    def _prune_held(self) -> dict[Chunk, None]:
         """Drop the chunks released (or evicted) since they were held."""
         self._held = {c: None for c in self._held if c.parked is _HELD and c.key is not None}
         return self._held

@@ -1,0 +1,145 @@
+"""One vLLM offload chunk as kvheat sees it, and where it sits in its request's prefix.
+
+`Chunk` is both a kvheat `Block` (what `KVHeat` and its heap read) and the chunk's
+`ChunkStatus` (what vLLM's manager reads and writes through the policy's `get`), so each
+stored chunk is one long-lived object. `Placement` gives each inserted chunk the depth and
+parent kvheat's extension rule needs, from the key positions vLLM's scheduler records in
+the storing request's `ReqContext`. Imports vLLM only for its types.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+
+from ..cache.block import Block
+from ..heat.kvheat import KVHeat
+from ..heat.penalties import EXTENSION, FRESH
+
+
+class Chunk(Block):
+    """A kvheat block standing for one vLLM offload chunk, and that chunk's status too:
+    it has `ChunkStatus`'s `ref_cnt` (-1 while being written), `chunk_id` and `is_ready`,
+    and `get` / `evict` hand it to the manager in place of the `ChunkStatus` it inserted
+    (vLLM's manager reads and writes a stored chunk only through `get`). One long-lived
+    object per chunk instead of two: fewer objects for the garbage collector to promote
+    and scan. kvheat's heap reads the same `ref_cnt` (non-zero: skip, as vLLM's rule)."""
+
+    # count, last, gen, flags: KVHeat's per-block record, kept on the chunk itself
+    # (`rec` is the chunk): no second object per stored chunk for the collector. The
+    # cycle `rec` makes lasts while the chunk is cached (it is alive then anyway): evict,
+    # remove and clear break it, so a chunk that leaves is freed by its refcount.
+    __slots__ = ("chunk_id", "w_ins", "w_load", "pos", "stored", "count", "last", "gen",
+                 "flags")
+
+    def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
+        # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
+        # once per stored chunk). on_insert fills the record: `rec` is the chunk, with
+        # HeatRecord's fields.
+        self.chunk_id = status.chunk_id
+        self.key = key
+        self.num_tokens = 1  # vLLM offloads whole chunks only: no partial-tail demotion
+        self.ref_cnt = status.ref_cnt
+        self.parent = None
+        self.num_children = 0
+        self.parked = None
+        self.heap_ver = math.nan
+        self.w_ins = 0.0  # weight of the insert's access while the storing request runs
+        self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
+        self.stored = False  # its store completed: a later mark_evictable ends a load
+        self.rec = self  # a slot, not a property: KVHeat reads it at every access
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref_cnt >= 0
+
+
+def move_access_to_now(heat: KVHeat, c: Chunk, weight: float, now: float) -> None:
+    """Move a chunk's access counted earlier with `weight` to `now` (same count)."""
+    if now != heat._t:
+        heat._advance(now)
+    r = c.rec
+    if r.gen == heat.gen:
+        r.count += heat._w - weight
+        r.last = heat._v
+
+
+def _known(depth: int) -> Block:
+    """A stand-in parent for a chunk whose predecessor this request did not store: the
+    cache knew that prefix before (vLLM stores a request's chunks head-to-tail)."""
+    b = Block(-1)
+    b.depth = depth
+    b.inserted_at = -math.inf
+    return b
+
+
+_KNOWN_ROOT, _KNOWN = _known(0), _known(1)
+
+
+class _Stores:
+    """Per request (kept in its ReqContext): the last chunk it inserted, per KV group."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        # KV group (the key's last 4 bytes, as vLLM packs it) -> the last chunk inserted
+        # (a chunk's `pos` is its end token, set when it is recorded here)
+        self.last: dict[bytes, Chunk] = {}
+
+
+class Placement:
+    """Depth and parent of each chunk the storing request inserts (`begin` names the
+    request at its store misses, `place` each chunk as it is inserted)."""
+
+    __slots__ = ("ctx", "pos", "stores", "chunk_tokens")
+
+    def __init__(self) -> None:
+        self.ctx: ReqContext | None = None  # the request whose store misses come next
+        self.pos: Callable[[OffloadKey], int | None] | None = None  # its key -> end token
+        self.stores: _Stores | None = None
+        self.chunk_tokens = 0  # tokens per chunk: gcd of the positions seen
+
+    def begin(self, ctx: ReqContext) -> None:
+        self.ctx = ctx
+        self.stores = None
+        positions = getattr(ctx, "_offload_key_positions", None)
+        self.pos = positions.get if isinstance(positions, dict) else (
+            ctx.get_offload_key_position)
+
+    def place(self, c: Chunk) -> None:
+        """Set `c`'s depth from its position in the storing request, and its parent to a
+        stand-in that gives KVHeat's extension rule the answer kvheat's own cache would:
+        a chunk after this request's previous new chunk inherits that chunk's flag; one
+        after a chunk the request did not store extends a prefix known before it."""
+        pos = self.pos(c.key) if self.pos is not None else None  # type: ignore[arg-type]
+        if pos is None or pos <= 0:
+            c.depth = -1  # unknown: neither a root nor the key naming a conversation
+            return
+        tpc = math.gcd(self.chunk_tokens, pos)
+        self.chunk_tokens = tpc
+        c.depth = depth = pos // tpc - 1
+        stores = self.stores
+        if stores is None:
+            ctx = self.ctx
+            stores = ctx.get_state(_Stores)  # type: ignore[union-attr]
+            if stores is None:
+                stores = _Stores()
+                ctx.set_state(stores)  # type: ignore[union-attr]
+            self.stores = stores
+        group = c.key[-4:]  # type: ignore[index]
+        last = stores.last
+        prev = last.get(group)
+        c.pos = pos
+        last[group] = c
+        if depth == 0:
+            return
+        if prev is not None and prev.pos == pos - tpc:
+            p = prev
+            # New in this request: inherit its flag; back from the ghost: a known prefix.
+            known = bool(p.rec.flags & EXTENSION) or (not p.rec.flags & FRESH and p.depth >= 1)
+            c.parent = _KNOWN if known else _KNOWN_ROOT
+        else:
+            c.parent = _KNOWN if depth > 1 else _KNOWN_ROOT
