@@ -753,6 +753,27 @@ def test_serve_command_starts_and_rejects_bad_config(tmp_path: Any) -> None:
     assert proc.returncode in (0, -15)
 
 
+def test_startup_heap_is_frozen_before_serving() -> None:
+    """`kvheat serve` freezes what start-up made (the model, the tokenizer, the imports),
+    so no full collection scans it again while holding the GIL; the first one used to
+    come on the first request (bench/cold_start.py)."""
+    import gc
+
+    server = KVHeatServer(ServerConfig(num_blocks=64, threads=1))
+    model = server.worker.engines["default"].runner.model
+
+    def tracked() -> bool:
+        return any(o is model for g in range(3) for o in gc.get_objects(generation=g))
+
+    try:
+        assert tracked()
+        server.freeze_startup_heap()
+        assert not tracked() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        server.stop()
+
+
 def test_engine_thread_runs_on_the_given_cores() -> None:
     """`engine_cores` pins the engine thread (as vLLM binds its compute threads); the
     HTTP side keeps every CPU. Bad core lists are a config error."""

@@ -110,6 +110,7 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
     click.echo(f"kvheat: serving {cfg.model_name} on http://{host}:{port}  arms: {arms}  "
                f"tenants: {len(cfg.tenants) or 'none (open API)'}  admin API: "
                f"{'on' if cfg.admin_token else 'off'}", err=True)
+    server.freeze_startup_heap()
     server.uvicorn(host, port, log_level).run()
 
 
