@@ -129,10 +129,10 @@ class KVHeatServer:
         the first chat request imports jinja2 and compiles it), then collect and freeze
         what start-up made (imports, the model, the tokenizer), which lives as long as the
         process. Frozen, it is left out of every later full collection; unfrozen, the first
-        one came on the first request and scanned it all holding the GIL, the engine
-        thread stalled behind it (160 ms of a 200 ms first TTFT here, docs/cluster.md).
-        vLLM freezes its engine core's heap the same way. Not for tests: a frozen heap is
-        never collected."""
+        one came on the first request and scanned it all for about 160 ms holding the GIL,
+        the engine thread stalled behind it (a first TTFT of 300 ms against 120 ms now,
+        docs/cluster.md). vLLM freezes its engine core's heap the same way. Not for
+        tests: what is frozen is not collected again."""
         with contextlib.suppress(Exception):  # a template that fails now fails per request
             self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], True)
         gc.collect()
