@@ -523,6 +523,39 @@ def test_engine_failure_is_contained() -> None:
         stop(s)
 
 
+def test_engine_rebuilt_under_a_frozen_heap_is_freed(tmp_path: Any) -> None:
+    """An engine rebuilt after a failure leaves the frozen start-up heap: its tiers hold
+    it in reference cycles, which a frozen heap never collects, so its KV pool would
+    never be freed. The loop unfreezes, and freezes again once idle."""
+    import gc
+    import weakref
+
+    s = start(ServerConfig(num_blocks=64, threads=1, tiers=TierSpec(
+        host_blocks=64, disk_dir=str(tmp_path / "kv"), disk_bytes=16 << 20)))
+    try:
+        s.server.freeze_startup_heap()
+        eng = s.server.worker.engines["default"]
+        pool = weakref.ref(eng.kv_pool)
+
+        def boom() -> list:
+            raise RuntimeError("injected step failure")
+
+        eng.step = boom  # type: ignore[method-assign]
+        del eng
+        r = httpx.post(s.base + "/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                          "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500
+        deadline = time.monotonic() + 10
+        while (pool() is not None or not gc.get_freeze_count()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool() is None, "the failed engine's KV pool is still alive"
+        assert gc.get_freeze_count() > 0  # frozen again
+        assert s.client().completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+    finally:
+        gc.unfreeze()
+        stop(s)
+
+
 # ---- fuzzing against the server's own OpenAPI schema -------------------------------------
 # Whatever schemathesis generates, no answer is a 5xx, and the server serves afterwards.
 # Bounded: a couple of dozen examples per operation, max_tokens capped at 8.

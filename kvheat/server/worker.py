@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import logging
 import os
 import queue
@@ -79,6 +80,7 @@ class EngineWorker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # the loop itself died (a bug)
+        self._refreeze = False  # an engine left the frozen start-up heap: freeze it again
         self._logged: dict[str, float] = {}  # where -> when a side error was last logged
         # arm -> tenant -> miss class -> tokens, isolation included (engine thread; shown
         # by the admin API only: it says which prompts other tenants sent)
@@ -266,6 +268,12 @@ class EngineWorker:
         self._guard("metrics", lambda: self.metrics.engine_failures.labels(arm).inc())
         _close(self.engines[arm])  # its tier threads; a disk tier's KV is found again below
         self.engines[arm] = self._new_engine(arm)  # before anyone hears of the failure
+        if gc.get_freeze_count():
+            # The old engine was frozen with the start-up heap (`freeze_startup_heap`) and
+            # its tiers and KV events hold it in reference cycles: unfrozen, a collection
+            # frees its KV pool. The loop freezes the heap again when it is next idle.
+            gc.unfreeze()
+            self._refreeze = True
         for rid, a in list(self.active.items()):
             if a.arm != arm:
                 continue
@@ -322,6 +330,10 @@ class EngineWorker:
                     self.refresh_gauges()
                     last_refresh = now
                 if not busy:
+                    if self._refreeze:
+                        self._refreeze = False
+                        gc.collect()
+                        gc.freeze()
                     self._wake.wait(self.refresh_s)
                     self._wake.clear()
         except BaseException as e:  # a bug in the loop: report unhealthy, fail everyone
