@@ -72,6 +72,8 @@ from cluster_procs import (  # noqa: E402
 )
 from cluster_report import Round, markdown, plot, print_table, summarize  # noqa: E402
 
+KINDS = {"rr", "sglang", "kvheat", "kvheat-1"}  # routers a round can run
+
 
 class Bench:
     def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
@@ -107,7 +109,7 @@ class Bench:
         except RuntimeError:
             print((self.log / f"router-{kind}.log").read_text()[-3000:], file=sys.stderr)
             raise
-        if kind == "kvheat":  # every replica in rotation and subscribed
+        if kind.startswith("kvheat"):  # every replica in rotation and subscribed
             _wait(lambda: _healthy_count(base) == len(self.replicas), 60)
         time.sleep(1.0)
         return proc, base
@@ -254,6 +256,8 @@ def main() -> int:
     ap.add_argument("--smg", default=shutil.which("smg"),
                     help="sglang-router's smg binary (its own venv); without it only kvheat route")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--routers", default="rr,sglang,kvheat",
+                    help="in this order each round; kvheat-1: kvheat route --shard-choices 1")
     ap.add_argument("--conversations", type=int, default=36)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--clients", type=int, default=6)
@@ -279,9 +283,12 @@ def main() -> int:
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())), end="")
         return 0
-    routers = (["rr", "sglang"] if args.smg else []) + ["kvheat"]
+    routers = args.routers.split(",")
+    if set(routers) - KINDS:
+        ap.error(f"--routers: known kinds are {', '.join(sorted(KINDS))}")
     if not args.smg:
         print("sglang-router (smg) not found: only kvheat route runs (--smg PATH)")
+        routers = [k for k in routers if k.startswith("kvheat")]
     convs = workload(args.conversations, args.turns, args.seed)
     with tempfile.TemporaryDirectory(prefix="kvheat-cluster-") as td:
         b = Bench(args, Path(td))
@@ -304,7 +311,7 @@ def main() -> int:
                 for kind in routers:
                     rd, results = b.one_round(kind, k, convs)
                     rounds.append(rd)
-                    if kind == "kvheat" and not reference:
+                    if kind.startswith("kvheat") and not reference:
                         reference = {(r.conv, r.turn): r.text for r in results if r.status == "ok"}
             summary = summarize(rounds)
             print()

@@ -172,13 +172,15 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 def start_router(kind: str, port: int, replicas: list[Replica], args: argparse.Namespace,
                  model_dir: Path, config: Path, log: Path) -> subprocess.Popen[bytes]:
     urls = [r.url for r in replicas]
-    if kind == "kvheat":
+    if kind.startswith("kvheat"):
         cmd = [sys.executable, "-m", "kvheat.cli", "route", "--port", str(port), "--model",
                str(model_dir), "--config", str(config), "--health-interval", "0.5",
                "--log-level", "warning"]
         for u in urls:
             cmd += ["--replica", u]
         cmd += args.route_arg
+        if kind == "kvheat-1":  # new prefixes by the hash alone (one choice)
+            cmd += ["--shard-choices", "1"]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     else:
         policy = "round_robin" if kind == "rr" else "cache_aware"

@@ -147,7 +147,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     summ = report["summary"]
     names = [s["router"] for s in summ]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    palette = {"rr": "tab:gray", "sglang": "tab:orange", "kvheat": "black"}
+    palette = {"rr": "tab:gray", "sglang": "tab:orange", "kvheat": "black",
+               "kvheat-1": "tab:blue"}
     colors = [palette.get(n, "tab:blue") for n in names]
     for ax, key, scale, label in ((axes[0], "hit_rate", 100, "prefix hit rate (%)"),
                                   (axes[1], "ttft_p99_s", 1000, "TTFT P99 (ms)")):

@@ -7,12 +7,18 @@ tie orders) for kvheat and sglang-like, so a difference can be told from noise.
     python bench/cluster_sim.py                      # needs ../shared/traces
     python bench/cluster_sim.py --quick              # one trace, one capacity
     python bench/cluster_sim.py --perturb 12         # only the ensemble below
+    python bench/cluster_sim.py --placement 6        # new prefixes: two choices or one
 
 `--perturb K` replays kvheat and sglang-like on K variants of each trace, each missing 3%
 of its requests at random (seeded), and reports the paired difference of their hit rates
 and kvheat's share of the bound: at margins of a few tenths of a point a single trace's
 placement is chaotic (a request dropped anywhere moves every later placement), so what
 holds across the variants is what the trace says about the routers.
+
+`--placement K` compares how kvheat places a new prefix, on the traces and K variants, at
+three traffic rates: the less queued of the two replicas its key hashes to (the default)
+against the first only (`shard_choices=1`), and sglang-like beside them: the hit rate
+difference and the ratios of the modelled TTFT P99 and mean (and docs/cluster_placement.png).
 
 Writes docs/cluster_sim.json and docs/cluster_sim.png (`--json`, `--plot`).
 """
@@ -69,9 +75,13 @@ def main() -> int:
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --json")
     ap.add_argument("--perturb", type=int, default=0, metavar="K",
                     help="only the ensemble: K variants of each trace, 3%% of requests dropped")
+    ap.add_argument("--placement", type=int, default=None, metavar="K",
+                    help="only the placement comparison: the traces and K variants")
     args = ap.parse_args()
     if args.perturb:
         return perturbed(args.perturb, Path(args.json))
+    if args.placement is not None:
+        return placement(args.placement, Path(args.json))
     if args.plot_only:
         grid = json.loads(Path(args.json).read_text())["grid"]
         traces = list(dict.fromkeys(r["trace"] for r in grid))
@@ -202,6 +212,113 @@ def perturbed(k: int, json_path: Path) -> int:
     json_path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {json_path}")
     return 0
+
+
+def _router(name: str):
+    if name == "kvheat-1":  # new prefixes to the first hashed replica only
+        return lambda ix: P.make_policy("kvheat", ix, shard_choices=1)
+    return name
+
+
+def _timed(job: tuple[str, int, int | None, float, str]) -> tuple[tuple, tuple[float, ...]]:
+    name, cap, seed, scale, router = job
+    pt = _variant(name, seed) if seed is not None else _exact(name)
+    res = simulate(pt, _router(router), ClusterConfig(replicas=4, capacity_tokens=cap,
+                                                      time_scale=scale), bound=False)
+    return job, (res.hit_rate, res.ttft_p99_s, res.ttft_mean_s, res.imbalance_prefill)
+
+
+@cache
+def _exact(name: str) -> PreparedTrace:
+    return PreparedTrace(_trace(name), 512)
+
+
+def placement(k: int, json_path: Path) -> int:
+    """kvheat's new-prefix placement, two hashed choices against one (and sglang-like), on
+    each trace and K variants of it, at three traffic rates."""
+    from concurrent.futures import ProcessPoolExecutor
+    from statistics import mean, median, stdev
+
+    names = ["mooncake_conversation_part1.jsonl", "mooncake_synthetic_trace.jsonl"]
+    if not all((TRACES / n).exists() for n in names):
+        print(f"the Mooncake traces are not in {TRACES}: nothing to do")
+        return 0
+    caps, scales = [250_000, 1_000_000, 2_500_000], [0.5, 1.0, 2.0]
+    routers = ("kvheat", "kvheat-1", "sglang-like")
+    seeds: list[int | None] = [None, *range(k)]
+    jobs = [(n, c, s, x, r) for n in names for s in seeds for c in caps for x in scales
+            for r in routers]
+    with ProcessPoolExecutor(min(2, os.cpu_count() or 1)) as ex:
+        got = dict(ex.map(_timed, jobs, chunksize=len(caps) * len(scales) * len(routers)))
+    rows = []
+    print(f"{'trace':14} {'C':>6} {'rate':>5}  {'vs':11} hit diff (points) mean ± se   "
+          f"TTFT P99 ratio median [min, max]   TTFT mean ratio median")
+    for n in names:
+        for c in caps:
+            for x in scales:
+                base = [got[(n, c, s, x, "kvheat")] for s in seeds]
+                for other in routers[1:]:
+                    o = [got[(n, c, s, x, other)] for s in seeds]
+                    d = [100 * (a[0] - b[0]) for a, b in zip(base, o)]
+                    p99 = [a[1] / b[1] for a, b in zip(base, o)]
+                    avg = [a[2] / b[2] for a, b in zip(base, o)]
+                    rows.append({"trace": n, "capacity_tokens": c, "time_scale": x,
+                                 "against": other, "variants": k, "hit_diff_points": d,
+                                 "ttft_p99_ratio": p99, "ttft_mean_ratio": avg,
+                                 "kvheat_prefill_imbalance": [a[3] for a in base],
+                                 "other_prefill_imbalance": [b[3] for b in o]})
+                    print(f"{n[9:23]:14} {c / 1e6:>5g}M {1 / x:>4g}x  {other:11} "
+                          f"{mean(d):+.2f} ± {stdev(d) / len(d) ** 0.5:.2f}   "
+                          f"{median(p99):.2f} [{min(p99):.2f}, {max(p99):.2f}]   "
+                          f"{median(avg):.2f}", flush=True)
+    out = json.loads(json_path.read_text()) if json_path.exists() else {}
+    out["placement"] = rows
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(out, indent=2) + "\n")
+    png = json_path.with_name("cluster_placement.png")
+    plot_placement(rows, png)
+    print(f"wrote {json_path} and {png}")
+    return 0
+
+
+def plot_placement(rows: list[dict], path: Path) -> None:
+    """kvheat's modelled TTFT P99 over the other's, per trace, size and rate: the median
+    over the variants, the bar from the lowest to the highest."""
+    from statistics import median
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(dict.fromkeys(r["trace"] for r in rows))
+    fig, axes = plt.subplots(1, len(traces), figsize=(6.5 * len(traces), 4), sharey=True)
+    for ax, t in zip(list(getattr(axes, "flat", [axes])), traces):
+        cells = list(dict.fromkeys((r["capacity_tokens"], r["time_scale"])
+                                   for r in rows if r["trace"] == t))
+        for k, (other, color) in enumerate((("kvheat-1", "tab:blue"),
+                                            ("sglang-like", "tab:red"))):
+            sel = {(r["capacity_tokens"], r["time_scale"]): r["ttft_p99_ratio"]
+                   for r in rows if r["trace"] == t and r["against"] == other}
+            xs = [i + (k - 0.5) * 0.35 for i in range(len(cells))]
+            med = [median(sel[c]) for c in cells]
+            lo = [m - min(sel[c]) for m, c in zip(med, cells)]
+            hi = [max(sel[c]) - m for m, c in zip(med, cells)]
+            label = "against one choice" if other == "kvheat-1" else "against sglang-like"
+            ax.bar(xs, med, 0.35, yerr=[lo, hi], color=color, capsize=2, label=label)
+        ax.axhline(1.0, color="gray", lw=1, ls=":")
+        ax.set_xticks(range(len(cells)))
+        ax.set_xticklabels([f"{c / 1e6:g}M\n{1 / x:g}x rate" for c, x in cells], fontsize=8)
+        ax.set_title(t.replace(".jsonl", ""), fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes_list = list(getattr(axes, "flat", [axes]))
+    axes_list[0].set_ylabel("kvheat's modelled TTFT P99 / other's")
+    axes_list[0].legend(fontsize=8)
+    fig.suptitle("kvheat with two choices for new prefixes: TTFT P99 ratio (median, range "
+                 "over the trace and its variants; below 1 is faster)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from kvheat.router.policy import (
     RouteRequest,
     SglangLike,
     rendezvous,
+    rendezvous_order,
 )
 from kvheat.router.simulate import ClusterConfig, simulate
 
@@ -221,6 +222,29 @@ def test_kvheat_new_prefixes_shard_by_hash_and_go_home_after_eviction() -> None:
     d = pol.choose(rreq(p), states("a", "b", "c"))
     assert d.replica == first.replica and d.mode == "home"
 
+
+
+def test_kvheat_new_prefix_goes_to_the_less_queued_of_its_two_hashed_replicas() -> None:
+    names = ["a", "b", "c", "d"]
+    ix = PrefixIndex()
+    for n in names:
+        ix.add_replica(n)
+    p = keys(4, 11)
+    order = rendezvous_order(p[0], names, 4)
+    assert order[0] == rendezvous(p[0], names) and sorted(order) == [0, 1, 2, 3]
+    two = KVHeatRouting(ix)
+    one = KVHeatRouting(ix, KVHeatRoutingConfig(shard_choices=1))
+    reps = states(*names)
+    assert two.choose(rreq(p), reps).replica == order[0]  # idle: the hash alone
+    reps[order[0]].pending_prefill = 5_000
+    d = two.choose(rreq(p), reps)
+    assert d.replica == order[1] and d.mode == "shard"
+    assert one.choose(rreq(p), reps).replica == order[0]
+    # Never beyond its two: the other two replicas idle, the less queued of the two.
+    reps[order[1]].pending_prefill = 9_000
+    assert two.choose(rreq(p), reps).replica == order[0]
+    with pytest.raises(ValueError, match="shard_choices"):
+        KVHeatRoutingConfig(shard_choices=0)
 
 # ---- the simulation ------------------------------------------------------------------------
 @pytest.fixture(scope="module")

@@ -64,8 +64,9 @@ class KVHeatRouter:
     def __init__(self, config: RouterConfig, span_exporter: Any = None) -> None:
         self.config = config
         self.index = PrefixIndex()
-        kw = {"overload_guard": True} if config.overload_guard and config.policy == "kvheat" \
-            else {}
+        kw: dict[str, object] = {"overload_guard": config.overload_guard,
+                                 "shard_choices": config.shard_choices} \
+            if config.policy == "kvheat" else {}
         self.policy: RoutingPolicy = make_router(config.policy, self.index, **kw)
         self.metrics = RouterMetrics()
         self.tracing = Tracing(config.otlp_endpoint, span_exporter, service_name="kvheat-router")

@@ -40,6 +40,9 @@ from .policy import POLICIES
 @click.option("--overload-guard", is_flag=True,
               help="kvheat policy: leave a cached replica whose queue makes the wait there "
                    "1/(1-utilisation)^2 times the wait elsewhere (lower P99, fewer hits).")
+@click.option("--shard-choices", type=click.IntRange(min=1), default=2, show_default=True,
+              help="kvheat policy: a new prefix goes to the least queued of the first N "
+                   "replicas its key hashes to (1: the hash alone).")
 @click.option("--admin-token", envvar="KVHEAT_ROUTER_ADMIN_TOKEN", default=None,
               help="Bearer token of the admin API (replicas join and leave); off when unset.")
 @click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
@@ -50,6 +53,7 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                   model: str | None, family: str, config_path: str | None, block_size: int,
                   host: str, port: int, health_interval_s: float, read_timeout_s: float,
                   max_attempts: int, no_prewarm: bool, overload_guard: bool,
+                  shard_choices: int,
                   admin_token: str | None,
                   otlp_endpoint: str | None, log_level: str) -> None:
     """Route OpenAI requests to replicas by a global prefix index fed by their KV events."""
@@ -73,6 +77,7 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                            discover=discover, health_interval_s=health_interval_s,
                            read_timeout_s=read_timeout_s, max_attempts=max_attempts,
                            prewarm=not no_prewarm, overload_guard=overload_guard,
+                           shard_choices=shard_choices,
                            admin_token=admin_token,
                            otlp_endpoint=otlp_endpoint)
     except RouterConfigError as e:

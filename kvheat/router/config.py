@@ -88,6 +88,7 @@ class RouterConfig:
     max_body_bytes: int = 8 << 20
     prewarm: bool = True  # send hot prefixes to replicas that lack them
     overload_guard: bool = False  # kvheat policy: leave an overloaded affinity replica
+    shard_choices: int = 2  # kvheat policy: a new prefix to the less queued of this many
     admin_token: str | None = None
     otlp_endpoint: str | None = None
 
@@ -95,9 +96,10 @@ class RouterConfig:
         if self.policy not in POLICIES:
             raise RouterConfigError(f"unknown policy {self.policy!r}; known: "
                                     f"{', '.join(POLICIES)}")
-        if self.block_size < 1 or self.health_failures < 1 or self.max_attempts < 1:
-            raise RouterConfigError("block_size, health_failures and max_attempts must be "
-                                    "positive")
+        if self.block_size < 1 or self.health_failures < 1 or self.max_attempts < 1 or \
+                self.shard_choices < 1:
+            raise RouterConfigError("block_size, health_failures, max_attempts and "
+                                    "shard_choices must be positive")
         if not 0 < self.health_interval_s <= 60 or self.connect_timeout_s <= 0 or \
                 self.read_timeout_s <= 0:
             raise RouterConfigError("health_interval_s must be in (0, 60] and timeouts "

@@ -111,12 +111,13 @@ class LeastLoad(RoutingPolicy):
 def rendezvous(key: bytes, names: Sequence[str]) -> int:
     """Highest-random-weight hashing: the index of `key`'s replica among `names`; a
     replica leaving moves only its own keys."""
-    best, best_w = 0, b""
-    for i, n in enumerate(names):
-        w = hashlib.blake2b(key + n.encode(), digest_size=8).digest()
-        if w > best_w:
-            best, best_w = i, w
-    return best
+    return rendezvous_order(key, names, 1)[0]
+
+
+def rendezvous_order(key: bytes, names: Sequence[str], k: int) -> list[int]:
+    """The indices of `key`'s first `k` replicas among `names`, by rendezvous weight."""
+    w = [hashlib.blake2b(key + n.encode(), digest_size=8).digest() for n in names]
+    return sorted(range(len(names)), key=w.__getitem__, reverse=True)[:k]
 
 
 class PrefixHash(RoutingPolicy):
@@ -203,21 +204,26 @@ class KVHeatRoutingConfig:
     # is at most (1 + this) x the mean (the bound the balance target leaves, with room).
     balance_slack: float = 0.1
     # Leave an overloaded affinity replica (see KVHeatRouting). Off by default: on the
-    # Mooncake traces it cut the modelled P99 TTFT by 3-19% and cost 0.03-0.9 points of
-    # hit rate (docs/cluster.md); the placement of new prefixes by work already keeps
-    # queues even, and a hot prefix never pins traffic to one replica.
+    # Mooncake traces it cut the modelled P99 TTFT by 0-21% more and moved the hit rate by
+    # -0.7 to +0.5 points (docs/cluster.md); the placement of new prefixes by work and
+    # queue already keeps queues even, and a hot prefix never pins traffic to one replica.
     overload_guard: bool = False
     # The regime: hashing spreads load only over many more routing keys than replicas
     # (perplexity 2**H at least this x N); fewer, and new prefixes go by work instead.
     shard_keys_per_replica: float = 16.0
+    # A new prefix goes to the least-queued of the first this-many replicas its routing
+    # key hashes to (the power of two choices: most of the queue imbalance of one random
+    # choice goes, and a prefix still lands on one of two replicas before its events
+    # arrive). 1: the first only.
+    shard_choices: int = 2
 
     def __post_init__(self) -> None:
         if not (0 <= self.local_tier_efficiency <= 1 and 0 <= self.shared_tier_efficiency <= 1):
             raise ValueError("tier efficiencies are shares in [0, 1]")
         if self.window_per_replica < 1 or self.balance_slack < 0 or \
-                self.shard_keys_per_replica <= 0:
-            raise ValueError("window_per_replica >= 1, balance_slack >= 0 and "
-                             "shard_keys_per_replica > 0")
+                self.shard_keys_per_replica <= 0 or self.shard_choices < 1:
+            raise ValueError("window_per_replica >= 1, balance_slack >= 0, "
+                             "shard_keys_per_replica > 0 and shard_choices >= 1")
 
 
 class PrefixHeat:
@@ -274,9 +280,9 @@ class KVHeatRouting(RoutingPolicy):
        the replica that held this prefix last (its eviction policy remembers it, the
        index keeps recent evictions) if any; else, when the routing keys are many (high
        entropy), rendezvous hashing of the routing key over the replicas within the
-       work bound, so a prefix goes to one replica even before its events arrive; when
-       they are few (low entropy, hashing cannot spread them), the replica with the
-       least recent routed prefill work.
+       work bound, the less queued of its first two, so a prefix goes to one of two
+       replicas even before its events arrive; when they are few (low entropy, hashing
+       cannot spread them), the replica with the least recent routed prefill work.
     """
 
     name = "kvheat"
@@ -331,7 +337,8 @@ class KVHeatRouting(RoutingPolicy):
                                          self.work.get(names[t], 0.0)))
             mode = "affinity"
         else:
-            j, mode = self._place_new(req, matches, names, head, regime)
+            pending = [replicas[i].pending_prefill for i in ok]
+            j, mode = self._place_new(req, matches, names, pending, head, regime)
         if cfg.overload_guard:
             # A hit is worth waiting for, up to a point: leave the affinity replica when
             # the request's time to first token there (its queue, then its misses) is more
@@ -348,7 +355,7 @@ class KVHeatRouting(RoutingPolicy):
                         regime, saved)
 
     def _place_new(self, req: RouteRequest, matches: list[Match], names: list[str],
-                   head: int, regime: str) -> tuple[int, str]:
+                   pending: list[float], head: int, regime: str) -> tuple[int, str]:
         recent = max(m.recent_blocks for m in matches)
         work = [self.work.get(n, 0.0) for n in names]
         if recent > head:  # it lived somewhere lately: back there
@@ -357,7 +364,10 @@ class KVHeatRouting(RoutingPolicy):
         if regime == "high" and head < len(req.keys):
             bound = (1.0 + self.config.balance_slack) * sum(work) / len(work)
             within = [t for t in range(len(names)) if work[t] <= bound] or list(range(len(names)))
-            return within[rendezvous(req.keys[head], [names[t] for t in within])], "shard"
+            first = rendezvous_order(req.keys[head], [names[t] for t in within],
+                                     self.config.shard_choices)
+            # min keeps the first on ties: an idle cluster shards by the hash alone
+            return within[min(first, key=lambda o: pending[within[o]])], "shard"
         return min(range(len(names)), key=lambda t: work[t]), "balance"
 
     def _observe_busy(self, replicas: Sequence[ReplicaState], ok: list[int]) -> None:
