@@ -315,3 +315,15 @@ def test_index_tracks_a_real_cache() -> None:
         mgr.allocate(r)
         mgr.free(r)
     assert set(ix.masks[DEVICE]) == set(mgr.cached)
+
+
+def test_router_config_passes_shard_choices_to_the_policy() -> None:
+    from kvheat.router.app import KVHeatRouter
+    from kvheat.router.config import ReplicaSpec, RouterConfig, RouterConfigError
+
+    spec = [ReplicaSpec("http://127.0.0.1:1")]
+    for n in (1, 3):
+        pol = KVHeatRouter(RouterConfig(replicas=spec, shard_choices=n)).policy
+        assert isinstance(pol, KVHeatRouting) and pol.config.shard_choices == n
+    with pytest.raises(RouterConfigError, match="shard_choices"):
+        RouterConfig(replicas=spec, shard_choices=0)
