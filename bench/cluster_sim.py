@@ -262,13 +262,14 @@ def placement(k: int, json_path: Path) -> int:
                     d = [100 * (a[0] - b[0]) for a, b in zip(base, o)]
                     p99 = [a[1] / b[1] for a, b in zip(base, o)]
                     avg = [a[2] / b[2] for a, b in zip(base, o)]
+                    se = stdev(d) / len(d) ** 0.5 if len(d) > 1 else 0.0
                     rows.append({"trace": n, "capacity_tokens": c, "time_scale": x,
                                  "against": other, "variants": k, "hit_diff_points": d,
                                  "ttft_p99_ratio": p99, "ttft_mean_ratio": avg,
                                  "kvheat_prefill_imbalance": [a[3] for a in base],
                                  "other_prefill_imbalance": [b[3] for b in o]})
                     print(f"{n[9:23]:14} {c / 1e6:>5g}M {1 / x:>4g}x  {other:11} "
-                          f"{mean(d):+.2f} ± {stdev(d) / len(d) ** 0.5:.2f}   "
+                          f"{mean(d):+.2f} ± {se:.2f}   "
                           f"{median(p99):.2f} [{min(p99):.2f}, {max(p99):.2f}]   "
                           f"{median(avg):.2f}", flush=True)
     out = json.loads(json_path.read_text()) if json_path.exists() else {}
