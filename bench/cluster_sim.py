@@ -88,9 +88,8 @@ def main() -> int:
         plot([{"trace": t, "results": [r for r in grid if r["trace"] == t]} for t in traces],
              args.plot)
         return 0
-    names = ["mooncake_conversation_part1.jsonl", "mooncake_synthetic_trace.jsonl"]
-    if not all((TRACES / n).exists() for n in names):
-        print(f"the Mooncake traces are not in {TRACES}: nothing to do")
+    names = list(NAMES)
+    if not _have_traces():
         return 0
     if args.quick:
         names = names[:1]
@@ -99,7 +98,7 @@ def main() -> int:
     out: dict = {"grid": [], "time_scales": [], "shared": [], "spread": []}
     summaries = []
     for name in names:
-        pt = PreparedTrace(load_trace(TRACES / name), 512)
+        pt = _variant(name, None)
         results = []
         for cap in caps:
             for r in [*routers, "kvheat+guard"]:
@@ -152,11 +151,41 @@ def main() -> int:
     return 0
 
 
+NAMES = ("mooncake_conversation_part1.jsonl", "mooncake_synthetic_trace.jsonl")
+
+
+def _have_traces() -> bool:
+    if all((TRACES / n).exists() for n in NAMES):
+        return True
+    print(f"the Mooncake traces are not in {TRACES}: nothing to do")
+    return False
+
+
 @cache
-def _variant(name: str, seed: int) -> PreparedTrace:
-    """The trace less 3% of its requests, drawn with `seed` (once per worker process)."""
+def _variant(name: str, seed: int | None) -> PreparedTrace:
+    """The trace less 3% of its requests, drawn with `seed` (once per worker process);
+    seed None: the trace itself."""
+    if seed is None:
+        return PreparedTrace(_trace(name), 512)
     rng = random.Random(1000 + seed)
     return PreparedTrace([r for r in _trace(name) if rng.random() >= 0.03], 512)
+
+
+def _in_parallel(fn, jobs: list, chunksize: int = 1) -> dict:
+    """job -> result, over the machine's cores (at most 2: the machine's, and the traces'
+    memory per worker)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(min(2, os.cpu_count() or 1)) as ex:
+        return dict(ex.map(fn, jobs, chunksize=chunksize))
+
+
+def _merge_json(json_path: Path, key: str, rows: list[dict]) -> None:
+    """Write `rows` under `key` of the JSON report, keeping its other parts."""
+    out = json.loads(json_path.read_text()) if json_path.exists() else {}
+    out[key] = rows
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 @cache
@@ -174,18 +203,15 @@ def _one(job: tuple[str, int, int, str]) -> tuple[tuple[str, int, int, str], tup
 
 def perturbed(k: int, json_path: Path) -> int:
     """kvheat against sglang-like on K perturbed copies of each trace (see the docstring)."""
-    from concurrent.futures import ProcessPoolExecutor
     from statistics import mean, stdev
 
-    names = ["mooncake_conversation_part1.jsonl", "mooncake_synthetic_trace.jsonl"]
-    if not all((TRACES / n).exists() for n in names):
-        print(f"the Mooncake traces are not in {TRACES}: nothing to do")
+    names = list(NAMES)
+    if not _have_traces():
         return 0
     caps = [250_000, 1_000_000, 2_500_000]
     jobs = [(n, c, s, r) for n in names for c in caps for s in range(k)
             for r in ("kvheat", "sglang-like")]
-    with ProcessPoolExecutor(min(2, os.cpu_count() or 1)) as ex:
-        got = dict(ex.map(_one, jobs))
+    got = _in_parallel(_one, jobs)
     rows = []
     print(f"{'trace':14} {'C':>6}  kvheat - sglang-like (points): mean ± se [min, max]  "
           f"kvheat ahead  kvheat of bound mean [min, max]  prefill max/mean kvheat / sglang")
@@ -206,10 +232,7 @@ def perturbed(k: int, json_path: Path) -> int:
                   f"{max(d):+.2f}]  {sum(x > 0 for x in d):>3}/{k}  {mean(ob):.1f}% "
                   f"[{min(ob):.1f}, {max(ob):.1f}]  {mean(r[2] for r in kv):.2f} / "
                   f"{mean(r[2] for r in sg):.2f}", flush=True)
-    out = json.loads(json_path.read_text()) if json_path.exists() else {}
-    out["perturbed"] = rows
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(out, indent=2) + "\n")
+    _merge_json(json_path, "perturbed", rows)
     print(f"wrote {json_path}")
     return 0
 
@@ -222,34 +245,25 @@ def _router(name: str):
 
 def _timed(job: tuple[str, int, int | None, float, str]) -> tuple[tuple, tuple[float, ...]]:
     name, cap, seed, scale, router = job
-    pt = _variant(name, seed) if seed is not None else _exact(name)
-    res = simulate(pt, _router(router), ClusterConfig(replicas=4, capacity_tokens=cap,
+    res = simulate(_variant(name, seed), _router(router), ClusterConfig(replicas=4, capacity_tokens=cap,
                                                       time_scale=scale), bound=False)
     return job, (res.hit_rate, res.ttft_p99_s, res.ttft_mean_s, res.imbalance_prefill)
-
-
-@cache
-def _exact(name: str) -> PreparedTrace:
-    return PreparedTrace(_trace(name), 512)
 
 
 def placement(k: int, json_path: Path) -> int:
     """kvheat's new-prefix placement, two hashed choices against one (and sglang-like), on
     each trace and K variants of it, at three traffic rates."""
-    from concurrent.futures import ProcessPoolExecutor
     from statistics import mean, median, stdev
 
-    names = ["mooncake_conversation_part1.jsonl", "mooncake_synthetic_trace.jsonl"]
-    if not all((TRACES / n).exists() for n in names):
-        print(f"the Mooncake traces are not in {TRACES}: nothing to do")
+    names = list(NAMES)
+    if not _have_traces():
         return 0
     caps, scales = [250_000, 1_000_000, 2_500_000], [0.5, 1.0, 2.0]
     routers = ("kvheat", "kvheat-1", "sglang-like")
     seeds: list[int | None] = [None, *range(k)]
     jobs = [(n, c, s, x, r) for n in names for s in seeds for c in caps for x in scales
             for r in routers]
-    with ProcessPoolExecutor(min(2, os.cpu_count() or 1)) as ex:
-        got = dict(ex.map(_timed, jobs, chunksize=len(caps) * len(scales) * len(routers)))
+    got = _in_parallel(_timed, jobs, chunksize=len(caps) * len(scales) * len(routers))
     rows = []
     print(f"{'trace':14} {'C':>6} {'rate':>5}  {'vs':11} hit diff (points) mean ± se   "
           f"TTFT P99 ratio median [min, max]   TTFT mean ratio median")
@@ -272,10 +286,7 @@ def placement(k: int, json_path: Path) -> int:
                           f"{mean(d):+.2f} ± {se:.2f}   "
                           f"{median(p99):.2f} [{min(p99):.2f}, {max(p99):.2f}]   "
                           f"{median(avg):.2f}", flush=True)
-    out = json.loads(json_path.read_text()) if json_path.exists() else {}
-    out["placement"] = rows
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(out, indent=2) + "\n")
+    _merge_json(json_path, "placement", rows)
     png = json_path.with_name("cluster_placement.png")
     plot_placement(rows, png)
     print(f"wrote {json_path} and {png}")
