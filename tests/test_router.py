@@ -173,6 +173,18 @@ def test_sglang_like_follows_its_thresholds() -> None:
     assert sg.choose(rreq(long), reps).replica == 1
 
 
+def test_sglang_like_names_the_first_holder_on_a_tie() -> None:
+    # SGLang's tree names one tenant per node, the first that held it; which replica comes
+    # first in the list (the least-loaded order) does not matter.
+    long = keys(10)
+    for first, second in (("b", "a"), ("a", "b")):
+        sg = SglangLike()
+        sg.routed(rreq(long[:6]), first)
+        sg.routed(rreq(long[:6]), second)
+        d = sg.choose(rreq(long), states("a", "b"))
+        assert d.mode == "cache" and "ab"[d.replica] == first
+
+
 def test_kvheat_affinity_hot_heads_and_the_overload_guard() -> None:
     ix = PrefixIndex()
     for n in ("a", "b"):

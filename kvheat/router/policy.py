@@ -14,9 +14,10 @@ used alike by `kvheat route` (live replicas) and by the trace simulation
   approximate tree of what was routed there (never told of evictions, pruned LRU past
   `max_tree_tokens`); when load is imbalanced (max - min in-flight > `balance_abs` and
   max > `balance_rel` x min) the least-loaded replica; else the replica with the longest
-  match if the match covers more than `cache_threshold` of the prompt, else the
-  least-loaded one. Defaults are SGLang's (0.3, 64, 1.5; its 2**26-character tree is
-  taken as 2**24 tokens).
+  match (on a tie the one that held it first) if the match covers more than
+  `cache_threshold` of the prompt, else the least-loaded one (ties: the first). Defaults
+  are SGLang's (0.3, 64, 1.5; its 2**26-character tree is taken as 2**24 tokens).
+  `bench/sglang_fidelity.py` checks it against sglang-router's own binary.
 - `kvheat`: see `KVHeatRouting`.
 """
 
@@ -147,6 +148,7 @@ class SglangLike(RoutingPolicy):
         # replica -> key -> tokens, oldest first (its approximate tree, LRU-pruned)
         self.trees: dict[str, OrderedDict[bytes, int]] = {}
         self.sizes: dict[str, int] = {}
+        self.first_holder: dict[bytes, str] = {}  # key -> the replica that held it first
 
     def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
         ok = _healthy(replicas)
@@ -155,18 +157,24 @@ class SglangLike(RoutingPolicy):
         least = ok[loads.index(lo)]  # the first of the least loaded, as SGLang's min_by_key
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
             return Decision(least, "balance")
-        best, best_tokens = least, 0
-        for i in ok:  # the longest match; on a tie the most recently used
+        best, best_tokens, best_blocks, tied = least, 0, 0, [least]
+        for i in ok:  # the longest match
             tree = self.trees.get(replicas[i].name)
             if not tree:
                 continue
-            n = 0
+            n = b = 0
             for k, t in zip(req.keys, req.block_tokens):
                 if k not in tree:
                     break
                 n += t
+                b += 1
             if n > best_tokens:
-                best, best_tokens = i, n
+                best, best_tokens, best_blocks, tied = i, n, b, [i]
+            elif n == best_tokens and n:
+                tied.append(i)
+        if len(tied) > 1:  # SGLang's tree node names one tenant: the first that held it
+            first = self.first_holder.get(req.keys[best_blocks - 1])
+            best = next((i for i in tied if replicas[i].name == first), best)
         rate = best_tokens / req.num_tokens if req.num_tokens else 0.0
         if rate > self.cache_threshold:
             return Decision(best, "cache", best_tokens)
@@ -181,14 +189,18 @@ class SglangLike(RoutingPolicy):
             else:
                 tree[k] = t
                 size += t
+                self.first_holder.setdefault(k, replica)
         while size > self.max_tree_tokens and tree:
-            _, t = tree.popitem(last=False)
+            k, t = tree.popitem(last=False)
             size -= t
+            if self.first_holder.get(k) == replica:
+                del self.first_holder[k]
         self.sizes[replica] = size
 
     def forget_replica(self, replica: str) -> None:
         self.trees.pop(replica, None)
         self.sizes.pop(replica, None)
+        self.first_holder = {k: r for k, r in self.first_holder.items() if r != replica}
 
 
 @dataclass(slots=True)
