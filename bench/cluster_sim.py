@@ -144,8 +144,8 @@ def main() -> int:
                                       "hit_rates": rates})
                 print(f"  spread {cap / 1e6:.2f}M {r:12s} "
                       + " ".join(f"{x:.2%}" for x in rates), flush=True)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    for key, rows in out.items():  # the --perturb and --placement sections stay
+        _merge_json(Path(args.json), key, rows)
     plot(summaries, args.plot)
     print(f"wrote {args.json} and {args.plot}")
     return 0
