@@ -99,8 +99,8 @@ def char_keys(text: str) -> list[int]:
 
 class Prompts:
     """Documents, a third of them new, the rest repeated by a Zipf-like weight (or, at
-    times, mostly one hot document), each with a question after it of 30 to 2,000 characters (so
-    some match less than the threshold)."""
+    times, mostly one hot document), each with a question after it of 30 to 2,000
+    characters (so some match less than the threshold)."""
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
@@ -182,8 +182,9 @@ async def _drive(args: argparse.Namespace, http: aiohttp.ClientSession, base: st
         in_flight[url] -= 1
         await asyncio.sleep(args.settle)  # the router's own bookkeeping of the finish
 
-    # The router's order of workers (its ties go to the first of the least loaded): three
-    # distinct prompts sent while the ones before are held go to its first, second, third.
+    # The router's order of workers (its ties go to the first of the least loaded): one
+    # distinct prompt per worker, each sent while the ones before are held, goes to its
+    # first, second, third worker...
     order: list[str] = []
     for _ in stubs.urls:
         p = "".join(random.Random(len(order)).choices("0123456789", k=64))
