@@ -171,7 +171,7 @@ def main() -> int:
                                       "hit_rates": rates})
                 print(f"  spread {cap / 1e6:.2f}M {r:12s} "
                       + " ".join(f"{x:.2%}" for x in rates), flush=True)
-    for key, rows in out.items():  # the --perturb and --placement sections stay
+    for key, rows in out.items():  # the --perturb, --placement and --policies sections stay
         _merge_json(Path(args.json), key, rows)
     plot(summaries, args.plot)
     print(f"wrote {args.json} and {args.plot}")
@@ -222,9 +222,14 @@ def _trace(name: str) -> list:
 
 def _one(job: tuple[str, int, int, str]) -> tuple[tuple[str, int, int, str], tuple[float, float, float]]:
     name, cap, seed, router = job
+    return job, _on_policy((name, cap, seed, "kvheat", router))[1]
+
+
+def _on_policy(job: tuple[str, int, int | None, str, str]) -> tuple[tuple, tuple[float, ...]]:
+    name, cap, seed, cache_policy, router = job
     # the bound (one cache of all the memory) is only read for kvheat's share of it
-    res = simulate(_variant(name, seed), router, ClusterConfig(replicas=4, capacity_tokens=cap),
-                   bound=router == "kvheat")
+    res = simulate(_variant(name, seed), router, ClusterConfig(
+        replicas=4, capacity_tokens=cap, cache_policy=cache_policy), bound=router == "kvheat")
     return job, (res.hit_rate, res.bound_hit_rate or 0.0, res.imbalance_prefill)
 
 
@@ -262,13 +267,6 @@ def perturbed(k: int, json_path: Path) -> int:
     _merge_json(json_path, "perturbed", rows)
     print(f"wrote {json_path}")
     return 0
-
-
-def _on_policy(job: tuple[str, int, int | None, str, str]) -> tuple[tuple, tuple[float, ...]]:
-    name, cap, seed, cache_policy, router = job
-    res = simulate(_variant(name, seed), router, ClusterConfig(
-        replicas=4, capacity_tokens=cap, cache_policy=cache_policy), bound=router == "kvheat")
-    return job, (res.hit_rate, res.bound_hit_rate or 0.0, res.imbalance_prefill)
 
 
 def policies(k: int, json_path: Path) -> int:
