@@ -234,6 +234,65 @@ def test_a_client_that_leaves_mid_stream_frees_its_replica(cluster) -> None:
         s.wait_idle()
 
 
+def _leave_mid_stream(rt: Routed, key: str, msgs: list[dict[str, str]]) -> None:
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 64, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    with httpx.stream("POST", rt.base + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 1:
+                break
+
+
+def _two_turns(rt: Routed, key: str, opening: str, stream_first: bool, leave: bool,
+               results: list[tuple[str, list[dict[str, str]], str]]) -> None:
+    """A two-turn conversation through the router; with `leave`, the second turn is first
+    asked and abandoned midway, then asked again."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening}]
+    text, _ = chat(rt.client(key), msgs, stream=stream_first)
+    results.append((key, list(msgs), text))
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "and then?"}]
+    if leave:
+        _leave_mid_stream(rt, key, msgs)
+    results.append((key, msgs, chat(rt.client(key), msgs, stream=not stream_first)[0]))
+
+
+def test_tenants_streams_cancels_and_admin_actions_together(cluster) -> None:
+    """Three rounds of six concurrent two-turn conversations from two tenants, streamed and
+    not, a third of them leaving a stream midway and asking again, while the admin API
+    takes a replica out and puts it back: every answer is the one a replica gives
+    directly (greedy), nothing fails, and every replica ends the round idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    reps, rt = cluster
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    for rnd in range(3):
+        results: list[tuple[str, list[dict[str, str]], str]] = []
+        out = reps[rnd % 3].base
+        with ThreadPoolExecutor(6) as pool:
+            done = [pool.submit(_two_turns, rt, ("sk-acme", "sk-globex")[i % 2],
+                                f"round {rnd}, conversation {i}", i % 2 == 0, i % 3 == 2,
+                                results) for i in range(6)]
+            assert httpx.delete(rt.base + "/admin/replicas", params={"url": out},
+                                headers=auth).status_code == 200
+            time.sleep(0.2)
+            assert httpx.post(rt.base + "/admin/replicas", json={"url": out},
+                              headers=auth).status_code == 201
+            for f in done:
+                f.result(timeout=120)  # raises what the conversation raised
+        assert len(results) == 12 and all(text for _, _, text in results)
+        back = rt.router.replicas[out]
+        assert wait_for(lambda back=back: back.events is not None)
+        assert wait_for(lambda: all(x.state.in_flight == 0 and not x.pending
+                                    for x in rt.router.replicas.values()))
+        for s in reps:
+            s.wait_idle()
+        direct = reps[(rnd + 1) % 3]
+        for key, msgs, text in results:  # the same request to a replica, no router between
+            assert chat(direct.client(key), msgs)[0] == text, (rnd, msgs)
+
+
 def _spawn_replica() -> tuple[subprocess.Popen[bytes], str]:
     port, ev, rp = _free_port(), _free_port(), _free_port()
     proc = subprocess.Popen(
