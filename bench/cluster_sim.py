@@ -207,6 +207,14 @@ def _in_parallel(fn, jobs: list, chunksize: int = 1) -> dict:
         return dict(ex.map(fn, jobs, chunksize=chunksize))
 
 
+def _pm(d: list[float]) -> str:
+    """Mean ± standard error of the mean of paired differences (points)."""
+    from statistics import mean, stdev
+
+    se = stdev(d) / len(d) ** 0.5 if len(d) > 1 else 0.0
+    return f"{mean(d):+.2f} ± {se:.2f}"
+
+
 def _merge_json(json_path: Path, key: str, rows: list[dict]) -> None:
     """Write `rows` under `key` of the JSON report, keeping its other parts."""
     out = json.loads(json_path.read_text()) if json_path.exists() else {}
@@ -235,7 +243,7 @@ def _on_policy(job: tuple[str, int, int | None, str, str]) -> tuple[tuple, tuple
 
 def perturbed(k: int, json_path: Path) -> int:
     """kvheat against sglang-like on K perturbed copies of each trace (see the docstring)."""
-    from statistics import mean, stdev
+    from statistics import mean
 
     names = list(NAMES)
     if not _have_traces():
@@ -253,14 +261,13 @@ def perturbed(k: int, json_path: Path) -> int:
             sg = [got[(n, c, s, "sglang-like")] for s in range(k)]
             d = [100 * (a[0] - b[0]) for a, b in zip(kv, sg)]
             ob = [100 * a[0] / a[1] for a in kv]
-            se = stdev(d) / len(d) ** 0.5 if len(d) > 1 else 0.0
             row = {"trace": n, "capacity_tokens": c, "variants": k, "diff_points": d,
                    "kvheat_of_bound": ob, "kvheat_hit": [a[0] for a in kv],
                    "sglang_hit": [b[0] for b in sg],
                    "kvheat_prefill_imbalance": [a[2] for a in kv],
                    "sglang_prefill_imbalance": [b[2] for b in sg]}
             rows.append(row)
-            print(f"{n[9:23]:14} {c / 1e6:>5g}M  {mean(d):+.2f} ± {se:.2f} [{min(d):+.2f}, "
+            print(f"{n[9:23]:14} {c / 1e6:>5g}M  {_pm(d)} [{min(d):+.2f}, "
                   f"{max(d):+.2f}]  {sum(x > 0 for x in d):>3}/{k}  {mean(ob):.1f}% "
                   f"[{min(ob):.1f}, {max(ob):.1f}]  {mean(r[2] for r in kv):.2f} / "
                   f"{mean(r[2] for r in sg):.2f}", flush=True)
@@ -272,8 +279,6 @@ def perturbed(k: int, json_path: Path) -> int:
 def policies(k: int, json_path: Path) -> int:
     """kvheat against sglang-like routing over each eviction policy the replicas may run,
     on each trace and K variants: does the comparison hold whatever the replicas evict by?"""
-    from statistics import mean, stdev
-
     names = list(NAMES)
     if not _have_traces():
         return 0
@@ -292,7 +297,6 @@ def policies(k: int, json_path: Path) -> int:
                 kv = [got[(n, c, s, p, "kvheat")] for s in seeds]
                 sg = [got[(n, c, s, p, "sglang-like")] for s in seeds]
                 d = [100 * (a[0] - b[0]) for a, b in zip(kv[1:], sg[1:])]
-                se = stdev(d) / len(d) ** 0.5 if len(d) > 1 else 0.0
                 rows.append({"trace": n, "capacity_tokens": c, "cache_policy": p,
                              "variants": k, "kvheat_hit": kv[0][0], "bound_hit": kv[0][1],
                              "sglang_hit": sg[0][0], "kvheat_prefill_imbalance": kv[0][2],
@@ -302,7 +306,7 @@ def policies(k: int, json_path: Path) -> int:
                              "variant_bounds": [a[1] for a in kv[1:]]})
                 print(f"{n[9:23]:14} {c / 1e6:>5g}M {p:8}  {100 * kv[0][0]:6.2f}% "
                       f"({100 * kv[0][0] / kv[0][1]:5.1f}%) / {100 * sg[0][0]:6.2f}%   "
-                      + (f"{mean(d):+.2f} ± {se:.2f}  {sum(x > 0 for x in d)}/{k}" if d else ""),
+                      + (f"{_pm(d)}  {sum(x > 0 for x in d)}/{k}" if d else ""),
                       flush=True)
     _merge_json(json_path, "policies", rows)
     print(f"wrote {json_path}")
@@ -325,7 +329,7 @@ def _timed(job: tuple[str, int, int | None, float, str]) -> tuple[tuple, tuple[f
 def placement(k: int, json_path: Path) -> int:
     """kvheat's new-prefix placement, two hashed choices against one (and sglang-like), on
     each trace and K variants of it, at three traffic rates."""
-    from statistics import mean, median, stdev
+    from statistics import median
 
     names = list(NAMES)
     if not _have_traces():
@@ -348,14 +352,13 @@ def placement(k: int, json_path: Path) -> int:
                     d = [100 * (a[0] - b[0]) for a, b in zip(base, o)]
                     p99 = [a[1] / b[1] for a, b in zip(base, o)]
                     avg = [a[2] / b[2] for a, b in zip(base, o)]
-                    se = stdev(d) / len(d) ** 0.5 if len(d) > 1 else 0.0
                     rows.append({"trace": n, "capacity_tokens": c, "time_scale": x,
                                  "against": other, "variants": k, "hit_diff_points": d,
                                  "ttft_p99_ratio": p99, "ttft_mean_ratio": avg,
                                  "kvheat_prefill_imbalance": [a[3] for a in base],
                                  "other_prefill_imbalance": [b[3] for b in o]})
                     print(f"{n[9:23]:14} {c / 1e6:>5g}M {1 / x:>4g}x  {other:11} "
-                          f"{mean(d):+.2f} ± {se:.2f}   "
+                          f"{_pm(d)}   "
                           f"{median(p99):.2f} [{min(p99):.2f}, {max(p99):.2f}]   "
                           f"{median(avg):.2f}", flush=True)
     _merge_json(json_path, "placement", rows)
