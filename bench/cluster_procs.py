@@ -107,6 +107,9 @@ def _wait(cond: Any, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
+REPLICA_ADMIN = "cluster-bench-admin"  # the replicas' admin API (loopback only)
+
+
 @dataclass
 class Replica:
     port: int
@@ -129,7 +132,8 @@ def start_replica(r: Replica, args: argparse.Namespace, model_dir: Path, config:
            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{r.replay}",
            "--log-level", "warning"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), KVHEAT_TIER_SECRET=SECRET,
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+               KVHEAT_ADMIN_TOKEN=REPLICA_ADMIN, TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1")
     r.proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -181,7 +185,9 @@ def start_router(kind: str, port: int, replicas: list[Replica], args: argparse.N
         cmd += args.route_arg
         if kind == "kvheat-1":  # new prefixes by the hash alone (one choice)
             cmd += ["--shard-choices", "1"]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        # the replicas' admin token: kvheat route reports the cluster's entropy to them
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+                   KVHEAT_REPLICA_ADMIN_TOKEN=REPLICA_ADMIN)
     else:
         policy = "round_robin" if kind == "rr" else "cache_aware"
         cmd = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",

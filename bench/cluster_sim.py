@@ -17,9 +17,14 @@ placement is chaotic (a request dropped anywhere moves every later placement), s
 holds across the variants is what the trace says about the routers.
 
 `--policies K` replays kvheat and sglang-like routing over replicas that evict by LRU,
-LRU-K, ARC or kvheat (and kvheat with its high-entropy tier from 6 bits, `kvheat-6`), on the
-traces and K variants: whether the comparison between the routers holds whatever the
-replicas' eviction policy.
+LRU-K, ARC or kvheat (and kvheat replicas left on their own entropy regime, `kvheat/own`),
+on the traces and K variants: whether the comparison between the routers holds whatever
+the replicas' eviction policy.
+
+Router names with a suffix change who tells the replicas the cluster's entropy (see
+`ClusterConfig.regime_hints`): `kvheat` does, as `kvheat route` does; `kvheat-own` is
+kvheat routing whose replicas keep their own regime; `sglang-like+hints` is sglang-like
+routing whose replicas are told it too (an ablation: no SGLang router does).
 
 `--placement K` compares how kvheat places a new prefix, on the traces and K variants, at
 three traffic rates: the less queued of the two replicas its key hashes to (the default)
@@ -43,26 +48,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT.parent / "shared" / "traces"
 sys.path.insert(0, str(ROOT))
 
-from kvheat.cache.policy import register_policy  # noqa: E402
-from kvheat.heat.kvheat import KVHeat  # noqa: E402
-from kvheat.heat.regime import Regime  # noqa: E402
 from kvheat.replay import PreparedTrace, load_trace  # noqa: E402
 from kvheat.router import policy as P  # noqa: E402
 from kvheat.router.report import plot  # noqa: E402
 from kvheat.router.simulate import ClusterConfig, simulate  # noqa: E402
-
-
-@register_policy("kvheat-6")
-class KVHeatRegime6(KVHeat):
-    """kvheat whose high-entropy tier starts at 6 bits, not 8: a replica behind a router
-    sees a quarter of the documents, and the entropy of its keys is up to log2(4) = 2 bits
-    lower than the whole stream's (bench only: a check of that explanation)."""
-
-    name = "kvheat-6"
-
-    def __init__(self, **kw: object) -> None:
-        super().__init__(**kw)  # type: ignore[arg-type]
-        self.regime = Regime(high=6.0)
 
 
 class Renamed(P.RoutingPolicy):
@@ -87,6 +76,19 @@ def row(res, **extra) -> dict:
     d = res.as_dict()
     d.pop("per_replica", None)
     return {**d, **extra}
+
+
+def _spec(router: str) -> tuple[object, str]:
+    """A router name of this script: the policy (or factory) and who hints the regime."""
+    if router == "kvheat+guard":
+        return (lambda ix: P.make_policy("kvheat", ix, overload_guard=True)), "kvheat"
+    if router == "kvheat-1":  # new prefixes to the first hashed replica only
+        return (lambda ix: P.make_policy("kvheat", ix, shard_choices=1)), "kvheat"
+    if router.endswith("-own"):
+        return router[:-4], "none"
+    if router.endswith("+hints"):
+        return router[:-6], "all"
+    return router, "kvheat"
 
 
 def main() -> int:
@@ -128,10 +130,10 @@ def main() -> int:
         pt = _variant(name, None)
         results = []
         for cap in caps:
-            for r in [*routers, "kvheat+guard"]:
-                spec = (lambda ix: P.make_policy("kvheat", ix, overload_guard=True)) \
-                    if r == "kvheat+guard" else r
-                res = simulate(pt, spec, ClusterConfig(replicas=4, capacity_tokens=cap))
+            for r in [*routers, "kvheat+guard", "kvheat-own", "sglang-like+hints"]:
+                spec, hints = _spec(r)
+                res = simulate(pt, spec, ClusterConfig(replicas=4, capacity_tokens=cap,
+                                                       regime_hints=hints))
                 res.router = r
                 results.append(res)
                 out["grid"].append(row(res, trace=name))
@@ -165,7 +167,8 @@ def main() -> int:
                 for seed in range(4):
                     res = simulate(pt, lambda ix, r=r, seed=seed: Renamed(
                         P.make_policy(r, ix), seed), ClusterConfig(
-                        replicas=4, capacity_tokens=cap), bound=False)
+                        replicas=4, capacity_tokens=cap,
+                        regime_hints="all" if r == "kvheat" else "none"), bound=False)
                     rates.append(res.hit_rate)
                 out["spread"].append({"trace": name, "router": r, "capacity_tokens": cap,
                                       "hit_rates": rates})
@@ -235,9 +238,13 @@ def _one(job: tuple[str, int, int, str]) -> tuple[tuple[str, int, int, str], tup
 
 def _on_policy(job: tuple[str, int, int | None, str, str]) -> tuple[tuple, tuple[float, ...]]:
     name, cap, seed, cache_policy, router = job
+    spec, hints = _spec(router)
+    if cache_policy.endswith("/own"):
+        cache_policy, hints = cache_policy[:-4], "none"
     # the bound (one cache of all the memory) is only read for kvheat's share of it
-    res = simulate(_variant(name, seed), router, ClusterConfig(
-        replicas=4, capacity_tokens=cap, cache_policy=cache_policy), bound=router == "kvheat")
+    res = simulate(_variant(name, seed), spec, ClusterConfig(
+        replicas=4, capacity_tokens=cap, cache_policy=cache_policy, regime_hints=hints),
+        bound=router == "kvheat")
     return job, (res.hit_rate, res.bound_hit_rate or 0.0, res.imbalance_prefill)
 
 
@@ -249,9 +256,9 @@ def perturbed(k: int, json_path: Path) -> int:
     if not _have_traces():
         return 0
     caps = [250_000, 1_000_000, 2_500_000]
-    jobs = [(n, c, s, r) for n in names for c in caps for s in range(k)
-            for r in ("kvheat", "sglang-like")]
-    got = _in_parallel(_one, jobs)
+    arms = ("kvheat", "sglang-like", "kvheat-own", "sglang-like+hints")
+    jobs = [(n, c, s, r) for n in names for c in caps for s in range(k) for r in arms]
+    got = _in_parallel(_one, jobs, chunksize=len(arms))
     rows = []
     print(f"{'trace':14} {'C':>6}  kvheat - sglang-like (points): mean ± se [min, max]  "
           f"kvheat ahead  kvheat of bound mean [min, max]  prefill max/mean kvheat / sglang")
@@ -259,18 +266,27 @@ def perturbed(k: int, json_path: Path) -> int:
         for c in caps:
             kv = [got[(n, c, s, "kvheat")] for s in range(k)]
             sg = [got[(n, c, s, "sglang-like")] for s in range(k)]
+            own = [got[(n, c, s, "kvheat-own")] for s in range(k)]
+            sgh = [got[(n, c, s, "sglang-like+hints")] for s in range(k)]
             d = [100 * (a[0] - b[0]) for a, b in zip(kv, sg)]
+            d_own = [100 * (a[0] - b[0]) for a, b in zip(own, sg)]
+            d_h = [100 * (a[0] - b[0]) for a, b in zip(kv, sgh)]
             ob = [100 * a[0] / a[1] for a in kv]
             row = {"trace": n, "capacity_tokens": c, "variants": k, "diff_points": d,
                    "kvheat_of_bound": ob, "kvheat_hit": [a[0] for a in kv],
                    "sglang_hit": [b[0] for b in sg],
+                   "kvheat_own_hit": [a[0] for a in own],
+                   "sglang_hints_hit": [b[0] for b in sgh],
+                   "own_diff_points": d_own, "hints_diff_points": d_h,
                    "kvheat_prefill_imbalance": [a[2] for a in kv],
                    "sglang_prefill_imbalance": [b[2] for b in sg]}
             rows.append(row)
             print(f"{n[9:23]:14} {c / 1e6:>5g}M  {_pm(d)} [{min(d):+.2f}, "
                   f"{max(d):+.2f}]  {sum(x > 0 for x in d):>3}/{k}  {mean(ob):.1f}% "
                   f"[{min(ob):.1f}, {max(ob):.1f}]  {mean(r[2] for r in kv):.2f} / "
-                  f"{mean(r[2] for r in sg):.2f}", flush=True)
+                  f"{mean(r[2] for r in sg):.2f}   own regime {_pm(d_own)} "
+                  f"({sum(x > 0 for x in d_own)}/{k}), both hinted {_pm(d_h)} "
+                  f"({sum(x > 0 for x in d_h)}/{k})", flush=True)
     _merge_json(json_path, "perturbed", rows)
     print(f"wrote {json_path}")
     return 0
@@ -283,7 +299,7 @@ def policies(k: int, json_path: Path) -> int:
     if not _have_traces():
         return 0
     caps = [250_000, 1_000_000, 2_500_000]
-    cache_policies = ("lru", "lruk", "arc", "kvheat", "kvheat-6")
+    cache_policies = ("lru", "lruk", "arc", "kvheat", "kvheat/own")
     seeds: list[int | None] = [None, *range(k)]
     jobs = [(n, c, s, p, r) for n in names for s in seeds for c in caps for p in cache_policies
             for r in ("kvheat", "sglang-like")]
@@ -313,16 +329,11 @@ def policies(k: int, json_path: Path) -> int:
     return 0
 
 
-def _router(name: str):
-    if name == "kvheat-1":  # new prefixes to the first hashed replica only
-        return lambda ix: P.make_policy("kvheat", ix, shard_choices=1)
-    return name
-
-
 def _timed(job: tuple[str, int, int | None, float, str]) -> tuple[tuple, tuple[float, ...]]:
     name, cap, seed, scale, router = job
-    res = simulate(_variant(name, seed), _router(router), ClusterConfig(replicas=4, capacity_tokens=cap,
-                                                      time_scale=scale), bound=False)
+    spec, hints = _spec(router)
+    res = simulate(_variant(name, seed), spec, ClusterConfig(
+        replicas=4, capacity_tokens=cap, time_scale=scale, regime_hints=hints), bound=False)
     return job, (res.hit_rate, res.ttft_p99_s, res.ttft_mean_s, res.imbalance_prefill)
 
 

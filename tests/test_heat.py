@@ -298,6 +298,53 @@ def test_kvheat_admission_penalty_stays_on_in_a_long_lived_cache() -> None:
         assert abs(pol.extension_penalty - ext) < 1e-9
 
 
+def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
+    # A cache of 8 documents reads as middling on its own; told a higher cluster entropy
+    # it takes that regime (first-seen blocks flagged) for one entropy window of its
+    # depth-1 accesses, then reads its own again. A lower report never lowers it.
+    from kvheat.heat.penalties import ONE_OFF
+
+    mgr = KVCacheManager(CacheConfig(num_blocks=4096, block_size=4),
+                         policy=make_policy("kvheat", entropy_half_life=64.0))
+    pol = mgr.policy
+    n = 0
+
+    def serve(doc: int) -> list:
+        nonlocal n
+        n += 1
+        req = mgr.make_request(str(n), [1, 2, 3, 4, 100 + doc, 5, 6, 7, n, n, n, n])
+        mgr.allocate(req, mgr.match_prefix(req))
+        blocks = list(req.blocks)
+        mgr.free(req)
+        return blocks
+
+    for i in range(200):
+        serve(i % 8)
+    assert pol.mode == "mid" and 2.5 < pol.tracker.bits() < 3.5
+    assert "cluster_entropy_bits" not in pol.stats()
+    mgr.set_cluster_entropy(9.0)
+    assert pol.stats()["cluster_entropy_bits"] == 9.0
+    last = serve(3)[-1]  # a first-seen block under a depth-1 key: charged now
+    assert pol.mode == "high" and last.rec.flags & ONE_OFF
+    for _ in range(62):
+        serve(3)
+    assert pol.mode == "high"
+    serve(3)  # the window (64 depth-1 accesses) is over: its own reading again
+    serve(3)
+    assert pol.mode in ("low", "mid") and "cluster_entropy_bits" not in pol.stats()
+    own = pol.tracker.bits()
+    assert own > 1.0
+    mgr.set_cluster_entropy(0.5)  # lower than its own (a router just started): no effect
+    serve(1)
+    assert pol.mode == "mid" and not pol._pin_roots
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError):
+            pol.set_cluster_entropy(bad)
+    off = KVHeat(regime=False)
+    off.set_cluster_entropy(9.0)  # no regime: nothing to set
+    assert off.cluster_bits is None
+
+
 def test_drift_detector_time_windows_need_min_count() -> None:
     rng = random.Random(4)
     d = DriftDetector(threshold=1.0, min_count=200, window_s=10.0)

@@ -6,12 +6,13 @@ bound on the built-in workload (and on the Mooncake traces when present)."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from kvheat.cache import CacheConfig, KVCacheManager
+from kvheat.cache import CacheConfig, KVCacheManager, make_policy
 from kvheat.cache.hashing import block_keys, root_key
 from kvheat.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvheat.replay import PreparedTrace, generate_workload, load_trace
@@ -314,6 +315,59 @@ def test_simulation_on_the_conversation_trace_at_1m() -> None:
     s = simulate(pt, "sglang-like", cfg)
     assert k.of_bound >= 0.9 and k.imbalance_prefill <= 1.25
     assert k.hit_rate > s.hit_rate and k.imbalance_prefill <= s.imbalance_prefill
+
+
+def test_replicas_of_sharded_traffic_take_the_cluster_regime() -> None:
+    # 600 documents, each kept on one of 4 replicas: each replica sees a quarter of the
+    # keys and reads about 2 bits less entropy than one cache of all the traffic, below the
+    # high tier. ClusterEntropy, fed what the router routes, reads what that one cache reads.
+    from kvheat.router.regime import ClusterEntropy
+
+    rng = random.Random(0)
+    caches = [KVCacheManager(CacheConfig(num_blocks=512, block_size=4), policy=make_policy(
+        "kvheat")) for _ in range(4)]
+    one = KVCacheManager(CacheConfig(num_blocks=2048, block_size=4), policy=make_policy("kvheat"))
+    ce = ClusterEntropy()
+    assert ce.bits() is None
+    for i in range(6000):
+        d = rng.randrange(600)
+        tokens = [1, 2, 3, 4, 10 + d, 11, 12, 13, 14 + i % 7]
+        for mgr in (caches[d % 4], one):
+            req = mgr.make_request(str(i), tokens)
+            mgr.allocate(req, mgr.match_prefix(req))
+            mgr.free(req)
+        ce.observe(req.keys)
+    own = [c.policy.tracker.bits() for c in caches]
+    assert all(6.5 < b < 7.6 for b in own) and {c.policy.mode for c in caches} == {"mid"}
+    assert one.policy.mode == "high"
+    assert ce.bits() == pytest.approx(one.policy.tracker.bits(), abs=1e-6)
+    for c in caches:
+        c.set_cluster_entropy(ce.bits())
+        req = c.make_request("next", [1, 2, 3, 4, 10, 11, 12, 13])
+        c.allocate(req, c.match_prefix(req))
+        c.free(req)
+        assert c.policy.mode == "high"
+
+
+def test_cluster_entropy_rolls_over_without_a_cold_reading() -> None:
+    # Past max_keys a fresh tracker starts; the old one answers until the fresh one has
+    # seen two windows, so the replicas are never told the entropy of a handful of keys.
+    from kvheat.router.regime import ClusterEntropy
+
+    ce = ClusterEntropy(window=16.0, max_keys=64)
+    for i in range(64):
+        ce.observe([b"root", b"k%d" % i])
+    old = ce.live
+    ce.observe([b"root"])  # no depth-1 key: not counted
+    assert old.updates == 64 and ce.answering is old
+    ce.observe([b"root", b"k64"])  # the 65th key: a fresh tracker, the old one answers
+    assert ce.live is not old and ce.answering is old and ce.live.updates == 1
+    assert ce.bits() == old.bits() > 4.0
+    for i in range(30):
+        ce.observe([b"root", b"k%d" % (65 + i)])
+    assert ce.answering is old  # 31 updates: not yet two windows
+    ce.observe([b"root", b"k95"])
+    assert ce.answering is ce.live and ce.bits() == ce.live.bits() > 4.0
 
 
 def test_index_tracks_a_real_cache() -> None:

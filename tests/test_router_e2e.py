@@ -25,6 +25,7 @@ from conftest import wait_for as poll_until
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from test_server import MODEL, SYSTEM, Served, _free_port, start, stop
 
+from kvheat.heat import Regime
 from kvheat.router.app import KVHeatRouter
 from kvheat.router.config import ReplicaSpec, RouterConfig
 from kvheat.server.config import ServerConfig, TenantConfig
@@ -367,3 +368,43 @@ def test_no_healthy_replica_is_a_503_not_a_hang() -> None:
         assert httpx.get(rt.base + "/health").status_code == 503
     finally:
         stop_router(rt)
+
+
+def test_the_router_reports_the_cluster_entropy_to_replicas_that_take_it() -> None:
+    # One replica with the admin API (the router holds its token) takes the whole traffic's
+    # entropy for its eviction regime; one without keeps its own, and still serves.
+    took = start(ServerConfig(num_blocks=256, threads=1, max_num_seqs=8, admin_token="rep"))
+    kept = start(ServerConfig(num_blocks=256, threads=1, max_num_seqs=8))
+    rt = start_router(RouterConfig(replicas=[ReplicaSpec(took.base), ReplicaSpec(kept.base)],
+                                   replica_admin_token="rep", health_interval_s=0.2))
+    try:
+        assert wait_for(lambda: all(r.healthy for r in rt.router.replicas.values()))
+        c = rt.client()
+        outs = {}
+        for i in range(8):
+            prompt = f"Document {i} of the cluster test. " + SYSTEM
+            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+            outs[prompt] = r.choices[0].text
+        bits = rt.router.cluster.bits()
+        assert bits is not None and bits > 1.0  # eight distinct depth-1 keys
+
+        def regime(s: Served) -> dict:
+            st = httpx.get(s.base + "/admin/stats", headers={"Authorization": "Bearer rep"})
+            return st.json()["arms"]["default"]["regime"]
+
+        assert wait_for(lambda: regime(took)["cluster_entropy_bits"] == round(bits, 4))
+        assert regime(took)["mode"] == Regime().classify(bits)
+        assert wait_for(lambda: rt.router.replicas[kept.base].report_failed)
+        assert not rt.router.replicas[took.base].report_failed
+        assert rt.metric("kvheat_router_cluster_entropy_bits") == pytest.approx(bits)
+        # Both still in rotation, and the same greedy answers as direct calls.
+        assert all(r.healthy for r in rt.router.replicas.values())
+        direct = openai.OpenAI(base_url=kept.base + "/v1", api_key="x", max_retries=0)
+        for prompt, text in outs.items():
+            d = direct.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                          temperature=0)
+            assert d.choices[0].text == text
+    finally:
+        stop_router(rt)
+        stop(took)
+        stop(kept)

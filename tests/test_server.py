@@ -428,6 +428,22 @@ def test_admin_api(served: Served) -> None:
                      json={"blocks": -1}).status_code == 400
     assert httpx.post(url + "/tenants/nobody/flush", headers=auth).status_code == 404
     assert httpx.post(url + "/pin", headers=auth, json={"tenant": "acme"}).status_code == 400
+    # The cluster's entropy, as `kvheat route` reports it: the kvheat arm takes the regime
+    # at once, the LRU arm has none; a bad body is a 400 and changes nothing.
+    r = httpx.put(url + "/cluster", headers=auth, json={"entropy_bits": 9.5})
+    assert r.status_code == 200 and r.json()["regime"] == {"lru": None, "heat": "high"}
+    st = httpx.get(url + "/stats", headers=auth).json()
+    assert st["arms"]["heat"]["regime"]["mode"] == "high"
+    assert st["arms"]["heat"]["regime"]["cluster_entropy_bits"] == 9.5
+    assert "regime" not in st["arms"]["lru"]
+    for bad in (b'{"entropy_bits": -1.0}', b'{"entropy_bits": NaN}', b"{}",
+                b'{"entropy_bits": 1e9}', b'{"entropy_bits": "9"}', b"[9.5]", b"{"):
+        r = httpx.put(url + "/cluster", content=bad,
+                      headers={**auth, "Content-Type": "application/json"})
+        assert r.status_code == 400, (bad, r.text)
+    assert httpx.put(url + "/cluster", json={"entropy_bits": 1.0}).status_code == 401
+    st = httpx.get(url + "/stats", headers=auth).json()
+    assert st["arms"]["heat"]["regime"]["cluster_entropy_bits"] == 9.5
 
 
 def test_quota_evicts_own_blocks_not_others() -> None:

@@ -172,6 +172,15 @@ class BlockPool:
         self.num_referenced -= released
         r.blocks = []
 
+    def set_cluster_entropy(self, bits: float) -> None:
+        """The entropy of all the traffic a router spreads over this cache and its peers,
+        for every policy here that reads an entropy regime (the shared one and each
+        tenant partition's); others ignore it."""
+        for pol in (self.policy, *self.partitions.values()):
+            fn = getattr(pol, "set_cluster_entropy", None)
+            if fn is not None:
+                fn(bits)
+
     def touch(self, blocks: Sequence[Block]) -> None:
         """Mark blocks used now (tail-first), without changing who holds them."""
         now = self.clock()

@@ -41,6 +41,12 @@ class HeatFeedback(HeatPenalties):
         self.mode = "mid"
         # The entropy window counts depth-1 accesses (about one per request), not seconds.
         self.tracker = EntropyTracker(entropy_half_life) if (regime or drift) else None
+        # The entropy of all the traffic a router spreads over this cache and others
+        # (`set_cluster_entropy`): the regime reads it, not this cache's own share of the
+        # keys, for one entropy window of depth-1 accesses after each report.
+        self.cluster_bits: float | None = None
+        self._cluster_left = 0
+        self._cluster_window = max(1, round(entropy_half_life))
         self.tuner = OnlineTuner(reuse_mult, reuse_mult / 8, reuse_mult * 8) if tune else None
         self.detector = DriftDetector(drift_window, drift_threshold, drift_window // 4) if drift else None
         self._feedback = regime or drift  # entropy regime / drift watch depth-1 keys
@@ -102,15 +108,42 @@ class HeatFeedback(HeatPenalties):
                 # `entropy_sample`-th update only (sampling the updates themselves
                 # would see fewer distinct keys and bias the entropy down).
                 self._entropy_n += 1
-                if self._entropy_n >= self.entropy_sample:
+                if self._entropy_n >= self.entropy_sample or self._cluster_left > 0:
                     self._entropy_n = 0
                     U = self.tracker.U.s  # entropy() inlined: H = ln U − V/U
                     bits = max(0.0, math.log(U) - self.tracker.V.s / U) / LN2 if U > 0 else 0.0
+                    if self._cluster_left > 0:
+                        # a shard's keys carry at most the whole traffic's entropy: the
+                        # cluster's reading raises this cache's, never lowers it
+                        self._cluster_left -= 1
+                        bits = max(bits, self.cluster_bits or 0.0)
                     mode = self.regime.classify(bits)
                     if mode != self.mode:
                         self._set_mode(mode)
             if self.detector is not None and self.detector.observe(b.key):
                 self._on_drift()
+
+    def set_cluster_entropy(self, bits: float) -> None:
+        """The entropy (bits) of the keys under the roots over all the traffic a router
+        spreads across this cache and its peers, as one cache of all of it would measure.
+
+        A router that keeps each prefix on one replica hands each cache a shard of the
+        keys, log2(replicas) bits fewer than the whole: a replica of a high-entropy
+        workload reads as middling and stops charging first-seen blocks, which one cache
+        of all the traffic would charge (docs/cluster.md). For the next entropy window of
+        this cache's depth-1 accesses the regime reads the larger of `bits` and its own
+        entropy (a router that has just started, and read few keys, cannot lower it),
+        then its own alone, so a router that stops reporting stops steering it.
+        """
+        if not math.isfinite(bits) or bits < 0:
+            raise ValueError("cluster entropy must be a finite number of bits >= 0")
+        if self.tracker is None or not self.use_regime:
+            return
+        self.cluster_bits = float(bits)
+        self._cluster_left = self._cluster_window
+        mode = self.regime.classify(max(self.tracker.bits(), self.cluster_bits))
+        if mode != self.mode:
+            self._set_mode(mode)
 
     def _set_mode(self, mode: str) -> None:
         self.mode = mode

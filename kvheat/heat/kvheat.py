@@ -291,6 +291,8 @@ class KVHeat(HeatFeedback):
             out["reuse_gap_accesses"] = self.gaps.estimate
         if self.tracker is not None:
             out["entropy_bits"] = self.tracker.bits()
+        if self._cluster_left > 0:
+            out["cluster_entropy_bits"] = self.cluster_bits  # type: ignore[assignment]
         if self.detector is not None:
             out["drifts"] = self.detector.drifts
         return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,10 @@ from .metrics import RouterMetrics
 from .policy import Decision, KVHeatRouting, NoReplica, RouteRequest, RoutingPolicy
 from .policy import make_policy as make_router
 from .proxy import Forwarder, Receive, RouterError, Send, read_body, send_error
+from .regime import ClusterEntropy
 from .replicas import Replica, ReplicaRegistry
+
+log = logging.getLogger("kvheat.router")
 
 # Request headers passed to the replica (the rest are this hop's).
 _HOP_HEADERS = frozenset({b"authorization", b"content-type", b"accept", b"x-request-id",
@@ -74,6 +78,7 @@ class KVHeatRouter:
         self.registry = ReplicaRegistry(config, self.index, self.policy, self.metrics)
         self.replicas: dict[str, Replica] = self.registry.replicas
         self.forwarder = Forwarder(self.registry, self.index, self.metrics)
+        self.cluster = ClusterEntropy()
         self._cpu = ThreadPoolExecutor(2, thread_name_prefix="kvheat-route-tok")
         self._tasks: list[asyncio.Task[Any]] = []
         self._propagator = TraceContextTextMapPropagator()
@@ -145,6 +150,7 @@ class KVHeatRouter:
                 r, rreq, decision = choice
                 t1 = time.perf_counter()
                 if attempt == 0:
+                    self.cluster.observe(rreq.keys)
                     self.maybe_prewarm(rreq, body, tokens, auth, r)
                 self._record_decision(span, r, rreq, decision, t_start if attempt == 0 else t0,
                                       t1, attempt)
@@ -251,6 +257,8 @@ class KVHeatRouter:
         self.registry.client = self.forwarder.client = client
         await self.registry.check_all()
         self._tasks.append(asyncio.create_task(self.registry.health_loop()))
+        if cfg.replica_admin_token:
+            self._tasks.append(asyncio.create_task(self._report_loop()))
         try:
             yield
         finally:
@@ -263,6 +271,26 @@ class KVHeatRouter:
             self.registry.close()
             self.tracing.shutdown()
             self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    async def _report_loop(self) -> None:
+        """Every health interval: the whole traffic's entropy to each kvheat replica in
+        rotation, for its eviction regime (kvheat/router/regime.py). A replica that does
+        not take it keeps its own regime; nothing here touches routing or health."""
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            bits = self.cluster.bits()
+            if bits is None:
+                continue
+            try:
+                self.metrics.cluster_entropy.set(bits)
+                reps = [r for r in self.replicas.values()
+                        if r.healthy and r.spec.kind == "kvheat"]
+                await asyncio.gather(*(self.registry.report_entropy(
+                    r, bits, self.config.replica_admin_token or "") for r in reps))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop outlives any one bad report
+                log.exception("cluster entropy report")
 
     def _build_api(self) -> FastAPI:
         app = FastAPI(title="kvheat route", version="0.1.0", lifespan=self._lifespan,

@@ -45,6 +45,9 @@ from .policy import POLICIES
                    "replicas its key hashes to (1: the hash alone).")
 @click.option("--admin-token", envvar="KVHEAT_ROUTER_ADMIN_TOKEN", default=None,
               help="Bearer token of the admin API (replicas join and leave); off when unset.")
+@click.option("--replica-admin-token", envvar="KVHEAT_REPLICA_ADMIN_TOKEN", default=None,
+              help="The replicas' admin token: report the whole traffic's entropy to their "
+                   "eviction regime every health check (off when unset).")
 @click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
               help="OTLP/HTTP endpoint for a span per routing decision.")
 @click.option("--log-level", default="info", show_default=True,
@@ -54,7 +57,7 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                   host: str, port: int, health_interval_s: float, read_timeout_s: float,
                   max_attempts: int, no_prewarm: bool, overload_guard: bool,
                   shard_choices: int,
-                  admin_token: str | None,
+                  admin_token: str | None, replica_admin_token: str | None,
                   otlp_endpoint: str | None, log_level: str) -> None:
     """Route OpenAI requests to replicas by a global prefix index fed by their KV events."""
     import uvicorn
@@ -78,7 +81,7 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                            read_timeout_s=read_timeout_s, max_attempts=max_attempts,
                            prewarm=not no_prewarm, overload_guard=overload_guard,
                            shard_choices=shard_choices,
-                           admin_token=admin_token,
+                           admin_token=admin_token, replica_admin_token=replica_admin_token,
                            otlp_endpoint=otlp_endpoint)
     except RouterConfigError as e:
         raise click.ClickException(str(e)) from None

@@ -90,6 +90,10 @@ class RouterConfig:
     overload_guard: bool = False  # kvheat policy: leave an overloaded affinity replica
     shard_choices: int = 2  # kvheat policy: a new prefix to the less queued of this many
     admin_token: str | None = None
+    # The replicas' admin token: with it the router reports the whole traffic's entropy
+    # to each kvheat replica (PUT /admin/cluster) every health check, for its eviction
+    # regime (kvheat/router/regime.py); without it they keep their own.
+    replica_admin_token: str | None = None
     otlp_endpoint: str | None = None
 
     def __post_init__(self) -> None:

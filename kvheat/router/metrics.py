@@ -53,6 +53,10 @@ class RouterMetrics:
                               buckets=_LATENCY, registry=r)
         self.healthy = Gauge("kvheat_router_replica_healthy", "1 when the replica is in "
                              "rotation.", ["replica"], registry=r)
+        self.cluster_entropy = Gauge("kvheat_router_cluster_entropy_bits", "Entropy of the "
+                                     "routed prompts' depth-1 keys over about 1024 requests "
+                                     "(what the replicas' eviction regime is told).",
+                                     registry=r)
         self.in_flight = Gauge("kvheat_router_replica_in_flight", "Requests in flight.",
                                ["replica"], registry=r)
         self.index_blocks = Gauge("kvheat_router_index_blocks", "Blocks the index holds per "

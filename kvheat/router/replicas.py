@@ -28,6 +28,7 @@ class Replica:
     state: ReplicaState
     block_size: int
     healthy: bool = False  # until the first health check passes
+    report_failed: bool = False  # the last cluster-entropy report was not taken
     failures: int = 0
     events: KVEventSubscriber | None = None
     pending: dict[int, float] = field(default_factory=dict)  # request -> expected prefill
@@ -142,6 +143,27 @@ class ReplicaRegistry:
                 log.warning("replica %s failed %d health checks: out of rotation", r.name,
                             r.failures)
                 r.healthy = r.state.healthy = False
+
+    async def report_entropy(self, r: Replica, bits: float, token: str) -> bool:
+        """PUT the cluster's entropy to one replica's admin API; False when it did not
+        take it (logged once per replica, never raised: a replica without the admin API,
+        or another token, keeps its own regime)."""
+        assert self.client is not None
+        try:
+            async with self.client.put(
+                    r.name + "/admin/cluster", json={"entropy_bits": round(bits, 4)},
+                    headers={"Authorization": f"Bearer {token}"},
+                    timeout=aiohttp.ClientTimeout(
+                        total=max(0.5, self.config.health_interval_s))) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if not ok and not r.report_failed:
+            log.warning("replica %s did not take the cluster entropy (admin API off, or "
+                        "another token): it keeps its own eviction regime", r.name)
+        r.report_failed = not ok
+        return ok
 
     def mark_failed(self, r: Replica) -> None:
         """A request could not reach `r`: out of rotation until a health check passes."""

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from ..cache import CacheConfig, KVCacheManager, make_policy
 from ..replay.replayer import PreparedTrace, replay
 from .index import DEVICE, SHARED_TIER, PrefixIndex
-from .policy import RouteRequest, RoutingPolicy
+from .policy import KVHeatRouting, RouteRequest, RoutingPolicy
 from .policy import make_policy as make_router
+from .regime import ClusterEntropy
 
 
 @dataclass(slots=True)
@@ -41,8 +42,14 @@ class ClusterConfig:
     prefill_tps: float = 20_000.0
     decode_tps: float = 50.0
     time_scale: float = 1.0
+    # Which routers report the cluster's entropy to the replicas' eviction regime (as
+    # `kvheat route` does, `ClusterEntropy`): "kvheat" (that router only), "all" (any,
+    # an ablation) or "none".
+    regime_hints: str = "kvheat"
 
     def __post_init__(self) -> None:
+        if self.regime_hints not in ("kvheat", "all", "none"):
+            raise ValueError("regime_hints is one of kvheat, all, none")
         if self.replicas < 1:
             raise ValueError("replicas must be at least 1")
         if self.capacity_tokens <= 0 or self.shared_tokens < 0:
@@ -187,6 +194,8 @@ def simulate(pt: PreparedTrace,
         caches.append(mgr)
     from .policy import ReplicaState
 
+    hints = ClusterEntropy() if cfg.regime_hints == "all" or (
+        cfg.regime_hints == "kvheat" and isinstance(policy, KVHeatRouting)) else None
     states = [ReplicaState(n, prefill_tps=cfg.prefill_tps) for n in names]
     free_at = [0.0] * cfg.replicas  # when each replica's prefill queue empties
     finishing: list[list[float]] = [[] for _ in names]  # finish times in flight (heaps)
@@ -207,6 +216,13 @@ def simulate(pt: PreparedTrace,
         d = policy.choose(rreq, states)
         j = d.replica
         policy.routed(rreq, names[j], d.expected_hit_tokens)
+        if hints is not None:
+            # `kvheat route` reports it every health check; here, at every request
+            hints.observe(keys)
+            bits = hints.bits()
+            if bits is not None:
+                for c in caches:
+                    c.set_cluster_entropy(bits)
         mgr = caches[j]
         tot = totals[j]
         tot.requests += 1

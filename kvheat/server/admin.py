@@ -6,6 +6,8 @@
 - PUT  /admin/tenants/{tenant}/quota     set or clear a tenant's block quota, at run time
                                          (a tenant over its new quota loses its coldest blocks)
 - POST /admin/pin, /admin/unpin          keep a prefix cached (prefilled first when needed)
+- PUT  /admin/cluster                    the entropy of the whole cluster's traffic, from
+                                         `kvheat route`, for the eviction regime
 
 Every cache operation runs on the engine thread, between steps, on every arm.
 """
@@ -25,7 +27,7 @@ from .config import TenantConfig
 from .errors import ApiError
 from .handle import Finished, RequestHandle
 from .prompts import PromptEncoder
-from .protocol import PinRequest, QuotaRequest
+from .protocol import ClusterRequest, PinRequest, QuotaRequest
 from .responses import json_response
 from .worker import EngineWorker
 
@@ -115,6 +117,11 @@ def admin_router(server: AdminHost) -> APIRouter:
                                   for t in server.tenants}
             if eng.tiers is not None:
                 out["tiers"] = eng.tiers.stats()
+            mode = getattr(c.policy, "mode", None)
+            if mode is not None:  # a policy with an entropy regime
+                heat = c.policy.stats()
+                out["regime"] = {"mode": mode, "entropy_bits": heat.get("entropy_bits"),
+                                 "cluster_entropy_bits": heat.get("cluster_entropy_bits")}
             return out
 
         arms = await on_engines(one)
@@ -158,6 +165,17 @@ def admin_router(server: AdminHost) -> APIRouter:
         return json_response({"tenant": t, "quota_blocks": body.blocks,
                       "usage_blocks": {arm: u for arm, (_c, u) in res.items()},
                       "deleted_blocks": {arm: c for arm, (c, _u) in res.items()}})
+
+    @router.put("/cluster")
+    async def cluster(body: ClusterRequest, request: Request) -> Response:
+        check(request)
+
+        def apply(eng: Any) -> str | None:
+            eng.cache.set_cluster_entropy(body.entropy_bits)
+            return getattr(eng.cache.policy, "mode", None)
+
+        modes = await on_engines(apply)
+        return json_response({"entropy_bits": body.entropy_bits, "regime": modes})
 
     @router.post("/pin")
     async def pin(body: PinRequest, request: Request) -> Response:

@@ -105,6 +105,16 @@ class PinRequest(BaseModel):
     add_generation_prompt: bool = False
 
 
+class ClusterRequest(BaseModel):
+    """`PUT /admin/cluster`, from `kvheat route`: the entropy of all the traffic it spreads
+    over this replica and its peers, for the eviction regime (`KVHeat.set_cluster_entropy`)."""
+
+    model_config = ConfigDict(strict=True)
+
+    # 64 bits: more keys than any window holds; allow_inf_nan: a NaN is a client mistake
+    entropy_bits: float = Field(..., ge=0.0, le=64.0, allow_inf_nan=False)
+
+
 class QuotaRequest(BaseModel):
     model_config = ConfigDict(strict=True)
 
