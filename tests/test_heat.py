@@ -345,6 +345,22 @@ def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
     assert off.cluster_bits is None
 
 
+def test_cluster_entropy_reaches_every_tenant_partition() -> None:
+    # A tenant with a quota has a policy of its own; the report reaches it and the shared
+    # one alike, and a policy without a regime (LRU) ignores it.
+    mgr = KVCacheManager(CacheConfig(num_blocks=256, block_size=4), policy=make_policy("kvheat"))
+    mgr.set_tenant_quota("small", 16)
+    req = mgr.make_request("a", list(range(12)), tenant="small")
+    mgr.allocate(req, mgr.match_prefix(req))
+    mgr.free(req)
+    pols = [mgr.policy, *mgr.partitions.values()]
+    assert len(pols) == 2 and all(isinstance(p, KVHeat) for p in pols)
+    mgr.set_cluster_entropy(8.5)
+    assert all(p.cluster_bits == 8.5 and p.mode == "high" for p in pols)
+    lru = KVCacheManager(CacheConfig(num_blocks=64, block_size=4), policy=make_policy("lru"))
+    lru.set_cluster_entropy(8.5)  # no regime: nothing happens, nothing raised
+
+
 def test_drift_detector_time_windows_need_min_count() -> None:
     rng = random.Random(4)
     d = DriftDetector(threshold=1.0, min_count=200, window_s=10.0)

@@ -75,8 +75,12 @@ def wait_for(cond, timeout_s: float = 20.0) -> bool:
     return poll_until(cond, timeout_s, 0.05)
 
 
+REPLICA_ADMIN = "replica-admin"  # the router reports the cluster's entropy with it
+
+
 def replica_config() -> ServerConfig:
     return ServerConfig(num_blocks=256, threads=1, max_num_seqs=8, tenants=TENANTS,
+                        admin_token=REPLICA_ADMIN,
                         kv_events_endpoint="tcp://127.0.0.1:0",
                         kv_events_replay_endpoint="tcp://127.0.0.1:0")
 
@@ -86,7 +90,8 @@ def cluster() -> Iterator[tuple[list[Served], Routed]]:
     reps = [start(replica_config()) for _ in range(3)]
     cfg = RouterConfig(replicas=[ReplicaSpec(s.base) for s in reps],
                        tenants={k: t.name for t in TENANTS for k in t.api_keys},
-                       admin_token=ADMIN, health_interval_s=0.2)
+                       admin_token=ADMIN, replica_admin_token=REPLICA_ADMIN,
+                       health_interval_s=0.2)
     rt = start_router(cfg)
     assert wait_for(lambda: all(r.healthy and r.events is not None
                                 for r in rt.router.replicas.values()))
@@ -292,6 +297,15 @@ def test_tenants_streams_cancels_and_admin_actions_together(cluster) -> None:
         direct = reps[(rnd + 1) % 3]
         for key, msgs, text in results:  # the same request to a replica, no router between
             assert chat(direct.client(key), msgs)[0] == text, (rnd, msgs)
+    # Meanwhile the router reported the cluster's entropy to every replica, the one taken
+    # out and put back included.
+    bits = rt.router.cluster.bits()
+    assert bits is not None
+    for s in reps:
+        assert wait_for(lambda s=s: httpx.get(
+            s.base + "/admin/stats", headers={"Authorization": f"Bearer {REPLICA_ADMIN}"}
+        ).json()["arms"]["default"]["regime"]["cluster_entropy_bits"] == round(
+            rt.router.cluster.bits() or 0.0, 4))
 
 
 def _spawn_replica() -> tuple[subprocess.Popen[bytes], str]:

@@ -216,8 +216,8 @@ class KVHeatRoutingConfig:
     # is at most (1 + this) x the mean (the bound the balance target leaves, with room).
     balance_slack: float = 0.1
     # Leave an overloaded affinity replica (see KVHeatRouting). Off by default: on the
-    # Mooncake traces it cut the modelled P99 TTFT by 0-21% more and moved the hit rate by
-    # -0.7 to +0.5 points (docs/cluster.md); the placement of new prefixes by work and
+    # Mooncake traces it moved the modelled P99 TTFT by -21% to +2% and the hit rate by
+    # -1.3 to +0.5 points (docs/cluster.md); the placement of new prefixes by work and
     # queue already keeps queues even, and a hot prefix never pins traffic to one replica.
     overload_guard: bool = False
     # The regime: hashing spreads load only over many more routing keys than replicas
