@@ -9,6 +9,7 @@ tie orders) for kvheat and sglang-like, so a difference can be told from noise.
     python bench/cluster_sim.py --perturb 12         # only the ensemble below
     python bench/cluster_sim.py --placement 6        # new prefixes: two choices or one
     python bench/cluster_sim.py --policies 8         # over each replica eviction policy
+    python bench/cluster_sim.py --replica-counts 8   # 2 and 8 replicas
 
 `--perturb K` replays kvheat and sglang-like on K variants of each trace, each missing 3%
 of its requests at random (seeded), and reports the paired difference of their hit rates
@@ -25,6 +26,9 @@ Router names with a suffix change who tells the replicas the cluster's entropy (
 `ClusterConfig.regime_hints`): `kvheat` does, as `kvheat route` does; `kvheat-own` is
 kvheat routing whose replicas keep their own regime; `sglang-like+hints` is sglang-like
 routing whose replicas are told it too (an ablation: no SGLang router does).
+
+`--replica-counts K` replays kvheat (told, and on its replicas' own regime) and
+sglang-like with 2 and 8 replicas of 0.25M and 1M tokens, on the traces and K variants.
 
 `--placement K` compares how kvheat places a new prefix, on the traces and K variants, at
 three traffic rates: the less queued of the two replicas its key hashes to (the default)
@@ -101,6 +105,9 @@ def main() -> int:
                     help="only the ensemble: K variants of each trace, 3%% of requests dropped")
     ap.add_argument("--placement", type=int, default=None, metavar="K",
                     help="only the placement comparison: the traces and K variants")
+    ap.add_argument("--replica-counts", type=int, default=None, metavar="K",
+                    help="only other cluster sizes: 2 and 8 replicas, kvheat (told and on "
+                         "their own regime) against sglang-like, the traces and K variants")
     ap.add_argument("--policies", type=int, default=None, metavar="K",
                     help="only the replicas' eviction policies: kvheat and sglang-like routing "
                          "over LRU, LRU-K, ARC and kvheat replicas, the traces and K variants")
@@ -109,6 +116,8 @@ def main() -> int:
         return perturbed(args.perturb, Path(args.json))
     if args.policies is not None:
         return policies(args.policies, Path(args.json))
+    if args.replica_counts is not None:
+        return replica_counts(args.replica_counts, Path(args.json))
     if args.placement is not None:
         return placement(args.placement, Path(args.json))
     if args.plot_only:
@@ -325,6 +334,56 @@ def policies(k: int, json_path: Path) -> int:
                       + (f"{_pm(d)}  {sum(x > 0 for x in d)}/{k}" if d else ""),
                       flush=True)
     _merge_json(json_path, "policies", rows)
+    print(f"wrote {json_path}")
+    return 0
+
+
+def _sized(job: tuple[str, int, int, int | None, str]) -> tuple[tuple, tuple[float, ...]]:
+    name, n, cap, seed, router = job
+    spec, hints = _spec(router)
+    res = simulate(_variant(name, seed), spec, ClusterConfig(
+        replicas=n, capacity_tokens=cap, regime_hints=hints), bound=router == "kvheat")
+    return job, (res.hit_rate, res.bound_hit_rate or 0.0, res.imbalance_prefill)
+
+
+def replica_counts(k: int, json_path: Path) -> int:
+    """kvheat against sglang-like with 2 and 8 replicas (the grid has 4), on each trace
+    and K variants: does the comparison hold at another cluster size?"""
+    from statistics import mean
+
+    names = list(NAMES)
+    if not _have_traces():
+        return 0
+    sizes, caps = (2, 8), (250_000, 1_000_000)
+    routers = ("kvheat", "kvheat-own", "sglang-like")
+    seeds: list[int | None] = [None, *range(k)]
+    jobs = [(n, m, c, s, r) for n in names for m in sizes for c in caps for s in seeds
+            for r in routers]
+    got = _in_parallel(_sized, jobs, chunksize=len(routers))
+    rows = []
+    print(f"{'trace':14} {'N':>2} {'C':>6}  on the trace: kvheat (of bound) / sglang-like   "
+          f"variants: kvheat - sglang-like, own regime - sglang-like, of bound, balance")
+    for n in names:
+        for m in sizes:
+            for c in caps:
+                kv, own, sg = ([got[(n, m, c, s, r)] for s in seeds] for r in routers)
+                d = [100 * (a[0] - b[0]) for a, b in zip(kv[1:], sg[1:])]
+                d_own = [100 * (a[0] - b[0]) for a, b in zip(own[1:], sg[1:])]
+                ob = [100 * a[0] / a[1] for a in kv[1:]]
+                rows.append({"trace": n, "replicas": m, "capacity_tokens": c, "variants": k,
+                             "kvheat_hit": kv[0][0], "bound_hit": kv[0][1],
+                             "kvheat_own_hit": own[0][0], "sglang_hit": sg[0][0],
+                             "kvheat_prefill_imbalance": kv[0][2],
+                             "sglang_prefill_imbalance": sg[0][2], "diff_points": d,
+                             "own_diff_points": d_own, "kvheat_of_bound": ob,
+                             "variant_kvheat_imbalance": [a[2] for a in kv[1:]],
+                             "variant_sglang_imbalance": [b[2] for b in sg[1:]]})
+                print(f"{n[9:23]:14} {m:>2} {c / 1e6:>5g}M  {100 * kv[0][0]:6.2f}% "
+                      f"({100 * kv[0][0] / kv[0][1]:5.1f}%) / {100 * sg[0][0]:6.2f}%   "
+                      f"{_pm(d)} ({sum(x > 0 for x in d)}/{k}), {_pm(d_own)}, "
+                      f"{mean(ob):.1f}%, {mean(a[2] for a in kv[1:]):.2f} / "
+                      f"{mean(b[2] for b in sg[1:]):.2f}", flush=True)
+    _merge_json(json_path, "replica_counts", rows)
     print(f"wrote {json_path}")
     return 0
 
