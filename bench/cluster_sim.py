@@ -245,15 +245,22 @@ def _one(job: tuple[str, int, int, str]) -> tuple[tuple[str, int, int, str], tup
     return job, _on_policy((name, cap, seed, "kvheat", router))[1]
 
 
-def _on_policy(job: tuple[str, int, int | None, str, str]) -> tuple[tuple, tuple[float, ...]]:
-    name, cap, seed, cache_policy, router = job
+def _simulate(name: str, seed: int | None, router: str, cache_policy: str = "kvheat",
+              bound: bool = True, **cfg: object):
+    """One router of this script (`_spec`) on one variant; a cache policy ending in "/own"
+    keeps its replicas on their own regime. The bound (one cache of all the memory) is
+    only computed for kvheat, whose share of it the tables read, and not without `bound`."""
     spec, hints = _spec(router)
     if cache_policy.endswith("/own"):
         cache_policy, hints = cache_policy[:-4], "none"
-    # the bound (one cache of all the memory) is only read for kvheat's share of it
-    res = simulate(_variant(name, seed), spec, ClusterConfig(
-        replicas=4, capacity_tokens=cap, cache_policy=cache_policy, regime_hints=hints),
-        bound=router == "kvheat")
+    return simulate(_variant(name, seed), spec, ClusterConfig(
+        cache_policy=cache_policy, regime_hints=hints, **cfg),  # type: ignore[arg-type]
+        bound=bound and router == "kvheat")
+
+
+def _on_policy(job: tuple[str, int, int | None, str, str]) -> tuple[tuple, tuple[float, ...]]:
+    name, cap, seed, cache_policy, router = job
+    res = _simulate(name, seed, router, cache_policy, replicas=4, capacity_tokens=cap)
     return job, (res.hit_rate, res.bound_hit_rate or 0.0, res.imbalance_prefill)
 
 
@@ -340,9 +347,7 @@ def policies(k: int, json_path: Path) -> int:
 
 def _sized(job: tuple[str, int, int, int | None, str]) -> tuple[tuple, tuple[float, ...]]:
     name, n, cap, seed, router = job
-    spec, hints = _spec(router)
-    res = simulate(_variant(name, seed), spec, ClusterConfig(
-        replicas=n, capacity_tokens=cap, regime_hints=hints), bound=router == "kvheat")
+    res = _simulate(name, seed, router, replicas=n, capacity_tokens=cap)
     return job, (res.hit_rate, res.bound_hit_rate or 0.0, res.imbalance_prefill)
 
 
@@ -390,9 +395,8 @@ def replica_counts(k: int, json_path: Path) -> int:
 
 def _timed(job: tuple[str, int, int | None, float, str]) -> tuple[tuple, tuple[float, ...]]:
     name, cap, seed, scale, router = job
-    spec, hints = _spec(router)
-    res = simulate(_variant(name, seed), spec, ClusterConfig(
-        replicas=4, capacity_tokens=cap, time_scale=scale, regime_hints=hints), bound=False)
+    res = _simulate(name, seed, router, bound=False, replicas=4, capacity_tokens=cap,
+                    time_scale=scale)
     return job, (res.hit_rate, res.ttft_p99_s, res.ttft_mean_s, res.imbalance_prefill)
 
 
