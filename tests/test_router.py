@@ -237,6 +237,39 @@ def test_kvheat_new_prefixes_shard_by_hash_and_go_home_after_eviction() -> None:
 
 
 
+def test_router_remembers_an_eviction_as_long_as_the_replica_does() -> None:
+    """A prefix evicted thousands of blocks ago is still in the kvheat replica's ghost
+    history; the router still sends it there, where it comes back as a ghost hit."""
+    from kvheat.router.simulate import _feed
+
+    ix = PrefixIndex()
+    caches = {}
+    for n in ("a", "b"):
+        ix.add_replica(n)
+        caches[n] = KVCacheManager(CacheConfig(num_blocks=1100, block_size=16),
+                                   policy=make_policy("kvheat"))
+        caches[n].index_listeners.append(_feed(ix, n))
+
+    def run(name: str, ids: list[int]) -> None:
+        mgr = caches[name]
+        req = mgr.make_hashed_request(str(ids[0]), ids, 16 * len(ids))
+        mgr.allocate(req, mgr.match_prefix(req))
+        mgr.free(req)
+
+    prefix = [1, 2, 3, 4]
+    run("a", prefix)
+    for i in range(600):  # 6,000 blocks through "a": 4.5x its capacity evicted since
+        run("a", [10_000 + 10 * i + j for j in range(10)])
+    probe = caches["a"].make_hashed_request("p", prefix, 64)
+    assert not caches["a"].match_prefix(probe)
+    d = KVHeatRouting(ix).choose(RouteRequest(probe.keys, probe.block_tokens, 64),
+                                 states("a", "b"))
+    assert (d.replica, d.mode) == (0, "home")
+    before = caches["a"].policy.ghost_hits  # type: ignore[attr-defined]
+    run("a", prefix)
+    assert caches["a"].policy.ghost_hits == before + len(prefix)  # type: ignore[attr-defined]
+
+
 def test_kvheat_new_prefix_goes_to_the_less_queued_of_its_two_hashed_replicas() -> None:
     names = ["a", "b", "c", "d"]
     ix = PrefixIndex()
