@@ -426,3 +426,26 @@ def test_router_config_passes_shard_choices_to_the_policy() -> None:
         assert isinstance(pol, KVHeatRouting) and pol.config.shard_choices == n
     with pytest.raises(RouterConfigError, match="shard_choices"):
         RouterConfig(replicas=spec, shard_choices=0)
+
+
+def test_router_ghosts_option_bounds_the_index_memory() -> None:
+    from kvheat.router.app import KVHeatRouter
+    from kvheat.router.cli import route_command
+    from kvheat.router.config import ReplicaSpec, RouterConfig, RouterConfigError
+
+    spec = [ReplicaSpec("http://127.0.0.1:1")]
+    assert KVHeatRouter(RouterConfig(replicas=spec)).index.ghost_factor == 8.0
+    assert KVHeatRouter(RouterConfig(replicas=spec, ghost_factor=0.5)).index.ghost_factor == 0.5
+    for bad in (-1.0, 65.0, float("nan")):
+        with pytest.raises(RouterConfigError, match="ghost_factor"):
+            RouterConfig(replicas=spec, ghost_factor=bad)
+    res = CliRunner().invoke(route_command, ["--replica", "http://127.0.0.1:1", "--ghosts", "-2"])
+    assert res.exit_code != 0 and "--ghosts" in res.output
+    # The multiple bounds what the index keeps: 1,024 held keys' floor x the factor.
+    for factor in (0.0, 1.0):
+        ix = PrefixIndex(ghost_factor=factor)
+        ix.add_replica("a")
+        ks = keys(3000, 5)
+        ix.stored("a", ks)
+        ix.removed("a", ks)
+        assert len(ix.ghosts) == int(factor * 1024)

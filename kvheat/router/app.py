@@ -67,7 +67,7 @@ def _error(status: int, message: str, type_: str = "invalid_request_error",
 class KVHeatRouter:
     def __init__(self, config: RouterConfig, span_exporter: Any = None) -> None:
         self.config = config
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(config.ghost_factor)
         kw: dict[str, object] = {"overload_guard": config.overload_guard,
                                  "shard_choices": config.shard_choices} \
             if config.policy == "kvheat" else {}

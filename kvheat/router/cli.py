@@ -43,6 +43,11 @@ from .policy import POLICIES
 @click.option("--shard-choices", type=click.IntRange(min=1), default=2, show_default=True,
               help="kvheat policy: a new prefix goes to the least queued of the first N "
                    "replicas its key hashes to (1: the hash alone).")
+@click.option("--ghosts", "ghost_factor", type=click.FloatRange(0, 64), default=8.0,
+              show_default=True,
+              help="Evictions the prefix index remembers, as a multiple of the blocks the "
+                   "replicas hold: a prefix evicted everywhere goes back to where it lived "
+                   "(kvheat replicas remember 8x; about 150 bytes each; 0: never).")
 @click.option("--admin-token", envvar="KVHEAT_ROUTER_ADMIN_TOKEN", default=None,
               help="Bearer token of the admin API (replicas join and leave); off when unset.")
 @click.option("--replica-admin-token", envvar="KVHEAT_REPLICA_ADMIN_TOKEN", default=None,
@@ -56,7 +61,7 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                   model: str | None, family: str, config_path: str | None, block_size: int,
                   host: str, port: int, health_interval_s: float, read_timeout_s: float,
                   max_attempts: int, no_prewarm: bool, overload_guard: bool,
-                  shard_choices: int,
+                  shard_choices: int, ghost_factor: float,
                   admin_token: str | None, replica_admin_token: str | None,
                   otlp_endpoint: str | None, log_level: str) -> None:
     """Route OpenAI requests to replicas by a global prefix index fed by their KV events."""
@@ -80,7 +85,7 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                            discover=discover, health_interval_s=health_interval_s,
                            read_timeout_s=read_timeout_s, max_attempts=max_attempts,
                            prewarm=not no_prewarm, overload_guard=overload_guard,
-                           shard_choices=shard_choices,
+                           shard_choices=shard_choices, ghost_factor=ghost_factor,
                            admin_token=admin_token, replica_admin_token=replica_admin_token,
                            otlp_endpoint=otlp_endpoint)
     except RouterConfigError as e:

@@ -89,6 +89,9 @@ class RouterConfig:
     prewarm: bool = True  # send hot prefixes to replicas that lack them
     overload_guard: bool = False  # kvheat policy: leave an overloaded affinity replica
     shard_choices: int = 2  # kvheat policy: a new prefix to the less queued of this many
+    # Evictions the index remembers, as a multiple of the blocks the replicas hold (a
+    # prefix evicted everywhere goes back to where it lived): kvheat replicas remember 8x.
+    ghost_factor: float = 8.0
     admin_token: str | None = None
     # The replicas' admin token: with it the router reports the whole traffic's entropy
     # to each kvheat replica (PUT /admin/cluster) every health check, for its eviction
@@ -104,6 +107,8 @@ class RouterConfig:
                 self.shard_choices < 1:
             raise RouterConfigError("block_size, health_failures, max_attempts and "
                                     "shard_choices must be positive")
+        if not 0 <= self.ghost_factor <= 64:  # also rejects NaN
+            raise RouterConfigError("ghost_factor must be in [0, 64]")
         if not 0 < self.health_interval_s <= 60 or self.connect_timeout_s <= 0 or \
                 self.read_timeout_s <= 0:
             raise RouterConfigError("health_interval_s must be in (0, 60] and timeouts "

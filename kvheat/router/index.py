@@ -62,7 +62,9 @@ def place_of(medium: str | None, locality: str | None) -> int:
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, ghost_factor: float = 8.0) -> None:
+        if not 0 <= ghost_factor <= 64:
+            raise ValueError("ghost_factor is a multiple of the keys held, in [0, 64]")
         self._lock = threading.Lock()
         self._bits: dict[str, int] = {}
         self._free_bits: list[int] = []
@@ -76,12 +78,13 @@ class PrefixIndex:
         self.foreign: set[str] = set()
         self.unresolved = 0  # foreign stores whose parent was unknown (not indexed)
         # Keys replicas evicted from their devices lately: key -> mask, oldest first, as
-        # many as 8x the keys held: a kvheat replica remembers its last 8x capacity
-        # evictions on average (kvheat/heat/counts.py), so a prefix sent back to where it
-        # lived finds its count there, and one elsewhere would start from nothing. (2x cost
-        # 2 replicas 0.7 points of hit rate on the conversation trace, docs/cluster.md.)
+        # many as `ghost_factor` x the keys held. 8: a kvheat replica remembers its last
+        # 8x capacity evictions on average (kvheat/heat/counts.py), so a prefix sent back
+        # to where it lived finds its count there, and one elsewhere would start from
+        # nothing. (2x cost 2 replicas 0.7 points of hit rate on the conversation trace,
+        # docs/cluster.md.) About 150 bytes a ghost.
         self.ghosts: OrderedDict[bytes, int] = OrderedDict()
-        self.ghost_factor = 8
+        self.ghost_factor = ghost_factor
         # Keys of requests routed and not finished, per replica (a count each): they count
         # as on its device until their own events arrive, so a burst on one new prefix
         # lands together. key -> mask, and (bit, key) -> requests expecting it.
@@ -238,7 +241,7 @@ class PrefixIndex:
                 ghosts[k] = ghosts.get(k, 0) | flag
                 ghosts.move_to_end(k)
         if ghosts is not None:
-            cap = self.ghost_factor * max(len(m), 1024)
+            cap = int(self.ghost_factor * max(len(m), 1024))
             while len(ghosts) > cap:
                 ghosts.popitem(last=False)
 
