@@ -10,6 +10,7 @@ tie orders) for kvheat and sglang-like, so a difference can be told from noise.
     python bench/cluster_sim.py --placement 6        # new prefixes: two choices or one
     python bench/cluster_sim.py --policies 8         # over each replica eviction policy
     python bench/cluster_sim.py --replica-counts 8   # 2 and 8 replicas
+    python bench/cluster_sim.py --names 16           # the grid under other replica names
 
 `--perturb K` replays kvheat and sglang-like on K variants of each trace, each missing 3%
 of its requests at random (seeded), and reports the paired difference of their hit rates
@@ -34,6 +35,12 @@ sglang-like with 2 and 8 replicas of 0.25M and 1M tokens, on the traces and K va
 three traffic rates: the less queued of the two replicas its key hashes to (the default)
 against the first only (`shard_choices=1`), and sglang-like beside them: the hit rate
 difference and the ratios of the modelled TTFT P99 and mean (and docs/cluster_placement.png).
+
+`--names K` replays the issue's grid (kvheat, sglang-like, prefix-hash) on the traces as they
+are with K other sets of replica names (seeded, pod-like): hashing routers place by name,
+so each set is another equally valid run of the same trace, as another deployment would
+name its pods. It reports the median and range of each router's hit rate and kvheat's
+share of the bound, and the grid's checks on the medians.
 
 Writes docs/cluster_sim.json and docs/cluster_sim.png (`--json`, `--plot`).
 """
@@ -108,12 +115,16 @@ def main() -> int:
     ap.add_argument("--replica-counts", type=int, default=None, metavar="K",
                     help="only other cluster sizes: 2 and 8 replicas, kvheat (told and on "
                          "their own regime) against sglang-like, the traces and K variants")
+    ap.add_argument("--names", type=int, default=None, metavar="K",
+                    help="only the grid under K other sets of replica names, on the traces")
     ap.add_argument("--policies", type=int, default=None, metavar="K",
                     help="only the replicas' eviction policies: kvheat and sglang-like routing "
                          "over LRU, LRU-K, ARC and kvheat replicas, the traces and K variants")
     args = ap.parse_args()
     if args.perturb:
         return perturbed(args.perturb, Path(args.json))
+    if args.names is not None:
+        return renamed(args.names, Path(args.json))
     if args.policies is not None:
         return policies(args.policies, Path(args.json))
     if args.replica_counts is not None:
@@ -191,6 +202,7 @@ def main() -> int:
 
 
 NAMES = ("mooncake_conversation_part1.jsonl", "mooncake_synthetic_trace.jsonl")
+CAPS = (250_000, 1_000_000, 2_500_000)  # tokens per replica: the issue's grid
 
 
 def _have_traces() -> bool:
@@ -217,6 +229,12 @@ def _in_parallel(fn, jobs: list, chunksize: int = 1) -> dict:
 
     with ProcessPoolExecutor(min(2, os.cpu_count() or 1)) as ex:
         return dict(ex.map(fn, jobs, chunksize=chunksize))
+
+
+def _grid(fn, seeds, arms: tuple[str, ...]) -> dict:
+    """fn over every trace, capacity of the issue's grid, seed and arm, in parallel."""
+    jobs = [(n, c, s, r) for n in NAMES for c in CAPS for s in seeds for r in arms]
+    return _in_parallel(fn, jobs, chunksize=len(arms))
 
 
 def _pm(d: list[float]) -> str:
@@ -268,13 +286,10 @@ def perturbed(k: int, json_path: Path) -> int:
     """kvheat against sglang-like on K perturbed copies of each trace (see the docstring)."""
     from statistics import mean
 
-    names = list(NAMES)
+    names, caps = list(NAMES), list(CAPS)
     if not _have_traces():
         return 0
-    caps = [250_000, 1_000_000, 2_500_000]
-    arms = ("kvheat", "sglang-like", "kvheat-own", "sglang-like+hints")
-    jobs = [(n, c, s, r) for n in names for c in caps for s in range(k) for r in arms]
-    got = _in_parallel(_one, jobs, chunksize=len(arms))
+    got = _grid(_one, range(k), ("kvheat", "sglang-like", "kvheat-own", "sglang-like+hints"))
     rows = []
     print(f"{'trace':14} {'C':>6}  kvheat - sglang-like (points): mean ± se [min, max]  "
           f"kvheat ahead  kvheat of bound mean [min, max]  prefill max/mean kvheat / sglang")
@@ -304,6 +319,60 @@ def perturbed(k: int, json_path: Path) -> int:
                   f"({sum(x > 0 for x in d_own)}/{k}), both hinted {_pm(d_h)} "
                   f"({sum(x > 0 for x in d_h)}/{k})", flush=True)
     _merge_json(json_path, "perturbed", rows)
+    print(f"wrote {json_path}")
+    return 0
+
+
+def replica_names(seed: int, n: int = 4) -> tuple[str, ...]:
+    """`n` pod-like names, seeded (a Deployment's pods: name, hash, random suffix)."""
+    rng = random.Random(seed)
+    pod = "".join(rng.choice("0123456789abcdef") for _ in range(9))
+    return tuple(f"kvheat-{pod}-{''.join(rng.choice('bcdfghjklmnpqrstvwxz2456789') for _ in range(5))}"
+                 for _ in range(n))
+
+
+def _named(job: tuple[str, int, int | None, str]) -> tuple[tuple, tuple[float, ...]]:
+    name, cap, seed, router = job
+    names = () if seed is None else replica_names(seed)
+    res = _simulate(name, None, router, replicas=4, capacity_tokens=cap, names=names)
+    return job, (res.hit_rate, res.bound_hit_rate or 0.0, res.imbalance_prefill)
+
+
+def renamed(k: int, json_path: Path) -> int:
+    """The issue's grid on the traces as they are, under K other sets of replica names."""
+    from statistics import median
+
+    if not _have_traces():
+        return 0
+    arms = ("kvheat", "sglang-like", "prefix-hash")
+    seeds: list[int | None] = [None, *range(k)]
+    got = _grid(_named, seeds, arms)
+    rows = []
+    print(f"{'trace':14} {'C':>6}  hit rate over {k} sets of names, median [min, max]: "
+          f"kvheat | sglang-like | prefix-hash   kvheat of bound   prefill max/mean")
+    for n in NAMES:
+        for c in CAPS:
+            hit = {r: [got[(n, c, s, r)][0] for s in seeds[1:]] for r in arms}
+            bal = {r: median(got[(n, c, s, r)][2] for s in seeds[1:]) for r in arms}
+            bound = got[(n, c, None, "kvheat")][1]
+            ob = [100 * h / bound for h in hit["kvheat"]]
+            med = {r: median(hit[r]) for r in arms}
+            checks = {"of_bound": 100 * med["kvheat"] / bound >= 90.0,
+                      "balance": bal["kvheat"] <= 1.25,
+                      "beats": all(med["kvheat"] > med[r] and bal["kvheat"] <= bal[r]
+                                   for r in arms[1:])}
+            rows.append({"trace": n, "capacity_tokens": c, "name_sets": k,
+                         "bound_hit_rate": bound,
+                         "default_names": {r: got[(n, c, None, r)][0] for r in arms},
+                         "hit_rates": hit, "median_prefill_imbalance": bal,
+                         "kvheat_of_bound": ob, "checks": checks})
+            print(f"{n[9:23]:14} {c / 1e6:>5g}M  " + " | ".join(
+                f"{100 * med[r]:.2f}% [{100 * min(hit[r]):.2f}, {100 * max(hit[r]):.2f}]"
+                for r in arms) + f"   {median(ob):.1f}% [{min(ob):.1f}, {max(ob):.1f}], "
+                f"{sum(x >= 90 for x in ob)}/{k} at 90%+   " + " / ".join(
+                f"{bal[r]:.2f}" for r in arms) + "   checks " + " ".join(
+                f"{key} {'yes' if v else 'NO'}" for key, v in checks.items()), flush=True)
+    _merge_json(json_path, "names", rows)
     print(f"wrote {json_path}")
     return 0
 

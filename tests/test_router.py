@@ -238,17 +238,19 @@ def test_kvheat_new_prefixes_shard_by_hash_and_go_home_after_eviction() -> None:
 
 
 def test_router_remembers_an_eviction_as_long_as_the_replica_does() -> None:
-    """A prefix evicted thousands of blocks ago is still in the kvheat replica's ghost
-    history; the router still sends it there, where it comes back as a ghost hit."""
+    """A prefix evicted 9x the replica's capacity ago is still in its ghost history (it
+    keeps up to 10.7x); the router still sends it there, where it comes back as a ghost
+    hit. An index remembering 8x the keys held would have forgotten it."""
     from kvheat.router.simulate import _feed
 
-    ix = PrefixIndex()
+    ix, short = PrefixIndex(), PrefixIndex(ghost_factor=8.0)  # the default, 12x; 8x
     caches = {}
     for n in ("a", "b"):
-        ix.add_replica(n)
         caches[n] = KVCacheManager(CacheConfig(num_blocks=1100, block_size=16),
                                    policy=make_policy("kvheat"))
-        caches[n].index_listeners.append(_feed(ix, n))
+        for index in (ix, short):
+            index.add_replica(n)
+            caches[n].index_listeners.append(_feed(index, n))
 
     def run(name: str, ids: list[int]) -> None:
         mgr = caches[name]
@@ -258,13 +260,16 @@ def test_router_remembers_an_eviction_as_long_as_the_replica_does() -> None:
 
     prefix = [1, 2, 3, 4]
     run("a", prefix)
-    for i in range(600):  # 6,000 blocks through "a": 4.5x its capacity evicted since
-        run("a", [10_000 + 10 * i + j for j in range(10)])
+    for i in range(1100):  # 11,000 blocks through "a": 9x its capacity evicted since
+        run("a", [100_000 + 10 * i + j for j in range(10)])
     probe = caches["a"].make_hashed_request("p", prefix, 64)
     assert not caches["a"].match_prefix(probe)
     d = KVHeatRouting(ix).choose(RouteRequest(probe.keys, probe.block_tokens, 64),
                                  states("a", "b"))
     assert (d.replica, d.mode) == (0, "home")
+    forgot = KVHeatRouting(short).choose(RouteRequest(probe.keys, probe.block_tokens, 64),
+                                         states("a", "b"))
+    assert forgot.mode != "home"
     before = caches["a"].policy.ghost_hits  # type: ignore[attr-defined]
     run("a", prefix)
     assert caches["a"].policy.ghost_hits == before + len(prefix)  # type: ignore[attr-defined]
@@ -321,6 +326,21 @@ def test_simulation_with_a_shared_tier(builtin: PreparedTrace) -> None:
                                                    shared_tokens=3_000_000))
     assert shared.shared_hit_tokens > 0 and base.shared_hit_tokens == 0
     assert shared.hit_rate > base.hit_rate
+
+
+def test_simulation_under_other_replica_names(builtin: PreparedTrace) -> None:
+    # Hashing routers place by name: other names, other placements of the same trace.
+    # A router blind to names (round robin) gives the same run whatever they are.
+    cfg = ClusterConfig(replicas=3, capacity_tokens=300_000)
+    named = ClusterConfig(replicas=3, capacity_tokens=300_000, names=("pod-x", "pod-y", "pod-z"))
+    a, b = simulate(builtin, "prefix-hash", cfg), simulate(builtin, "prefix-hash", named)
+    assert [r.requests for r in a.per_replica] != [r.requests for r in b.per_replica]
+    assert sum(r.requests for r in b.per_replica) == len(builtin.trace)
+    rr = simulate(builtin, "rr", named, bound=False)
+    assert rr.hit_tokens == simulate(builtin, "rr", cfg, bound=False).hit_tokens
+    for bad in (("a", "b"), ("a", "a", "b")):
+        with pytest.raises(ValueError, match="one distinct name per replica"):
+            ClusterConfig(replicas=3, names=bad)
 
 
 def test_replay_cli_replicas(tmp_path: Path) -> None:
@@ -434,7 +454,7 @@ def test_router_ghosts_option_bounds_the_index_memory() -> None:
     from kvheat.router.config import ReplicaSpec, RouterConfig, RouterConfigError
 
     spec = [ReplicaSpec("http://127.0.0.1:1")]
-    assert KVHeatRouter(RouterConfig(replicas=spec)).index.ghost_factor == 8.0
+    assert KVHeatRouter(RouterConfig(replicas=spec)).index.ghost_factor == 12.0
     assert KVHeatRouter(RouterConfig(replicas=spec, ghost_factor=0.5)).index.ghost_factor == 0.5
     for bad in (-1.0, 65.0, float("nan")):
         with pytest.raises(RouterConfigError, match="ghost_factor"):

@@ -43,11 +43,11 @@ from .policy import POLICIES
 @click.option("--shard-choices", type=click.IntRange(min=1), default=2, show_default=True,
               help="kvheat policy: a new prefix goes to the least queued of the first N "
                    "replicas its key hashes to (1: the hash alone).")
-@click.option("--ghosts", "ghost_factor", type=click.FloatRange(0, 64), default=8.0,
+@click.option("--ghosts", "ghost_factor", type=click.FloatRange(0, 64), default=12.0,
               show_default=True,
               help="Evictions the prefix index remembers, as a multiple of the blocks the "
                    "replicas hold: a prefix evicted everywhere goes back to where it lived "
-                   "(kvheat replicas remember 8x; about 150 bytes each; 0: never).")
+                   "(kvheat replicas remember up to 10.7x; about 150 bytes each; 0: never).")
 @click.option("--admin-token", envvar="KVHEAT_ROUTER_ADMIN_TOKEN", default=None,
               help="Bearer token of the admin API (replicas join and leave); off when unset.")
 @click.option("--replica-admin-token", envvar="KVHEAT_REPLICA_ADMIN_TOKEN", default=None,

@@ -90,8 +90,9 @@ class RouterConfig:
     overload_guard: bool = False  # kvheat policy: leave an overloaded affinity replica
     shard_choices: int = 2  # kvheat policy: a new prefix to the less queued of this many
     # Evictions the index remembers, as a multiple of the blocks the replicas hold (a
-    # prefix evicted everywhere goes back to where it lived): kvheat replicas remember 8x.
-    ghost_factor: float = 8.0
+    # prefix evicted everywhere goes back to where it lived): kvheat replicas remember up
+    # to 10.7x (PrefixIndex).
+    ghost_factor: float = 12.0
     admin_token: str | None = None
     # The replicas' admin token: with it the router reports the whole traffic's entropy
     # to each kvheat replica (PUT /admin/cluster) every health check, for its eviction

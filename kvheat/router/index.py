@@ -62,7 +62,7 @@ def place_of(medium: str | None, locality: str | None) -> int:
 
 
 class PrefixIndex:
-    def __init__(self, ghost_factor: float = 8.0) -> None:
+    def __init__(self, ghost_factor: float = 12.0) -> None:
         if not 0 <= ghost_factor <= 64:
             raise ValueError("ghost_factor is a multiple of the keys held, in [0, 64]")
         self._lock = threading.Lock()
@@ -78,11 +78,11 @@ class PrefixIndex:
         self.foreign: set[str] = set()
         self.unresolved = 0  # foreign stores whose parent was unknown (not indexed)
         # Keys replicas evicted from their devices lately: key -> mask, oldest first, as
-        # many as `ghost_factor` x the keys held. 8: a kvheat replica remembers its last
-        # 8x capacity evictions on average (kvheat/heat/counts.py), so a prefix sent back
-        # to where it lived finds its count there, and one elsewhere would start from
-        # nothing. (2x cost 2 replicas 0.7 points of hit rate on the conversation trace,
-        # docs/cluster.md.) About 150 bytes a ghost.
+        # many as `ghost_factor` x the keys held. 12: a kvheat replica remembers its last
+        # 2/3 to 4/3 of 8x capacity evictions (kvheat/heat/counts.py), up to 10.7x, and
+        # replicas evict at slightly different rates; the index forgets none it may still
+        # remember, so a prefix sent back to where it lived finds its count there, where one
+        # elsewhere would start from nothing (docs/cluster.md). About 150 bytes a ghost.
         self.ghosts: OrderedDict[bytes, int] = OrderedDict()
         self.ghost_factor = ghost_factor
         # Keys of requests routed and not finished, per replica (a count each): they count

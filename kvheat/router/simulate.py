@@ -46,8 +46,14 @@ class ClusterConfig:
     # `kvheat route` does, `ClusterEntropy`): "kvheat" (that router only), "all" (any,
     # an ablation) or "none".
     regime_hints: str = "kvheat"
+    # The replicas' names (default replica-0 ... replica-N-1). Hashing routers place by
+    # name, so another set of names is another, equally valid, run of the same trace.
+    names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.names and (len(self.names) != self.replicas
+                           or len(set(self.names)) != len(self.names)):
+            raise ValueError("names: one distinct name per replica")
         if self.regime_hints not in ("kvheat", "all", "none"):
             raise ValueError("regime_hints is one of kvheat, all, none")
         if self.replicas < 1:
@@ -171,7 +177,7 @@ def simulate(pt: PreparedTrace,
     n_blocks = cfg.capacity_tokens // bt
     if n_blocks <= 0:
         raise ValueError(f"capacity {cfg.capacity_tokens} tokens holds no {bt}-token block")
-    names = [f"replica-{i}" for i in range(cfg.replicas)]
+    names = list(cfg.names) or [f"replica-{i}" for i in range(cfg.replicas)]
     index = PrefixIndex()
     for n in names:
         index.add_replica(n)
