@@ -142,7 +142,7 @@ def main() -> int:
         return 0
     if args.quick:
         names = names[:1]
-    caps = [1_000_000] if args.quick else [250_000, 1_000_000, 2_500_000]
+    caps = [1_000_000] if args.quick else list(CAPS)
     routers = list(P.POLICIES)
     out: dict = {"grid": [], "time_scales": [], "shared": [], "spread": []}
     summaries = []
@@ -383,7 +383,7 @@ def policies(k: int, json_path: Path) -> int:
     names = list(NAMES)
     if not _have_traces():
         return 0
-    caps = [250_000, 1_000_000, 2_500_000]
+    caps = list(CAPS)
     cache_policies = ("lru", "lruk", "arc", "kvheat", "kvheat/own")
     seeds: list[int | None] = [None, *range(k)]
     jobs = [(n, c, s, p, r) for n in names for s in seeds for c in caps for p in cache_policies
@@ -477,7 +477,7 @@ def placement(k: int, json_path: Path) -> int:
     names = list(NAMES)
     if not _have_traces():
         return 0
-    caps, scales = [250_000, 1_000_000, 2_500_000], [0.5, 1.0, 2.0]
+    caps, scales = list(CAPS), [0.5, 1.0, 2.0]
     routers = ("kvheat", "kvheat-1", "sglang-like")
     seeds: list[int | None] = [None, *range(k)]
     jobs = [(n, c, s, x, r) for n in names for s in seeds for c in caps for x in scales
