@@ -132,7 +132,7 @@ def start_replica(r: Replica, args: argparse.Namespace, model_dir: Path, config:
            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{r.replay}",
            "--log-level", "warning"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), KVHEAT_TIER_SECRET=SECRET,
-               KVHEAT_ADMIN_TOKEN=REPLICA_ADMIN, TOKENIZERS_PARALLELISM="false",
+               KVHEAT_EVENTS_SECRET=SECRET, KVHEAT_ADMIN_TOKEN=REPLICA_ADMIN, TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1")
     r.proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
 
@@ -187,7 +187,7 @@ def start_router(kind: str, port: int, replicas: list[Replica], args: argparse.N
             cmd += ["--shard-choices", "1"]
         # the replicas' admin token: kvheat route reports the cluster's entropy to them
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-                   KVHEAT_REPLICA_ADMIN_TOKEN=REPLICA_ADMIN)
+                   KVHEAT_REPLICA_ADMIN_TOKEN=REPLICA_ADMIN, KVHEAT_EVENTS_SECRET=SECRET)
     else:
         policy = "round_robin" if kind == "rr" else "cache_aware"
         cmd = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",

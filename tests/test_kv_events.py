@@ -69,6 +69,11 @@ def publisher(mgr: KVCacheManager, tiers=None, **kw) -> KVEventPublisher:
     return pub
 
 
+def published(pub: KVEventPublisher, keys) -> set[bytes]:
+    """The cache's keys as its events carry them (keyed by the events secret)."""
+    return {pub.secret.event_key(k) for k in keys}
+
+
 def subscribe(pub: KVEventPublisher, view: View) -> KVEventSubscriber:
     sub = KVEventSubscriber("r", pub.endpoint, pub.replay_endpoint, view.on_batch, view.on_reset)
     assert sub.wait_synced(10)
@@ -158,7 +163,7 @@ def test_subscriber_view_follows_the_cache() -> None:
         mgr.allocate(r)
         mgr.discard(r, 1)
         mgr.free(r)
-        assert wait_for(lambda: view.device() == set(mgr.cached))
+        assert wait_for(lambda: view.device() == published(pub, mgr.cached))
         stored = [e for b in view.batches for e in b.events if isinstance(e, BlockStored)]
         assert sum(len(e.block_hashes) for e in stored) > len(stored)  # chains coalesced
         assert all(e.token_ids == [] for e in stored)  # keys only by default
@@ -176,9 +181,9 @@ def test_operator_mode_carries_the_blocks_tokens() -> None:
     try:
         r = mgr.make_request("r", [10, 11, 12, 13, 14, 15, 16, 17, 18], tenant="t")
         mgr.allocate(r)
-        assert wait_for(lambda: view.device() == set(mgr.cached))
+        assert wait_for(lambda: view.device() == published(pub, mgr.cached))
         st = [e for b in view.batches for e in b.events if isinstance(e, BlockStored)]
-        assert st[-1].block_hashes == r.keys and st[-1].token_ids == list(range(10, 18))
+        assert st[-1].block_hashes == [pub.secret.event_key(k) for k in r.keys] and st[-1].token_ids == list(range(10, 18))
         assert st[-1].block_size == 4 and st[-1].parent_block_hash is None
     finally:
         sub.close()
@@ -197,7 +202,7 @@ def test_a_full_queue_drops_counts_and_resyncs() -> None:
             mgr.free(r)
         assert pub.stats.dropped > 0
         # The next drain sends AllBlocksCleared and a snapshot: the view is whole again.
-        assert wait_for(lambda: pub.stats.resyncs >= 2 and view.device() == set(mgr.cached))
+        assert wait_for(lambda: pub.stats.resyncs >= 2 and view.device() == published(pub, mgr.cached))
     finally:
         sub.close()
         pub.close()
@@ -212,7 +217,7 @@ def test_late_subscribers_catch_up_by_replay_or_snapshot() -> None:
         time.sleep(0.05)
         view = View()
         sub = subscribe(pub, view)  # everything is still in the replay buffer
-        assert wait_for(lambda: view.device() == set(mgr.cached))
+        assert wait_for(lambda: view.device() == published(pub, mgr.cached))
         assert sub.stats.replayed > 0
         sub.close()
     finally:
@@ -224,7 +229,7 @@ def test_late_subscribers_catch_up_by_replay_or_snapshot() -> None:
         time.sleep(0.1)
         view = View()
         sub = subscribe(pub2, view)
-        assert wait_for(lambda: view.device() == set(mgr2.cached) and len(view.device()) > 0)
+        assert wait_for(lambda: view.device() == published(pub2, mgr2.cached) and len(view.device()) > 0)
         assert pub2.stats.replays >= 2  # the replay from 0 and the snapshot request
         sub.close()
     finally:
@@ -267,8 +272,8 @@ def test_tier_moves_are_published_with_their_place(tmp_path) -> None:
         tc.mgr.free(first)
 
         def same() -> bool:
-            return view.device() == set(tc.mgr.cached) and \
-                view.places.get(("CPU", "host"), set()) == set(tc.indexes[0].entries)
+            return view.device() == published(pub, tc.mgr.cached) and \
+                view.places.get(("CPU", "host"), set()) == published(pub, tc.indexes[0].entries)
         assert wait_for(same)
         assert tc.tier_hit_blocks[0] > 0 and tc.counters.demotions > 0
     finally:

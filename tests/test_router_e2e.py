@@ -76,13 +76,15 @@ def wait_for(cond, timeout_s: float = 20.0) -> bool:
 
 
 REPLICA_ADMIN = "replica-admin"  # the router reports the cluster's entropy with it
+EVENTS_SECRET = "events-secret-of-the-test-cluster"  # keys and authenticates KV events
 
 
 def replica_config() -> ServerConfig:
     return ServerConfig(num_blocks=256, threads=1, max_num_seqs=8, tenants=TENANTS,
                         admin_token=REPLICA_ADMIN,
                         kv_events_endpoint="tcp://127.0.0.1:0",
-                        kv_events_replay_endpoint="tcp://127.0.0.1:0")
+                        kv_events_replay_endpoint="tcp://127.0.0.1:0",
+                        kv_events_secret=EVENTS_SECRET)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ def cluster() -> Iterator[tuple[list[Served], Routed]]:
     cfg = RouterConfig(replicas=[ReplicaSpec(s.base) for s in reps],
                        tenants={k: t.name for t in TENANTS for k in t.api_keys},
                        admin_token=ADMIN, replica_admin_token=REPLICA_ADMIN,
-                       health_interval_s=0.2)
+                       health_interval_s=0.2, events_secret=EVENTS_SECRET)
     rt = start_router(cfg)
     assert wait_for(lambda: all(r.healthy and r.events is not None
                                 for r in rt.router.replicas.values()))
@@ -314,7 +316,8 @@ def _spawn_replica() -> tuple[subprocess.Popen[bytes], str]:
         [sys.executable, "-m", "kvheat.server.cli", "serve", "--port", str(port),
          "--num-blocks", "256", "--threads", "1", "--log-level", "warning",
          "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}",
-         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rp}"],
+         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rp}",
+         "--kv-events-secret", EVENTS_SECRET],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -335,7 +338,8 @@ def test_a_replica_killed_mid_stream(cluster) -> None:
     reps, _ = cluster
     proc, base = _spawn_replica()
     rt = start_router(RouterConfig(replicas=[ReplicaSpec(base), ReplicaSpec(reps[1].base)],
-                                   health_interval_s=5.0, read_timeout_s=10.0))
+                                   health_interval_s=5.0, read_timeout_s=10.0,
+                                   events_secret=EVENTS_SECRET))
     try:
         assert wait_for(lambda: all(r.healthy and r.events is not None
                                     for r in rt.router.replicas.values()))

@@ -151,7 +151,7 @@ def test_models_and_completion(served: Served) -> None:
 
 def test_chat_second_turn_hits_cache(served: Served) -> None:
     c = served.client("sk-acme")
-    before = served.metric("kvheat_cached_tokens_total", tenant="acme")
+    before = served.metric("kvheat_cached_tokens_total", tenant="tenant-0")
     msgs = [{"role": "system", "content": SYSTEM},
             {"role": "user", "content": "How many days are in a week? (turn test)"}]
     r1 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
@@ -168,9 +168,9 @@ def test_chat_second_turn_hits_cache(served: Served) -> None:
     assert cached > first_cached
     assert r2.usage.prompt_tokens > r1.usage.prompt_tokens
     served.wait_idle()
-    after = served.metric("kvheat_cached_tokens_total", tenant="acme")
+    after = served.metric("kvheat_cached_tokens_total", tenant="tenant-0")
     assert after - before >= cached
-    assert served.metric("kvheat_prefix_miss_tokens_total", tenant="acme", kind="compulsory") > 0
+    assert served.metric("kvheat_prefix_miss_tokens_total", tenant="tenant-0", kind="compulsory") > 0
 
 
 def test_streaming_matches_non_streaming(served: Served) -> None:

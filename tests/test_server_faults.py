@@ -189,7 +189,7 @@ def test_no_public_metric_says_what_another_tenant_sent() -> None:
                             sorted(k for k in r.headers if k not in ("date", "content-length"))))
             s.wait_idle()
             s.on_engine_thread(s.server.worker.refresh_gauges)  # gauges up to date
-            views.append(_public_view(s, "b"))
+            views.append(_public_view(s, "tenant-1"))
             st = httpx.get(s.base + "/admin/stats", headers={"Authorization": "Bearer adm"})
             isolation.append(st.json()["arms"]["default"].get("misses", {}).get("b", {}))
         finally:

@@ -18,11 +18,12 @@ from .request import (
     PromptTooLong,
     Request,
     UnknownRequest,
+    hit_rate,
 )
 
 __all__ = [
     "PARKED", "Block", "BlockQueue", "CacheConfig", "CacheError", "CacheStats", "EvictionPolicy",
     "Ghost", "KVCacheManager", "OutOfBlocks", "PromptTooLong", "Request", "UnknownRequest",
-    "block_keys", "chain_key", "make_policy", "policy_names", "register_policy", "root_key",
-    "tokens_to_bytes",
+    "block_keys", "chain_key", "hit_rate", "make_policy", "policy_names", "register_policy",
+    "root_key", "tokens_to_bytes",
 ]

@@ -80,3 +80,14 @@ def trace_block_keys(root: bytes, block_ids: Sequence[int]) -> tuple[list[bytes]
         keys.append(h)
         contents.append(c)
     return keys, contents
+
+
+def prompt_scope(prompt: Sequence[int]) -> bytes:
+    """The scope of one whole prompt ("exact" prefix caching keys a prompt's blocks in it,
+    so they match only the very same prompt)."""
+    return _digest(tokens_to_bytes(list(prompt)))
+
+
+def scoped_root(root: bytes, scope: bytes | None) -> bytes:
+    """The root of a scope within a tenant's keys (`root`); None: the root itself."""
+    return root if scope is None else chain_key(root, b"kvheat-scope\0" + scope)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from .block import Block
 from .hashing import block_keys, chain_key, root_key, tenant_salt, tokens_to_bytes, trace_block_keys
+from .hashing import scoped_root as _scoped_root
 from .policy import EvictionPolicy
 from .pool import BlockPool, check_invariants
 from .request import CacheConfig, CacheError, OutOfBlocks, PromptTooLong, Request, UnknownRequest
@@ -44,8 +45,7 @@ class KVCacheManager(BlockPool):
     def scoped_root(self, tenant: str | None, lora: str | None, scope: bytes | None) -> bytes:
         """The root of `tenant`'s keys, or of a scope within it (e.g. one whole prompt, for
         exact-prompt caching): the tenant stays the tenant, and nothing per scope is kept."""
-        root = self.root_for(tenant, lora)
-        return root if scope is None else chain_key(root, b"kvheat-scope\0" + scope)
+        return _scoped_root(self.root_for(tenant, lora), scope)
 
     def make_request(self, request_id: str, tokens: Sequence[int], tenant: str | None = None,
                      lora: str | None = None, session: str | None = None,

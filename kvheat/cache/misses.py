@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from .hashing import block_keys, root_key
+from .hashing import block_keys, root_key, scoped_root
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -94,10 +94,14 @@ class MissClassifier:
             anywhere.add(plain)
         return kinds
 
-    def prepare(self, cache: KVCacheManager, prompt: Sequence[int], tenant: str | None) -> list[str]:
-        """`prepare_keys` for a token prompt, keyed as `cache` keys it."""
-        keys = cache.make_request("", prompt, tenant).keys
-        plain = keys if tenant is None else block_keys(list(prompt), self.block_size, _PLAIN_ROOT)[0]
+    def prepare(self, cache: KVCacheManager, prompt: Sequence[int], tenant: str | None,
+                scope: bytes | None = None) -> list[str]:
+        """`prepare_keys` for a token prompt, keyed as `cache` keys it: in `scope` when the
+        engine keys it so (exact-prompt caching: `Scheduler.prompt_scope`), else a block
+        of another prompt's prefix would read as seen, or as cached, for this one."""
+        keys = cache.make_request("", prompt, tenant, scope=scope).keys
+        plain = keys if tenant is None else \
+            block_keys(list(prompt), self.block_size, scoped_root(_PLAIN_ROOT, scope))[0]
         return self.prepare_keys(keys, plain, cache.cached)
 
     def count(self, kinds: Sequence[str], block_tokens: Sequence[int], n_hit: int,

@@ -37,8 +37,20 @@ class CacheConfig:
             raise ValueError("num_blocks and block_size must be positive")
 
 
+def hit_rate(hit_tokens: int, prompt_tokens: int) -> float:
+    """THE prefix hit rate, wherever one is reported (the cache's stats, the tiers' stats,
+    the server's arms): prompt tokens served from cache, on the device or loaded from a
+    lower tier, over all prompt tokens of all requests counted. An engine never counts
+    the last prompt token as served (it runs again, for its logits), so a fully cached
+    prompt of n tokens is n - 1 hits."""
+    return hit_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
 @dataclass(slots=True)
 class CacheStats:
+    """Prompts counted once each (an engine: at a request's first admission), with the
+    tokens served from cache: from the device, and (with lower tiers) loaded from them."""
+
     requests: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
@@ -49,7 +61,7 @@ class CacheStats:
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.query_tokens)
 
 
 class Request:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tiers.spec import TierSpec
+from ..tiers.spec import TierSpec, check_fields
 from .load_classes import LOAD_CLASSES, ClassWeight, default_class_weights
 
 
@@ -31,6 +31,7 @@ class SchedulerConfig:
     prefetch_queue_depth: int = 16
 
     def __post_init__(self) -> None:
+        check_fields(self, "scheduler")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.prefetch_queue_depth < 0:
@@ -64,7 +65,10 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_fields(self, "engine")
         if self.num_blocks is None and self.kv_memory_bytes is None:
             raise ValueError("give num_blocks or kv_memory_bytes")
+        if (self.num_blocks is not None and self.num_blocks < 1) or self.block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
         if self.scheduler.preemption == "swap" and self.swap_space_blocks <= 0:
             raise ValueError("preemption='swap' needs swap_space_blocks > 0")

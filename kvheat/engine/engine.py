@@ -57,8 +57,6 @@ class _Req:
         seq.token_ids.append(tok)
         if m.first_token is None:
             m.first_token = now
-            m.num_cached_tokens = seq.num_cached_tokens
-            m.cached_by_tier = dict(seq.cached_by_tier)
         m.token_times.append(now)
         m.num_preemptions = seq.num_preemptions
         if tok in self.eos:
@@ -68,7 +66,12 @@ class _Req:
         return None
 
     def output(self, tokenizer: Any) -> RequestOutput:
-        seq = self.seq
+        seq, m = self.seq, self.metrics
+        # Taken at its first admission, as the cache's hit count took them (a request
+        # admitted, then aborted before its first token, counts there too).
+        m.admitted = seq.admitted_seq > 0
+        m.num_cached_tokens = seq.num_cached_tokens
+        m.cached_by_tier = dict(seq.cached_by_tier)
         out = list(seq.output_token_ids)
         text = tokenizer.decode(out) if tokenizer is not None else None
         return RequestOutput(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens], out,

@@ -29,8 +29,12 @@ class RequestMetrics:
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    cached_by_tier: dict[str, int] = field(default_factory=dict)  # the same, by tier
+    # Prompt tokens whose KV came from the prefix cache (any tier; never the last prompt
+    # token, run again for its logits), as its first admission found them; and the same by
+    # tier. `admitted`: it was admitted, so the cache's hit rate counts its prompt.
+    num_cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    admitted: bool = False
     num_preemptions: int = 0
 
     @property

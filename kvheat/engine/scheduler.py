@@ -29,14 +29,12 @@ blocks to a host `SwapSpace` and writes them back when it resumes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
-import xxhash
-
-from ..cache import KVCacheManager, OutOfBlocks, Request
-from ..cache.hashing import tokens_to_bytes
+from ..cache import Block, KVCacheManager, OutOfBlocks, Request
+from ..cache.hashing import prompt_scope, tokens_to_bytes
 from .config import SchedulerConfig
 from .load_classes import load_class, share_prefill_budget
 from .sequence import ScheduledItem, SchedulerOutput, SeqStatus, Sequence
@@ -64,6 +62,9 @@ class LowerTiers(Protocol):
     def cancel_prefetch(self, request_id: str) -> None: ...
 
     def allocate(self, req: Request, count_stats: bool = True) -> list[int]: ...
+
+    def record_prompt(self, num_tokens: int, cached_by_tier: Mapping[str, int]) -> None:
+        """Count a prompt's hits by tier, in the tiers' counters and the cache's stats."""
 
     @property
     def last_loaded(self) -> list[tuple[str, int]]:
@@ -93,12 +94,10 @@ class Scheduler:
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        n_blocks = -(-(seq.num_prompt_tokens + seq.max_tokens) // self.block_size)
-        if n_blocks > len(self.cache.blocks):
-            raise ValueError(
-                f"request {seq.seq_id!r} needs up to {n_blocks} blocks (prompt "
-                f"{seq.num_prompt_tokens} + max_tokens {seq.max_tokens}) but the pool has "
-                f"{len(self.cache.blocks)} blocks of {self.block_size} tokens")
+        why = self.never_fits(seq.token_ids[:seq.num_prompt_tokens], seq.max_tokens,
+                              seq.tenant, seq.lora, pool_only=True)
+        if why is not None:
+            raise ValueError(f"request {seq.seq_id!r}: {why}")
         if seq.num_prompt_tokens == 0:
             raise ValueError("empty prompt")
         tokens_to_bytes(seq.token_ids)  # bad token ids fail here, before anything changes
@@ -232,11 +231,10 @@ class Scheduler:
         cache = self.cache
         bs = self.block_size
         full = self._full_request(seq)
-        match = [] if cfg.prefix_caching == "off" else cache.match_prefix(full)
+        match = self._match(full)
         if any(b.block_id in self.fresh for b in match):
             return 0  # its KV is written by this step's forward pass: start next step
-        if cfg.prefix_caching == "exact" and len(match) < seq.num_prompt_tokens // bs:
-            match = []  # all of the prompt's full blocks, or nothing
+        match = self._shareable(match, seq.num_prompt_tokens)
         whole = len(match) * bs >= len(seq.token_ids)
         if whole:
             match = match[:-1]  # compute at least the last token, for its logits
@@ -282,9 +280,15 @@ class Scheduler:
                 self.swap_space.discard(seq.seq_id)  # the cache kept them all
             seq.swapped_tokens = 0
         if seq.num_preemptions == 0 and not seq.prompt_done:
-            cache.record_prompt(seq.num_prompt_tokens, start, start // bs)  # the whole prompt
+            # The whole prompt, once: its tokens served from cache, by tier (the last one,
+            # run again for its logits, is not), in one count that the cache's hit rate and
+            # the tiers' both read.
             seq.num_cached_tokens = start
             seq.cached_by_tier = _by_tier(min(hit, start), loaded, start)
+            if self.tiers is not None:
+                self.tiers.record_prompt(seq.num_prompt_tokens, seq.cached_by_tier)
+            else:
+                cache.record_prompt(seq.num_prompt_tokens, start, start // bs)
         seq.cache_req = part
         seq.num_computed = start
         seq.status = SeqStatus.RUNNING
@@ -338,6 +342,51 @@ class Scheduler:
                 scope=self.prompt_scope(seq.token_ids[:seq.num_prompt_tokens]))
         return req
 
+    def _match(self, full: Request) -> list[Block]:
+        """The cached prefix of a sequence's blocks, as this mode looks it up."""
+        return [] if self.config.prefix_caching == "off" else self.cache.match_prefix(full)
+
+    def _shareable(self, match: list[Block], num_prompt_tokens: int) -> list[Block]:
+        """Of a sequence's cached prefix, the blocks its admission shares: "exact" takes
+        all of the prompt's full blocks or nothing (a pinned prompt's blocks are all
+        there). When they cover the whole sequence, `_admit` still runs its last token."""
+        if self.config.prefix_caching == "exact" and \
+                len(match) < num_prompt_tokens // self.block_size:
+            return []
+        return match
+
+    def never_fits(self, prompt: Seq[int], max_tokens: int, tenant: str | None = None,
+                   lora: str | None = None, pool_only: bool = False) -> str | None:
+        """Why a request for `prompt` + `max_tokens` can never be admitted to this pool,
+        or None: the one check of `add` and the server. It needs blocks for prompt +
+        max_tokens; it may use the whole pool but for blocks pinned by prefixes it does
+        not share (the pinned blocks its admission shares, as this mode matches them, are
+        its own: they need no new block), and no more than its tenant's quota (a tenant at
+        its quota evicts only its own blocks). `pool_only`: the pool's size alone (what
+        `add` refuses: quotas and pins change at run time, and a request they keep out is
+        ended by the engine, see `LLMEngine._end_unschedulable`)."""
+        cache = self.cache
+        bs = self.block_size
+        need = -(-(len(prompt) + max_tokens) // bs)
+        what = f"the request needs up to {need} KV blocks (prompt {len(prompt)} + " \
+               f"max_tokens {max_tokens} tokens, {bs} per block)"
+        pool = len(cache.blocks)
+        if need > pool:
+            return f"{what}; the KV pool has {pool} blocks"
+        if pool_only:
+            return None
+        quota = cache.quotas.get(tenant)
+        if quota is not None and need > quota:
+            return f"{what}; the tenant's quota is {quota} blocks"
+        if cache.pins:
+            pinned = {b.block_id for p in cache.pins.values() for b in p.blocks}
+            probe = cache.make_request("", prompt, tenant, lora, scope=self.prompt_scope(prompt))
+            shared = {b.block_id for b in self._shareable(self._match(probe), len(prompt))}
+            held = len(pinned - shared)
+            if need > pool - held:
+                return f"{what}; pinned prefixes hold {held} of the pool's {pool} blocks"
+        return None
+
     def prompt_scope(self, prompt: Seq[int]) -> bytes | None:
         """"exact" mode keys a prompt's blocks in a scope of the whole prompt, so they match
         only the very same prompt (a whole-prompt cache) and never another prompt's shared
@@ -345,7 +394,7 @@ class Scheduler:
         cache keeps nothing per prompt."""
         if self.config.prefix_caching != "exact":
             return None
-        return xxhash.xxh3_128_digest(tokens_to_bytes(list(prompt)))
+        return prompt_scope(prompt)  # as a router keys it (kvheat.router.keys)
 
     # ---- checks -----------------------------------------------------------------------
     def check_accounting(self) -> None:

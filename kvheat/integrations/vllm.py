@@ -50,8 +50,16 @@ import heapq
 import math
 from collections.abc import Iterable, Sequence
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext
-from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
+try:
+    from .vllm_env import check_torch_extras
+
+    check_torch_extras()  # what vLLM loads later must load with this torch
+    from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+    from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
+except Exception as e:  # a broken torchvision says what to run, not a traceback
+    from .vllm_env import import_error
+
+    raise import_error(e) from None
 
 from ..heat.kvheat import KVHeat
 from .vllm_chunk import Chunk, Placement, move_access_to_now

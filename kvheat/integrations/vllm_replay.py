@@ -29,9 +29,17 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
+try:
+    from .vllm_env import check_torch_extras
+
+    check_torch_extras()  # what vLLM loads later must load with this torch
+    from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+    from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
+except Exception as e:  # a broken torchvision says what to run, not a traceback
+    from .vllm_env import import_error
+
+    raise import_error(e) from None
 
 from ..cache.hashing import chain_key, root_key
 from ..replay.traces import TraceRequest

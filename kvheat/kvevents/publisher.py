@@ -35,6 +35,7 @@ from .schema import (
     encode_batch,
     tier_place,
 )
+from .secret import EventSecret, is_private_endpoint
 
 log = logging.getLogger("kvheat.kvevents")
 
@@ -60,6 +61,12 @@ class PublisherConfig:
     token_ids: bool = False
     interval_s: float = 0.005  # how often the thread drains the queue
     snapshot_timeout_s: float = 5.0
+    # Keys every published hash and, when configured, authenticates and encrypts both
+    # sockets with CURVE (kvevents/secret.py); None: a random per-process secret.
+    secret: EventSecret | None = None
+    # Snapshots asked for on the replay socket are served at most this often (a later ask
+    # waits for the next slot): each one is a whole resync for every subscriber.
+    snapshot_min_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.buffer_steps < 1 or self.hwm < 1 or self.max_queue_size < 1:
@@ -68,6 +75,8 @@ class PublisherConfig:
             raise ValueError("interval_s must be in (0, 1]")
         if not self.endpoint:
             raise ValueError("the event endpoint is empty")
+        if not self.snapshot_min_interval_s >= 0:
+            raise ValueError("snapshot_min_interval_s must be >= 0")
 
 
 @dataclass(slots=True)
@@ -77,6 +86,7 @@ class PublisherStats:
     dropped: int = 0  # events dropped on a full queue
     resyncs: int = 0  # snapshots sent (after drops, or asked for)
     replays: int = 0  # replay requests served
+    snapshot_asks: int = 0  # snapshot requests on the replay socket (served or deferred)
     errors: int = 0  # failures in the publisher thread (it carries on)
 
 
@@ -95,12 +105,24 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._seq = itertools.count()
         self._topic = cfg.topic.encode()
-        self._ctx = context or zmq.Context.instance()
+        self.secret = cfg.secret or EventSecret.resolve(None)
+        self._event_key = self.secret.event_key
+        self._snapshot_at = -float("inf")  # when the last asked-for snapshot was served
+        self._snapshot_pending = False
+        self.authenticated = self.secret.configured
+        self._auth: Any = None
+        # CURVE needs an authenticator (ZAP) on the sockets' context: a context of our own,
+        # so nothing else in the process is affected by it.
+        self._own_ctx = context is None and self.authenticated
+        self._ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(cfg.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket | None = None
         try:
+            if self.authenticated:
+                self._start_auth()
+                self.secret.curve_server(self._pub)
             if cfg.connect:
                 self._pub.connect(cfg.endpoint)
             else:
@@ -110,12 +132,22 @@ class KVEventPublisher:
             if cfg.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                if self.authenticated:
+                    self.secret.curve_server(self._replay)
                 self._replay.bind(cfg.replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             self._close_sockets()
             raise ValueError(f"cannot open the KV event sockets ({cfg.endpoint}, "
                              f"{cfg.replay_endpoint}): {e}") from None
+        open_ = [ep for ep in (cfg.endpoint, cfg.replay_endpoint)
+                 if ep and not cfg.connect and not is_private_endpoint(ep)]
+        if open_ and not self.authenticated:
+            log.warning("KV event sockets %s are open to anyone who reaches them (no events "
+                        "secret: set kv_events_secret or KVHEAT_EVENTS_SECRET on the replicas "
+                        "and the router for CURVE, or bind to 127.0.0.1)%s",
+                        ", ".join(open_), "; token ids ON: prompts are readable there"
+                        if cfg.token_ids else "")
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvheat-kv-events", daemon=True)
         self._thread.start()
@@ -132,18 +164,21 @@ class KVEventPublisher:
     def add_rank(self, rank: int) -> None:
         self.ranks.add(rank)
 
-    def record_stored(self, place: str, key: bytes, parent: bytes | None, block_size: int,
-                      tokens: bytes | None = None, rank: int = 0) -> None:
-        self.record((rank, True, place, key, parent, block_size, tokens))
-
-    def record_removed(self, place: str, key: bytes, rank: int = 0) -> None:
-        self.record((rank, False, place, key, None, 0, None))
-
-    def record_cleared(self, rank: int = 0) -> None:
-        self.record((rank, None, "device", b"", None, 0, None))
-
     def request_resync(self) -> None:
         self._resync_asked = True
+
+    def _start_auth(self) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        allowed = self.secret.client_public
+
+        class _OneKey:
+            def callback(self, domain: str, key: bytes) -> bool:
+                return key == allowed
+
+        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("kvheat.kvevents.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=_OneKey())
 
     # ---- the publisher thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -159,6 +194,11 @@ class KVEventPublisher:
                 else:
                     time.sleep(self.config.interval_s)
                 self._flush()
+                if self._snapshot_pending and time.monotonic() - self._snapshot_at >= \
+                        self.config.snapshot_min_interval_s:
+                    self._snapshot_pending = False
+                    self._snapshot_at = time.monotonic()
+                    self._resync_asked = True
                 if self._overflow or self._resync_asked:
                     self._resync()
             except Exception:  # the thread must outlive any one bad event or socket error
@@ -182,8 +222,13 @@ class KVEventPublisher:
         by_rank: dict[int, list[Any]] = {}
         last: dict[int, tuple[BlockStored, str, bytes]] = {}  # rank -> open store, place, tail
         with_tokens = self.config.token_ids
+        ek = self._event_key
         n_events = 0
         for rank, stored, place, key, parent, block_size, tokens in items:
+            if stored is not None:
+                key = ek(key)
+                if parent is not None:
+                    parent = ek(parent)
             events = by_rank.setdefault(rank, [])
             if stored is None:
                 events.append(AllBlocksCleared())
@@ -263,7 +308,8 @@ class KVEventPublisher:
             start_seq = int.from_bytes(start, "big")
             self.stats.replays += 1
             if start_seq == SNAPSHOT_SEQ:
-                self._resync_asked = True
+                self.stats.snapshot_asks += 1
+                self._snapshot_pending = True  # served by the thread, rate-limited
             else:
                 for seq, payload in list(self._buffer):
                     if seq >= start_seq:
@@ -278,6 +324,12 @@ class KVEventPublisher:
         self._running = False
         self._thread.join(timeout_s)
         self._close_sockets()
+        if self._auth is not None:
+            with contextlib.suppress(Exception):
+                self._auth.stop()
+        if self._own_ctx:
+            with contextlib.suppress(Exception):
+                self._ctx.term()
 
     def _close_sockets(self) -> None:
         for s in (self._pub, self._replay):

@@ -39,6 +39,14 @@ SNAPSHOT_SEQ = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 BlockHash = bytes | int
+# One extra key of a block (vLLM: the LoRA name, multimodal hashes and offsets, the cache
+# salt): scalars, or one level of tuple. Typed so that a hostile batch nested deeper fails
+# validation at depth 3 instead of recursing (an `Any` here decodes any depth).
+_Scalar = str | int | float | bool | None
+ExtraKey = _Scalar | tuple[_Scalar, ...]
+# The largest payload a subscriber decodes (vLLM's batches of thousands of blocks with
+# token ids are a few MB).
+MAX_BATCH_BYTES = 64 << 20
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -59,7 +67,7 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
+    extra_keys: list[tuple[ExtraKey, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None

@@ -6,7 +6,13 @@ publisher's buffer; what the buffer no longer holds is answered by a reset (the 
 forgets that publisher's blocks) and a snapshot request, which a kvheat publisher answers
 with AllBlocksCleared and everything it holds (a vLLM publisher with nothing: the view
 then refills as blocks are stored). A sequence that goes back means the publisher
-restarted: a reset too. Batches that do not decode are counted and skipped.
+restarted: a reset too.
+
+Nothing a publisher sends can stop the thread: payloads are bounded in size (and in
+nesting by the schema), a batch that does not decode is counted and skipped, a handler
+that fails is counted and followed by a reset and a snapshot (its view may be half
+applied), and any other failure closes the sockets, resets, and subscribes again after a
+backoff, counted in `restarts`. With an `EventSecret` both sockets are CURVE clients.
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
-from .schema import END_SEQ, SNAPSHOT_SEQ, KVEventBatch, decode_batch
+from .schema import END_SEQ, MAX_BATCH_BYTES, SNAPSHOT_SEQ, KVEventBatch, decode_batch
+from .secret import EventSecret
 
 log = logging.getLogger("kvheat.kvevents")
 
@@ -31,16 +38,20 @@ class SubscriberStats:
     replayed: int = 0  # batches received through the replay socket
     gaps: int = 0
     resets: int = 0
-    bad: int = 0  # payloads that were not a KVEventBatch
+    bad: int = 0  # payloads that were not a KVEventBatch (or too large)
     handler_errors: int = 0
+    restarts: int = 0  # the subscription failed and was opened again
+    timeouts: int = 0  # replay or snapshot requests the publisher did not answer in time
     last_seq: int = -1
+    last_batch_at: float | None = None  # time.monotonic() of the last batch applied
 
 
 class KVEventSubscriber:
     def __init__(self, name: str, endpoint: str, replay_endpoint: str | None,
                  on_batch: Callable[[str, KVEventBatch], None],
                  on_reset: Callable[[str], None], topic: str = "",
-                 replay_timeout_s: float = 2.0, context: zmq.Context | None = None) -> None:
+                 replay_timeout_s: float = 2.0, context: zmq.Context | None = None,
+                 secret: EventSecret | None = None, restart_backoff_s: float = 0.5) -> None:
         self.name = name
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -48,8 +59,11 @@ class KVEventSubscriber:
         self.on_reset = on_reset
         self.topic = topic.encode()
         self.replay_timeout_ms = int(replay_timeout_s * 1000)
+        self.secret = secret
+        self.restart_backoff_s = restart_backoff_s
         self.stats = SubscriberStats()
         self._last: int | None = None
+        self._resync = False  # asked for by `resync` or after a handler failed
         self._ctx = context or zmq.Context.instance()
         self._running = True
         self._synced = threading.Event()
@@ -64,18 +78,44 @@ class KVEventSubscriber:
         self._running = False
         self._thread.join(timeout_s)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def resync(self) -> None:
+        """Forget this publisher's view and ask it for a snapshot (on the thread)."""
+        self._resync = True
+
     # ---- the thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.connect(self.endpoint)
-        replay = None
-        if self.replay_endpoint:
-            replay = self._ctx.socket(zmq.DEALER)
-            replay.setsockopt(zmq.LINGER, 0)
-            replay.connect(self.replay_endpoint)
+        while self._running:
+            try:
+                self._subscribe()
+            except Exception:  # contained: counted, reset, subscribed again
+                self.stats.restarts += 1
+                log.exception("KV event subscriber %s failed; subscribing again", self.name)
+                self._reset()
+                time.sleep(self.restart_backoff_s)
+            finally:
+                self._synced.set()
+
+    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
+        s = self._ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        # libzmq drops a peer whose message is larger than this (no allocation for it).
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
+        if self.secret is not None:
+            self.secret.curve_client(s)
+        if kind == zmq.SUB:
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.SUBSCRIBE, self.topic)
+        s.connect(endpoint)
+        return s
+
+    def _subscribe(self) -> None:
+        sub = self._socket(zmq.SUB, self.endpoint)
+        replay = self._socket(zmq.DEALER, self.replay_endpoint) if self.replay_endpoint \
+            else None
         try:
             # Catch up: what the buffer holds, then a snapshot (kvheat answers on the PUB).
             if replay is not None:
@@ -83,6 +123,11 @@ class KVEventSubscriber:
                 self._ask_snapshot(replay)
             self._synced.set()
             while self._running:
+                if self._resync:
+                    self._resync = False
+                    self._reset()
+                    if replay is not None:
+                        self._ask_snapshot(replay)
                 if not sub.poll(100):
                     continue
                 frames = sub.recv_multipart()
@@ -104,10 +149,7 @@ class KVEventSubscriber:
                         if replay is not None:
                             self._ask_snapshot(replay)
                 self._apply(seq, frames[2])
-        except Exception:
-            log.exception("KV event subscriber %s", self.name)
         finally:
-            self._synced.set()
             for s in (sub, replay):
                 if s is not None:
                     with contextlib.suppress(Exception):
@@ -117,16 +159,20 @@ class KVEventSubscriber:
         self._last = seq
         self.stats.last_seq = seq
         try:
+            if len(payload) > MAX_BATCH_BYTES:
+                raise ValueError("batch too large")
             batch = decode_batch(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (ValueError, RecursionError, MemoryError):  # msgspec's errors are ValueErrors
             self.stats.bad += 1
             return
         self.stats.batches += 1
+        self.stats.last_batch_at = time.monotonic()
         try:
             self.on_batch(self.name, batch)
         except Exception:
             self.stats.handler_errors += 1
-            log.exception("KV event handler for %s", self.name)
+            log.exception("KV event handler for %s; resyncing", self.name)
+            self._resync = True
 
     def _reset(self) -> None:
         self.stats.resets += 1
@@ -145,6 +191,7 @@ class KVEventSubscriber:
         first = True
         while True:
             if not sock.poll(self.replay_timeout_ms):
+                self._timed_out("replay")
                 return False
             frames = sock.recv_multipart()
             if len(frames) != 4:
@@ -169,3 +216,10 @@ class KVEventSubscriber:
             frames = sock.recv_multipart()
             if len(frames) == 4 and frames[2] == END_SEQ:
                 return
+        self._timed_out("snapshot")
+
+    def _timed_out(self, what: str) -> None:
+        self.stats.timeouts += 1
+        log.warning("KV events of %s: the publisher's replay socket %s did not answer a %s "
+                    "request in %.1f s (its view may be incomplete until a snapshot arrives)",
+                    self.name, self.replay_endpoint, what, self.replay_timeout_ms / 1000)

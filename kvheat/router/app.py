@@ -35,8 +35,9 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..kvevents.secret import EventSecret
 from ..server.tracing import Tracing, end_span
-from .config import ReplicaSpec, RouterConfig
+from .config import ReplicaSpec, RouterConfig, RouterConfigError
 from .index import PrefixIndex
 from .keys import PromptKeys, salt_of
 from .metrics import RouterMetrics
@@ -67,15 +68,20 @@ def _error(status: int, message: str, type_: str = "invalid_request_error",
 class KVHeatRouter:
     def __init__(self, config: RouterConfig, span_exporter: Any = None) -> None:
         self.config = config
-        self.index = PrefixIndex(config.ghost_factor)
+        # The replicas' events secret: keys are matched in its published form, and kvheat
+        # replicas' event sockets are CURVE (kvheat/kvevents/secret.py).
+        self.secret = EventSecret.from_config(config.events_secret)
+        keyer = self.secret.event_key if self.secret is not None else None
+        self.index = PrefixIndex(config.ghost_factor, keyer=keyer)
         kw: dict[str, object] = {"overload_guard": config.overload_guard,
                                  "shard_choices": config.shard_choices} \
             if config.policy == "kvheat" else {}
         self.policy: RoutingPolicy = make_router(config.policy, self.index, **kw)
         self.metrics = RouterMetrics()
         self.tracing = Tracing(config.otlp_endpoint, span_exporter, service_name="kvheat-router")
-        self.keys = PromptKeys(config)
-        self.registry = ReplicaRegistry(config, self.index, self.policy, self.metrics)
+        self.keys = PromptKeys(config, keyer)
+        self.registry = ReplicaRegistry(config, self.index, self.policy, self.metrics,
+                                        self.secret)
         self.replicas: dict[str, Replica] = self.registry.replicas
         self.forwarder = Forwarder(self.registry, self.index, self.metrics)
         self.cluster = ClusterEntropy()
@@ -127,6 +133,7 @@ class KVHeatRouter:
         if not isinstance(body, dict):
             raise RouterError(400, "the body must be a JSON object")
         stream = body.get("stream") is True
+        user = body.get("user") if isinstance(body.get("user"), str) else None
         tokens = None
         if cfg.policy in _KEYED:
             # A short prompt is keyed here (a thread hop costs more than it); a long one off
@@ -144,14 +151,14 @@ class KVHeatRouter:
         try:
             for attempt in range(cfg.max_attempts):
                 t0 = time.perf_counter()
-                choice = self._choose(tokens, tenant, tried)
+                choice = self._choose(tokens, tenant, user, tried)
                 if choice is None:
                     break
                 r, rreq, decision = choice
                 t1 = time.perf_counter()
                 if attempt == 0:
                     self.cluster.observe(rreq.keys)
-                    self.maybe_prewarm(rreq, body, tokens, auth, r)
+                    self.maybe_prewarm(rreq, body, tokens, auth, r, user)
                 self._record_decision(span, r, rreq, decision, t_start if attempt == 0 else t0,
                                       t1, attempt)
                 tried.add(r.name)
@@ -168,15 +175,20 @@ class KVHeatRouter:
         finally:
             end_span(span)
 
-    def _choose(self, tokens: list[int] | None, tenant: str | None,
+    def _choose(self, tokens: list[int] | None, tenant: str | None, user: str | None,
                 exclude: set[str]) -> tuple[Replica, RouteRequest, Decision] | None:
         reps = [r for r in self.replicas.values() if r.healthy and r.name not in exclude]
         if not reps:
             return None
-        # Replicas of one block size share the keys (the usual case: one size).
-        bs = reps[0].block_size
-        reps = [r for r in reps if r.block_size == bs] or reps
-        rreq = self.keys.route_request(tokens, tenant, bs)
+        # Replicas of one block size and arm layout share the keys (the usual case: one).
+        bs, arms = reps[0].block_size, reps[0].arms
+        reps = [r for r in reps if r.block_size == bs and r.arms == arms] or reps
+        rreq = self.keys.route_request(tokens, tenant, bs, user, arms)
+        if self.config.require_events and rreq.keys and not self.registry.events_ready():
+            # Not every replica's events arrive yet: its cache is unknown, so by load alone
+            # (no keys), never toward the replicas whose events happen to flow.
+            self.metrics.blind_routes.inc()
+            rreq = RouteRequest([], [], rreq.num_tokens, rreq.rank)
         for r in reps:
             r.state.pending_prefill = sum(r.pending.values())
         try:
@@ -203,23 +215,29 @@ class KVHeatRouter:
                 "kvheat.candidates": len(d.scores)})
 
     def maybe_prewarm(self, rreq: RouteRequest, body: dict[str, Any], tokens: list[int] | None,
-                      authorization: str, chosen: Replica) -> None:
-        """Send the request's hot head to the replicas that lack it on their devices."""
+                      authorization: str, chosen: Replica, user: str | None = None) -> None:
+        """Send the request's hot head to the replicas that lack it on their devices, in
+        the arm the request's user reaches (an "exact" arm matches whole prompts only: a
+        head would never be reused there, so none is sent)."""
         pol = self.policy
         if not self.config.prewarm or not tokens or not isinstance(pol, KVHeatRouting):
             return
+        arms = chosen.arms
+        if arms is not None and arms.modes[rreq.rank] != "block":
+            return
         block_size = chosen.block_size
-        reps = [r for r in self.replicas.values() if r.healthy and r.block_size == block_size]
+        reps = [r for r in self.replicas.values()
+                if r.healthy and r.block_size == block_size and r.arms == arms]
         head = pol.hot_head(rreq, len(reps))
         if head == 0:
             return
         matches = self.index.match(rreq.keys[:head], rreq.block_tokens[:head],
-                                   [r.name for r in reps])
+                                   [r.name for r in reps], rreq.rank)
         model = str(body.get("model", ""))
         for r, m in zip(reps, matches):
             if r is not chosen and m.device_blocks < head and not r.prewarming:
                 t = asyncio.ensure_future(self.forwarder.prewarm(
-                    r, model, tokens[:head * block_size], authorization))
+                    r, model, tokens[:head * block_size], authorization, user))
                 self._tasks = [x for x in self._tasks if not x.done()] + [t]
 
     # ---- the app --------------------------------------------------------------------------
@@ -345,7 +363,7 @@ class KVHeatRouter:
             try:
                 data = await request.json()
                 spec = ReplicaSpec(**data) if isinstance(data, dict) else None
-            except (ValueError, TypeError) as e:
+            except (RouterConfigError, ValueError, TypeError, AttributeError) as e:
                 raise RouterError(400, f"a replica is {{\"url\", \"kind\", \"events\", "
                                   f"\"replay\", \"block_size\"}}: {e}") from None
             if spec is None:

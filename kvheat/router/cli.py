@@ -7,6 +7,7 @@ import logging
 
 import click
 
+from ..server.config import EVENTS_SECRET_ENV, ConfigError, load_config, secret_from_env
 from .config import ReplicaSpec, RouterConfig, RouterConfigError
 from .policy import POLICIES
 
@@ -55,6 +56,16 @@ from .policy import POLICIES
                    "eviction regime every health check (off when unset).")
 @click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
               help="OTLP/HTTP endpoint for a span per routing decision.")
+@click.option("--events-secret", default=None,
+              help="The replicas' KV events secret (at least 16 bytes); default: the "
+                   "--config file's kv_events_secret, else $KVHEAT_EVENTS_SECRET.")
+@click.option("--events-grace", "events_grace_s", type=click.FloatRange(0, 3600, min_open=True),
+              default=30.0, show_default=True,
+              help="Seconds after a replica's first request by which its KV events must "
+                   "arrive; past that the router warns that it routes blind to its cache.")
+@click.option("--require-events", is_flag=True,
+              help="Route by cache only once every replica's KV events arrive (until then "
+                   "by load alone).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
@@ -63,7 +74,8 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                   max_attempts: int, no_prewarm: bool, overload_guard: bool,
                   shard_choices: int, ghost_factor: float,
                   admin_token: str | None, replica_admin_token: str | None,
-                  otlp_endpoint: str | None, log_level: str) -> None:
+                  otlp_endpoint: str | None, events_secret: str | None,
+                  events_grace_s: float, require_events: bool, log_level: str) -> None:
     """Route OpenAI requests to replicas by a global prefix index fed by their KV events."""
     import uvicorn
 
@@ -73,13 +85,18 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
     try:
         tenants: dict[str, str] = {}
         if config_path:
-            from ..server.config import ConfigError, load_config
-
             try:
-                scfg = load_config(config_path)
+                # The replicas' config, checked as they check it (a bare string of api
+                # keys is refused, not read as one key per character), but not against
+                # this host's CPUs.
+                scfg = load_config(config_path, this_host=False)
             except ConfigError as e:
                 raise RouterConfigError(str(e)) from None
             tenants = {k: t.name for t in scfg.tenants for k in t.api_keys}
+            if events_secret is None:
+                events_secret = scfg.kv_events_secret
+        if events_secret is None:
+            events_secret = secret_from_env(EVENTS_SECRET_ENV, RouterConfigError)
         cfg = RouterConfig(replicas=[ReplicaSpec.parse(r) for r in replicas], policy=policy,
                            model=model, family=family, block_size=block_size, tenants=tenants,
                            discover=discover, health_interval_s=health_interval_s,
@@ -87,7 +104,8 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                            prewarm=not no_prewarm, overload_guard=overload_guard,
                            shard_choices=shard_choices, ghost_factor=ghost_factor,
                            admin_token=admin_token, replica_admin_token=replica_admin_token,
-                           otlp_endpoint=otlp_endpoint)
+                           otlp_endpoint=otlp_endpoint, events_secret=events_secret,
+                           events_grace_s=events_grace_s, require_events=require_events)
     except RouterConfigError as e:
         raise click.ClickException(str(e)) from None
     router = KVHeatRouter(cfg)

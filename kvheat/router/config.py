@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from ..server.config import check_secret
+from ..tiers.spec import check_fields
 from .policy import POLICIES
 
 KINDS = ("kvheat", "vllm", "openai")
@@ -28,6 +30,8 @@ class ReplicaSpec:
     block_size: int | None = None  # None: what its events or /kv_events say
 
     def __post_init__(self) -> None:
+        check_fields(self, f"replica {self.url!r}" if isinstance(self.url, str) else "replica",
+                     RouterConfigError)
         self.url = self.url.rstrip("/")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -99,8 +103,18 @@ class RouterConfig:
     # regime (kvheat/router/regime.py); without it they keep their own.
     replica_admin_token: str | None = None
     otlp_endpoint: str | None = None
+    # The replicas' kv_events_secret: keys their KV events' block hashes and authenticates
+    # the event sockets (at least 16 bytes); None: none (`kvheat route` falls back to
+    # $KVHEAT_EVENTS_SECRET).
+    events_secret: str | None = None
+    # A replica sent requests whose KV events have not arrived this long after the first
+    # is routed blind: warned about, and shown (metric, /admin/replicas).
+    events_grace_s: float = 30.0
+    # Route by cache only once every replica's events arrive (until then by load alone).
+    require_events: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, error=RouterConfigError)
         if self.policy not in POLICIES:
             raise RouterConfigError(f"unknown policy {self.policy!r}; known: "
                                     f"{', '.join(POLICIES)}")
@@ -116,6 +130,9 @@ class RouterConfig:
                                     "positive")
         if self.discover is not None and not re.fullmatch(r"[^\s:]+:[0-9]+", self.discover):
             raise RouterConfigError(f"discover must be host:port, not {self.discover!r}")
+        check_secret(self.events_secret, "events_secret", RouterConfigError)
+        if not 0 < self.events_grace_s <= 3600:
+            raise RouterConfigError("events_grace_s must be in (0, 3600]")
         urls = [r.url for r in self.replicas]
         if len(set(urls)) != len(urls):
             raise RouterConfigError("a replica is listed twice")

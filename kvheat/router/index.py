@@ -16,12 +16,11 @@ parents and removals.
 from __future__ import annotations
 
 import threading
-from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ..cache.hashing import chain_key, root_key
+from ..cache.hashing import chain_key, root_key, tokens_to_bytes
 from ..kvevents.schema import (
     MEDIUM_GPU,
     REMOTE,
@@ -62,19 +61,30 @@ def place_of(medium: str | None, locality: str | None) -> int:
 
 
 class PrefixIndex:
-    def __init__(self, ghost_factor: float = 12.0) -> None:
+    """Replicas are indexed per arm: a kvheat replica's A/B arms (its events'
+    `data_parallel_rank`) are caches of their own, and a request reaches one of them (the
+    user's), so each (replica, rank) is a unit with its own bit. A foreign (vLLM) replica's
+    data-parallel ranks are one unit (vLLM picks the rank), whose key stays while any rank
+    holds it."""
+
+    def __init__(self, ghost_factor: float = 12.0,
+                 keyer: Callable[[bytes], bytes] | None = None) -> None:
         if not 0 <= ghost_factor <= 64:
             raise ValueError("ghost_factor is a multiple of the keys held, in [0, 64]")
         self._lock = threading.Lock()
-        self._bits: dict[str, int] = {}
+        # The published form of a kvheat key (the events secret's `event_key`): the keys of
+        # foreign stores, recomputed from token ids, are indexed in that form.
+        self.keyer = keyer
+        self._units: dict[str, dict[int, int]] = {}  # replica -> rank -> bit
         self._free_bits: list[int] = []
         self._next_bit = 0
-        # key -> mask of replicas, per place; a replica's keys per (place, tier name), so a
-        # key on two of its tiers (write-through) stays until both lose it.
+        # key -> mask of units, per place; a unit's keys per (place, tier name, rank), so a
+        # key on two of its tiers (write-through) or ranks stays until all lose it.
         self.masks: tuple[dict[bytes, int], dict[bytes, int], dict[bytes, int]] = ({}, {}, {})
-        self._held: dict[int, dict[tuple[int, str | None], set[bytes]]] = {}
-        # Replicas indexed by content (foreign hashes): their hash -> kvheat key.
-        self._alias: dict[int, dict[bytes | int, bytes]] = {}
+        self._held: dict[int, dict[tuple[int, str | None, int], set[bytes]]] = {}
+        # Units indexed by content (foreign hashes): (their hash, rank) -> (kvheat's chain
+        # key, its indexed form).
+        self._alias: dict[int, dict[tuple[bytes | int, int], tuple[bytes, bytes]]] = {}
         self.foreign: set[str] = set()
         self.unresolved = 0  # foreign stores whose parent was unknown (not indexed)
         # Keys replicas evicted from their devices lately: key -> mask, oldest first, as
@@ -85,7 +95,7 @@ class PrefixIndex:
         # elsewhere would start from nothing (docs/cluster.md). About 150 bytes a ghost.
         self.ghosts: OrderedDict[bytes, int] = OrderedDict()
         self.ghost_factor = ghost_factor
-        # Keys of requests routed and not finished, per replica (a count each): they count
+        # Keys of requests routed and not finished, per unit (a count each): they count
         # as on its device until their own events arrive, so a burst on one new prefix
         # lands together. key -> mask, and (bit, key) -> requests expecting it.
         self.expected: dict[bytes, int] = {}
@@ -94,91 +104,111 @@ class PrefixIndex:
     # ---- replicas -------------------------------------------------------------------------
     def add_replica(self, name: str, foreign_hashes: bool = False) -> int:
         with self._lock:
-            if name in self._bits:
-                return self._bits[name]
+            if name in self._units:
+                return self._units[name][0]
+            self._units[name] = {}
+            if foreign_hashes:
+                self.foreign.add(name)
+            return self._unit(name, 0)
+
+    def _unit(self, name: str, rank: int) -> int:
+        """The bit of (name, rank), made on first sight (lock held)."""
+        ranks = self._units[name]
+        if name in self.foreign:
+            rank = 0
+        bit = ranks.get(rank)
+        if bit is None:
             bit = self._free_bits.pop() if self._free_bits else self._next_bit
             if bit == self._next_bit:
                 self._next_bit += 1
-            self._bits[name] = bit
+            ranks[rank] = bit
             self._held[bit] = {}
-            if foreign_hashes:
-                self.foreign.add(name)
+            if name in self.foreign:
                 self._alias[bit] = {}
-            return bit
+        return bit
 
     def remove_replica(self, name: str) -> None:
         with self._lock:
-            bit = self._bits.pop(name, None)
-            if bit is None:
+            ranks = self._units.pop(name, None)
+            if ranks is None:
                 return
-            self._clear(bit)
-            del self._held[bit]
-            self._alias.pop(bit, None)
-            for (b, k) in [x for x in self._expect_counts if x[0] == bit]:
-                del self._expect_counts[(b, k)]
-                v = self.expected.get(k, 0) & ~(1 << bit)
-                if v:
-                    self.expected[k] = v
-                else:
-                    self.expected.pop(k, None)
+            for bit in ranks.values():
+                self._clear(bit)
+                del self._held[bit]
+                self._alias.pop(bit, None)
+                for (b, k) in [x for x in self._expect_counts if x[0] == bit]:
+                    del self._expect_counts[(b, k)]
+                    v = self.expected.get(k, 0) & ~(1 << bit)
+                    if v:
+                        self.expected[k] = v
+                    else:
+                        self.expected.pop(k, None)
+                self._free_bits.append(bit)
             self.foreign.discard(name)
-            self._free_bits.append(bit)
 
     def clear_replica(self, name: str) -> None:
+        """Forget what `name` holds, on every rank, and what it evicted (it restarted, or
+        its events are lost: a snapshot refills it)."""
         with self._lock:
-            bit = self._bits.get(name)
-            if bit is not None:
+            for bit in self._units.get(name, {}).values():
                 self._clear(bit)
 
-    def bit_of(self, name: str) -> int | None:
-        return self._bits.get(name)
+    def bit_of(self, name: str, rank: int = 0) -> int | None:
+        ranks = self._units.get(name)
+        if ranks is None:
+            return None
+        return ranks.get(0 if name in self.foreign else rank)
 
     @property
     def replicas(self) -> list[str]:
-        return list(self._bits)
+        return list(self._units)
 
     def blocks_of(self, name: str, place: int = DEVICE) -> int:
-        bit = self._bits.get(name)
-        if bit is None:
-            return 0
-        return len(set().union(*(s for (p, _), s in self._held[bit].items() if p == place)))
+        bits = self._units.get(name, {}).values()
+        return len(set().union(*(s for b in bits for (p, _t, _r), s in self._held[b].items()
+                                 if p == place)))
 
     # ---- updates --------------------------------------------------------------------------
     def stored(self, name: str, keys: Iterable[bytes], place: int = DEVICE,
-               tier: str | None = None) -> None:
+               tier: str | None = None, rank: int = 0) -> None:
         with self._lock:
-            bit = self._bits.get(name)
-            if bit is not None:
-                self._store(bit, keys, place, tier)
+            if name in self._units:
+                self._store(self._unit(name, rank), keys, place, tier, rank)
 
     def removed(self, name: str, keys: Iterable[bytes], place: int = DEVICE,
-                tier: str | None = None) -> None:
+                tier: str | None = None, rank: int = 0) -> None:
         with self._lock:
-            bit = self._bits.get(name)
-            if bit is not None:
-                self._remove(bit, keys, place, tier)
+            if name in self._units:
+                self._remove(self._unit(name, rank), keys, place, tier, rank)
 
     def apply(self, name: str, batch: KVEventBatch) -> None:
-        """Apply one publisher's batch (kvheat's or vLLM's)."""
+        """Apply one publisher's batch (kvheat's or vLLM's), to the unit of its rank."""
         with self._lock:
-            bit = self._bits.get(name)
-            if bit is None:
+            if name not in self._units:
                 return
+            rank = batch.data_parallel_rank or 0
+            if not 0 <= rank < 1 << 16:
+                raise ValueError(f"data_parallel_rank {rank} out of range")
+            bit = self._unit(name, rank)
             alias = self._alias.get(bit)
             for ev in batch.events:
                 if isinstance(ev, BlockStored):
                     place = place_of(ev.medium, ev.locality)
-                    keys = ev.block_hashes if alias is None else self._translate(alias, ev)
-                    self._store(bit, keys, place, ev.ownership)  # type: ignore[arg-type]
+                    keys = _own_keys(ev.block_hashes) if alias is None else \
+                        self._translate(alias, ev, rank)
+                    self._store(bit, keys, place, ev.ownership, rank)
                 elif isinstance(ev, BlockRemoved):
                     place = place_of(ev.medium, ev.locality)
-                    keys = ev.block_hashes if alias is None else \
-                        [alias[h] for h in ev.block_hashes if h in alias]
-                    self._remove(bit, keys, place, ev.ownership)  # type: ignore[arg-type]
+                    keys = _own_keys(ev.block_hashes) if alias is None else \
+                        [alias[(h, rank)][1] for h in ev.block_hashes if (h, rank) in alias]
+                    self._remove(bit, keys, place, ev.ownership, rank)
                 elif isinstance(ev, AllBlocksCleared):
-                    self._clear(bit)
+                    # A resync (or a restart) of this rank: what it held goes, what it
+                    # evicted stays remembered (a resync does not make it forget).
+                    self._clear(bit, rank, ghosts=False)
 
-    def _translate(self, alias: dict[bytes | int, bytes], ev: BlockStored) -> list[bytes]:
+    def _translate(self, alias: dict[tuple[bytes | int, int], tuple[bytes, bytes]],
+                   ev: BlockStored, rank: int) -> list[bytes]:
         """kvheat keys of a foreign store, from its token ids."""
         n = len(ev.block_hashes)
         bs = ev.block_size
@@ -188,22 +218,25 @@ class PrefixIndex:
         if ev.parent_block_hash is None:
             parent = root_key(_salt_of(ev))
         else:
-            got = alias.get(ev.parent_block_hash)
+            got = alias.get((ev.parent_block_hash, rank))
             if got is None:
                 self.unresolved += n
                 return []
-            parent = got
+            parent = got[0]
         out = []
-        raw = array("I", ev.token_ids).tobytes()
+        raw = tokens_to_bytes(ev.token_ids)
+        keyer = self.keyer
         for i, h in enumerate(ev.block_hashes):
             parent = chain_key(parent, raw[4 * bs * i:4 * bs * (i + 1)])
-            alias[h] = parent
-            out.append(parent)
+            key = parent if keyer is None else keyer(parent)
+            alias[(h, rank)] = (parent, key)
+            out.append(key)
         return out
 
-    def _store(self, bit: int, keys: Iterable[bytes], place: int, tier: str | None) -> None:
+    def _store(self, bit: int, keys: Iterable[bytes], place: int, tier: str | None,
+               rank: int = 0) -> None:
         m = self.masks[place]
-        held = self._held[bit].setdefault((place, tier), set())
+        held = self._held[bit].setdefault((place, tier, rank), set())
         flag = 1 << bit
         ghosts = self.ghosts if place == DEVICE else None
         for k in keys:
@@ -217,14 +250,15 @@ class PrefixIndex:
                     else:
                         ghosts[k] = g & ~flag
 
-    def _remove(self, bit: int, keys: Iterable[bytes], place: int, tier: str | None) -> None:
+    def _remove(self, bit: int, keys: Iterable[bytes], place: int, tier: str | None,
+                rank: int = 0) -> None:
         m = self.masks[place]
         sets = self._held[bit]
-        held = sets.get((place, tier))
+        held = sets.get((place, tier, rank))
         if held is None:
             return
         flag = 1 << bit
-        others = [s for (p, t), s in sets.items() if p == place and t != tier]
+        others = [s for (p, t, r), s in sets.items() if p == place and (t, r) != (tier, rank)]
         ghosts = self.ghosts if place == DEVICE else None
         for k in keys:
             if k not in held:
@@ -245,30 +279,42 @@ class PrefixIndex:
             while len(ghosts) > cap:
                 ghosts.popitem(last=False)
 
-    def _clear(self, bit: int) -> None:
+    def _clear(self, bit: int, rank: int | None = None, ghosts: bool = True) -> None:
+        """Forget the unit's keys (of one rank's sets only, when given), and, with
+        `ghosts`, its eviction memory."""
         flag = 1 << bit
-        for (place, _tier), keys in self._held[bit].items():
-            m = self.masks[place]
+        sets = self._held[bit]
+        gone = [pk for pk in sets if rank is None or pk[2] == rank]
+        for pk in gone:
+            keys = sets.pop(pk)
+            m = self.masks[pk[0]]
+            rest = [s for (p, _t, _r), s in sets.items() if p == pk[0]]
             for k in keys:
+                if any(k in s for s in rest):
+                    continue
                 v = m.get(k, 0) & ~flag
                 if v:
                     m[k] = v
                 else:
                     m.pop(k, None)
-        self._held[bit] = {}
-        for k in [k for k, g in self.ghosts.items() if g & flag]:
-            g = self.ghosts[k] & ~flag
-            if g:
-                self.ghosts[k] = g
-            else:
-                del self.ghosts[k]
+        if ghosts:
+            for k in [k for k, g in self.ghosts.items() if g & flag]:
+                g = self.ghosts[k] & ~flag
+                if g:
+                    self.ghosts[k] = g
+                else:
+                    del self.ghosts[k]
         alias = self._alias.get(bit)
         if alias is not None:
-            alias.clear()
+            if rank is None:
+                alias.clear()
+            else:
+                for hk in [hk for hk in alias if hk[1] == rank]:
+                    del alias[hk]
 
-    def expect(self, name: str, keys: Iterable[bytes]) -> None:
+    def expect(self, name: str, keys: Iterable[bytes], rank: int = 0) -> None:
         with self._lock:
-            bit = self._bits.get(name)
+            bit = self.bit_of(name, rank)
             if bit is None:
                 return
             flag = 1 << bit
@@ -279,9 +325,9 @@ class PrefixIndex:
                 if not c:
                     exp[k] = exp.get(k, 0) | flag
 
-    def unexpect(self, name: str, keys: Iterable[bytes]) -> None:
+    def unexpect(self, name: str, keys: Iterable[bytes], rank: int = 0) -> None:
         with self._lock:
-            bit = self._bits.get(name)
+            bit = self.bit_of(name, rank)
             if bit is None:
                 return
             flag = 1 << bit
@@ -300,12 +346,12 @@ class PrefixIndex:
 
     # ---- lookup ---------------------------------------------------------------------------
     def match(self, keys: Sequence[bytes], block_tokens: Sequence[int],
-              names: Sequence[str]) -> list[Match]:
-        """For each replica in `names`: its device prefix of `keys`, then what its lower
-        tiers hold after that, then what the shared tier holds after that."""
+              names: Sequence[str], rank: int = 0) -> list[Match]:
+        """For each replica in `names` (its arm `rank`): its device prefix of `keys`, then
+        what its lower tiers hold after that, then what the shared tier holds after that."""
         with self._lock:
             dev, loc, shr = self.masks
-            bits = [self._bits.get(n) for n in names]
+            bits = [self.bit_of(n, rank) for n in names]
             n = len(keys)
             want = 0
             for b in bits:
@@ -353,6 +399,13 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self.masks[DEVICE])
+
+
+def _own_keys(hashes: list[bytes | int]) -> list[bytes]:
+    """kvheat's keys are 16 bytes; anything else in a kvheat batch is a bad batch."""
+    if not all(isinstance(h, bytes) and len(h) == 16 for h in hashes):
+        raise ValueError("a kvheat block hash is 16 bytes")
+    return hashes  # type: ignore[return-value]
 
 
 def _salt_of(ev: BlockStored) -> str | None:

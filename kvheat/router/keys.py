@@ -1,23 +1,72 @@
 """Request -> routing keys: the prompt tokenized and keyed as the replicas' caches key it
-(the same tokenizer and chat template, chained block keys rooted at the tenant's salt)."""
+(the same tokenizer and chat template, chained block keys rooted at the tenant's salt, in
+the scope of the arm the user reaches), then in the published form of the replicas' KV
+events (keyed by the events secret, kvheat/kvevents/secret.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ..cache.hashing import block_keys, root_key, tokens_to_bytes
+from ..cache.hashing import (
+    block_keys,
+    prompt_scope,
+    root_key,
+    scoped_root,
+    tenant_salt,
+    tokens_to_bytes,
+)
+from ..server.arms import arm_user, user_bucket
 from .config import RouterConfig
 from .policy import RouteRequest
+
+MODES = ("block", "exact", "off")
 
 
 def salt_of(tenant: str | None) -> str | None:
     """The cache salt the replicas derive from a tenant (and vLLM gets as `cache_salt`)."""
-    return None if tenant is None else "tenant:" + tenant
+    return tenant_salt(tenant, {})
+
+
+@dataclass(frozen=True, slots=True)
+class ArmLayout:
+    """A kvheat replica's A/B arms, as its `GET /kv_events` says: the arm (event rank) each
+    of the 100 user buckets reaches, and how each arm keys prompts (`prefix_caching`)."""
+
+    ranks: tuple[int, ...]  # bucket -> rank
+    modes: tuple[str, ...]  # rank -> "block", "exact" or "off"
+
+    @classmethod
+    def from_info(cls, arms: Any) -> ArmLayout | None:
+        """From `/kv_events`' "arms" ([{"rank", "share", "prefix_caching"}] in config
+        order); None when absent or malformed (then every request is keyed as rank 0)."""
+        if not isinstance(arms, list) or not 1 <= len(arms) <= 100:
+            return None
+        ranks: list[int] = []
+        modes = ["block"] * len(arms)
+        for a in arms:
+            if not isinstance(a, dict):
+                return None
+            rank, share, mode = a.get("rank"), a.get("share"), a.get("prefix_caching")
+            if not (type(rank) is int and 0 <= rank < len(arms) and type(share) is int
+                    and 0 <= share <= 100 and mode in MODES):
+                return None
+            modes[rank] = mode
+            ranks += [rank] * share
+        if len(ranks) != 100:
+            return None
+        return cls(tuple(ranks), tuple(modes))
+
+    def rank_for(self, user: str) -> int:
+        return self.ranks[user_bucket(user)]
 
 
 class PromptKeys:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig,
+                 keyer: Callable[[bytes], bytes] | None = None) -> None:
         self.config = config
+        self.keyer = keyer  # the events secret's `event_key`; None: keys as the cache has them
         self._tokenizer: Any = None
         self._template: Any = None
         self._roots: dict[str | None, bytes] = {}
@@ -87,12 +136,22 @@ class PromptKeys:
             return None
         return None
 
-    def route_request(self, tokens: list[int] | None, tenant: str | None,
-                      block_size: int) -> RouteRequest:
-        if not tokens:
-            return RouteRequest([], [], 0)
+    def route_request(self, tokens: Sequence[int] | None, tenant: str | None,
+                      block_size: int, user: str | None = None,
+                      arms: ArmLayout | None = None) -> RouteRequest:
+        """The request's keys as the arm it reaches keys them (`arms`: the replicas'
+        layout; the user picks the arm as the replicas pick it)."""
+        rank = arms.rank_for(arm_user(user, tenant)) if arms is not None else 0
+        mode = arms.modes[rank] if arms is not None else "block"
+        if not tokens or mode == "off":
+            return RouteRequest([], [], len(tokens or ()), rank)
         root = self._roots.get(tenant)
         if root is None:
             root = self._roots[tenant] = root_key(salt_of(tenant))
-        keys, _ = block_keys(tokens, block_size, root)
-        return RouteRequest(keys, [block_size] * len(keys), len(tokens))
+        if mode == "exact":
+            root = scoped_root(root, prompt_scope(tokens))
+        keys, _ = block_keys(list(tokens), block_size, root)
+        if self.keyer is not None:
+            keys = [self.keyer(k) for k in keys]
+        return RouteRequest(keys, [block_size] * len(keys), len(tokens), rank,
+                            replicable=mode == "block")

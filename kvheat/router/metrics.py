@@ -13,6 +13,9 @@ _LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
             10.0, 30.0)
 
 
+EVENT_ERRORS = ("bad", "handler_errors", "restarts", "timeouts")
+
+
 @dataclass(slots=True)
 class ReplicaMetrics:
     """The children of one replica's labels, in the order the proxy path uses them."""
@@ -65,6 +68,17 @@ class RouterMetrics:
                                    "received from the replica.", ["replica"], registry=r)
         self.event_resets = Gauge("kvheat_router_event_resets", "Times the replica's view "
                                   "was reset (lost events, restarts).", ["replica"], registry=r)
+        self.events_flowing = Gauge("kvheat_router_replica_events_flowing", "1 when the "
+                                    "replica's KV events arrive; 0 when it answered requests "
+                                    "and none came within the grace time (routing is blind "
+                                    "to its cache).", ["replica"], registry=r)
+        self.event_errors = Gauge("kvheat_router_event_errors", "KV event failures per "
+                                  "replica, by kind (bad batch, handler error, subscription "
+                                  "restart, catch-up timeout).", ["replica", "kind"],
+                                  registry=r)
+        self.blind_routes = Counter("kvheat_router_blind_routes", "Requests routed by load "
+                                    "alone because --require-events and some replica's "
+                                    "events do not arrive yet.", registry=r)
         self.prewarms = Counter("kvheat_router_prewarms", "Hot prefixes sent to replicas "
                                 "that lacked them.", ["replica"], registry=r)
         self._replicas: dict[str, ReplicaMetrics] = {}
@@ -98,6 +112,10 @@ class RouterMetrics:
         """`replica` left: its gauges go (its counters stay, as Prometheus expects)."""
         self._replicas.pop(replica, None)
         self._decisions = {k: v for k, v in self._decisions.items() if k[0] != replica}
-        for g in (self.healthy, self.in_flight, self.event_batches, self.event_resets):
+        for g in (self.healthy, self.in_flight, self.event_batches, self.event_resets,
+                  self.events_flowing):
             with contextlib.suppress(KeyError):
                 g.remove(replica)
+        for kind in EVENT_ERRORS:
+            with contextlib.suppress(KeyError):
+                self.event_errors.remove(replica, kind)

@@ -37,6 +37,10 @@ class RouteRequest:
     keys: list[bytes]  # chained keys of the prompt's full blocks (and a partial last one)
     block_tokens: list[int]  # tokens in each of those blocks
     num_tokens: int  # prompt tokens
+    rank: int = 0  # the replicas' arm (event rank) this request reaches
+    # Can a hot head be copied to other replicas (prewarmed)? Not in an "exact" arm, whose
+    # keys match the whole prompt only: a hot prompt there stays where it is cached.
+    replicable: bool = True
 
 
 @dataclass(slots=True)
@@ -318,7 +322,7 @@ class KVHeatRouting(RoutingPolicy):
 
     def hot_head(self, req: RouteRequest, n_replicas: int) -> int:
         """Blocks at the start of the prompt whose key is hot (share > 1/N)."""
-        if n_replicas <= 1:
+        if n_replicas <= 1 or not req.replicable:
             return 0
         limit = 1.0 / n_replicas
         h = 0
@@ -337,7 +341,7 @@ class KVHeatRouting(RoutingPolicy):
         self._n_replicas = len(ok)
         names = [replicas[i].name for i in ok]
         self._observe_busy(replicas, ok)
-        matches = self.index.match(req.keys, req.block_tokens, names)
+        matches = self.index.match(req.keys, req.block_tokens, names, req.rank)
         head = self.hot_head(req, len(ok))
         head_tokens = sum(req.block_tokens[:head])
         saved = [self._saved(m, head, req, cfg) for m in matches]

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from ..server.protocol import PREWARM_HEADER
 from .index import PrefixIndex
 from .metrics import RouterMetrics
 from .policy import Decision, RouteRequest
@@ -112,9 +113,9 @@ class Forwarder:
         assert self.client is not None
         rid = self._next_id = self._next_id + 1
         r.state.in_flight += 1
-        r.routed += 1
+        self.registry.routed_to(r)
         r.pending[rid] = max(0.0, rreq.num_tokens - d.expected_hit_tokens)
-        self.index.expect(r.name, rreq.keys)
+        self.index.expect(r.name, rreq.keys, rreq.rank)
         released = False
 
         def release() -> None:
@@ -123,7 +124,7 @@ class Forwarder:
                 released = True
                 r.state.in_flight -= 1
                 r.pending.pop(rid, None)
-                self.index.unexpect(r.name, rreq.keys)
+                self.index.unexpect(r.name, rreq.keys, rreq.rank)
 
         t0 = time.perf_counter()
         try:
@@ -243,17 +244,23 @@ class Forwarder:
             self.metrics.of(r.name).cached_tokens.inc(n)
 
     async def prewarm(self, r: Replica, model: str, tokens: list[int],
-                      authorization: str) -> None:
+                      authorization: str, user: str | None = None) -> None:
         """Send a hot prefix to a replica that lacks it (max_tokens 1), so the first real
-        request there finds it cached."""
+        request there finds it cached: as the request's `user` (it picks the arm to warm),
+        marked as a prewarm (`PREWARM_HEADER`), which a kvheat replica counts apart from
+        its clients' requests."""
         if r.prewarming or self.client is None:
             return
         r.prewarming = True
         try:
-            headers = {"authorization": authorization} if authorization else {}
-            async with self.client.post(self.url(r, "/v1/completions"), json={
-                    "model": model, "prompt": tokens, "max_tokens": 1},
-                    headers=headers) as resp:
+            headers = {PREWARM_HEADER: "1"}
+            if authorization:
+                headers["authorization"] = authorization
+            body: dict[str, Any] = {"model": model, "prompt": tokens, "max_tokens": 1}
+            if user is not None:
+                body["user"] = user
+            async with self.client.post(self.url(r, "/v1/completions"), json=body,
+                                        headers=headers) as resp:
                 await resp.read()
             self.metrics.prewarms.labels(r.name).inc()
         except (aiohttp.ClientError, asyncio.TimeoutError):

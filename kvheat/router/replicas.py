@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from ..kvevents import KVEventSubscriber
+from ..kvevents.secret import EventSecret
 from .config import ReplicaSpec, RouterConfig
 from .index import DEVICE, LOCAL_TIER, SHARED_TIER, PrefixIndex
-from .metrics import RouterMetrics
+from .keys import ArmLayout
+from .metrics import EVENT_ERRORS, RouterMetrics
 from .policy import ReplicaState, RoutingPolicy
 
 log = logging.getLogger("kvheat.router")
@@ -31,8 +34,13 @@ class Replica:
     report_failed: bool = False  # the last cluster-entropy report was not taken
     failures: int = 0
     events: KVEventSubscriber | None = None
+    arms: ArmLayout | None = None  # a kvheat replica's A/B arms (None: one arm)
     pending: dict[int, float] = field(default_factory=dict)  # request -> expected prefill
     prewarming: bool = False
+    failures_seen: bool = False  # was out of rotation since its events were subscribed
+    first_routed_at: float | None = None  # time.monotonic() of the first request sent
+    events_flowing: bool = False  # a batch arrived since it was subscribed
+    warned_silent: bool = False
     routed: int = 0
 
     @property
@@ -44,8 +52,10 @@ class ReplicaRegistry:
     """The replicas by URL, kept in step with the prefix index and the policy."""
 
     def __init__(self, config: RouterConfig, index: PrefixIndex, policy: RoutingPolicy,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, secret: EventSecret | None = None) -> None:
         self.config = config
+        self.secret = secret
+        self._warned_no_secret = False
         self.index = index
         self.policy = policy
         self.metrics = metrics
@@ -83,12 +93,21 @@ class ReplicaRegistry:
                 r.events.close(timeout_s=0.5)
 
     def _subscribe(self, r: Replica, endpoint: str, replay: str | None) -> None:
+        # kvheat replicas' sockets are CURVE under the events secret; vLLM's are plain.
         r.events = KVEventSubscriber(r.name, endpoint, replay, self.index.apply,
-                                     self.index.clear_replica)
+                                     self.index.clear_replica,
+                                     secret=self.secret if r.spec.kind == "kvheat" else None)
 
     async def _discover_events(self, r: Replica) -> None:
         """Ask a kvheat replica where it publishes (GET /kv_events) and subscribe."""
         if r.events is not None or r.spec.kind != "kvheat" or self.client is None:
+            return
+        if self.secret is None:
+            if not self._warned_no_secret:
+                self._warned_no_secret = True
+                log.warning("no events secret (--events-secret or KVHEAT_EVENTS_SECRET): kvheat "
+                            "replicas' KV events are keyed under theirs, so they are not "
+                            "subscribed to and routing does not see their caches")
             return
         try:
             async with self.client.get(r.name + "/kv_events",
@@ -98,11 +117,20 @@ class ReplicaRegistry:
                 info = await resp.json()
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return
+        if not isinstance(info, dict):
+            return
         host = r.spec.host
-        ep = f"tcp://{host}:{info['port']}" if info.get("port") else info.get("endpoint")
-        rp = f"tcp://{host}:{info['replay_port']}" if info.get("replay_port") else None
-        if r.spec.block_size is None and info.get("block_size"):
-            r.block_size = int(info["block_size"])
+        if ":" in host:
+            host = f"[{host}]"
+        port, rport = _port(info.get("port")), _port(info.get("replay_port"))
+        endpoint = info.get("endpoint")
+        ep = f"tcp://{host}:{port}" if port else (
+            endpoint if isinstance(endpoint, str) and endpoint.startswith("ipc://") else None)
+        rp = f"tcp://{host}:{rport}" if rport else None
+        bs = info.get("block_size")
+        if r.spec.block_size is None and type(bs) is int and 1 <= bs <= 1 << 16:
+            r.block_size = bs
+        r.arms = ArmLayout.from_info(info.get("arms"))
         if ep:
             self._subscribe(r, ep, rp)
 
@@ -135,6 +163,9 @@ class ReplicaRegistry:
             r.failures = 0
             if not r.healthy:
                 log.info("replica %s is in rotation", r.name)
+                if r.events is not None and r.failures_seen:
+                    r.events.resync()  # what it holds now, not what it held before
+                r.failures_seen = False
             r.healthy = r.state.healthy = True
             await self._discover_events(r)
         else:
@@ -142,7 +173,7 @@ class ReplicaRegistry:
             if r.healthy and r.failures >= self.config.health_failures:
                 log.warning("replica %s failed %d health checks: out of rotation", r.name,
                             r.failures)
-                r.healthy = r.state.healthy = False
+                self._out(r)
 
     async def report_entropy(self, r: Replica, bits: float, token: str) -> bool:
         """PUT the cluster's entropy to one replica's admin API; False when it did not
@@ -168,7 +199,14 @@ class ReplicaRegistry:
     def mark_failed(self, r: Replica) -> None:
         """A request could not reach `r`: out of rotation until a health check passes."""
         r.failures = max(r.failures, self.config.health_failures)
+        self._out(r)
+
+    def _out(self, r: Replica) -> None:
+        """Out of rotation; what the index says it holds is forgotten (a replica that died
+        lost it; one that comes back is resynced from its snapshot)."""
         r.healthy = r.state.healthy = False
+        r.failures_seen = True
+        self.index.clear_replica(r.name)
 
     async def _discover(self) -> None:
         host, port = self.config.discover.rsplit(":", 1)  # type: ignore[union-attr]
@@ -192,23 +230,78 @@ class ReplicaRegistry:
                     log.info("replica %s left (DNS)", u)
                     self.remove(u)
 
+    def routed_to(self, r: Replica) -> None:
+        r.routed += 1
+        if r.first_routed_at is None:
+            r.first_routed_at = time.monotonic()
+
+    def check_events(self, r: Replica) -> None:
+        """Are `r`'s events arriving? A replica that has been sent requests and published
+        no batch within `events_grace_s` is routed blind: say so once, loudly, with the
+        usual cause (a vLLM publisher given a connect address)."""
+        if r.spec.kind == "openai":
+            return
+        ev = r.events
+        r.events_flowing = ev is not None and ev.stats.batches > 0
+        if r.events_flowing or r.first_routed_at is None or r.warned_silent or \
+                time.monotonic() - r.first_routed_at < self.config.events_grace_s:
+            return
+        r.warned_silent = True
+        endpoint = ev.endpoint if ev is not None else r.spec.events
+        if r.spec.kind == "vllm":
+            hint = ("vLLM binds its event socket only when given a bind address: start it "
+                    "with --kv-events-config '{\"enable_kv_cache_events\": true, "
+                    "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:PORT\"}' (with "
+                    "tcp://HOST:PORT it connects instead, and nothing reaches the router) and "
+                    "give the router events=tcp://HOST:PORT")
+        elif ev is None:
+            hint = ("no subscription: give the router the replicas' events secret "
+                    "(--events-secret or KVHEAT_EVENTS_SECRET) and start the replica with "
+                    "--kv-events-endpoint")
+        else:
+            hint = ("check that the replica's kv_events_secret equals the router's "
+                    "--events-secret (CURVE refuses another) and that the event ports are "
+                    "reachable from the router")
+        log.warning("replica %s answered requests but published no KV event batch in %.0f s "
+                    "(events endpoint %s): routing is blind to its cache. %s", r.name,
+                    self.config.events_grace_s, endpoint or "unknown", hint)
+
+    def events_ready(self) -> bool:
+        """Do the events of every healthy replica that publishes them arrive?"""
+        return all(r.events is not None and r.events.stats.batches > 0
+                   for r in self.replicas.values() if r.healthy and r.spec.kind != "openai")
+
     def refresh_gauges(self) -> None:
         m = self.metrics
         for r in self.replicas.values():
+            self.check_events(r)
+            if r.spec.kind != "openai":
+                m.events_flowing.labels(r.name).set(1 if r.events_flowing else 0)
             m.healthy.labels(r.name).set(1 if r.healthy else 0)
             m.in_flight.labels(r.name).set(r.state.in_flight)
             for place, label in _PLACES:
                 m.index_blocks.labels(r.name, label).set(self.index.blocks_of(r.name, place))
             if r.events is not None:
-                m.event_batches.labels(r.name).set(r.events.stats.batches)
-                m.event_resets.labels(r.name).set(r.events.stats.resets)
+                st = r.events.stats
+                m.event_batches.labels(r.name).set(st.batches)
+                m.event_resets.labels(r.name).set(st.resets)
+                for kind in EVENT_ERRORS:
+                    m.event_errors.labels(r.name, kind).set(getattr(st, kind))
 
     def describe(self, r: Replica) -> dict[str, Any]:
         ev = r.events.stats if r.events is not None else None
         return {"url": r.name, "kind": r.spec.kind, "healthy": r.healthy,
+                "events_flowing": r.events_flowing if r.spec.kind != "openai" else None,
                 "in_flight": r.state.in_flight, "routed": r.routed,
                 "block_size": r.block_size,
                 "index_blocks": {label: self.index.blocks_of(r.name, place)
                                  for place, label in _PLACES},
-                "events": None if ev is None else {"batches": ev.batches, "gaps": ev.gaps,
-                                                   "resets": ev.resets, "bad": ev.bad}}
+                "events": None if ev is None else {
+                    "batches": ev.batches, "gaps": ev.gaps, "resets": ev.resets, "bad": ev.bad,
+                    "handler_errors": ev.handler_errors, "restarts": ev.restarts,
+                    "timeouts": ev.timeouts, "subscribed": r.events.alive}}
+
+
+def _port(v: object) -> int | None:
+    """A TCP port from a replica's /kv_events answer, or None (anything else is ignored)."""
+    return v if type(v) is int and 0 < v < 65536 else None

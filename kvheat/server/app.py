@@ -33,7 +33,7 @@ from ..cache import make_policy
 from ..engine import GREEDY_BELOW, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from ..engine.loader import load_model
 from .admin import admin_router
-from .arms import ArmRouter, ArmStats
+from .arms import ArmRouter, ArmStats, arm_user
 from .config import ConfigError, ServerConfig, TenantConfig
 from .errors import ApiError, add_error_handlers, error_response, finished_error
 from .events import EventsCollector, ServerEvents
@@ -41,7 +41,12 @@ from .guard import RequestGuard
 from .handle import Finished, RequestHandle
 from .metrics import ServerMetrics
 from .prompts import PromptEncoder
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .protocol import (
+    PREWARM_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from .responses import Reply, collect, first_item, json_response, stream
 from .tracing import Tracing, end_span
 from .worker import EngineWorker, RequestTooLarge
@@ -104,7 +109,7 @@ class KVHeatServer:
                 self.events = ServerEvents(config, [a.name for a in config.arm_list])
             except ValueError as e:  # e.g. the port is taken
                 raise ConfigError(str(e)) from None
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.tenant_labels())
         self.router = ArmRouter(config.arm_list)
         self.arm_stats = ArmStats(self.router.names)
         self.tracing = Tracing(config.otlp_endpoint, span_exporter)
@@ -287,8 +292,7 @@ class KVHeatServer:
         if self.worker.num_active >= self.config.max_queued_requests:
             raise ApiError(503, "the server is at capacity; retry later", "server_error",
                            code="overloaded")
-        user = body.user or (tenant.name if tenant else "anonymous")
-        arm = self.router.arm_for(user)
+        arm = self.router.arm_for(arm_user(body.user, tenant.name if tenant else None))
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         rid = f"{prefix}-{uuid.uuid4().hex}"
         tenant_name = tenant.name if tenant else None
@@ -297,6 +301,7 @@ class KVHeatServer:
                                "kvheat.tenant": tenant_name or "none",
                                "kvheat.endpoint": kind, "kvheat.prompt_tokens": len(prompt)})
         handle = RequestHandle(asyncio.get_running_loop(), rid, arm, tenant_name, kind, span)
+        handle.prewarm = request.headers.get(PREWARM_HEADER) == "1"
         try:
             await self.worker.submit(handle, prompt, params, bias)
         except RequestTooLarge as e:
@@ -411,7 +416,18 @@ def _build_app(server: KVHeatServer) -> FastAPI:
         return json_response(server.events.info())
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
+        # With a metrics token, /metrics needs it (and labels tenants by name); without
+        # one it is open, and tenants are labelled by metrics_label or tenant-<i>.
+        token = server.config.metrics_token
+        if token:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                     token.encode()):
+                server.count_rejected(401)
+                return error_response(401, "missing or invalid metrics token (send "
+                                      "'Authorization: Bearer TOKEN')",
+                                      "authentication_error")
         return Response(generate_latest(server.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 

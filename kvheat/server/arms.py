@@ -16,12 +16,19 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from ..cache import hit_rate
 from .config import ArmConfig
 
 
 def user_bucket(user: str) -> int:
     """The user's bucket in [0, 100)."""
     return xxhash.xxh64_intdigest(user.encode("utf-8", "surrogatepass")) % 100
+
+
+def arm_user(user: str | None, tenant: str | None) -> str:
+    """Whom a request's arm is chosen by: its `user` field, else its tenant, else one
+    shared bucket (the server and the router both pick arms by this)."""
+    return user or tenant or "anonymous"
 
 
 class ArmRouter:
@@ -40,20 +47,29 @@ class ArmRouter:
 
 
 class ArmStats:
-    """Per-arm TTFT window and hit counts; written by the engine thread, read by handlers."""
+    """Per-arm TTFT window and hit counts; written by the engine thread, read by handlers.
+    The hit counts are the cache's (each request the cache counted, with the tokens it
+    counted), summed once requests finish: the arm's hit rate is its cache's."""
 
     def __init__(self, names: Sequence[str], window: int = 10_000) -> None:
         self._lock = threading.Lock()
         self.ttft: dict[str, deque[float]] = {n: deque(maxlen=window) for n in names}
-        self.requests = dict.fromkeys(names, 0)
+        self.requests = dict.fromkeys(names, 0)  # clients' requests
+        self.prewarms = dict.fromkeys(names, 0)  # a router's prewarms (PREWARM_HEADER)
         self.prompt_tokens = dict.fromkeys(names, 0)
         self.cached_tokens = dict.fromkeys(names, 0)
 
-    def record(self, arm: str, ttft: float | None, prompt_tokens: int, cached_tokens: int) -> None:
+    def record(self, arm: str, ttft: float | None, prompt_tokens: int, cached_tokens: int,
+               prewarm: bool = False) -> None:
+        """A finished request the cache counted. A prewarm's tokens are the cache's like
+        any other's; it is counted apart from the clients' requests and their TTFTs."""
         with self._lock:
-            self.requests[arm] += 1
             self.prompt_tokens[arm] += prompt_tokens
             self.cached_tokens[arm] += cached_tokens
+            if prewarm:
+                self.prewarms[arm] += 1
+                return
+            self.requests[arm] += 1
             if ttft is not None:
                 self.ttft[arm].append(ttft)
 
@@ -67,9 +83,10 @@ class ArmStats:
                 rows.append({
                     "arm": name,
                     "requests": self.requests[name],
+                    "prewarm_requests": self.prewarms[name],
                     "prompt_tokens": p,
                     "cached_tokens": self.cached_tokens[name],
-                    "hit_rate": self.cached_tokens[name] / p if p else 0.0,
+                    "hit_rate": hit_rate(self.cached_tokens[name], p),
                     "ttft_p50_s": float(np.percentile(t, 50)) if t.size else None,
                     "ttft_p99_s": float(np.percentile(t, 99)) if t.size else None,
                 })

@@ -11,10 +11,11 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import replace
 
 import click
 
-from .config import ConfigError, load_config
+from .config import EVENTS_SECRET_ENV, ConfigError, load_config, secret_from_env
 
 
 @click.command("serve")
@@ -64,6 +65,14 @@ from .config import ConfigError, load_config
               help="ZMQ ROUTER socket for event replay and snapshots, e.g. tcp://*:5558.")
 @click.option("--kv-events-token-ids", is_flag=True, default=None,
               help="Operator mode: events carry token ids (off: keys only).")
+@click.option("--kv-events-secret", default=None,
+              help=f"Keys the KV events' hashes and authenticates their sockets (at least "
+                   f"16 bytes; routers need the same); default: the config's, else "
+                   f"${EVENTS_SECRET_ENV}.")
+@click.option("--metrics-token", envvar="KVHEAT_METRICS_TOKEN", default=None,
+              help="/metrics needs this bearer token (or $KVHEAT_METRICS_TOKEN) and labels "
+                   "tenants by name; unset: /metrics is open and tenants are labelled "
+                   "tenant-<i> or by their metrics_label.")
 @click.option("--seed", type=int, default=None, help="Seed of the built-in model's weights.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -80,8 +89,8 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                   drain_timeout_s: float | None,
                   admin_token: str | None, otlp_endpoint: str | None,
                   kv_events_endpoint: str | None, kv_events_replay_endpoint: str | None,
-                  kv_events_token_ids: bool | None,
-                  seed: int | None, log_level: str) -> None:
+                  kv_events_token_ids: bool | None, kv_events_secret: str | None,
+                  metrics_token: str | None, seed: int | None, log_level: str) -> None:
     """Serve an OpenAI-compatible API on the kvheat cache."""
     from .app import KVHeatServer
 
@@ -102,14 +111,21 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                           admin_token=admin_token, otlp_endpoint=otlp_endpoint,
                           kv_events_endpoint=kv_events_endpoint,
                           kv_events_replay_endpoint=kv_events_replay_endpoint,
-                          kv_events_token_ids=kv_events_token_ids, seed=seed)
+                          kv_events_token_ids=kv_events_token_ids,
+                          kv_events_secret=kv_events_secret, metrics_token=metrics_token,
+                          seed=seed)
+        if cfg.kv_events_secret is None:  # neither the option nor the file: the env's
+            env_secret = secret_from_env(error=ConfigError)
+            if env_secret is not None:
+                cfg = replace(cfg, kv_events_secret=env_secret)
         server = KVHeatServer(cfg)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     arms = ", ".join(f"{a.name} ({a.share}%, {a.policy})" for a in cfg.arm_list)
     click.echo(f"kvheat: serving {cfg.model_name} on http://{host}:{port}  arms: {arms}  "
                f"tenants: {len(cfg.tenants) or 'none (open API)'}  admin API: "
-               f"{'on' if cfg.admin_token else 'off'}", err=True)
+               f"{'on' if cfg.admin_token else 'off'}  /metrics: "
+               f"{'token' if cfg.metrics_token else 'open'}", err=True)
     server.freeze_startup_heap()
     server.uvicorn(host, port, log_level).run()
 

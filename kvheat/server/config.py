@@ -7,8 +7,8 @@ as lists of tables:
     num_blocks = 512
 
     [[tenants]]
-    name = "acme"
-    api_keys = ["sk-acme-1"]
+    name = "acme"                       # letters, digits, '_', '.', '-' (not "none")
+    api_keys = ["sk-acme-1"]            # a list, even for one key
     quota_blocks = 128                  # blocks of each arm's pool; fair sharing under contention
     temperature = 0.7                   # sampling defaults (docs/server.md, "Tenants")
     logit_bias = { "13" = -100.0 }
@@ -20,6 +20,10 @@ as lists of tables:
 
 Without tenants, the API is open and nothing is salted; with tenants, every request needs
 one of their keys and each tenant's blocks are salted by its name (no cross-tenant reuse).
+
+Every key's value must have exactly the type its field declares (`check_fields`: an
+integer is never 64.5 or true, a flag never "false", a list never a bare string), else
+the config is refused with one line naming the key.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass, field, fields, replace
+import typing
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..tiers.spec import TierSpec
+from ..tiers.spec import TierSpec, check_fields, check_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,6 +47,48 @@ else:  # pragma: no cover
 
 class ConfigError(ValueError):
     """A bad server configuration (file or options)."""
+
+
+# Tenant names are hash salts, path segments of the admin API (/admin/tenants/NAME/...)
+# and, with a metrics token, metric label values: a safe charset, and never a word that
+# means "no tenant" there (the admin API reads "none" so, and requests without a tenant
+# are labelled "none"; "unknown" labels a name the metrics do not know).
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+NO_TENANT_LABEL = "none"
+UNKNOWN_TENANT_LABEL = "unknown"
+RESERVED_TENANT_NAMES = frozenset({NO_TENANT_LABEL, "null", UNKNOWN_TENANT_LABEL})
+# Metric labels of tenants without a metrics token: `metrics_label`, else tenant-<i>.
+GENERATED_LABEL_RE = re.compile(r"tenant-[0-9]+")
+# API keys and bearer tokens travel in an HTTP header, compared after stripping: visible
+# ASCII only, else the key could never be sent or never match.
+TOKEN_RE = re.compile(r"[\x21-\x7e]+")
+MIN_SECRET_BYTES = 16
+EVENTS_SECRET_ENV = "KVHEAT_EVENTS_SECRET"
+
+
+def check_name(value: str, what: str, reserved: bool = True) -> None:
+    """A tenant name or metric label: NAME_RE, and not a reserved word (any case)."""
+    if not NAME_RE.fullmatch(value):
+        raise ConfigError(f"{what} {value!r}: use 1-64 letters, digits, '_', '.', '-' "
+                          f"(starting with a letter or digit)")
+    if reserved and value.lower() in RESERVED_TENANT_NAMES:
+        raise ConfigError(f"{what} {value!r} is reserved (it means no tenant in the admin "
+                          f"API and the metrics); choose another")
+
+
+def check_secret(value: str | None, name: str, error: type[Exception] = ValueError) -> None:
+    """A shared secret: None (unset) or a string of at least MIN_SECRET_BYTES bytes."""
+    check_value(value, str | None, name, error=error)
+    if value is not None and len(value.encode()) < MIN_SECRET_BYTES:
+        raise error(f"{name} must have at least {MIN_SECRET_BYTES} bytes")
+
+
+def secret_from_env(name: str = EVENTS_SECRET_ENV,
+                    error: type[Exception] = ValueError) -> str | None:
+    """The secret in environment variable `name` (unset or empty: None), checked."""
+    value = os.environ.get(name) or None
+    check_secret(value, f"${name}", error)
+    return value
 
 
 @dataclass(slots=True)
@@ -54,33 +101,46 @@ class TenantConfig:
     top_p: float | None = None
     max_tokens: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Its label in /metrics when no metrics_token is set (else the name is): None:
+    # tenant-<i>, its position in the config. /metrics needs no key then, and must not
+    # tell who the tenants are.
+    metrics_label: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
+        check_value(self.name, str, "name", "a tenant", ConfigError)
+        if not self.name:
             raise ConfigError("a tenant needs a non-empty name")
-        if not self.api_keys or not all(isinstance(k, str) and k for k in self.api_keys):
-            raise ConfigError(f"tenant {self.name!r} needs at least one non-empty api key")
-        if self.quota_blocks is not None and (not isinstance(self.quota_blocks, int)
-                                              or isinstance(self.quota_blocks, bool)
-                                              or not 1 <= self.quota_blocks <= 2**31 - 1):
-            raise ConfigError(f"tenant {self.name!r}: quota_blocks must be an integer in "
-                              f"[1, 2**31 - 1]")
+        check_name(self.name, "tenant name")
+        what = f"tenant {self.name!r}"
+        if isinstance(self.logit_bias, dict):
+            # Keys in decimal only: int() would also read "5_0" as 50. Config files give
+            # them as strings (TOML, JSON) or integers (YAML).
+            if any(isinstance(k, bool) or not re.fullmatch(r"[0-9]{1,10}", str(k))
+                   for k in self.logit_bias):
+                raise ConfigError(f"{what}: logit_bias maps token ids to numbers")
+            self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+        check_fields(self, what, ConfigError)
+        self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()}
+        if not self.api_keys:
+            raise ConfigError(f"{what} needs at least one api key")
+        if not all(TOKEN_RE.fullmatch(k) for k in self.api_keys):
+            raise ConfigError(f"{what}: api keys must be non-empty, of visible ASCII "
+                              f"characters, without spaces")
+        if self.quota_blocks is not None and not 1 <= self.quota_blocks <= 2**31 - 1:
+            raise ConfigError(f"{what}: quota_blocks must be an integer in [1, 2**31 - 1]")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             raise ConfigError(f"tenant {self.name!r}: temperature must be in [0, 2]")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ConfigError(f"tenant {self.name!r}: top_p must be in (0, 1]")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"tenant {self.name!r}: max_tokens must be at least 1")
-        try:
-            # Keys in decimal only: int() would also read "5_0" as 50.
-            if any(not re.fullmatch(r"[0-9]{1,10}", str(k)) for k in self.logit_bias):
-                raise ValueError
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        except (TypeError, ValueError, AttributeError):
-            raise ConfigError(f"tenant {self.name!r}: logit_bias maps token ids to numbers") \
-                from None
         if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise ConfigError(f"tenant {self.name!r}: logit_bias values must be in [-100, 100]")
+        if self.metrics_label is not None:
+            check_name(self.metrics_label, f"{what}: metrics_label")
+            if GENERATED_LABEL_RE.fullmatch(self.metrics_label):
+                raise ConfigError(f"{what}: metrics_label {self.metrics_label!r} looks like "
+                                  f"the label of a tenant without one (tenant-<i>)")
 
 
 @dataclass(slots=True)
@@ -97,7 +157,8 @@ class ArmConfig:
                                                                self.name):
             raise ConfigError(f"an arm needs a name of letters, digits, '_', '.', '-' "
                               f"(it names metrics and a disk tier folder), not {self.name!r}")
-        if not isinstance(self.share, int) or not 0 <= self.share <= 100:
+        check_fields(self, f"arm {self.name!r}", ConfigError)
+        if not 0 <= self.share <= 100:
             raise ConfigError(f"arm {self.name!r}: share must be an integer percent in [0, 100]")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"arm {self.name!r}: num_blocks must be positive")
@@ -143,16 +204,42 @@ class ServerConfig:
     kv_events_topic: str = ""
     kv_events_token_ids: bool = False
     kv_events_queue: int = 100_000  # events waiting to be sent; more are dropped, counted
+    # Keys the KV events' block hashes and authenticates the event sockets (at least 16
+    # bytes); None: $KVHEAT_EVENTS_SECRET where the publisher reads it. Routers need the same.
+    kv_events_secret: str | None = None
+    # With it, /metrics needs `Authorization: Bearer <metrics_token>` and labels tenants by
+    # name; without it /metrics is open and tenants are labelled by `metrics_label` or
+    # tenant-<i> (never by name).
+    metrics_token: str | None = None
     tenants: list[TenantConfig] = field(default_factory=list)
     arms: list[ArmConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.num_blocks < 1 or self.block_size < 1:
-            raise ConfigError("num_blocks and block_size must be positive")
         if not isinstance(self.tiers, TierSpec):
             raise ConfigError("tiers must be a TierSpec (config files use the flat tier keys)")
         if isinstance(self.engine_cores, str):
             self.engine_cores = parse_cores(self.engine_cores)
+        for name, cls in (("tenants", TenantConfig), ("arms", ArmConfig)):
+            items = getattr(self, name)
+            check_value(items, list, name, error=ConfigError)
+            what = name[:-1]
+            setattr(self, name, [x if isinstance(x, cls) else _build(cls, x, what)
+                                 for x in items])
+        check_fields(self, error=ConfigError)
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ConfigError("num_blocks and block_size must be positive")
+        if not 0 <= self.seed <= 2**63 - 1:
+            raise ConfigError("seed must be in [0, 2**63 - 1]")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads must be at least 1")
+        for name in ("admin_token", "metrics_token"):
+            v = getattr(self, name)
+            if v and not TOKEN_RE.fullmatch(v):
+                raise ConfigError(f"{name} must be visible ASCII characters without spaces")
+        if self.metrics_token == "":
+            raise ConfigError("metrics_token must not be empty (leave it out for an open "
+                              "/metrics without tenant names)")
+        check_secret(self.kv_events_secret, "kv_events_secret", ConfigError)
         if self.engine_cores is not None:
             known = os.sched_getaffinity(0)
             bad = [c for c in self.engine_cores if c not in known]
@@ -182,20 +269,22 @@ class ServerConfig:
             raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.kv_events_queue < 1:
             raise ConfigError("kv_events_queue must be at least 1")
-        self.tenants = [t if isinstance(t, TenantConfig) else _build(TenantConfig, t, "tenant")
-                        for t in self.tenants]
-        self.arms = [a if isinstance(a, ArmConfig) else _build(ArmConfig, a, "arm")
-                     for a in self.arms]
         seen_keys: set[str] = set()
         names: set[str] = set()
         for t in self.tenants:
             if t.name in names:
                 raise ConfigError(f"tenant {t.name!r} is defined twice")
             names.add(t.name)
-            for k in t.api_keys:
+            for k in set(t.api_keys):
                 if k in seen_keys:
                     raise ConfigError("an api key is given to two tenants")
+                if k in (self.admin_token, self.metrics_token):
+                    raise ConfigError(f"tenant {t.name!r}: an api key is the admin or "
+                                      f"metrics token")
                 seen_keys.add(k)
+        labels = list(self.tenant_labels().values())
+        if len(set(labels)) != len(labels):
+            raise ConfigError("two tenants have the same metrics_label")
         if self.arms:
             arm_names = [a.name for a in self.arms]
             if len(set(arm_names)) != len(arm_names):
@@ -213,6 +302,14 @@ class ServerConfig:
                        else arm.host_tier_blocks,
                        disk_dir=str(Path(t.disk_dir) / arm.name) if t.disk_dir else None,
                        namespace=arm.name)
+
+    def tenant_labels(self) -> dict[str, str]:
+        """Tenant name -> its label value in /metrics: the name when a metrics token
+        guards /metrics, else its `metrics_label`, else tenant-<i> (its position here).
+        Requests without a tenant are labelled NO_TENANT_LABEL ("none")."""
+        if self.metrics_token:
+            return {t.name: t.name for t in self.tenants}
+        return {t.name: t.metrics_label or f"tenant-{i}" for i, t in enumerate(self.tenants)}
 
     @property
     def arm_list(self) -> list[ArmConfig]:
@@ -232,9 +329,17 @@ def _build(cls: type, data: Any, what: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"each {what} must be a table/mapping, not {type(data).__name__}")
     known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(str(k) if re.fullmatch(r"[\w.-]+", str(k)) else repr(k)
+                     for k in set(data) - known)  # one line, whatever the file holds
     if unknown:
         raise ConfigError(f"unknown {what} key(s): {', '.join(unknown)}")
+    required = [f.name for f in fields(cls)
+                if f.default is MISSING and f.default_factory is MISSING]
+    missing = [k for k in required if k not in data]
+    if missing:
+        name = data.get("name")
+        who = f"{what} {name!r}" if isinstance(name, str) else f"a {what}"
+        raise ConfigError(f"{who} needs the key(s): {', '.join(missing)}")
     try:
         return cls(**data)
     except TypeError as e:
@@ -248,8 +353,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 
 def parse_size(value: int | str, name: str) -> int:
     """Bytes from an int or a string such as "64GiB", "500 MB", "1.5g"."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a size, not {value!r}")
+    if not isinstance(value, (int, str)) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be a size: a whole number of bytes or a string such "
+                          f"as \"64GiB\", not {_kind(value)}")
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{name} must be >= 0")
@@ -258,6 +364,10 @@ def parse_size(value: int | str, name: str) -> int:
     if m is None or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"{name}: cannot read {value!r} as a size (e.g. 64GiB, 500MB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _kind(value: Any) -> str:
+    return "a boolean" if isinstance(value, bool) else f"a {type(value).__name__}"
 
 
 def parse_cores(text: str) -> list[int]:
@@ -272,9 +382,12 @@ def parse_cores(text: str) -> list[int]:
     return out
 
 
-def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfig:
+def load_config(path: str | Path | None = None, *, this_host: bool = True,
+                **overrides: Any) -> ServerConfig:
     """A `ServerConfig` from a TOML, YAML or JSON file, then `overrides` (options given
-    on the command line; None values are skipped)."""
+    on the command line; None values are skipped). `this_host=False`: the config is read
+    elsewhere (a router reading its replicas' tenants), so what only the serving host can
+    check (engine_cores against this process's CPUs) is checked for its type only."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -306,6 +419,12 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
     data.update({k: v for k, v in overrides.items() if v is not None})
     if "tiers" in data:
         raise ConfigError("give the tier keys flat (host_tier_blocks, disk_tier_dir, ...)")
+    if not this_host and data.get("engine_cores") is not None:
+        cores = data.pop("engine_cores")
+        if isinstance(cores, str):
+            parse_cores(cores)
+        else:
+            check_value(cores, list[int], "engine_cores", error=ConfigError)
     data["tiers"] = tier_spec({k: data.pop(k) for k in list(data) if k in TIER_KEYS})
     return _build(ServerConfig, data, "server config")
 
@@ -318,7 +437,12 @@ TIER_KEYS = {"host_tier_blocks": "host_blocks", "disk_tier_dir": "disk_dir",
 
 
 def tier_spec(keys: dict[str, Any]) -> TierSpec:
-    """A `TierSpec` from flat tier keys (TIER_KEYS), sizes read with `parse_size`."""
+    """A `TierSpec` from flat tier keys (TIER_KEYS), sizes read with `parse_size`, each
+    key type-checked (and named in errors) as the config spells it."""
+    hints = typing.get_type_hints(TierSpec)
+    for k, v in keys.items():
+        if not k.endswith("_bytes"):
+            check_value(v, hints[TIER_KEYS[k]], k, error=ConfigError)
     spec = {TIER_KEYS[k]: parse_size(v, k) if k.endswith("_bytes") else v
             for k, v in keys.items()}
     try:

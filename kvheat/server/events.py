@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..kvevents import KVEventPublisher, PublisherConfig, attach, snapshot_items
+from ..kvevents.secret import SECRET_ENV, EventSecret
 from .config import ServerConfig
 
 log = logging.getLogger("kvheat.server")
@@ -27,11 +28,17 @@ class ServerEvents:
         assert config.kv_events_endpoint is not None
         self.arms = list(arms)
         self.block_size = config.block_size
+        self.arm_configs = config.arm_list
         self.config = PublisherConfig(endpoint=config.kv_events_endpoint,
                                       replay_endpoint=config.kv_events_replay_endpoint,
                                       topic=config.kv_events_topic,
                                       token_ids=config.kv_events_token_ids,
-                                      max_queue_size=config.kv_events_queue)
+                                      max_queue_size=config.kv_events_queue,
+                                      secret=EventSecret.resolve(config.kv_events_secret))
+        if not self.config.secret.configured:  # type: ignore[union-attr]
+            log.warning("KV events: no events secret (kv_events_secret or %s): their keys "
+                        "are keyed for this process alone, so no router can use them",
+                        SECRET_ENV)
         self._engines: dict[str, Any] = {}
         self._call: Callable[[Callable[[], Any]], Any] | None = None
         self.publisher = KVEventPublisher(self.config, snapshot=self._snapshot)
@@ -68,8 +75,13 @@ class ServerEvents:
         return {"endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint,
                 "port": _port(p.endpoint), "replay_port": _port(p.replay_endpoint),
                 "topic": self.config.topic, "block_size": self.block_size,
-                "hash": "kvheat-xxh3-128", "token_ids": self.config.token_ids,
-                "ranks": {arm: i for i, arm in enumerate(self.arms)}}
+                "hash": "kvheat-xxh3-128/blake2b-keyed", "token_ids": self.config.token_ids,
+                "authenticated": p.authenticated,
+                "ranks": {arm: i for i, arm in enumerate(self.arms)},
+                # What `kvheat route` needs to key a request as the arm it reaches does.
+                "arms": [{"name": a.name, "rank": i, "share": a.share,
+                          "prefix_caching": a.prefix_caching}
+                         for i, a in enumerate(self.arm_configs)]}
 
     def close(self) -> None:
         self.publisher.close()

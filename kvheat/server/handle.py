@@ -35,6 +35,7 @@ class RequestHandle:
         self.tenant = tenant
         self.endpoint = endpoint
         self.span = span
+        self.prewarm = False  # a router's prewarm: counted apart from clients' requests
         self.queue: asyncio.Queue[int | Finished] = asyncio.Queue()
         self.finished: Finished | None = None
 

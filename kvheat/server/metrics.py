@@ -4,6 +4,11 @@ Each server owns its registry (two servers in one process, as in tests, do not c
 Counters and histograms are updated by the engine thread when a request finishes;
 gauges (queues, blocks, tier state) are refreshed by the engine thread a few times a
 second, so a scrape never walks engine structures while they change.
+
+Callers pass tenant names (or "none" / None for requests without a tenant); every tenant
+label goes through `tenant_label`, which maps a name to the label the config allows
+(`ServerConfig.tenant_labels`): /metrics may be open, and then it must not say who the
+tenants are.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ STORE_FAULTS = ("put_refused", "corrupt_checksum", "corrupt_key", "corrupt_torn"
 HIERARCHY_FAULTS = ("load_failed", "shape_mismatch", "demote_refused", "demote_dropped",
                     "orphans_dropped", "worker_errors")
 
+NO_TENANT = "none"  # the tenant label of requests without a tenant (no tenants configured)
+UNKNOWN_TENANT = "unknown"  # a name the label map lacks (never a name itself)
+
 # Latency buckets in seconds: a CPU engine's TTFT runs from milliseconds to seconds.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
@@ -32,7 +40,10 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, tenant_labels: Mapping[str, str] | None = None) -> None:
+        """`tenant_labels`: tenant name -> its label value (`ServerConfig.tenant_labels`);
+        a name not in it is labelled "unknown", never by itself."""
+        self._tenant_labels = dict(tenant_labels or {})
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvheat_requests", "Requests finished, by outcome (stop, length, abort, error).",
@@ -80,6 +91,10 @@ class ServerMetrics:
             "reports it).", ["arm", "tenant"], registry=r)
         self.evictions = Counter(
             "kvheat_evictions", "Blocks evicted, per tier.", ["arm", "tier"], registry=r)
+        self.prewarm_requests = Counter(
+            "kvheat_prewarm_requests", "A router's prewarms (the x-kvheat-prewarm header), "
+            "served as any request and counted here instead of kvheat_requests.", ["arm"],
+            registry=r)
         self.preemptions = Counter(
             "kvheat_preemptions", "Sequences preempted when the pool ran out, by the tenant "
             "of the preempted sequence (\"none\" without tenants).", ["arm", "tenant"],
@@ -124,12 +139,20 @@ class ServerMetrics:
         # Last seen values of monotone engine counters, to turn them into Counter increments.
         self._last: dict[tuple[str, ...], float] = {}
 
+    def tenant_label(self, tenant: str | None) -> str:
+        """The one place a tenant becomes a label value: None or "none" (no tenant; no
+        configured tenant may be named so) -> "none", a name -> its configured label."""
+        if tenant is None or tenant == NO_TENANT:
+            return NO_TENANT
+        return self._tenant_labels.get(tenant, UNKNOWN_TENANT)
+
     # ---- per request ------------------------------------------------------------------
-    def observe_request(self, arm: str, tenant: str, endpoint: str, finish_reason: str,
+    def observe_request(self, arm: str, tenant: str | None, endpoint: str, finish_reason: str,
                         prompt_tokens: int, cached_tokens: int, generated: int,
                         ttft: float | None, itls: list[float], e2e: float | None,
                         misses: Mapping[str, int] | None,
                         cached_by_tier: Mapping[str, int] | None = None) -> None:
+        tenant = self.tenant_label(tenant)
         self.requests.labels(arm, tenant, endpoint, finish_reason).inc()
         self.prompt_tokens.labels(arm, tenant).inc(prompt_tokens)
         self.cached_tokens.labels(arm, tenant).inc(cached_tokens)
@@ -175,10 +198,11 @@ class ServerMetrics:
         self.hit_rate.labels(arm).set(cache.stats.hit_rate)
         self._advance(self.evictions, (arm, "device"), cache.stats.evicted_blocks)
         for tenant, n in engine.scheduler.preemptions_by_tenant.items():
-            self._advance(self.preemptions, (arm, tenant or "none"), n)
+            self._advance(self.preemptions, (arm, self.tenant_label(tenant)), n)
         self._refresh_tiers(arm, engine.tiers.stats() if engine.tiers is not None else {})
         for tenant in tenants:
-            self.tenant_blocks.labels(arm, tenant).set(cache.tenant_usage(tenant))
+            self.tenant_blocks.labels(arm, self.tenant_label(tenant)).set(
+                cache.tenant_usage(tenant))
 
     def _refresh_tiers(self, arm: str, st: Mapping[str, Any]) -> None:
         """Lower-tier figures from `TieredCache.stats()`."""

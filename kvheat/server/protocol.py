@@ -17,6 +17,9 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 MAX_QUOTA_BLOCKS = 2**31 - 1  # far above any pool; 10**23 is a typo, not a quota
 LOGIT_BIAS_KEY = r"^[0-9]{1,10}$"  # a token id in decimal: int() also takes "5_0", " 5", "+5"
 StopSpec = str | Annotated[list[str], Field(max_length=4)] | None
+# A request marked with this header is a router's prewarm (kvheat route sends the hot head
+# of a prompt to replicas that lack it): served as any other, counted apart from clients'.
+PREWARM_HEADER = "x-kvheat-prewarm"
 
 
 class StreamOptions(BaseModel):

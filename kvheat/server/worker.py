@@ -148,12 +148,13 @@ class EngineWorker:
         rid = handle.request_id
         if logit_bias:  # a sampling parameter: the engine checks the ids against its vocabulary
             params = replace(params, logit_bias=dict(logit_bias))
-        too_large = _too_large(eng, prompt, params.max_tokens, handle.tenant)
+        too_large = eng.scheduler.never_fits(prompt, params.max_tokens, handle.tenant)
         if too_large is not None:
             raise RequestTooLarge(too_large)
         eng.add_request(prompt, params, tenant=handle.tenant, request_id=rid)
         t0 = time.perf_counter()
-        kinds = self.classifiers[handle.arm].prepare(eng.cache, prompt, handle.tenant)
+        kinds = self.classifiers[handle.arm].prepare(
+            eng.cache, prompt, handle.tenant, scope=eng.scheduler.prompt_scope(prompt))
         t1 = time.perf_counter()
         predicted = 0
         for k in kinds:
@@ -202,7 +203,9 @@ class EngineWorker:
             return
         m = out.metrics
         reason = a.finish_override or out.finish_reason or "abort"
-        cached = m.num_cached_tokens if m.first_token is not None else 0
+        # As the cache counted it at admission (0 if never admitted): one count for the
+        # response, the metrics, the arms' report and the cache's hit rate.
+        cached = m.num_cached_tokens if m.admitted else 0
         self._guard("metrics", lambda: self._record(a, eng, out, reason, cached))
         self._guard("tracing", lambda: self.tracing.request_done(
             a.handle.span, out, a.arm, reason, a.prompt_tokens, cached,
@@ -220,19 +223,22 @@ class EngineWorker:
         m = out.metrics
         tenant = a.handle.tenant or "none"
         misses = (self.classifiers[a.arm].classify(a.miss_kinds, a.prompt_tokens, cached)
-                  if m.first_token is not None else None)
-        by_tier = (m.cached_by_tier if eng.tiers is not None and m.first_token is not None
-                   else None)
+                  if m.admitted else None)
+        by_tier = m.cached_by_tier if eng.tiers is not None and m.admitted else None
         e2e = (m.finished - m.arrival) if m.finished is not None else None
         if misses is not None:  # all classes, isolation too: for the admin API only
             per = self.misses.setdefault(a.arm, {}).setdefault(tenant, dict.fromkeys(MISS_KINDS, 0))
             for kind, n in misses.items():
                 per[kind] += n
-        self.metrics.observe_request(a.arm, tenant, a.handle.endpoint, reason, a.prompt_tokens,
-                                     cached, len(out.output_token_ids), m.ttft,
-                                     m.inter_token_latencies, e2e, misses, by_tier)
-        if m.first_token is not None:
-            self.arm_stats.record(a.arm, m.ttft, a.prompt_tokens, cached)
+        if a.handle.prewarm:
+            self.metrics.prewarm_requests.labels(a.arm).inc()
+        else:
+            self.metrics.observe_request(a.arm, tenant, a.handle.endpoint, reason,
+                                         a.prompt_tokens, cached, len(out.output_token_ids),
+                                         m.ttft, m.inter_token_latencies, e2e, misses, by_tier)
+        if m.admitted:  # every prompt the cache's hit rate counts, and only those
+            self.arm_stats.record(a.arm, m.ttft, a.prompt_tokens, cached,
+                                  a.handle.prewarm)
 
     # ---- side work that must never stop serving ---------------------------------------
     def _guard(self, where: str, fn: Callable[[], Any]) -> None:
@@ -348,34 +354,8 @@ class EngineWorker:
             self._drain_commands(stopped=True)  # answer commands that will never run
 
 
-def _too_large(eng: LLMEngine, prompt: list[int], max_tokens: int,
-               tenant: str | None) -> str | None:
-    """Why the request can never be admitted to this engine's pool, or None. It needs
-    blocks for prompt + max_tokens; it may use the whole pool but for blocks pinned by
-    prefixes it does not share, and no more than its tenant's quota (a tenant at its
-    quota evicts only its own blocks)."""
-    cache = eng.cache
-    bs = cache.block_size
-    need = -(-(len(prompt) + max_tokens) // bs)
-    what = f"the request needs up to {need} KV blocks (prompt {len(prompt)} + max_tokens " \
-           f"{max_tokens} tokens, {bs} per block)"
-    pool = len(cache.blocks)
-    if need > pool:
-        return f"{what}; the KV pool has {pool} blocks"
-    quota = cache.quotas.get(tenant)
-    if quota is not None and need > quota:
-        return f"{what}; the tenant's quota is {quota} blocks"
-    if cache.pins:
-        pinned = {b.block_id for p in cache.pins.values() for b in p.blocks}
-        shared = {b.block_id for b in cache.match_prefix(cache.make_request("", prompt, tenant))}
-        held = len(pinned - shared)
-        if need > pool - held:
-            return f"{what}; pinned prefixes hold {held} of the pool's {pool} blocks"
-    return None
-
-
 def _explain_unschedulable(fin: Finished, eng: LLMEngine, a: _Active) -> None:
-    why = _too_large(eng, a.prompt, a.max_tokens, a.handle.tenant)
+    why = eng.scheduler.never_fits(a.prompt, a.max_tokens, a.handle.tenant)
     if why is not None:  # e.g. prefixes pinned after it arrived
         fin.error, fin.status, fin.code = why, 400, "context_length_exceeded"
     else:

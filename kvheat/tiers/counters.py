@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class TierCounters:
-    # Of the requests that went through `allocate` (the engine's scheduler sends only
-    # those with a lower-tier plan, so its whole-prompt hit rates live in the cache's
-    # own stats); the per-tier hit counts are absolute.
+    # Every prompt, counted once by `record_prompt` (an engine: at its first admission,
+    # with or without a lower-tier plan), as the device cache's stats count it: the
+    # tokens served from the device and from lower tiers, never a token recomputed.
+    # total_hit_rate is the cache's hit_rate (`kvheat.cache.hit_rate`).
     requests: int = 0
     query_tokens: int = 0
     device_hit_tokens: int = 0

@@ -12,12 +12,13 @@ then host, disk and Redis stores below it (docs/tiers.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
 from ..cache.block import Block
 from ..cache.manager import KVCacheManager, Request
+from ..cache.request import hit_rate
 from .cost import LoadCost, PrefillSpeed
 from .counters import TierCounters
 from .demotion import Demoter
@@ -100,8 +101,13 @@ class TieredCache:
 
     def allocate(self, req: Request, count_stats: bool = True) -> list[int]:
         """`mgr.allocate` plus lower-tier hits loaded into the new device blocks
-        (`count_stats`: as for `mgr.allocate`)."""
+        (`count_stats`: count `req` as a whole prompt; see `Promoter.allocate`)."""
         return self.promoter.allocate(req, count_stats)
+
+    def record_prompt(self, num_tokens: int, cached_by_tier: Mapping[str, int]) -> None:
+        """Count one prompt's hits by tier, here and in the device cache's stats at once
+        (`Promoter.record_prompt`): the engine's scheduler calls it for every prompt."""
+        self.promoter.record_prompt(num_tokens, cached_by_tier)
 
     # ---- load or recompute --------------------------------------------------------------
     def prefill_speed(self) -> float | None:
@@ -173,11 +179,11 @@ class TieredCache:
     def stats(self) -> dict[str, object]:
         """Plain counters and measured figures (the server turns them into metrics)."""
         c = self.counters
-        q = max(1, c.query_tokens)
+        q = c.query_tokens
         return {
             **asdict(c),
-            "device_hit_rate": c.device_hit_tokens / q,
-            "total_hit_rate": (c.device_hit_tokens + c.lower_hit_tokens) / q,
+            "device_hit_rate": hit_rate(c.device_hit_tokens, q),
+            "total_hit_rate": hit_rate(c.device_hit_tokens + c.lower_hit_tokens, q),
             "prefill_tokens_per_s": self.prefill_speed(),
             "queue_depth": self.demoter.queue.qsize(),
             "tiers": self.lower.describe(c.query_tokens),

@@ -11,6 +11,7 @@ from typing import Any
 from ..cache.block import Block
 from ..cache.manager import KVCacheManager
 from ..cache.policy import make_policy
+from ..cache.request import hit_rate
 from .counters import TierCounters
 from .index import UNKNOWN_OWNER, TierIndex
 from .links import Deletion, PrefixLinks
@@ -181,6 +182,6 @@ class LowerTiers:
             d.update(entries=len(self.indexes[i]), hit_tokens=self.hit_tokens[i],
                      hit_blocks=self.hit_blocks[i], demotions=self.demotions[i],
                      evictions=self.evictions[i], deleted=self.deleted[i],
-                     hit_rate=self.hit_tokens[i] / max(1, query_tokens))
+                     hit_rate=hit_rate(self.hit_tokens[i], query_tokens))
             out[f"{i}:{st.name}"] = d
         return out

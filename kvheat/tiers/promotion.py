@@ -1,11 +1,15 @@
 """Promotion: on a device miss, `allocate` keeps matching the request's next keys on the
 lower tiers, decides how many of them to load (`cost.LoadCost`), allocates the device
 blocks and fills them, so loaded tokens count as cached (`req.num_cached_tokens`).
+`record_prompt` counts a prompt's hits, by tier, in the tiers' counters and the device
+cache's stats at once (one count, one hit rate: `kvheat.cache.hit_rate`).
 `prefetch` plans and starts the slow loads (disk, Redis) when a request arrives, before the
 scheduler allocates it. Stores verify every read; a failed or missing load ends the loaded
 prefix there (the engine recomputes the rest), counted. Down tiers are skipped."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -127,8 +131,10 @@ class Promoter:
         return [self.plans.pop(rid) for rid in mine]
 
     def allocate(self, req: Request, count_stats: bool = True) -> list[int]:
-        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks
-        (`count_stats`: as for `mgr.allocate`)."""
+        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks.
+        `count_stats`: count `req` as a whole prompt, every token it got from a tier a hit
+        (`record_prompt`); an engine passes False, allocates a prompt in pieces and
+        records it once, the last token it recomputes not a hit."""
         low = self.lower
         self.last_loaded = []
         with low.lock:
@@ -145,7 +151,7 @@ class Promoter:
             if plan is None:
                 plan = self._make_plan(req, len(hit))
         try:
-            table = low.mgr.allocate(req, matched=hit, count_stats=count_stats)
+            table = low.mgr.allocate(req, matched=hit, count_stats=False)
         except Exception:
             # No blocks now: the plan, its pins and its reads (in flight or done) wait for
             # the next try, so a block is read once however long its request waits.
@@ -158,17 +164,48 @@ class Promoter:
         if beyond:
             self.reads.release(beyond)
             plan.steps = plan.steps[:len(plan.steps) - len(beyond)]
-        loaded_tokens = self._load(req, plan)
-        self._count(req, plan, loaded_tokens)
+        device_tokens = req.num_cached_tokens
+        req.num_cached_tokens += self._load(req, plan)
+        self._count_plan(plan)
+        if count_stats:
+            by_tier = {"device": device_tokens}
+            for name, n in self.last_loaded:
+                by_tier[name] = by_tier.get(name, 0) + n
+            self.record_prompt(req.num_tokens, by_tier,
+                               len(hit) + len(self.last_loaded))
         return table
 
-    def _count(self, req: Request, plan: Plan, loaded_tokens: int) -> None:
-        c = self.lower.counters
+    def record_prompt(self, num_tokens: int, cached_by_tier: Mapping[str, int],
+                      hit_blocks: int | None = None) -> None:
+        """Count one prompt of `num_tokens` tokens, of which `cached_by_tier` were served
+        from cache, by the tier that held them ("device", or a store's name): in the
+        tiers' counters, each tier's hit count and the device cache's stats, so the
+        tiers' hit rates and the cache's are one figure over the same prompts. Every
+        prompt, loads or not; a token recomputed is not in `cached_by_tier`.
+        `hit_blocks`: blocks served (None: the full blocks of the tokens served)."""
+        low = self.lower
+        c = low.counters
+        bs = low.mgr.block_size
+        device = cached_by_tier.get("device", 0)
+        lower = 0
+        for name, n in cached_by_tier.items():
+            if name == "device" or n <= 0:
+                continue
+            t = low.tier_of(name)
+            if t is not None:
+                low.hit_tokens[t] += n
+                low.hit_blocks[t] += -(-n // bs)  # one partial block at most: the last
+            lower += n
         c.requests += 1
-        c.query_tokens += req.num_tokens
-        c.device_hit_tokens += req.num_cached_tokens
-        req.num_cached_tokens += loaded_tokens
-        c.lower_hit_tokens += loaded_tokens
+        c.query_tokens += num_tokens
+        c.device_hit_tokens += device
+        c.lower_hit_tokens += lower
+        low.mgr.record_prompt(num_tokens, device + lower,
+                              (device + lower) // bs if hit_blocks is None else hit_blocks)
+
+    def _count_plan(self, plan: Plan) -> None:
+        """The load-or-recompute decision of one allocation (each admission's own)."""
+        c = self.lower.counters
         c.found_tokens += plan.found_tokens
         if plan.found_blocks:
             n_load = len(plan.steps)
@@ -240,8 +277,6 @@ class Promoter:
             loaded += s.tokens
             s.done = True
             done.append(s)
-            low.hit_tokens[s.tier] += s.tokens
-            low.hit_blocks[s.tier] += 1
         self.last_loaded = [(low.stores[s.tier].name, s.tokens) for s in done]
         c = low.counters
         c.loaded_blocks += len(done)
