@@ -291,8 +291,9 @@ def main() -> None:
     if args.peer:
         serve_peer(args.peer)
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from kvheat.replay.report import print_uncut, table_console
 
     report: dict = {"rounds": args.rounds}
     check_quiet(report, "start")
@@ -323,7 +324,7 @@ def main() -> None:
             res[p.name]["kvheat_over_peer"] = paired_ratio(
                 [b_total(r["B"]) for r in runs["kvheat"]], [b_total(r) for r in runs[p.name]])
     a = res["kvheat"]["A"]
-    con = Console()
+    con = table_console()
     t = Table(title=f"Load A: 12,000-token prompts, {BS}-token blocks, 50% shared prefix "
                     f"(median of {len(runs['kvheat'])} rounds)")
     t.add_column("operation")
@@ -333,7 +334,7 @@ def main() -> None:
     t.add_row("match, fully cached prompt", f"{a['match_cached_us_per_block']:.2f}", "< 1")
     t.add_row("allocate + free, 50% hit", f"{a['alloc_free_cold_us_per_block']:.2f}", "< 2")
     t.add_row("allocate + free, 100% hit", f"{a['alloc_free_warm_us_per_block']:.2f}", "< 2")
-    con.print(t)
+    print_uncut(t, con)
     t = Table(title="Load B: 2,000 requests × 640 tokens over 8 shared 512-token prefixes "
                     "(µs per request, medians; ratio: median and range of the rounds' ratios)")
     for col in ("system", "hash", "lookup", "allocate", "free", "total (no hash)", "hit rate",
@@ -347,7 +348,7 @@ def main() -> None:
         t.add_row(name, f"{b.get('hash_us', float('nan')):.1f}", f"{b['lookup_us']:.1f}",
                   f"{b.get('allocate_us', b.get('insert_us', 0.0)):.1f}", f"{b.get('free_us', 0.0):.1f}",
                   f"{b_total(b):.1f}", f"{b['hit_rate']:.1%}", ratio)
-    con.print(t)
+    print_uncut(t, con)
     report["results"] = res
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

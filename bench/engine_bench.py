@@ -298,8 +298,9 @@ class _progress:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvheat.replay.report import print_uncut
 
     w = report["workload"]
     t = Table(title=f"kvheat bench: {w['requests']} requests, {w['prompt_tokens']} prompt tokens "
@@ -316,7 +317,7 @@ def print_table(report: dict[str, Any]) -> None:
         t.add_row(r["strategy"], f"{r['mean_ttft_ms']:.1f} ms", f"{r['p99_ttft_ms']:.1f} ms",
                   f"{100 * r['kv_memory_saved']:.1f}%", f"{100 * r['hit_rate']:.1f}%", bound,
                   str(r["prefill_tokens"]), f"{r['engine_s']:.1f} s")
-    Console(width=160).print(t)
+    print_uncut(t)
     for n in report["notes"]:
         click.echo(f"note: {n}")
 

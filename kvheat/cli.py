@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from .replay import PreparedTrace
 
 
 @click.group()
@@ -14,18 +21,103 @@ def main() -> None:
     """kvheat: a KV-cache manager for LLM inference."""
 
 
+class _PositiveNumber(click.ParamType):
+    """A finite number > 0 (click's FloatRange lets nan and inf through)."""
+
+    name = "number"
+
+    def convert(self, value: object, param: click.Parameter | None,
+                ctx: click.Context | None) -> float:
+        try:
+            v = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError, OverflowError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(v) or v <= 0:
+            self.fail(f"{value!r} is not a finite number > 0", param, ctx)
+        return v
+
+
+POSITIVE = _PositiveNumber()
+
+
+def _names(text: str, option: str, what: str) -> list[str]:
+    """A comma-separated list of names: none empty, none twice, at least one."""
+    names = [n.strip() for n in text.split(",")]
+    if not text.strip() or any(not n for n in names):
+        raise click.BadParameter(f"an empty {what} name in {text!r}", param_hint=option)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise click.BadParameter(f"{what} {', '.join(dup)} given twice", param_hint=option)
+    return names
+
+
+def _token_list(text: str, option: str, block_tokens: int) -> list[int]:
+    """Comma-separated token counts (`parse_tokens`), each at least one block."""
+    from .replay import parse_tokens
+
+    out = []
+    for item in text.split(","):
+        try:
+            v = parse_tokens(item)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint=option) from None
+        if v < block_tokens:
+            raise click.BadParameter(f"{item.strip()} tokens hold no {block_tokens}-token block "
+                                     f"(--block-tokens)", param_hint=option)
+        out.append(v)
+    return out
+
+
+def _check_memory(pt: PreparedTrace, caps: list[int], hold: bool, replicas: int | None, shared: int) -> None:
+    """Refuse a run whose caches would not fit in the memory left (after clamping each to
+    the blocks the trace can fill, `pool_blocks`), before allocating any of it."""
+    from .replay.replayer import BLOCK_BYTES, available_memory, pool_blocks
+
+    avail = available_memory()
+    if avail is None:
+        return
+    for c in caps:
+        if replicas is None:
+            blocks, where = pool_blocks(pt, c, hold), f"a cache of {c:,} tokens"
+        else:  # N caches, then one of N x C (+ shared) for the bound
+            blocks = replicas * pool_blocks(pt, c) + pool_blocks(pt, replicas * c + shared)
+            where = f"{replicas:,} caches of {c:,} tokens (and the bound's cache)"
+        need = blocks * BLOCK_BYTES + (replicas or 0) * _REPLICA_BYTES
+        if need > avail:
+            raise click.BadParameter(
+                f"{where}: {blocks:,} blocks of {pt.block_tokens} tokens, about "
+                f"{need / 2**30:.1f} GiB, but only {avail / 2**30:.1f} GiB of memory is "
+                f"free", param_hint="--replicas" if replicas else "--capacity")
+
+
+_REPLICA_BYTES = 256 * 1024  # a replica's cache, policy and router state, less its blocks
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    src = ctx.get_parameter_source(name)
+    return src is not None and src is not click.core.ParameterSource.DEFAULT
+
+
 @main.command()
 @click.argument("trace", default="builtin")
 @click.option("--capacity", default="1M,3M,10M", show_default=True,
-              help="Cache sizes in tokens, comma-separated (1M = 1,000,000).")
+              help="Cache sizes in tokens, comma-separated: whole numbers, K/M/G = 10^3/6/9 "
+                   "(1M, 2.5M, 1e9), each at least one block. A size beyond what the trace "
+                   "can ever fill gives the same results as an unbounded cache: only the "
+                   "blocks the trace can fill are allocated, the size is reported as given. "
+                   "Sizes whose blocks would not fit in this machine's free memory are "
+                   "refused.")
 @click.option("--policy", "policies", default=None,
               help="Eviction policies, comma-separated [default: lru,arc,s3fifo,twoq,belady; "
                    "with --replicas: kvheat].")
-@click.option("--block-tokens", default=512, show_default=True, help="Tokens per block.")
+@click.option("--block-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens per block.")
 @click.option("--hold", is_flag=True, help="Hold each request's blocks for its modelled duration.")
-@click.option("--limit", type=int, default=None, help="Replay only the first N requests.")
-@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="Multiply every timestamp by K: what if the traffic were 1/K times as fast.")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Replay only the first N requests.")
+@click.option("--time-scale", type=POSITIVE, default=1.0, show_default=True,
+              help="Multiply every timestamp by K (finite, > 0): what if the traffic were 1/K "
+                   "times as fast.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the results as one JSON object here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
@@ -40,49 +132,69 @@ def main() -> None:
               show_default=True, help="With --replicas: routing policies, comma-separated.")
 @click.option("--shared-capacity", default=None,
               help="With --replicas: a shared (Redis) tier of this many tokens for all replicas.")
-@click.option("--prefill-tps", type=click.FloatRange(min=0, min_open=True), default=20_000.0,
+@click.option("--prefill-tps", type=POSITIVE, default=20_000.0,
               show_default=True, help="With --replicas: modelled prefill tokens/s per replica.")
-@click.option("--decode-tps", type=click.FloatRange(min=0, min_open=True), default=50.0,
+@click.option("--decode-tps", type=POSITIVE, default=50.0,
               show_default=True, help="With --replicas: modelled decode tokens/s per sequence.")
 @click.option("--overload-guard", is_flag=True,
               help="With --replicas: the kvheat router leaves overloaded affinity replicas.")
-def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bool,
-           limit: int | None, time_scale: float, json_path: str | None, plot_path: str | None,
-           misses: bool, fmt: str, replicas: int | None, routers: str,
-           shared_capacity: str | None, prefill_tps: float, decode_tps: float,
-           overload_guard: bool) -> None:
+@click.pass_context
+def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
+           block_tokens: int, hold: bool, limit: int | None, time_scale: float,
+           json_path: str | None, plot_path: str | None, misses: bool, fmt: str,
+           replicas: int | None, routers: str, shared_capacity: str | None,
+           prefill_tps: float, decode_tps: float, overload_guard: bool) -> None:
     """Replay TRACE (a Mooncake JSONL file, vLLM's KV events or request log, or 'builtin'
     for the generator) through the cache, or with --replicas through a cluster of caches
-    behind each routing policy."""
+    behind each routing policy.
+
+    Every line of TRACE is checked (a Mooncake line: hash_ids a non-empty list of integer
+    block ids in [0, 2**64), input_length an integer that fits them, output_length an
+    integer >= 0, timestamp a finite number of ms >= 0, session_id and tenant strings);
+    a bad line, like an empty trace, is an error naming the file and line."""
     from rich.progress import Progress
 
     from .cache import policy_names
-    from .replay import PreparedTrace, TraceError, generate_workload, load_trace, parse_tokens
+    from .replay import PreparedTrace, TraceError, generate_workload, load_trace
     from .replay import replay as run_replay
     from .replay.report import plot, print_misses, print_table, summarize, write_json
 
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise click.BadParameter("plots need matplotlib: pip install 'kvheat[plot]'",
                                  param_hint="--plot")
-    try:
-        caps = [parse_tokens(c) for c in capacity.split(",") if c.strip()]
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--capacity") from None
+    caps = _token_list(capacity, "--capacity", block_tokens)
+    _check_writable(json_path, "--json")
+    _check_writable(plot_path, "--plot")
+    if replicas is None:
+        extra = [o for o, n in (("--router", "routers"), ("--shared-capacity", "shared_capacity"),
+                                ("--prefill-tps", "prefill_tps"), ("--decode-tps", "decode_tps"),
+                                ("--overload-guard", "overload_guard")) if _given(ctx, n)]
+        if extra:
+            raise click.UsageError(f"{', '.join(extra)}: only with --replicas (a cluster)")
+    elif hold:
+        raise click.UsageError("--hold is not modelled with --replicas")
+    if trace == "builtin" and fmt != "auto":
+        raise click.BadParameter("the built-in workload has no file format", param_hint="--format")
     if policies is None:
         policies = "kvheat" if replicas is not None else "lru,arc,s3fifo,twoq,belady"
-    pols = [p.strip() for p in policies.split(",") if p.strip()]
+    pols = _names(policies, "--policy", "policy")
     unknown = [p for p in pols if p not in policy_names()]
     if unknown:
         raise click.BadParameter(f"unknown policy {', '.join(unknown)}; known: "
                                  f"{', '.join(policy_names())}", param_hint="--policy")
+    cluster: tuple[list[str], int] | None = None
+    if replicas is not None:
+        cluster = _cluster_options(pols, routers, shared_capacity, block_tokens)
+    detected = False
     if trace == "builtin":
         reqs = generate_workload(block_tokens=block_tokens)
         name = "built-in multi-turn workload"
     else:
         from .replay.vllm_trace import detect_format, load_kv_events, load_vllm_log
 
+        detected = fmt == "auto"
         try:
-            fmt = detect_format(trace) if fmt == "auto" else fmt
+            fmt = detect_format(trace) if detected else fmt
             if fmt == "vllm-events":
                 reqs = load_kv_events(trace, block_tokens)
             elif fmt == "vllm-log":
@@ -92,13 +204,22 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
         except (OSError, TraceError) as e:
             raise click.ClickException(str(e)) from None
         name = Path(trace).name
-    if time_scale != 1:
-        name += f" (timestamps x{time_scale:g})"
     if limit is not None:
         reqs = reqs[:limit]
+    if not reqs:
+        how = f"read as {fmt}" + (", detected from its first line (--format picks another)"
+                                  if detected else "")
+        raise click.ClickException(f"{trace}: no requests in the trace ({how})")
+    last = max(r.timestamp_ms for r in reqs)
+    if not math.isfinite(last * time_scale):
+        raise click.BadParameter(f"timestamps up to {last:g} ms times {time_scale:g} overflow",
+                                 param_hint="--time-scale")
+    if time_scale != 1:
+        name += f" (timestamps x{time_scale:g})"
     pt = PreparedTrace(reqs, block_tokens)
-    if replicas is not None:
-        _replay_cluster(pt, name, caps, pols, routers, replicas, shared_capacity, prefill_tps,
+    _check_memory(pt, caps, hold, replicas, cluster[1] if cluster else 0)
+    if replicas is not None and cluster is not None:
+        _replay_cluster(pt, name, caps, pols, cluster[0], replicas, cluster[1], prefill_tps,
                         decode_tps, time_scale, json_path, plot_path, overload_guard)
         return
     results = []
@@ -113,54 +234,84 @@ def replay(trace: str, capacity: str, policies: str, block_tokens: int, hold: bo
     print_table(summary)
     if misses:
         print_misses(summary)
-    if json_path:
-        write_json(summary, json_path)
-        click.echo(f"wrote {json_path}")
-    if plot_path:
-        plot(summary, plot_path)
-        click.echo(f"wrote {plot_path}")
+    _write(write_json, summary, json_path, "--json")
+    _write(plot, summary, plot_path, "--plot")
 
 
-def _replay_cluster(pt, name: str, caps: list[int], pols: list[str], routers: str,
-                    replicas: int, shared_capacity: str | None, prefill_tps: float,
-                    decode_tps: float, time_scale: float, json_path: str | None,
-                    plot_path: str | None, overload_guard: bool = False) -> None:
-    from .replay import parse_tokens
+def _check_writable(path: str | None, option: str) -> None:
+    """Fail before a long replay, not after it, where its output cannot be written."""
+    if not path:
+        return
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.BadParameter(f"cannot create {parent}: {e.strerror or e}",
+                                 param_hint=option) from None
+    if not os.access(parent, os.W_OK):
+        raise click.BadParameter(f"{parent} is not writable", param_hint=option)
+
+
+def _write(fn: Callable[[dict, str], None], what: dict, path: str | None, option: str) -> None:
+    if not path:
+        return
+    try:
+        fn(what, path)
+    except OSError as e:
+        raise click.ClickException(f"{option} {path}: {e.strerror or e}") from None
+    click.echo(f"wrote {path}")
+
+
+def _cluster_options(pols: list[str], routers: str, shared_capacity: str | None,
+                     block_tokens: int) -> tuple[list[str], int]:
+    """The routers and the shared tier's tokens of a --replicas run, checked."""
     from .router.policy import POLICIES
-    from .router.policy import make_policy as make_router
-    from .router.report import plot, print_table, summarize, write_json
-    from .router.simulate import ClusterConfig, simulate
 
-    names = [r.strip() for r in routers.split(",") if r.strip()]
+    names = _names(routers, "--router", "router")
     unknown = [r for r in names if r not in POLICIES]
-    if unknown or not names:
-        raise click.BadParameter(f"unknown router {', '.join(unknown) or '(none)'}; known: "
+    if unknown:
+        raise click.BadParameter(f"unknown router {', '.join(unknown)}; known: "
                                  f"{', '.join(POLICIES)}", param_hint="--router")
     if len(pols) != 1:
         raise click.BadParameter("with --replicas give one eviction --policy (default here: "
                                  "kvheat)", param_hint="--policy")
-    try:
-        shared = parse_tokens(shared_capacity) if shared_capacity else 0
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--shared-capacity") from None
+    if shared_capacity is None:
+        return names, 0
+    if "," in shared_capacity:
+        raise click.BadParameter("one size, not a list", param_hint="--shared-capacity")
+    return names, _token_list(shared_capacity, "--shared-capacity", block_tokens)[0]
+
+
+def _replay_cluster(pt, name: str, caps: list[int], pols: list[str], names: list[str],
+                    replicas: int, shared: int, prefill_tps: float,
+                    decode_tps: float, time_scale: float, json_path: str | None,
+                    plot_path: str | None, overload_guard: bool = False) -> None:
+    from .replay.replayer import pool_blocks
+    from .router.policy import make_policy as make_router
+    from .router.report import plot, print_table, summarize, write_json
+    from .router.simulate import ClusterConfig, simulate
+
     results = []
     for c in caps:
+        # A replica never holds more blocks than the trace can fill: a larger capacity is
+        # simulated at that size (no eviction either way, the same results) and reported
+        # as given.
+        fill = pool_blocks(pt, c)
+        run_c = c if fill == c // pt.block_tokens else fill * pt.block_tokens
         for r in names:
-            cfg = ClusterConfig(replicas=replicas, capacity_tokens=c, cache_policy=pols[0],
+            cfg = ClusterConfig(replicas=replicas, capacity_tokens=run_c, cache_policy=pols[0],
                                 shared_tokens=shared, prefill_tps=prefill_tps,
                                 decode_tps=decode_tps, time_scale=time_scale)
             spec = (lambda ix: make_router("kvheat", ix, overload_guard=True)) \
                 if r == "kvheat" and overload_guard else r
-            results.append(simulate(pt, spec, cfg))
+            res = simulate(pt, spec, cfg)
+            res.capacity_tokens = c
+            results.append(res)
     summary = summarize(name, results, block_tokens=pt.block_tokens, cache_policy=pols[0],
                         prefill_tps=prefill_tps, decode_tps=decode_tps, time_scale=time_scale)
     print_table(summary)
-    if json_path:
-        write_json(summary, json_path)
-        click.echo(f"wrote {json_path}")
-    if plot_path:
-        plot([summary], plot_path)
-        click.echo(f"wrote {plot_path}")
+    _write(write_json, summary, json_path, "--json")
+    _write(lambda s, p: plot([s], p), summary, plot_path, "--plot")
 
 
 def _register_optional_commands() -> None:

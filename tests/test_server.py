@@ -363,8 +363,8 @@ def test_arms_report_and_metric_labels(served: Served) -> None:
         assert 0 <= row["hit_rate"] <= 1
     out = CliRunner().invoke(arms_command, ["--url", served.base, "--admin-token", ADMIN])
     assert out.exit_code == 0, out.output
-    assert re.search(r"^heat\s+\d+\s+[\d.]+%", out.output, re.M)
-    assert re.search(r"^lru\s+\d+\s+[\d.]+%", out.output, re.M)
+    assert re.search(r"^heat\s+\d+\s+\d+\s+[\d.]+%", out.output, re.M)
+    assert re.search(r"^lru\s+\d+\s+\d+\s+[\d.]+%", out.output, re.M)
     text = httpx.get(served.base + "/metrics").text
     for arm in ("lru", "heat"):
         assert f'kvheat_time_to_first_token_seconds_bucket{{arm="{arm}"' in text

@@ -40,7 +40,8 @@ class EventSecret:
         if len(raw) < MIN_SECRET:
             raise ValueError(f"the KV events secret must have at least {MIN_SECRET} bytes")
         self.configured = configured  # False: a random per-process one (nobody shares it)
-        self._key = _derive(raw, b"event-keys")
+        # The keyed state, copied per key: cheaper than keying a new hash each time.
+        self._keyed = hashlib.blake2b(key=_derive(raw, b"event-keys"), digest_size=16)
         self._server_secret = z85.encode(_derive(raw, b"curve-server"))
         self._client_secret = z85.encode(_derive(raw, b"curve-client"))
         self.server_public = zmq.curve_public(self._server_secret)
@@ -64,7 +65,9 @@ class EventSecret:
 
     def event_key(self, key: bytes) -> bytes:
         """The published form of a cache key: BLAKE2b-128 under the events key."""
-        return hashlib.blake2b(key, key=self._key, digest_size=16).digest()
+        h = self._keyed.copy()
+        h.update(key)
+        return h.digest()
 
     # ---- CURVE --------------------------------------------------------------------------
     def curve_server(self, sock: zmq.Socket) -> None:

@@ -7,9 +7,12 @@ Default mode: requests one at a time in trace order (match, allocate the rest, f
 from __future__ import annotations
 
 import heapq
+import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 from ..cache import CacheConfig, EvictionPolicy, KVCacheManager, OutOfBlocks, Request, make_policy
 from ..cache.hashing import root_key, tenant_salt, trace_block_keys
@@ -85,6 +88,17 @@ class PreparedTrace:
             self.block_tokens_of.append([block_tokens] * (n - 1) + [r.input_length - (n - 1) * block_tokens])
         self._next_use: list[list[float]] | None = None
         self._plain_keys: list[list[bytes]] | None = None
+        self._distinct: int | None = None
+
+    def footprint_blocks(self, hold: bool = False) -> int:
+        """The most blocks a replay of this trace can ever have in use, at any capacity:
+        each distinct (tenant-salted) prefix block cached once, plus the private copies
+        requests in flight may hold (one request at a time, or with `hold` all of them).
+        A cache of more blocks never runs out of free ones, so never evicts."""
+        if self._distinct is None:
+            self._distinct = len({k for ks in self.keys for k in ks})
+        lens = [len(ks) for ks in self.keys]
+        return self._distinct + (sum(lens) if hold else max(lens, default=0))
 
     @property
     def plain_keys(self) -> list[list[bytes]]:
@@ -125,18 +139,72 @@ class PreparedTrace:
         return hit / total if total else 0.0
 
 
+MAX_TOKENS = 10**15  # a token count beyond any cache: a typo, not a size
+
+
 def parse_tokens(text: str) -> int:
-    """'1M' -> 1_000_000, '512K' -> 512_000, '3.5M', '1G', or a plain integer."""
-    s = text.strip().upper()
+    """'1M' -> 1_000_000, '512K' -> 512_000, '3.5M', '1G', '1e6', or a plain integer: a
+    whole, positive, finite number of tokens (at most `MAX_TOKENS`), read exactly."""
+    s = text.strip().upper() if isinstance(text, str) else ""
     mult = {"K": 1_000, "M": 1_000_000, "G": 1_000_000_000}.get(s[-1:], 1)
     num = s[:-1] if mult > 1 else s
     try:
-        v = int(float(num) * mult)
-    except ValueError:
+        d = Decimal(num)
+        finite = d.is_finite()
+        huge = finite and d != 0 and d.adjusted() > 20
+        v = d * mult if finite and not huge else d
+        whole = finite and not huge and v >= 1 and v == v.to_integral_value()
+    except ArithmeticError:  # decimal's InvalidOperation (not a number), Overflow
         raise ValueError(f"not a token count: {text!r} (use e.g. 1M, 512K, 3000000)") from None
-    if v <= 0:
+    if not finite:
+        raise ValueError(f"token count must be finite: {text!r}")
+    if d <= 0:
         raise ValueError(f"token count must be positive: {text!r}")
-    return v
+    if huge or v > MAX_TOKENS:
+        raise ValueError(f"token count too large: {text!r} (at most 1e15)")
+    if not whole:
+        raise ValueError(f"not a whole number of tokens: {text!r}")
+    return int(v)
+
+
+# What one cache block costs in this process's memory, estimated from above: the `Block`
+# (about 230 bytes), its key, content, index entry and policy node once cached.
+BLOCK_BYTES = 512
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate, as best the OS tells (MemAvailable, capped
+    by a cgroup's limit); None when it does not."""
+    avail: int | None = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            avail = min(avail, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def pool_blocks(trace: PreparedTrace, capacity_tokens: int, hold: bool = False) -> int:
+    """Blocks a replay at `capacity_tokens` allocates: the capacity's, clamped to the trace's
+    `footprint_blocks` (more could never be used)."""
+    return min(capacity_tokens // trace.block_tokens, max(trace.footprint_blocks(hold), 1))
 
 
 def _policy(spec: PolicySpec) -> EvictionPolicy:
@@ -147,12 +215,13 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
            block_tokens: int = 512, hold: bool = False, prefill_tps: float = 20_000.0,
            decode_tps: float = 50.0, progress: Callable[[int], None] | None = None,
            time_scale: float = 1.0) -> ReplayResult:
-    """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks.
+    """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks
+    (allocated only up to the trace's `footprint_blocks`: the results are the same).
 
     `time_scale` multiplies every timestamp: the same requests in the same order, with
     traffic `1 / time_scale` times as fast (0.1: ten times the request rate)."""
-    if not time_scale > 0:
-        raise ValueError(f"time_scale must be positive, got {time_scale}")
+    if not (time_scale > 0 and math.isfinite(time_scale)):
+        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
     pt = trace if isinstance(trace, PreparedTrace) else PreparedTrace(trace, block_tokens)
     bt = pt.block_tokens
     num_blocks = capacity_tokens // bt
@@ -160,9 +229,14 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
         raise ValueError(f"capacity {capacity_tokens} tokens holds no {bt}-token block")
     pol = _policy(policy)
     now = [0.0]
-    mgr = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=bt,
+    # A cache larger than the trace can fill holds only the blocks it can (it never evicts
+    # either way); the policy is still told the whole capacity, as its sizing reads it.
+    allocated = pool_blocks(pt, capacity_tokens, hold)
+    mgr = KVCacheManager(CacheConfig(num_blocks=allocated, block_size=bt,
                                      share_groups=pt.share_groups), policy=pol,
                          clock=lambda: now[0])
+    if allocated < num_blocks:
+        pol.bind(num_blocks)
     belady_next = pt.next_use if pol.needs_future else None
     next_use = getattr(pol, "next_use", None)
     misses = MissBreakdown()

@@ -29,8 +29,23 @@ def summarize(trace_name: str, block_tokens: int, infinite: float,
     return {"trace": trace_name, "block_tokens": block_tokens, "infinite": infinite, "results": rows}
 
 
+def table_console() -> Console:
+    """Where tables go: the terminal, at its width; anything else (a pipe, a log file, CI)
+    unbounded, since rich would otherwise assume 80 columns and cut cells."""
+    con = Console()
+    return con if con.is_terminal else Console(width=100_000)
+
+
+def print_uncut(table: Table, console: Console | None = None) -> None:
+    """Print `table` with no cell cut: cells wrap (fold) where a terminal is narrower
+    than the table, and a non-terminal is as wide as the table (`table_console`)."""
+    for col in table.columns:
+        col.overflow = "fold"
+        col.no_wrap = False
+    (console or table_console()).print(table)
+
+
 def print_table(summary: dict, console: Console | None = None) -> None:
-    console = console or Console()
     caps = sorted({r["capacity_tokens"] for r in summary["results"]})
     pols = list(dict.fromkeys(r["policy"] for r in summary["results"]))
     cell = {(r["policy"], r["capacity_tokens"]): r for r in summary["results"]}
@@ -51,11 +66,10 @@ def print_table(summary: dict, console: Console | None = None) -> None:
             extra = f" ({g:+.0%} gap)" if g is not None and p not in ("lru", "belady") else ""
             cells.append(f"{r['hit_rate']:.2%}{extra}")
         t.add_row(p, *cells)
-    console.print(t)
+    print_uncut(t, console)
 
 
 def print_misses(summary: dict, console: Console | None = None) -> None:
-    console = console or Console()
     t = Table(title="Why prompt tokens missed (share of all prompt tokens)")
     for col in ("policy", "capacity", "compulsory", "capacity miss", "sub-block", "isolation", "too long"):
         t.add_column(col, justify="right" if col != "policy" else "left")
@@ -63,7 +77,7 @@ def print_misses(summary: dict, console: Console | None = None) -> None:
         m, tot = r["misses"], max(r["total_tokens"], 1)
         t.add_row(r["policy"], _fmt_tokens(r["capacity_tokens"]),
                   *(f"{m[k] / tot:.1%}" for k in ("compulsory", "capacity", "sub_block", "isolation", "too_long")))
-    console.print(t)
+    print_uncut(t, console)
 
 
 def write_json(summary: dict, path: str | Path) -> None:

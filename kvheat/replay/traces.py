@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import random
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,28 +30,135 @@ class TraceError(ValueError):
     pass
 
 
+# Bounds on what a trace line may hold. A line of 32 Mi characters is far beyond any real
+# request (a Mooncake line of 1M block ids, a vLLM log line of a 4M-token prompt); a longer
+# one is refused rather than read whole. Block ids are the 8-byte unsigned contents the
+# cache hashes; counts are 64-bit.
+MAX_LINE_CHARS = 1 << 25
+BLOCK_ID_LIMIT = 1 << 64
+MAX_COUNT = (1 << 63) - 1
+_BAD_BYTES = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of non-UTF-8 bytes
+
+
+def read_lines(path: str | Path, strict_utf8: bool = True) -> Iterator[tuple[int, str]]:
+    """(line number, line) for each non-blank line of a text file, each line bounded by
+    `MAX_LINE_CHARS`; with `strict_utf8` a line that is not UTF-8 is an error naming it
+    (otherwise bad bytes read as U+FFFD)."""
+    errors = "surrogateescape" if strict_utf8 else "replace"
+    with open(path, encoding="utf-8", errors=errors) as f:
+        lineno = 0
+        while True:
+            line = f.readline(MAX_LINE_CHARS + 1)
+            if not line:
+                return
+            lineno += 1
+            if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):
+                raise TraceError(f"{path}:{lineno}: line longer than {MAX_LINE_CHARS:,} "
+                                 "characters")
+            if strict_utf8 and _BAD_BYTES.search(line):
+                raise TraceError(f"{path}:{lineno}: not UTF-8 text")
+            if line.strip():
+                yield lineno, line
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json_line(path: str | Path, lineno: int, line: str) -> object:
+    """One line of JSON, strictly (no NaN/Infinity); any failure a `TraceError` naming the line."""
+    try:
+        return json.loads(line, parse_constant=_no_constant)
+    except RecursionError:
+        raise TraceError(f"{path}:{lineno}: JSON nested too deeply") from None
+    except ValueError as e:  # bad JSON, NaN/Infinity, an integer of too many digits
+        raise TraceError(f"{path}:{lineno}: not valid JSON ({e})") from None
+
+
+def _show(v: object) -> str:
+    s = json.dumps(v) if isinstance(v, str | int | float | bool) or v is None else type(v).__name__
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def check_int(where: str, name: str, v: object, lo: int, hi: int) -> int:
+    """`v` as an integer in [lo, hi]: a JSON integer, not a bool, a float or a string."""
+    if type(v) is not int:
+        raise TraceError(f"{where}: {name} must be an integer, not {_show(v)}")
+    if not lo <= v <= hi:
+        top = {BLOCK_ID_LIMIT - 1: "2**64)", MAX_COUNT: "2**63)"}.get(hi, f"{hi}]")
+        raise TraceError(f"{where}: {name} {_show(v)} is out of range [{lo}, {top}")
+    return v
+
+
+def check_time(where: str, name: str, v: object) -> float:
+    """`v` as a finite, non-negative number (not a bool or a string)."""
+    if type(v) not in (int, float):
+        raise TraceError(f"{where}: {name} must be a number, not {_show(v)}")
+    try:
+        f = float(v)  # type: ignore[arg-type]
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f) or f < 0:
+        raise TraceError(f"{where}: {name} must be a finite number >= 0, not {_show(v)}")
+    return f
+
+
+def positive_int(v: object, name: str) -> int:
+    try:
+        n = operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        n = 0
+    if n < 1 or isinstance(v, bool):
+        raise ValueError(f"{name} must be a positive integer, not {v!r}")
+    return n
+
+
+def _check_str(where: str, name: str, v: object) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise TraceError(f"{where}: {name} must be a non-empty string or null, not {_show(v)}")
+    return v
+
+
+def parse_request(where: str, d: object, block_tokens: int) -> TraceRequest:
+    """One Mooncake request (a decoded JSON line), every field type- and range-checked:
+    `hash_ids` a non-empty list of block ids in [0, 2**64), `input_length` an integer
+    that fits them, `output_length` an integer >= 0, `timestamp` (ms) a finite number
+    >= 0, `session_id` and `tenant` strings. Other fields are ignored."""
+    if not isinstance(d, dict):
+        raise TraceError(f"{where}: a request is a JSON object, not {_show(d)}")
+    for k in ("hash_ids", "input_length"):
+        if k not in d:
+            raise TraceError(f"{where}: no {k}")
+    raw = d["hash_ids"]
+    if not isinstance(raw, list):
+        raise TraceError(f"{where}: hash_ids must be a list of block ids, not {_show(raw)}")
+    if not raw:
+        raise TraceError(f"{where}: hash_ids is empty")
+    ids = [check_int(where, f"hash_ids[{j}]", x, 0, BLOCK_ID_LIMIT - 1) for j, x in enumerate(raw)]
+    n = check_int(where, "input_length", d["input_length"], 1, MAX_COUNT)
+    if not (len(ids) - 1) * block_tokens < n <= len(ids) * block_tokens:
+        raise TraceError(f"{where}: {n} input tokens do not fit {len(ids)} blocks of {block_tokens}")
+    out = check_int(where, "output_length", d.get("output_length", 0), 0, MAX_COUNT)
+    ts = check_time(where, "timestamp", d.get("timestamp", 0))
+    return TraceRequest(ts, n, out, ids, _check_str(where, "session_id", d.get("session_id")),
+                        _check_str(where, "tenant", d.get("tenant")))
+
+
 def load_trace(path: str | Path, block_tokens: int = 512, limit: int | None = None) -> list[TraceRequest]:
     """Load a Mooncake-format JSONL trace (`timestamp`, `input_length`, `output_length`,
-    `hash_ids`), checking every line; a bad line is an error naming the line."""
+    `hash_ids`, optionally `session_id` and `tenant`), checking every line
+    (`parse_request`); a bad line is a `TraceError` naming the file, line and field."""
+    block_tokens = positive_int(block_tokens, "block_tokens")
+    if limit is not None:
+        limit = positive_int(limit, "limit")
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                ids = [int(x) for x in d["hash_ids"]]
-                n = int(d["input_length"])
-                r = TraceRequest(float(d.get("timestamp", 0)), n, int(d.get("output_length", 0)),
-                                 ids, d.get("session_id"), d.get("tenant"))
-            except (ValueError, KeyError, TypeError) as e:
-                raise TraceError(f"{path}:{lineno}: not a trace request ({e})") from None
-            if not ids or not (len(ids) - 1) * block_tokens < n <= len(ids) * block_tokens:
-                raise TraceError(f"{path}:{lineno}: {n} input tokens do not fit "
-                                 f"{len(ids)} blocks of {block_tokens}")
-            out.append(r)
-            if limit is not None and len(out) >= limit:
-                break
+    for lineno, line in read_lines(path):
+        where = f"{path}:{lineno}"
+        out.append(parse_request(where, parse_json_line(path, lineno, line), block_tokens))
+        if limit is not None and len(out) >= limit:
+            break
     return out
 
 
@@ -91,6 +201,7 @@ def _lognormal(rng: random.Random, mean: float, sigma: float = 0.8) -> int:
 
 def generate_workload(cfg: WorkloadConfig | None = None, block_tokens: int = 512) -> list[TraceRequest]:
     """Seeded synthetic trace in Mooncake form, so the package never needs trace files."""
+    block_tokens = positive_int(block_tokens, "block_tokens")
     cfg = cfg or WorkloadConfig()
     rng = random.Random(cfg.seed)
     weights = [1.0 / (k + 1) ** cfg.zipf_s for k in range(cfg.num_system_prompts)]

@@ -32,15 +32,29 @@ from datetime import datetime
 from pathlib import Path
 
 from ..cache.hashing import chain_key, root_key, tokens_to_bytes
-from .traces import TraceError, TraceRequest
+from .traces import (
+    MAX_COUNT,
+    MAX_LINE_CHARS,
+    TraceError,
+    TraceRequest,
+    check_int,
+    check_time,
+    parse_json_line,
+    positive_int,
+    read_lines,
+)
 
 FORMATS = ("mooncake", "vllm-events", "vllm-log")
 
 
 def detect_format(path: str | Path) -> str:
-    """'vllm-log' for a vLLM log, 'vllm-events' for a KV event file, else 'mooncake'."""
+    """'vllm-log' for a vLLM log, 'vllm-events' for a KV event file, else 'mooncake'.
+    Only the first non-blank line is read, and at most `MAX_LINE_CHARS` of it."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+        while True:
+            line = f.readline(MAX_LINE_CHARS)
+            if not line:
+                break
             s = line.strip()
             if not s:
                 continue
@@ -52,47 +66,70 @@ def detect_format(path: str | Path) -> str:
     return "mooncake"
 
 
-def _hash(h: object) -> object:
+def _hash(where: str, name: str, h: object) -> object:
     # JSON turns bytes hashes into base64 strings and leaves int hashes alone: both hash.
-    return tuple(h) if isinstance(h, list) else h
+    # A list (of scalars) stands for a tuple.
+    if isinstance(h, list) and all(_scalar_hash(x) for x in h):
+        return tuple(h)
+    if _scalar_hash(h):
+        return h
+    raise TraceError(f"{where}: {name} is not a block hash (an integer, a string or a list "
+                     f"of them): {type(h).__name__}")
 
 
-def _batches(path: str | Path) -> Iterator[tuple[int, float, list[dict]]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                ts, events = (d["ts"], d["events"]) if isinstance(d, dict) else (d[0], d[1])
-                yield lineno, float(ts), list(events)
-            except (ValueError, KeyError, IndexError, TypeError) as e:
-                raise TraceError(f"{path}:{lineno}: not a KV event batch ({e})") from None
+def _scalar_hash(h: object) -> bool:
+    return type(h) is int or isinstance(h, str)
+
+
+def _batches(path: str | Path) -> Iterator[tuple[int, float, list]]:
+    for lineno, line in read_lines(path):
+        where = f"{path}:{lineno}"
+        d = parse_json_line(path, lineno, line)
+        if isinstance(d, dict) and "ts" in d and "events" in d:
+            ts, events = d["ts"], d["events"]
+        elif isinstance(d, list) and len(d) >= 2:
+            ts, events = d[0], d[1]
+        else:
+            raise TraceError(f"{where}: not a KV event batch ([ts, [event, ...], dp_rank] or "
+                             '{"ts": ..., "events": [...]})')
+        if not isinstance(events, list):
+            raise TraceError(f"{where}: not a KV event batch (events must be a list, not "
+                             f"{type(events).__name__})")
+        yield lineno, check_time(where, "ts", ts), events
 
 
 def load_kv_events(path: str | Path, block_tokens: int | None = None,
                    merge_s: float = 2.0) -> list[TraceRequest]:
     """Requests from a file of vLLM KV event batches (one JSON batch a line)."""
+    if block_tokens is not None:
+        block_tokens = positive_int(block_tokens, "block_tokens")
     parent: dict[object, object] = {}  # block hash -> parent hash (None: a first block)
     open_tips: dict[object, int] = {}  # chain tip -> index of its request in `reqs`
     reqs: list[tuple[float, list[object], float]] = []  # (first ts, chain, last ts)
     size = 0
     for lineno, ts, events in _batches(path):
+        where = f"{path}:{lineno}"
         for ev in events:
             if not isinstance(ev, dict) or ev.get("type") != "BlockStored":
                 continue
             if ev.get("medium") not in (None, "GPU") or ev.get("group_idx") not in (None, 0):
                 continue
-            try:
-                hashes = [_hash(h) for h in ev["block_hashes"]]
-                par = _hash(ev.get("parent_block_hash"))
-                bs = int(ev["block_size"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise TraceError(f"{path}:{lineno}: not a BlockStored event ({e})") from None
+            for need in ("block_hashes", "block_size"):
+                if need not in ev:
+                    raise TraceError(f"{where}: not a BlockStored event (no {need})")
+            raw = ev["block_hashes"]
+            if not isinstance(raw, list):
+                raise TraceError(f"{where}: block_hashes must be a list, not "
+                                 f"{type(raw).__name__}")
+            hashes = [_hash(where, f"block_hashes[{j}]", h) for j, h in enumerate(raw)]
+            par = ev.get("parent_block_hash")
+            if par is not None:
+                par = _hash(where, "parent_block_hash", par)
+            bs = check_int(where, "block_size", ev["block_size"], 1, MAX_COUNT)
             if not hashes:
                 continue
             if size and bs != size:
-                raise TraceError(f"{path}:{lineno}: block size {bs}, earlier {size}")
+                raise TraceError(f"{where}: block size {bs}, earlier {size}")
             size = bs
             p = par
             for h in hashes:
@@ -118,7 +155,8 @@ def load_kv_events(path: str | Path, block_tokens: int | None = None,
         return []
     bt = block_tokens or size
     if bt % size:
-        raise TraceError(f"block_tokens {bt} is not a multiple of vLLM's block size {size}")
+        raise TraceError(f"{path}: block_tokens {bt} (--block-tokens) is not a multiple of "
+                         f"vLLM's block size {size}")
     k = bt // size
     ids: dict[object, int] = {}
     out = []
@@ -133,34 +171,72 @@ def load_kv_events(path: str | Path, block_tokens: int | None = None,
     return out
 
 
-_LOG_LINE = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:[.,](\d+))? .*?Request (\S+) details:"
-                       r".*?prompt_token_ids: \[([\d,\s]*)\]")
+# A request line of vLLM's request logger: a timestamp, then `Request ID details:`, then
+# `prompt_token_ids: [...]`. Matched piece by piece (each search linear in the line) as
+# one regex `TS.*?Request (\S+) details:.*?prompt_token_ids: \[([\d,\s]*)\]` would match:
+# that regex backtracks in time cubic in the line's length on a hostile line.
+_LOG_TS = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:[.,](\d+))? ")
+_LOG_REQ = re.compile(r"Request (\S+) details:")
+_LOG_PROMPT = "prompt_token_ids: ["
+_LOG_TOKENS = re.compile(r"[\d,\s]*\]")
+
+
+def _log_request(line: str) -> tuple[tuple[str | None, ...], str] | None:
+    """(timestamp fields, token list text) of a request line, else None."""
+    line = line.rstrip("\n")  # `.` in the regex above stops at the line's end
+    ts = _LOG_TS.search(line)
+    if ts is None:
+        return None
+    req = _LOG_REQ.search(line, ts.end())
+    if req is None:
+        return None
+    pos = req.end()
+    while (p := line.find(_LOG_PROMPT, pos)) >= 0:
+        start = p + len(_LOG_PROMPT)
+        toks = _LOG_TOKENS.match(line, start)
+        if toks is not None:
+            return ts.groups(), line[start:toks.end() - 1]
+        pos = p + 1
+    return None
 
 
 def load_vllm_log(path: str | Path, block_tokens: int = 512) -> list[TraceRequest]:
     """Requests from a vLLM server log written with --enable-log-requests at DEBUG."""
+    block_tokens = positive_int(block_tokens, "block_tokens")
     root = root_key(None)
     ids: dict[bytes, int] = {}
     out = []
     t0: datetime | None = None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            m = _LOG_LINE.search(line)
-            if m is None:
-                continue
-            mo, day, hh, mi, ss, frac, _rid, toks = m.groups()
-            when = datetime(2000, int(mo), int(day), int(hh), int(mi), int(ss),
-                            int((frac or "0").ljust(6, "0")[:6]))
-            t0 = t0 or when
-            tokens = [int(t) for t in toks.replace(",", " ").split()]
-            if not tokens:
-                continue
-            h = root
-            hids = []
-            for s in range(0, len(tokens), block_tokens):
-                h = chain_key(h, tokens_to_bytes(tokens[s:s + block_tokens]))
-                hids.append(ids.setdefault(h, len(ids)))
-            out.append(TraceRequest((when - t0).total_seconds() * 1000.0, len(tokens), 0, hids))
+    for lineno, line in read_lines(path, strict_utf8=False):
+        m = _log_request(line)
+        if m is None:
+            continue
+        (mo, day, hh, mi, ss, frac), toks = m
+        try:
+            when = datetime(2000, int(mo or 0), int(day or 0), int(hh or 0), int(mi or 0),
+                            int(ss or 0), int((frac or "0").ljust(6, "0")[:6]))
+        except ValueError as e:
+            raise TraceError(f"{path}:{lineno}: not a log timestamp ({e})") from None
+        t0 = t0 or when
+        parts = toks.replace(",", " ").split()
+        if not parts:
+            continue
+        # Ids are in [0, 2**32): ten digits at most (an int of thousands is slow, or refused).
+        ids_in = [int(t) if len(t.lstrip("0")) <= 10 else -1 for t in parts]
+        try:
+            raw = tokens_to_bytes(ids_in)
+        except ValueError:
+            bad = next(t for t, v in zip(parts, ids_in) if not 0 <= v < 2**32)
+            raise TraceError(f"{path}:{lineno}: prompt_token_ids: token id out of range: "
+                             f"{bad if len(bad) <= 20 else bad[:17] + '...'} (ids must be "
+                             "in [0, 2**32))") from None
+        h = root
+        hids = []
+        stride = 4 * block_tokens
+        for s in range(0, len(raw), stride):
+            h = chain_key(h, raw[s:s + stride])
+            hids.append(ids.setdefault(h, len(ids)))
+        out.append(TraceRequest((when - t0).total_seconds() * 1000.0, len(parts), 0, hids))
     return out
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..replay.report import _fmt_tokens
+from ..replay.report import _fmt_tokens, print_uncut, table_console
 from .simulate import ClusterResult
 
 
@@ -18,7 +18,7 @@ def summarize(trace_name: str, results: list[ClusterResult], **extra: object) ->
 
 
 def print_table(summary: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or table_console()
     rows = summary["results"]
     if not rows:
         return
@@ -34,7 +34,7 @@ def print_table(summary: dict, console: Console | None = None) -> None:
         t.add_row(_fmt_tokens(r["capacity_tokens"]), r["router"], f"{r['hit_rate']:.2%}", bound,
                   f"{r['imbalance_requests']:.2f}", f"{r['imbalance_prefill_tokens']:.2f}",
                   f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}")
-    console.print(t)
+    print_uncut(t, console)
     bounds = {(r["capacity_tokens"], r["bound_hit_rate"]) for r in rows if r["bound_hit_rate"]}
     for cap, b in sorted(bounds):
         console.print(f"  one cache of {first['replicas']} x {_fmt_tokens(cap)}"

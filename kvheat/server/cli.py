@@ -158,10 +158,12 @@ def format_arms(rows: list[dict]) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1000:.1f}"
 
-    lines = [f"{'arm':<16} {'requests':>9} {'hit rate':>9} {'TTFT P50 ms':>12} {'TTFT P99 ms':>12}"]
+    width = max([16, *(len(str(r["arm"])) for r in rows)])  # a long arm name is never cut
+    lines = [f"{'arm':<{width}} {'requests':>9} {'prewarms':>9} {'hit rate':>9} "
+             f"{'TTFT P50 ms':>12} {'TTFT P99 ms':>12}"]
     for r in rows:
-        lines.append(f"{r['arm']:<16} {r['requests']:>9} {r['hit_rate']:>9.1%} "
-                     f"{ms(r['ttft_p50_s']):>12} {ms(r['ttft_p99_s']):>12}")
+        lines.append(f"{r['arm']:<{width}} {r['requests']:>9} {r.get('prewarm_requests', 0):>9} "
+                     f"{r['hit_rate']:>9.1%} {ms(r['ttft_p50_s']):>12} {ms(r['ttft_p99_s']):>12}")
     return "\n".join(lines)
 
 
