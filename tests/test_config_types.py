@@ -21,6 +21,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from kvheat.checks import check_fields, describe_type, type_ok
 from kvheat.engine import EngineConfig, SchedulerConfig
 from kvheat.router.cli import route_command
 from kvheat.router.config import ReplicaSpec, RouterConfig, RouterConfigError
@@ -33,7 +34,7 @@ from kvheat.server.config import (
     load_config,
 )
 from kvheat.server.metrics import ServerMetrics
-from kvheat.tiers.spec import TierSpec, check_fields, describe_type, type_ok
+from kvheat.tiers.spec import TierSpec
 
 SECRET = "0123456789abcdef"  # 16 bytes
 

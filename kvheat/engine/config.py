@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tiers.spec import TierSpec, check_fields
+from ..checks import check_fields
+from ..tiers.spec import TierSpec
 from .load_classes import LOAD_CLASSES, ClassWeight, default_class_weights
 
 

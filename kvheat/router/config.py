@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from ..checks import check_fields
 from ..server.config import check_secret
-from ..tiers.spec import check_fields
 from .policy import POLICIES
 
 KINDS = ("kvheat", "vllm", "openai")

@@ -37,7 +37,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..tiers.spec import TierSpec, check_fields, check_value
+from ..checks import check_fields, check_value
+from ..tiers.spec import TierSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
