@@ -5,6 +5,7 @@ DNS discovery)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import time
@@ -22,6 +23,7 @@ from .metrics import EVENT_ERRORS, RouterMetrics
 from .policy import ReplicaState, RoutingPolicy
 
 log = logging.getLogger("kvheat.router")
+_MAX_INFO_BYTES = 64 << 10  # the largest /kv_events answer read
 _PLACES = ((DEVICE, "device"), (LOCAL_TIER, "local"), (SHARED_TIER, "shared"))
 
 
@@ -114,8 +116,12 @@ class ReplicaRegistry:
                                        timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
                 if resp.status != 200:
                     return
-                info = await resp.json()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                # Bounded: a few hundred bytes in practice; a replica's bytes are outside bytes.
+                raw = await resp.content.read(_MAX_INFO_BYTES + 1)
+            if len(raw) > _MAX_INFO_BYTES:
+                return
+            info = json.loads(raw)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError):
             return
         if not isinstance(info, dict):
             return
