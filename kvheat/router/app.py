@@ -36,6 +36,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..kvevents.secret import EventSecret
+from ..server.netsignals import url_endpoint
 from ..server.tracing import Tracing, end_span
 from .config import ReplicaSpec, RouterConfig, RouterConfigError
 from .index import PrefixIndex
@@ -84,6 +85,10 @@ class KVHeatRouter:
                                         self.secret)
         self.replicas: dict[str, Replica] = self.registry.replicas
         self.forwarder = Forwarder(self.registry, self.index, self.metrics)
+        if config.net_signals:
+            self.metrics.watch_network(lambda: [
+                (*ep, "replica") for url in list(self.replicas)
+                if (ep := url_endpoint(url, 443 if url.startswith("https") else 80))])
         self.cluster = ClusterEntropy()
         self._cpu = ThreadPoolExecutor(2, thread_name_prefix="kvheat-route-tok")
         self._tasks: list[asyncio.Task[Any]] = []

@@ -66,6 +66,9 @@ from .policy import POLICIES
 @click.option("--require-events", is_flag=True,
               help="Route by cache only once every replica's KV events arrive (until then "
                    "by load alone).")
+@click.option("--no-net-signals", is_flag=True,
+              help="No per-replica kernel TCP signals (retransmits, RTT, socket states) in "
+                   "/metrics.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
@@ -75,7 +78,8 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                   shard_choices: int, ghost_factor: float,
                   admin_token: str | None, replica_admin_token: str | None,
                   otlp_endpoint: str | None, events_secret: str | None,
-                  events_grace_s: float, require_events: bool, log_level: str) -> None:
+                  events_grace_s: float, require_events: bool, no_net_signals: bool,
+                  log_level: str) -> None:
     """Route OpenAI requests to replicas by a global prefix index fed by their KV events."""
     import uvicorn
 
@@ -105,7 +109,8 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                            shard_choices=shard_choices, ghost_factor=ghost_factor,
                            admin_token=admin_token, replica_admin_token=replica_admin_token,
                            otlp_endpoint=otlp_endpoint, events_secret=events_secret,
-                           events_grace_s=events_grace_s, require_events=require_events)
+                           events_grace_s=events_grace_s, require_events=require_events,
+                           net_signals=not no_net_signals)
     except RouterConfigError as e:
         raise click.ClickException(str(e)) from None
     router = KVHeatRouter(cfg)

@@ -112,6 +112,8 @@ class RouterConfig:
     events_grace_s: float = 30.0
     # Route by cache only once every replica's events arrive (until then by load alone).
     require_events: bool = False
+    # Per-upstream kernel TCP signals in /metrics (kvheat/server/netsignals.py).
+    net_signals: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, error=RouterConfigError)

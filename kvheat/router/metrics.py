@@ -5,6 +5,7 @@ proxy path touches six of them per request)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -84,6 +85,13 @@ class RouterMetrics:
         self._replicas: dict[str, ReplicaMetrics] = {}
         self._decisions: dict[tuple[str, str, str], Counter] = {}
         self._requests: dict[tuple[str, str], Counter] = {}
+
+    def watch_network(self, upstreams: Callable[[], Iterable[tuple[str, int, str]]]) -> None:
+        """Kernel network signals per peer (the replicas: `upstreams`), read at scrape
+        time (kvheat/server/netsignals.py)."""
+        from ..server.netsignals import NetSignalsCollector
+
+        self.registry.register(NetSignalsCollector(upstreams))
 
     def of(self, replica: str) -> ReplicaMetrics:
         m = self._replicas.get(replica)

@@ -40,6 +40,7 @@ from .events import EventsCollector, ServerEvents
 from .guard import RequestGuard
 from .handle import Finished, RequestHandle
 from .metrics import ServerMetrics
+from .netsignals import NetSignalsCollector, url_endpoint
 from .prompts import PromptEncoder
 from .protocol import (
     PREWARM_HEADER,
@@ -125,6 +126,10 @@ class KVHeatServer:
         if self.events is not None:
             self.events.bind_worker(self.worker.call)
             self.metrics.registry.register(EventsCollector(self.events))
+        if config.net_signals:  # read at scrape time, never on the engine thread
+            redis = url_endpoint(config.tiers.redis_url or "", 6379)
+            self.metrics.registry.register(NetSignalsCollector(
+                lambda: [(*redis, "redis")] if redis else []))
         self.draining = False
         self.app = _build_app(self)
 

@@ -73,6 +73,9 @@ from .config import EVENTS_SECRET_ENV, ConfigError, load_config, secret_from_env
               help="/metrics needs this bearer token (or $KVHEAT_METRICS_TOKEN) and labels "
                    "tenants by name; unset: /metrics is open and tenants are labelled "
                    "tenant-<i> or by their metrics_label.")
+@click.option("--net-signals/--no-net-signals", default=None,
+              help="Per-peer kernel TCP signals (retransmits, RTT, socket states) in /metrics "
+                   "(default: on).")
 @click.option("--seed", type=int, default=None, help="Seed of the built-in model's weights.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -90,7 +93,8 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                   admin_token: str | None, otlp_endpoint: str | None,
                   kv_events_endpoint: str | None, kv_events_replay_endpoint: str | None,
                   kv_events_token_ids: bool | None, kv_events_secret: str | None,
-                  metrics_token: str | None, seed: int | None, log_level: str) -> None:
+                  metrics_token: str | None, net_signals: bool | None, seed: int | None,
+                  log_level: str) -> None:
     """Serve an OpenAI-compatible API on the kvheat cache."""
     from .app import KVHeatServer
 
@@ -113,7 +117,7 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                           kv_events_replay_endpoint=kv_events_replay_endpoint,
                           kv_events_token_ids=kv_events_token_ids,
                           kv_events_secret=kv_events_secret, metrics_token=metrics_token,
-                          seed=seed)
+                          net_signals=net_signals, seed=seed)
         if cfg.kv_events_secret is None:  # neither the option nor the file: the env's
             env_secret = secret_from_env(error=ConfigError)
             if env_secret is not None:

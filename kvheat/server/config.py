@@ -212,6 +212,9 @@ class ServerConfig:
     # name; without it /metrics is open and tenants are labelled by `metrics_label` or
     # tenant-<i> (never by name).
     metrics_token: str | None = None
+    # Kernel network signals per peer in /metrics (kvheat/server/netsignals.py): TCP
+    # retransmits, RTT, TIME_WAIT/CLOSE_WAIT sockets, listen-queue overflows.
+    net_signals: bool = True
     tenants: list[TenantConfig] = field(default_factory=list)
     arms: list[ArmConfig] = field(default_factory=list)
 

@@ -1,0 +1,211 @@
+"""Kernel network signals (kvheat/server/netsignals.py).
+
+The lossy-link test builds its own network namespace and veth pair (10.213.x.1 here,
+10.213.x.2 in the namespace: traffic only crosses that pair), drops 20% of the packets on
+it (tc netem, else an nftables rule inside the namespace where the kernel lacks netem),
+and checks that the collector sees the retransmits of this process's socket to the peer.
+Without the privileges to build it the test skips, and fails under CI (as conftest does
+for a missing redis-server)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvheat.server.netsignals import NetSignalsCollector, PeerSample, read_proc_counters
+
+
+def _unavailable(why: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"cannot build a lossy link: {why} (CI must allow it)")
+    pytest.skip(f"cannot build a lossy link: {why}")
+
+
+def _sh(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+
+
+@dataclass
+class LossyLink:
+    ns: str
+    local_ip: str
+    peer_ip: str
+    loss: str  # how the loss was applied: "netem" or "nftables"
+
+
+@pytest.fixture
+def lossy_link() -> Iterator[LossyLink]:
+    if shutil.which("ip") is None:
+        _unavailable("no `ip` command")
+    tag = os.getpid() % 10000
+    ns, host_if, ns_if = f"kvheat-t{tag}", f"kvh{tag}a", f"kvh{tag}b"
+    net = f"10.213.{tag % 250}"
+    link = LossyLink(ns, f"{net}.1", f"{net}.2", "")
+    try:
+        r = _sh("ip", "netns", "add", ns)
+        if r.returncode != 0:
+            _unavailable(f"ip netns add: {r.stderr.strip()}")
+        for cmd in (["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if,
+                     "netns", ns],
+                    ["ip", "addr", "add", f"{link.local_ip}/30", "dev", host_if],
+                    ["ip", "link", "set", host_if, "up"],
+                    ["ip", "-n", ns, "addr", "add", f"{link.peer_ip}/30", "dev", ns_if],
+                    ["ip", "-n", ns, "link", "set", ns_if, "up"],
+                    ["ip", "-n", ns, "link", "set", "lo", "up"]):
+            r = _sh(*cmd)
+            if r.returncode != 0:
+                _unavailable(f"{' '.join(cmd)}: {r.stderr.strip()}")
+        # Drop 20% of what this end sends: netem on its egress, or (kernels without
+        # sch_netem) nftables on the namespace's input, which only that namespace sees.
+        if shutil.which("tc") and _sh("tc", "qdisc", "add", "dev", host_if, "root", "netem",
+                                      "loss", "20%").returncode == 0:
+            link.loss = "netem"
+        elif shutil.which("nft") and all(_sh("ip", "netns", "exec", ns, "nft", *c).returncode == 0
+                                         for c in (["add", "table", "inet", "kvloss"],
+                                                   ["add", "chain", "inet", "kvloss", "in",
+                                                    "{ type filter hook input priority 0; }"],
+                                                   ["add", "rule", "inet", "kvloss", "in",
+                                                    "meta", "l4proto", "tcp", "numgen",
+                                                    "random", "mod", "5", "==", "0",
+                                                    "drop"])):
+            link.loss = "nftables"
+        else:
+            _unavailable("neither tc netem nor nftables can drop packets here")
+        yield link
+    finally:
+        _sh("ip", "link", "del", host_if)  # deletes its peer too
+        _sh("ip", "netns", "del", ns)
+
+
+# The server in the namespace: accept one connection, read until EOF, answer the byte
+# count; it gives up after 60 s whatever happens.
+_SERVER = """
+import socket, sys
+socket.setdefaulttimeout(60)
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); n = 0
+while chunk := c.recv(1 << 16):
+    n += len(chunk)
+c.sendall(str(n).encode()); c.close()
+"""
+
+
+def _peer(collector: NetSignalsCollector, ip: str) -> PeerSample | None:
+    peers, _ = collector.sample()
+    return next((p for p in peers if p.ip == ip), None)
+
+
+def test_retransmits_on_a_lossy_link(lossy_link: LossyLink) -> None:
+    srv = subprocess.Popen(["ip", "netns", "exec", lossy_link.ns, sys.executable, "-c",
+                            _SERVER, lossy_link.peer_ip], stdout=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout is not None
+        port = int(srv.stdout.readline())
+        collector = NetSignalsCollector(lambda: [(lossy_link.peer_ip, port, "replica")])
+        payload = b"x" * (2 << 20)  # 2 MiB: hundreds of segments, tens of them dropped
+        with socket.create_connection((lossy_link.peer_ip, port), timeout=60) as c:
+            c.sendall(payload)
+            # Read tcp_info while the socket is open (closed, it is a TIME_WAIT socket
+            # without one), once the peer acked everything (all retransmits are done).
+            deadline = time.monotonic() + 60
+            while True:
+                peer = _peer(collector, lossy_link.peer_ip)
+                if peer is None or peer.bytes >= len(payload) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            c.shutdown(socket.SHUT_WR)
+            assert int(c.recv(64)) == len(payload)
+        assert peer is not None and peer.role == "replica"
+        print(f"{lossy_link.loss} 20% loss: {peer.retrans} retransmitted segments, "
+              f"rtt {peer.rtt_sum_us / max(peer.rtt_n, 1) / 1e3:.2f} ms")
+        assert peer.retrans > 0
+        reg = CollectorRegistry()
+        reg.register(collector)
+        assert reg.get_sample_value("kvheat_net_signal_errors_total",
+                                    {"source": "sock_diag"}) == 0
+        # The socket closed by us lingers in TIME_WAIT: counted, it is a known upstream.
+        text = generate_latest(reg).decode()
+        assert f'peer="{lossy_link.peer_ip}",role="replica",source="sock_diag"' in text
+    finally:
+        srv.kill()
+        srv.wait(timeout=10)
+
+
+def test_loopback_has_no_retransmits_and_other_processes_are_left_out() -> None:
+    # Another process's connection on 127.0.0.3 must not show up among our peers.
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import socket, time\n"
+        "s = socket.socket(); s.bind(('127.0.0.3', 0)); s.listen()\n"
+        "c = socket.create_connection(s.getsockname()); a, _ = s.accept()\n"
+        "print('up', flush=True); time.sleep(30)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "up"
+        with socket.socket() as lst:
+            lst.bind(("127.0.0.1", 0))
+            lst.listen()
+            got = bytearray()
+
+            def serve() -> None:
+                a, _ = lst.accept()
+                with a:
+                    while chunk := a.recv(1 << 16):
+                        got.extend(chunk)
+
+            t = threading.Thread(target=serve, daemon=True)
+            t.start()
+            with socket.create_connection(lst.getsockname(), timeout=10) as c:
+                c.sendall(b"y" * (2 << 20))
+                collector = NetSignalsCollector()
+                peers, listening = collector.sample()
+                c.shutdown(socket.SHUT_WR)
+            t.join(10)
+            port = lst.getsockname()[1]
+        assert len(got) == 2 << 20
+        by_ip = {p.ip: p for p in peers}
+        assert "127.0.0.3" not in by_ip
+        lo = by_ip["127.0.0.1"]
+        assert lo.role == "client"  # one end is on our listening port
+        assert lo.sockets.get("established") == 2 and lo.retrans <= 1  # ~0 without loss
+        assert port in {s.local_port for s in listening}
+    finally:
+        other.kill()
+        other.wait(timeout=10)
+
+
+def test_top_peers_and_other_bucket() -> None:
+    c = NetSignalsCollector(max_peers=2)
+    peers = [PeerSample(f"10.0.0.{i}", "client", {"established": 1}, retrans=i, bytes=10)
+             for i in range(5)] + [PeerSample("10.1.0.1", "redis", {"established": 1})]
+    top = c._top(peers)
+    assert [p.ip for p in top] == ["10.1.0.1", "10.0.0.4", "other"]  # upstreams first
+    assert top[-1].retrans == 0 + 1 + 2 + 3 and top[-1].sockets == {"established": 4}
+
+
+def test_unreadable_sources_never_break_the_scrape(tmp_path, caplog) -> None:
+    reg = CollectorRegistry()
+    c = NetSignalsCollector(proc_dir=str(tmp_path))  # no fd dir, no net/snmp there
+    reg.register(c)
+    generate_latest(reg)
+    generate_latest(reg)
+    assert c.errors == {"sock_diag": 2, "proc": 2}  # counted per scrape (this one: 3)
+    assert 'kvheat_net_signal_errors_total{source="proc"} 3.0' in generate_latest(reg).decode()
+    assert sum("cannot read" in r.message for r in caplog.records) == 2  # once per source
+
+
+def test_proc_counters(tmp_path) -> None:
+    (tmp_path / "netstat").write_text("TcpExt: SyncookiesSent ListenOverflows ListenDrops\n"
+                                      "TcpExt: 0 7 9\nIpExt: InNoRoutes\nIpExt: 0\n")
+    assert read_proc_counters(str(tmp_path / "netstat"), "TcpExt") == {
+        "SyncookiesSent": 0, "ListenOverflows": 7, "ListenDrops": 9}
+    assert read_proc_counters("/proc/net/snmp", "Tcp")["RetransSegs"] >= 0
