@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -66,13 +67,24 @@ class RedisServer:
         self.proc = None
 
 
-def _redis_binary() -> str:
-    binary = shutil.which("redis-server")
+def unavailable(what: str) -> NoReturn:
+    """Something a test needs is missing here: skip, except under CI, whose .ci/run must
+    provide it (a skipped test there would hide a missing install step)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} (CI must provide it)")
+    pytest.skip(what)
+
+
+def require_binary(name: str, package: str | None = None) -> str:
+    """The path of `name`, else `unavailable` (naming the package that provides it)."""
+    binary = shutil.which(name)
     if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed (CI must install it)")
-        pytest.skip("redis-server is not installed")
+        unavailable(f"{name} is not installed" + (f" (package {package})" if package else ""))
     return binary
+
+
+def _redis_binary() -> str:
+    return require_binary("redis-server")
 
 
 @pytest.fixture

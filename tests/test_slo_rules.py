@@ -7,14 +7,13 @@ needed: without it these tests skip, and fail under CI (which installs it)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import require_binary
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvheat.router.metrics import RouterMetrics
@@ -29,12 +28,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "kvheat-slo-dashboard.json"
 
 
 def _promtool() -> str:
-    binary = shutil.which("promtool")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed (CI must install the prometheus package)")
-        pytest.skip("promtool is not installed")
-    return binary
+    return require_binary("promtool", "prometheus")
 
 
 def _run(*args: str) -> None:
