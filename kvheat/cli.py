@@ -329,6 +329,12 @@ def _register_optional_commands() -> None:
         pass
     else:
         main.add_command(route_command, "route")
+    try:
+        from .doctor.cli import doctor_command
+    except ImportError:
+        pass
+    else:
+        main.add_command(doctor_command, "doctor")
 
 
 _register_optional_commands()

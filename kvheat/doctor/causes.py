@@ -1,0 +1,366 @@
+"""The causes `kvheat doctor` knows, each one scoring function over a `Snapshot`.
+
+A score is in [0, 1]; it is built only from ratios, shares and rates of the window (never
+an absolute level tuned to one setup), and a cause is reported only at `FLOOR` or above,
+so a healthy or idle server yields nothing. Each cause returns its score, the evidence it
+used (series -> value) and the action that fixes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .scrape import Scrape
+
+FLOOR = 0.3
+
+
+def _clamp(x: float) -> float:
+    return 0.0 if not math.isfinite(x) or x <= 0 else min(1.0, x)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+@dataclass
+class Snapshot:
+    """Two scrapes `dt` seconds apart (and /admin/stats at both ends, when given)."""
+
+    a: Scrape
+    b: Scrape
+    dt: float
+    admin_a: dict[str, Any] | None = None
+    admin_b: dict[str, Any] | None = None
+
+    @staticmethod
+    def _match(labels: tuple[tuple[str, str], ...], want: dict[str, str]) -> bool:
+        d = dict(labels)
+        return all(d.get(k) == v for k, v in want.items())
+
+    def _sum(self, s: Scrape, name: str, want: dict[str, str]) -> float:
+        return sum(v for (n, lab), v in s.items() if n == name and self._match(lab, want))
+
+    def gauge(self, name: str, **want: str) -> float:
+        """The gauge summed over the series that match `want`, at the second scrape."""
+        return self._sum(self.b, name, want)
+
+    def gauge_min(self, name: str, **want: str) -> float:
+        """The lower of the two scrapes' values: a level held through the window."""
+        return min(self._sum(self.a, name, want), self._sum(self.b, name, want))
+
+    def delta(self, name: str, **want: str) -> float:
+        """A counter's increase over the window (a counter that went down restarted)."""
+        return sum(self.deltas(name, "", **want).values())
+
+    def deltas(self, name: str, by: str, **want: str) -> dict[str, float]:
+        """A counter's increase per value of the label `by` ("" for one total)."""
+        out: dict[str, float] = {}
+        for (n, lab), vb in self.b.items():
+            if n != name or not self._match(lab, want):
+                continue
+            va = self.a.get((n, lab), 0.0)
+            d = vb - va if vb >= va else vb
+            key = dict(lab).get(by, "") if by else ""
+            out[key] = out.get(key, 0.0) + d
+        return out
+
+    def values(self, name: str, by: str, **want: str) -> dict[str, float]:
+        """A gauge per value of the label `by`, at the second scrape."""
+        out: dict[str, float] = {}
+        for (n, lab), v in self.b.items():
+            if n == name and self._match(lab, want):
+                key = dict(lab).get(by, "")
+                out[key] = out.get(key, 0.0) + v
+        return out
+
+    # ---- figures several causes use ---------------------------------------------------
+    def finished(self) -> float:
+        return self.delta("kvheat_requests_total")
+
+    def rejected(self) -> float:
+        return self.delta("kvheat_rejected_requests_total")
+
+    def arms_admin(self, which: str) -> dict[str, Any]:
+        st = self.admin_a if which == "a" else self.admin_b
+        arms = (st or {}).get("arms")
+        return arms if isinstance(arms, dict) else {}
+
+
+@dataclass
+class Finding:
+    cause: str
+    score: float
+    evidence: dict[str, float] = field(default_factory=dict)
+    action: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {"cause": self.cause, "score": round(self.score, 3),
+                "evidence": [{"series": k, "value": v} for k, v in self.evidence.items()],
+                "action": self.action}
+
+
+Cause = Callable[[Snapshot], Finding]
+
+
+def capacity(s: Snapshot) -> Finding:
+    """Capacity misses (blocks evicted, then asked for again) dominate the misses and cost
+    a real share of the prompt tokens, while the device pool keeps evicting."""
+    miss = s.deltas("kvheat_prefix_miss_tokens_total", "kind")
+    cap, all_miss = miss.get("capacity", 0.0), sum(miss.values())
+    prompt = s.delta("kvheat_prompt_tokens_total")
+    evicted = s.delta("kvheat_evictions_total", tier="device")
+    used = s.gauge("kvheat_blocks", tier="device", state="used")
+    free = s.gauge("kvheat_blocks", tier="device", state="free")
+    cached = s.gauge("kvheat_blocks", tier="device", state="cached")
+    total = used + free + cached
+    share = _ratio(cap, all_miss)
+    cost = _ratio(cap, prompt)
+    # Full weight once capacity misses are most misses and a fifth of all prompt tokens.
+    score = _clamp(share / 0.5) * _clamp(cost / 0.2) * (1.0 if evicted > 0 else 0.5)
+    # Honest estimate: each capacity-miss token was cached once and evicted before its
+    # reuse; holding them all needs at least that many more tokens of KV (a lower bound:
+    # a longer window sees a longer reuse distance). Blocks: tokens / block size, where
+    # /admin/stats gives the block size; /metrics does not.
+    bs = next((a.get("block_size") for a in s.arms_admin("b").values()
+               if isinstance(a, dict) and a.get("block_size")), None)
+    need = (f"about {math.ceil(cap / bs)} more blocks of {bs} tokens" if bs
+            else f"room for about {int(cap)} more tokens of KV")
+    action = (f"Grow the KV pool (num_blocks, now {int(total)} blocks on device): {need} "
+              f"would have turned this window's {int(cap)} capacity-miss tokens into hits "
+              "(a lower bound: the capacity-miss tokens seen in the window, reused after "
+              "eviction). Or add a lower tier (host/disk) so evicted blocks are loaded, "
+              "not recomputed.")
+    ev = {"kvheat_prefix_miss_tokens_total{kind=capacity} Δ": cap,
+          "kvheat_prefix_miss_tokens_total Δ": all_miss,
+          "kvheat_prompt_tokens_total Δ": prompt,
+          "kvheat_evictions_total{tier=device} Δ": evicted,
+          "kvheat_blocks{tier=device,state=free}": free,
+          "kvheat_blocks{tier=device} total": total}
+    return Finding("capacity", score, ev, action)
+
+
+def tenant_quota(s: Snapshot) -> Finding:
+    """One named tenant takes most of the preemptions (its quota or its share of the pool
+    runs out), and preemptions are frequent relative to the requests finished."""
+    pre = {t: v for t, v in s.deltas("kvheat_preemptions_total", "tenant").items() if v > 0}
+    total = sum(pre.values())
+    if not pre:
+        return Finding("tenant_quota", 0.0)
+    top, n = max(pre.items(), key=lambda kv: kv[1])
+    share = _ratio(n, total)
+    rate = _ratio(total, max(s.finished(), 1.0))
+    named = top not in ("none", "unknown", "other")
+    score = (_clamp((share - 0.5) / 0.3) * _clamp(rate / 0.1)) if named else 0.0
+    ev = {f"kvheat_preemptions_total{{tenant={top}}} Δ": n,
+          "kvheat_preemptions_total Δ": total,
+          "kvheat_requests_total Δ": s.finished()}
+    blocks = s.values("kvheat_tenant_blocks", "tenant")
+    if top in blocks:
+        ev[f"kvheat_tenant_blocks{{tenant={top}}}"] = blocks[top]
+    for arm in s.arms_admin("b").values():
+        quota = ((arm.get("tenants") or {}).get(top) or {}) if isinstance(arm, dict) else {}
+        if quota.get("quota"):
+            ev[f"admin tenants.{top}.quota"] = float(quota["quota"])
+    action = (f"Tenant {top!r} takes {share:.0%} of the preemptions: raise its quota "
+              "(PUT /admin/tenants/{tenant}/quota) if it should have more of the pool, or "
+              "rate-limit it; other tenants are unaffected if the quota is what it should be.")
+    return Finding("tenant_quota", score, ev, action)
+
+
+def _hit_rate_drop(s: Snapshot) -> tuple[float, float, float]:
+    """(hit rate before the window, hit rate in it, relative drop) from the token counters."""
+    before = _ratio(sum(v for (n, _), v in s.a.items() if n == "kvheat_cached_tokens_total"),
+                    sum(v for (n, _), v in s.a.items() if n == "kvheat_prompt_tokens_total"))
+    now = _ratio(s.delta("kvheat_cached_tokens_total"), s.delta("kvheat_prompt_tokens_total"))
+    return before, now, _clamp(_ratio(before - now, before))
+
+
+def entropy_drift(s: Snapshot) -> Finding:
+    """The heat policy's regime flipped or its traffic entropy moved a lot in the window,
+    and the hit rate dropped with it (a young server's regime settling is not a cause).
+    Only /admin/stats reports the regime (no /metrics series): needs --admin-url."""
+    signal, ev = 0.0, {}
+    arms_a, arms_b = s.arms_admin("a"), s.arms_admin("b")
+    for name, b in arms_b.items():
+        ra = (arms_a.get(name) or {}).get("regime") if isinstance(arms_a.get(name), dict) else None
+        rb = b.get("regime") if isinstance(b, dict) else None
+        if not ra or not rb:
+            continue
+        ea, eb = ra.get("entropy_bits"), rb.get("entropy_bits")
+        if isinstance(ea, (int, float)) and isinstance(eb, (int, float)):
+            # Below one bit the traffic is about one prefix: changes there are noise.
+            rel = abs(eb - ea) / max(ea, eb, 1.0)
+            signal = max(signal, _clamp(rel / 0.5))  # entropy moved by half: full weight
+            ev[f"admin arms.{name}.regime.entropy_bits before"] = round(ea, 3)
+            ev[f"admin arms.{name}.regime.entropy_bits after"] = round(eb, 3)
+        if ra.get("mode") != rb.get("mode"):
+            signal = max(signal, 1.0)
+            ev[f"admin arms.{name}.regime.mode {ra.get('mode')}->{rb.get('mode')}"] = 1.0
+    before, now, drop = _hit_rate_drop(s)
+    # Weight grows to its top once the window's hit rate is 30% (relative) below the one
+    # before it. The top is 0.7, not 1: a regime change is the traffic's doing, so a cause
+    # that names what changed (long prompts, a tenant, a fault) ranks above it.
+    score = 0.7 * signal * _clamp(drop / 0.3)
+    ev["hit rate before the window"] = round(before, 3)
+    ev["hit rate in the window"] = round(now, 3)
+    action = ("The traffic mix changed (entropy of the prefixes seen): expect the hit rate "
+              "to dip while the heat policy re-learns. If it flips back and forth, widen its "
+              "window; if the new mix is here to stay, re-check the pool size for it.")
+    return Finding("entropy_drift", score, ev, action)
+
+
+def tier_fault(s: Snapshot) -> Finding:
+    """A lower tier is down or refuses writes, or its fault counters rise relative to the
+    traffic."""
+    faults = s.deltas("kvheat_tier_faults_total", "tier")
+    load_faults = s.deltas("kvheat_tier_load_faults_total", "kind")
+    n_faults = sum(faults.values()) + sum(load_faults.values())
+    down = {t: v for t, v in s.values("kvheat_tier_up", "tier").items() if v == 0}
+    readonly = {t: v for t, v in s.values("kvheat_tier_writable", "tier").items() if v == 0}
+    work = max(s.finished() + s.delta("kvheat_load_decisions_total"), 1.0)
+    score = max(1.0 if down else 0.0, 0.8 if readonly else 0.0,
+                _clamp(_ratio(n_faults, work) / 0.1))
+    ev: dict[str, float] = {}
+    for t in down:
+        ev[f"kvheat_tier_up{{tier={t}}}"] = 0.0
+    for t in readonly:
+        ev[f"kvheat_tier_writable{{tier={t}}}"] = 0.0
+    for t, v in faults.items():
+        if v > 0:
+            ev[f"kvheat_tier_faults_total{{tier={t}}} Δ"] = v
+    for k, v in load_faults.items():
+        if v > 0:
+            ev[f"kvheat_tier_load_faults_total{{kind={k}}} Δ"] = v
+    where = ", ".join(sorted({*down, *readonly, *(t for t, v in faults.items() if v > 0)}))
+    action = (f"Check the lower tier ({where or 'see evidence'}): its store is down, full or "
+              "returning bad values (the kind label says which); free space or restore the "
+              "store; blocks it cannot serve are recomputed meanwhile.")
+    return Finding("tier_fault", score, ev, action)
+
+
+def tier_slow(s: Snapshot) -> Finding:
+    """Blocks found on lower tiers are mostly recomputed: loading them was judged slower
+    than recomputing (the tier's fitted bandwidth is too low)."""
+    dec = s.deltas("kvheat_load_decisions_total", "decision")
+    n = sum(dec.values())
+    rec = dec.get("recompute", 0.0)
+    share = _ratio(rec, n)
+    # A handful of decisions is noise; weight grows to full at one decision per request.
+    weight = _clamp(_ratio(n, max(s.finished(), 1.0)))
+    score = _clamp((share - 0.5) / 0.4) * weight
+    ev = {"kvheat_load_decisions_total{decision=recompute} Δ": rec,
+          "kvheat_load_decisions_total Δ": n}
+    for t, v in s.values("kvheat_tier_bandwidth_bytes_per_second", "tier",
+                         direction="read").items():
+        ev[f"kvheat_tier_bandwidth_bytes_per_second{{tier={t},direction=read}}"] = v
+    action = ("Loads from the lower tier are slower than recompute, so its blocks go unused: "
+              "move the tier to faster storage/network, or drop it and give the memory to "
+              "the device pool.")
+    return Finding("tier_slow", score, ev, action)
+
+
+def network(s: Snapshot) -> Finding:
+    """Retransmits per peer relative to its traffic, or a peer RTT that is a real share of
+    the time to first token (from kvheat_net_*, the server's netsignals)."""
+    rtx_a = {k: v for k, v in s.a.items() if k[0] == "kvheat_net_peer_retransmitted_segments"}
+    score, ev = 0.0, {}
+    bytes_b = s.values("kvheat_net_peer_bytes", "peer")
+    bytes_a: dict[str, float] = {}
+    for (n, lab), v in s.a.items():
+        if n == "kvheat_net_peer_bytes":
+            p = dict(lab).get("peer", "")
+            bytes_a[p] = bytes_a.get(p, 0.0) + v
+    offered = s.finished() + s.rejected()
+    roles = {dict(lab).get("peer", ""): dict(lab).get("role", "") for (n, lab) in s.b
+             if n == "kvheat_net_peer_retransmitted_segments"}
+    for peer, rb in s.values("kvheat_net_peer_retransmitted_segments", "peer").items():
+        ra = sum(v for (_, lab), v in rtx_a.items() if dict(lab).get("peer") == peer)
+        d_rtx = max(rb - ra, 0.0)  # a gauge: it drops when sockets close
+        d_bytes = max(bytes_b.get(peer, 0.0) - bytes_a.get(peer, 0.0), 0.0)
+        # Segments sent, estimated from below: bytes at a 1448-byte MSS, and for the
+        # server's clients at least four segments per request (request, answer, ACKs:
+        # small HTTP messages travel one per segment whatever the MSS).
+        segments = max(d_bytes / 1448.0, 4.0 * offered if roles.get(peer) == "client" else 0.0,
+                       1.0)
+        loss = _ratio(d_rtx, segments)
+        if d_rtx >= 3:  # two or three retransmits are noise on any link
+            sc = _clamp(loss / 0.05)  # 5% of segments retransmitted: full weight
+            if sc > 0:
+                ev[f"kvheat_net_peer_retransmitted_segments{{peer={peer}}} Δ"] = d_rtx
+                ev[f"kvheat_net_peer_bytes{{peer={peer}}} Δ"] = d_bytes
+            score = max(score, sc)
+    ttft_n = s.delta("kvheat_time_to_first_token_seconds_count")
+    ttft_mean = _ratio(s.delta("kvheat_time_to_first_token_seconds_sum"), ttft_n)
+    if ttft_mean > 0:
+        for peer, rtt in s.values("kvheat_net_peer_rtt_seconds", "peer").items():
+            share = rtt / ttft_mean
+            sc = _clamp((share - 0.1) / 0.4)  # RTT at half the mean TTFT: full weight
+            if sc > 0:
+                ev[f"kvheat_net_peer_rtt_seconds{{peer={peer}}}"] = rtt
+                ev["mean TTFT in window (s)"] = round(ttft_mean, 4)
+            score = max(score, sc)
+    action = ("The network to a peer loses or delays packets: check the link, NIC and MTU "
+              "to the peers in the evidence (Redis tier, replicas, clients).")
+    return Finding("network", score, ev, action)
+
+
+def overload(s: Snapshot) -> Finding:
+    """More work than the server takes: 503 refusals, and a waiting queue held above the
+    running one through the window."""
+    rej = s.deltas("kvheat_rejected_requests_total", "status")
+    r503 = rej.get("503", 0.0)
+    offered = s.finished() + sum(rej.values())
+    share = _ratio(r503, offered)
+    waiting = s.gauge_min("kvheat_queue_length", queue="waiting")
+    running = s.gauge_min("kvheat_queue_length", queue="running")
+    backlog = _ratio(waiting, max(running, 1.0))
+    score = max(_clamp(share / 0.05), 0.8 * _clamp(backlog / 2.0))
+    ev = {"kvheat_rejected_requests_total{status=503} Δ": r503,
+          "requests offered Δ (finished + rejected)": offered,
+          "kvheat_queue_length{queue=waiting} (held)": waiting,
+          "kvheat_queue_length{queue=running} (held)": running}
+    action = (f"The server refuses {share:.0%} of requests (503) and queues {backlog:.1f}x "
+              "what it runs: add replicas, or raise max_num_seqs if the pool has room "
+              "(kvheat_blocks free), and max_queued_requests only if latency allows.")
+    return Finding("overload", score, ev, action)
+
+
+def long_prompts(s: Snapshot) -> Finding:
+    """Prompts grew (the window's mean prompt against the mean before it), or requests are
+    refused as too long (HTTP 400: context_length_exceeded is the usual one)."""
+    fin_b = s.finished()
+    fin_before = sum(v for (n, _), v in s.a.items() if n == "kvheat_requests_total")
+    mean_now = _ratio(s.delta("kvheat_prompt_tokens_total"), fin_b)
+    mean_before = _ratio(sum(v for (n, _), v in s.a.items()
+                             if n == "kvheat_prompt_tokens_total"), fin_before)
+    growth = _ratio(mean_now, mean_before) if mean_before > 0 and fin_b >= 2 else 0.0
+    r400 = s.deltas("kvheat_rejected_requests_total", "status").get("400", 0.0)
+    share400 = _ratio(r400, fin_b + s.rejected())
+    computed = max(s.delta("kvheat_prompt_tokens_total") - s.delta("kvheat_cached_tokens_total"), 0.0)
+    gen = s.delta("kvheat_generation_tokens_total")
+    score = max(_clamp((growth - 1.0) / 1.0), 0.7 * _clamp(share400 / 0.1))
+    ev = {"mean prompt tokens in window": round(mean_now, 1),
+          "mean prompt tokens before": round(mean_before, 1),
+          "kvheat_rejected_requests_total{status=400} Δ": r400,
+          "prefill share of tokens computed": round(_ratio(computed, computed + gen), 3)}
+    action = (f"Prompts are {growth:.1f}x longer than before (or refused as too long): "
+              "prefill dominates the TTFT. Cap max_model_len / prompt size at the client, "
+              "route long prompts to their own replicas, or raise max_num_batched_tokens.")
+    return Finding("long_prompts", score, ev, action)
+
+
+CAUSES: tuple[Cause, ...] = (capacity, tenant_quota, entropy_drift, tier_fault, tier_slow,
+                              network, overload, long_prompts)
+# Asked for by the issue, but `kvheat serve` exports no signal for it (no event-loop lag
+# or GC pause series): reported as unsupported, never guessed.
+UNSUPPORTED = ("stall",)
+
+
+def diagnose(s: Snapshot, floor: float = FLOOR) -> list[Finding]:
+    """The causes scoring at `floor` or above, most likely first."""
+    found = [f for f in (c(s) for c in CAUSES) if f.score >= floor]
+    return sorted(found, key=lambda f: -f.score)
