@@ -29,8 +29,8 @@ class _PositiveNumber(click.ParamType):
     def convert(self, value: object, param: click.Parameter | None,
                 ctx: click.Context | None) -> float:
         try:
-            v = float(value)  # type: ignore[arg-type]
-        except (TypeError, ValueError, OverflowError):
+            v = float(value) if isinstance(value, (int, float, str)) else math.nan
+        except (ValueError, OverflowError):
             self.fail(f"{value!r} is not a number", param, ctx)
         if not math.isfinite(v) or v <= 0:
             self.fail(f"{value!r} is not a finite number > 0", param, ctx)

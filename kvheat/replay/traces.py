@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 import random
 import re
 from collections.abc import Iterator
@@ -92,10 +91,10 @@ def check_int(where: str, name: str, v: object, lo: int, hi: int) -> int:
 
 def check_time(where: str, name: str, v: object) -> float:
     """`v` as a finite, non-negative number (not a bool or a string)."""
-    if type(v) not in (int, float):
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise TraceError(f"{where}: {name} must be a number, not {_show(v)}")
     try:
-        f = float(v)  # type: ignore[arg-type]
+        f = float(v)
     except OverflowError:
         f = math.inf
     if not math.isfinite(f) or f < 0:
@@ -104,13 +103,9 @@ def check_time(where: str, name: str, v: object) -> float:
 
 
 def positive_int(v: object, name: str) -> int:
-    try:
-        n = operator.index(v)  # type: ignore[arg-type]
-    except TypeError:
-        n = 0
-    if n < 1 or isinstance(v, bool):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be a positive integer, not {v!r}")
-    return n
+    return v
 
 
 def _check_str(where: str, name: str, v: object) -> str | None:

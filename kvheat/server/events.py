@@ -29,13 +29,14 @@ class ServerEvents:
         self.arms = list(arms)
         self.block_size = config.block_size
         self.arm_configs = config.arm_list
+        secret = EventSecret.resolve(config.kv_events_secret)
         self.config = PublisherConfig(endpoint=config.kv_events_endpoint,
                                       replay_endpoint=config.kv_events_replay_endpoint,
                                       topic=config.kv_events_topic,
                                       token_ids=config.kv_events_token_ids,
                                       max_queue_size=config.kv_events_queue,
-                                      secret=EventSecret.resolve(config.kv_events_secret))
-        if not self.config.secret.configured:  # type: ignore[union-attr]
+                                      secret=secret)
+        if not secret.configured:
             log.warning("KV events: no events secret (kv_events_secret or %s): their keys "
                         "are keyed for this process alone, so no router can use them",
                         SECRET_ENV)
