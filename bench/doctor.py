@@ -17,10 +17,10 @@ doctor's `diagnose` on the two scrapes (with /admin/stats at both ends). Scenari
 
 Top-1 accuracy counts a run right when the first finding is the injected cause, and a
 healthy run right when there is no finding. Prints a confusion-matrix table and writes
-JSON (default docs/doctor.json).
+JSON (default docs/results/operations/doctor.json).
 
     python bench/doctor.py                 # 3 runs per scenario
-    python bench/doctor.py --runs 5 --json docs/doctor.json
+    python bench/doctor.py --runs 5 --json docs/results/operations/doctor.json
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario")
     ap.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
                     help="only these (repeatable)")
-    ap.add_argument("--json", default="docs/doctor.json")
+    ap.add_argument("--json", default="docs/results/operations/doctor.json")
     args = ap.parse_args()
     names = args.scenario or list(SCENARIOS)
     runs = []

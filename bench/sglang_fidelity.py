@@ -7,7 +7,7 @@ stream, with those same counts, through `SglangLike`. Requests are documents (re
 some hot) with a question after them, some questions longer than their document, so the
 cache threshold, the fallback to the least-loaded worker and the balance rule (in flight
 up to 300) are all exercised. It prints how often the two pick the same worker, by
-the model's mode, and writes docs/sglang_fidelity.json.
+the model's mode, and writes docs/results/cluster/sglang_fidelity.json.
 
     python bench/sglang_fidelity.py --smg /tmp/sglr/bin/smg
 """
@@ -256,7 +256,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settle", type=float, default=0.003,
                     help="seconds after a finish before the next step")
-    ap.add_argument("--json", type=Path, default=ROOT / "docs" / "sglang_fidelity.json")
+    ap.add_argument("--json", type=Path, default=ROOT / "docs" / "results" / "cluster" / "sglang_fidelity.json")
     args = ap.parse_args()
     if not args.smg:
         sys.exit("sglang-router's smg not found (--smg PATH)")
