@@ -82,10 +82,10 @@ def trace_block_keys(root: bytes, block_ids: Sequence[int]) -> tuple[list[bytes]
     return keys, contents
 
 
-def prompt_scope(prompt: Sequence[int]) -> bytes:
+def prompt_scope(prompt: Sequence[int] | bytes) -> bytes:
     """The scope of one whole prompt ("exact" prefix caching keys a prompt's blocks in it,
-    so they match only the very same prompt)."""
-    return _digest(tokens_to_bytes(list(prompt)))
+    so they match only the very same prompt); `prompt` as token ids or their bytes."""
+    return _digest(prompt if isinstance(prompt, bytes) else tokens_to_bytes(list(prompt)))
 
 
 def scoped_root(root: bytes, scope: bytes | None) -> bytes:

@@ -1,6 +1,6 @@
 """Publishing a cache's KV events over ZMQ, off the engine loop.
 
-The cache calls `record_*` from whatever thread changes it (the engine loop, a tier's
+The cache calls `record` from whatever thread changes it (the engine loop, a tier's
 demotion thread): each call appends one tuple to a deque and returns; nothing is encoded,
 sent or locked there. A full queue drops the event and counts it, never blocks; the next
 turn of the publisher thread then sends a resync (AllBlocksCleared and a snapshot of what

@@ -148,9 +148,10 @@ class PromptKeys:
         root = self._roots.get(tenant)
         if root is None:
             root = self._roots[tenant] = root_key(salt_of(tenant))
+        raw = tokens_to_bytes(list(tokens))  # once: the scope and the keys read it
         if mode == "exact":
-            root = scoped_root(root, prompt_scope(tokens))
-        keys, _ = block_keys(list(tokens), block_size, root)
+            root = scoped_root(root, prompt_scope(raw))
+        keys, _ = block_keys(raw, block_size, root)
         if self.keyer is not None:
             keys = [self.keyer(k) for k in keys]
         return RouteRequest(keys, [block_size] * len(keys), len(tokens), rank,
