@@ -23,7 +23,7 @@ def test_gqa_layout_and_sizes() -> None:
     assert pool.bytes_per_token == 3 * 2 * 2 * 8 * 4
     assert pool.bytes_per_block == pool.bytes_per_token * 4
     assert pool.total_bytes == pool.bytes_per_block * 5
-    k, v = pool.layer(1)
+    k, v = pool.gqa_layer(1)
     assert k.shape == v.shape == (5, 4, 2, 8)
     k.fill_(1.0)
     assert pool.kv[1, 0].sum().item() == k.numel() and pool.kv[1, 1].sum().item() == 0

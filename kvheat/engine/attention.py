@@ -118,8 +118,8 @@ def paged_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if s.num_computed == 0:
             ks, vs = k[sl], v[sl]
         else:  # one index_select per cache, the only copy of the sequence's K/V
-            ks = gather_blocks(k_cache, s.block_table, s.context_len).to(q.dtype)
-            vs = gather_blocks(v_cache, s.block_table, s.context_len).to(q.dtype)
+            ks = gather_blocks(k_cache, s.device_table, s.context_len).to(q.dtype)
+            vs = gather_blocks(v_cache, s.device_table, s.context_len).to(q.dtype)
         o = causal_attention(q[sl].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
                              scale, s.attention_bias(q.dtype))
         out[sl] = o.transpose(0, 1)
@@ -208,7 +208,7 @@ def paged_mla_attention(
         if s.num_computed == 0 and not absorb_prefill:
             ctx = latent[sl].to(q_nope.dtype)
         else:
-            ctx = gather_blocks(cache, s.block_table, s.context_len).to(q_nope.dtype)
+            ctx = gather_blocks(cache, s.device_table, s.context_len).to(q_nope.dtype)
         # A few new tokens on a long cached prefix: expanding the whole prefix costs more
         # than attending in latent space (multiply-adds per head, up to constants).
         n_ctx = s.context_len

@@ -48,6 +48,13 @@ class SeqSpan:
     def context_len(self) -> int:
         return self.num_computed + self.q_len
 
+    @property
+    def device_table(self) -> torch.Tensor:
+        """The block table as build_metadata leaves it for a prefill: an int64 tensor."""
+        if not isinstance(self.block_table, torch.Tensor):
+            raise TypeError("build_metadata has not made this span's block table a tensor")
+        return self.block_table
+
 
 @dataclass(slots=True)
 class SharedPrefix:

@@ -70,7 +70,7 @@ class MLAttention(nn.Module):
         q_rope, k_rope = self.rope(q_rope, cos, sin), self.rope(k_rope, cos, sin)
         latent = torch.cat((c_kv, k_rope[:, 0]), dim=-1)
         w_uk, w_uv = self.absorbed_weights()
-        o = paged_mla_attention(q_nope, q_rope, latent, pool.layer(self.layer),  # type: ignore[arg-type]
+        o = paged_mla_attention(q_nope, q_rope, latent, pool.mla_layer(self.layer),
                                 meta, self.scale, self.r, self.expand_kv, w_uk, w_uv,
                                 self.absorb_prefill)
         return self.o_proj(o.reshape(t, self.heads * self.dv))
@@ -78,6 +78,8 @@ class MLAttention(nn.Module):
 
 class MoEGate(nn.Module):
     """The router: top-k experts per token and their weights (fp32)."""
+
+    e_score_correction_bias: torch.Tensor  # a buffer, registered for noaux_tc only
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -184,5 +186,6 @@ class DeepseekForCausalLM(CausalLM):
         super().__init__(cfg, [DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
 
     def set_absorb_prefill(self, on: bool) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.absorb_prefill = on
+        for m in self.modules():
+            if isinstance(m, MLAttention):
+                m.absorb_prefill = on

@@ -96,11 +96,16 @@ class DeviceKVPool:
         return cls.for_model(cfg, int(n), block_size, dtype, device)
 
     # ---- per-layer views (the attention kernels read and write these) -------------------
-    def layer(self, layer: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """GQA: (k, v), each [num_blocks, block_size, kv_heads, head_dim];
-        MLA: [num_blocks, block_size, width]."""
-        if self.layout == "gqa":
-            return self.kv[layer, 0], self.kv[layer, 1]
+    def gqa_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of one layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+        if self.layout != "gqa":
+            raise ValueError(f"a {self.layout} pool has no separate K and V")
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def mla_layer(self, layer: int) -> torch.Tensor:
+        """The latent cache of one layer, [num_blocks, block_size, width]."""
+        if self.layout != "mla":
+            raise ValueError(f"a {self.layout} pool has no latent cache")
         return self.kv[layer]
 
     @property

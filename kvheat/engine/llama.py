@@ -87,7 +87,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = pool.layer(self.layer)  # type: ignore[misc]
+        k_cache, v_cache = pool.gqa_layer(self.layer)
         o = paged_gqa_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return project(o.reshape(t, -1), self.out, self.o_proj)
 

@@ -260,15 +260,15 @@ def _remap_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def load_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+def load_weights(model: CausalLM, weights: dict[str, torch.Tensor]) -> None:
     """Copy checkpoint tensors into the model by name; every parameter must be given.
     Everything is checked before anything is copied."""
-    cfg: ModelConfig = model.config  # type: ignore[assignment]
+    cfg: ModelConfig = model.config
     weights = _remap_weights(cfg, weights)
     tied = cfg.tie_word_embeddings
     if tied:  # some tied checkpoints store the head anyway; the embedding is what counts
         weights.pop("lm_head.weight", None)
-    params = dict(model.named_parameters())
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
     params.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
     missing = [n for n in params if n not in weights and not (tied and n == "lm_head.weight")]
     if missing:

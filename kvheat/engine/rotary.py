@@ -29,7 +29,9 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     factor = float(rs["factor"]) if rs.get("factor") is not None else None
     if kind == "linear":
-        return inv / factor, 1.0  # type: ignore[operator]
+        if factor is None:
+            raise ValueError("rope_scaling of type 'linear' needs a 'factor'")
+        return inv / factor, 1.0
     if kind == "llama3":
         assert factor is not None
         lo, hi = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from .attention_metadata import AttentionMetadata, SeqSpan, build_metadata
 from .kv_pool import DeviceKVPool
+from .llama import CausalLM
 from .model_config import ModelConfig
 
 
@@ -28,8 +28,8 @@ class SeqBatchItem:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_pool: DeviceKVPool) -> None:
-        cfg: ModelConfig = model.config  # type: ignore[assignment]
+    def __init__(self, model: CausalLM, kv_pool: DeviceKVPool) -> None:
+        cfg: ModelConfig = model.config
         layout = "mla" if cfg.is_mla else "gqa"
         if kv_pool.layout != layout or kv_pool.num_layers != cfg.num_hidden_layers:
             raise ValueError(f"KV pool ({kv_pool.layout}, {kv_pool.num_layers} layers) does not "
@@ -42,7 +42,7 @@ class ModelRunner:
         if mdev.type != pdev.type or (None not in (mdev.index, pdev.index) and mdev != pdev):
             raise ValueError(f"model is on {mdev} but the KV pool on {pdev}")
         self.model = model.eval()
-        model.pack_weights()  # type: ignore[operator]
+        model.pack_weights()
         self.kv_pool = kv_pool
         self.config = cfg
         self.block_size = kv_pool.block_size
