@@ -34,7 +34,7 @@ sglang-like with 2 and 8 replicas of 0.25M and 1M tokens, on the traces and K va
 `--placement K` compares how kvheat places a new prefix, on the traces and K variants, at
 three traffic rates: the less queued of the two replicas its key hashes to (the default)
 against the first only (`shard_choices=1`), and sglang-like beside them: the hit rate
-difference and the ratios of the modelled TTFT P99 and mean (and docs/results/cluster/cluster_placement.png).
+difference and the ratios of the modelled TTFT P99 and mean (and docs/results/cluster/placement.png).
 
 `--names K` replays the issue's grid (kvheat, sglang-like, prefix-hash) on the traces as they
 are with K other sets of replica names (seeded, pod-like): hashing routers place by name,
@@ -42,7 +42,7 @@ so each set is another equally valid run of the same trace, as another deploymen
 name its pods. It reports the median and range of each router's hit rate and kvheat's
 share of the bound, and the grid's checks on the medians.
 
-Writes docs/results/cluster/cluster_sim.json and docs/results/cluster/cluster_sim.png (`--json`, `--plot`).
+Writes docs/results/cluster/sim.json and docs/results/cluster/sim.png (`--json`, `--plot`).
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def _spec(router: str) -> tuple[object, str]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=str(ROOT / "docs" / "results" / "cluster" / "cluster_sim.json"))
-    ap.add_argument("--plot", default=str(ROOT / "docs" / "results" / "cluster" / "cluster_sim.png"))
+    ap.add_argument("--json", default=str(ROOT / "docs" / "results" / "cluster" / "sim.json"))
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "results" / "cluster" / "sim.png"))
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --json")
     ap.add_argument("--perturb", type=int, default=0, metavar="K",
                     help="only the ensemble: K variants of each trace, 3%% of requests dropped")
@@ -505,7 +505,7 @@ def placement(k: int, json_path: Path) -> int:
                           f"{median(p99):.2f} [{min(p99):.2f}, {max(p99):.2f}]   "
                           f"{median(avg):.2f}", flush=True)
     _merge_json(json_path, "placement", rows)
-    png = json_path.with_name("cluster_placement.png")
+    png = json_path.with_name("placement.png")
     plot_placement(rows, png)
     print(f"wrote {json_path} and {png}")
     return 0

@@ -1,6 +1,6 @@
 """Ablation of the kvheat policy: what each component adds, on both Mooncake traces.
 
-    .venv/bin/python bench/heat_ablation.py --json docs/results/heat/heat_ablation.json
+    .venv/bin/python bench/heat_ablation.py --json docs/results/heat/ablation.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ two new system prompts take all traffic (the entropy of the prefixes drops by ~2
 notices the drop and re-weights (drops the stale counts, forgets the ghost history); the online
 tuner (§2.4) adapts the half-life from hit feedback. Hit rates with and without.
 
-    .venv/bin/python bench/heat_drift.py --json docs/results/heat/heat_drift.json
+    .venv/bin/python bench/heat_drift.py --json docs/results/heat/drift.json
 """
 
 from __future__ import annotations

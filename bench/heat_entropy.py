@@ -1,6 +1,6 @@
 """The O(1) decayed-entropy tracker: accuracy, speed, memory per key, sampling error.
 
-    .venv/bin/python bench/heat_entropy.py --json docs/results/heat/heat_entropy.json
+    .venv/bin/python bench/heat_entropy.py --json docs/results/heat/entropy.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ order, k times slower traffic). A policy is scale-free when its hit rates do not
 
     .venv/bin/python bench/heat_grid.py                      # the full grid (minutes)
     .venv/bin/python bench/heat_grid.py --quick              # a reduced grid
-    .venv/bin/python bench/heat_grid.py --json docs/results/heat/heat_grid.json --plot docs/results/heat/heat_grid.png
+    .venv/bin/python bench/heat_grid.py --json docs/results/heat/grid.json --plot docs/results/heat/grid.png
 
 Prints one table per trace and block size (kvheat's margin over the best other online
 policy in each cell, and the share of the LRU -> Belady gap it closes) and writes JSON.

@@ -7,7 +7,7 @@ knows more than a trace (which conversation a request belongs to, whether its an
 delivered, what waits in the queue); this bounds what such a signal could add if it were
 perfect, at the same memory.
 
-    .venv/bin/python bench/heat_oracle.py --json docs/results/heat/heat_oracle.json
+    .venv/bin/python bench/heat_oracle.py --json docs/results/heat/oracle.json
 """
 
 from __future__ import annotations

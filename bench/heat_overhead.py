@@ -8,7 +8,7 @@ empty wrapped call, calibrated here) is subtracted. The policies run interleaved
 after round, so load from other processes falls on all of them alike; each keeps its
 best round (lowest median).
 
-    .venv/bin/python bench/heat_overhead.py --trace conv --json docs/results/heat/heat_overhead.json
+    .venv/bin/python bench/heat_overhead.py --trace conv --json docs/results/heat/overhead.json
 """
 
 from __future__ import annotations
