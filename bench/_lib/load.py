@@ -1,199 +1,264 @@
-"""bench/cluster.py's load: multi-turn, multi-tenant conversations over shared system
-prompts, driven by concurrent streaming clients, and what each replica reports it served."""
+"""The benches' load client: streaming requests to an OpenAI-compatible server, and
+multi-turn conversations driven by concurrent workers.
+
+`stream_turn` sends one streaming request (chat or completions) and returns a `Reply`:
+TTFT, text, the server's usage counts, and how it failed if it did. `run_conversations`
+runs `Conversation`s on `workers` concurrent workers, each turn's prompt holding the
+history so far. Where the benches differ, a parameter says how:
+
+- a turn's history answer is the model's own reply (`UserTurn.answer` None: a real chat,
+  bench/server/load.py and chat.py) or a fixed text (bench/cluster/real.py: every router
+  then sees the same prompts, whatever a replica generated);
+- `LoadSpec`: the request body (`model`, `max_tokens`, `ignore_eos`), a client timeout
+  past which a turn counts as hung, whether the first event with a finish reason counts
+  as the first token (`ttft_on_finish`), whether a stream without `[DONE]` is an error
+  (`require_done`), and whether a failed turn ends its conversation (`stop_on_error`);
+- one HTTP client shared by the workers (`http`) or one per worker;
+- conversations from a list (a shared queue), or drawn by each worker until a deadline.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster_procs import MODEL, TENANTS, Replica  # noqa: E402
+class SSEDecoder:
+    """The `data:` payloads of an SSE stream fed as text chunks, split on line feeds only:
+    a JSON line may carry U+2028 or U+0085 raw, which str.splitlines (and httpx's
+    iter_lines) would cut in two."""
 
-# System prompts are shared across tenants (as a framework's default prompt is): the same
-# text, but each tenant's KV is salted apart, so text alone says nothing about what a
-# replica holds for a given tenant.
-SYSTEM_PROMPTS = [
-    "You are a support assistant. Answer about orders, refunds and shipping in two "
-    "sentences. Orders ship within two days; refunds take five days. " * 3,
-    "You are a coding helper. Answer with short Python snippets only. Keep every function "
-    "under ten lines and name variables clearly. " * 3,
-    "You are a travel guide. Paris is the capital of France; Rome of Italy; Madrid of "
-    "Spain. Answer in one short paragraph. " * 3,
-    "You summarise meetings. Keep decisions, owners and dates; drop small talk. Answer as "
-    "a bullet list of at most five items. " * 3,
-]
-QUESTIONS = ["What should I do next?", "Can you explain that again, more briefly?",
-             "What is the most important point?", "Give me an example.",
-             "How long will it take?", "Is there anything I forgot?"]
+    def __init__(self) -> None:
+        self._buf = ""
 
+    def feed(self, chunk: str) -> list[str]:
+        self._buf += chunk
+        *lines, self._buf = self._buf.split("\n")
+        return [line.rstrip("\r")[5:].lstrip(" ") for line in lines
+                if line.startswith("data:")]
 
-
-# ---- the load --------------------------------------------------------------------------------
-@dataclass
-class Turn:
-    conv: int
-    turn: int
-    tenant: str
-    messages: list[dict[str, str]]
-
-
-def workload(n_conv: int, turns: int, seed: int) -> list[list[Turn]]:
-    """Conversations of `turns` turns; the history holds fixed assistant answers, so a
-    prompt never depends on what a replica generated (and every router sees the same)."""
-    rng = random.Random(seed)
-    convs = []
-    names = list(TENANTS)
-    for c in range(n_conv):
-        tenant = names[c % len(names)]
-        sysp = SYSTEM_PROMPTS[rng.randrange(len(SYSTEM_PROMPTS))]
-        msgs = [{"role": "system", "content": sysp}]
-        conv = []
-        for t in range(turns):
-            q = f"[{c}] {rng.choice(QUESTIONS)} " + " ".join(
-                rng.choice(QUESTIONS) for _ in range(rng.randint(1, 3)))
-            msgs = msgs + [{"role": "user", "content": q}]
-            conv.append(Turn(c, t, tenant, list(msgs)))
-            msgs = msgs + [{"role": "assistant", "content": f"Answer {t} to conversation {c}: "
-                            + rng.choice(QUESTIONS)}]
-        convs.append(conv)
-    return convs
-
-
-def fresh_prompts(n: int) -> list[list[Turn]]:
-    """One-turn requests on prompts nobody has sent before (a restarted replica has no
-    cache, so only new prefixes show where a router places fresh work)."""
-    return [[Turn(10_000 + i, 0, "acme", [
-        {"role": "system", "content": f"Session {i}: you are a new assistant with new rules. "
-                                      * 4},
-        {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])] for i in range(n)]
+    def close(self) -> list[str]:
+        rest, self._buf = self._buf, ""
+        return [rest[5:].lstrip(" ")] if rest.startswith("data:") else []
 
 
 @dataclass
-class Result:
-    conv: int
-    turn: int
+class Reply:
+    """One streamed answer. `start` is `time.perf_counter()` at the send."""
+
     start: float
-    end: float
     ttft: float | None = None
+    e2e: float = 0.0
     text: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    status: str = "ok"  # ok, error, hung
+    completion_tokens: int = 0
+    status_code: int | None = None
+    error: str | None = None  # non-200, an error event, a transport error, or hung
+    stream_error: bool = False  # the error came as an event in the stream
+    transport_error: str | None = None  # the exception's type name
+    hung: bool = False  # no end within the client timeout
+    done: bool = False  # `data: [DONE]` arrived
+    cancelled: bool = False  # closed by this client after `cancel_after` events
     replica: str | None = None  # as kvheat route reports it (x-kvheat-replica)
+    conv: int = 0  # set by run_conversations
+    turn: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def status(self) -> str:
+        return "hung" if self.hung else "ok" if self.error is None else "error"
+
+    @property
+    def end(self) -> float:
+        return self.start + self.e2e
 
 
-async def one_request(http: httpx.AsyncClient, base: str, t: Turn, max_tokens: int,
-                      timeout_s: float, t0: float) -> Result:
-    res = Result(t.conv, t.turn, time.perf_counter() - t0, 0.0)
-    body = {"model": MODEL, "messages": t.messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {TENANTS[t.tenant]}"}
-    start = time.perf_counter()
+async def stream_turn(http: httpx.AsyncClient, url: str, body: dict[str, Any],
+                      headers: dict[str, str] | None = None, timeout_s: float | None = None,
+                      ttft_on_finish: bool = False, require_done: bool = False,
+                      cancel_after: int | None = None) -> Reply:
+    """POST `body` with `"stream": true` to `url` and read the stream. TTFT is the time to
+    the first non-empty text (`ttft_on_finish`: or to the first event with a finish
+    reason); `cancel_after` closes the connection at that many `data:` events."""
+    res = Reply(time.perf_counter())
+    parts: list[str] = []
 
-    async def go() -> None:
-        async with http.stream("POST", base + "/v1/chat/completions", json=body,
-                               headers=headers) as r:
+    async def read() -> None:
+        async with http.stream("POST", url, json=body, headers=headers) as r:
+            res.status_code = r.status_code
             res.replica = r.headers.get("x-kvheat-replica")
             if r.status_code != 200:
-                await r.aread()
-                res.status = "error"
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return
-            buf = b""
-            done = False
-            async for chunk in r.aiter_bytes():
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if not line.startswith(b"data: "):
+            dec, events = SSEDecoder(), 0
+            async for chunk in r.aiter_text():
+                for data in dec.feed(chunk):
+                    events += 1
+                    if cancel_after is not None and events >= cancel_after:
+                        res.cancelled = True
+                        return  # closes the connection mid-stream
+                    if data == "[DONE]":
+                        res.done = True
                         continue
-                    if line == b"data: [DONE]":
-                        done = True
-                        continue
-                    d = json.loads(line[6:])
-                    if "error" in d:
-                        res.status = "error"
-                        continue
-                    if d.get("usage"):
-                        u = d["usage"]
-                        res.prompt_tokens = u["prompt_tokens"]
-                        res.cached_tokens = (u.get("prompt_tokens_details") or {}).get(
-                            "cached_tokens", 0) or 0
-                    for c in d.get("choices", []):
-                        piece = (c.get("delta") or {}).get("content")
-                        if piece:
+                    ev = json.loads(data)
+                    if "error" in ev:
+                        res.error, res.stream_error = str(ev["error"])[:200], True
+                        return
+                    if ev.get("usage"):
+                        u = ev["usage"]
+                        res.prompt_tokens = int(u.get("prompt_tokens", 0))
+                        res.completion_tokens = int(u.get("completion_tokens", 0))
+                        res.cached_tokens = int(
+                            (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                    for ch in ev.get("choices") or []:
+                        piece = (ch.get("delta") or {}).get("content") or ch.get("text")
+                        if piece or (ttft_on_finish and ch.get("finish_reason")):
                             if res.ttft is None:
-                                res.ttft = time.perf_counter() - start
-                            res.text += piece
-            if not done:
-                res.status = "error"
+                                res.ttft = time.perf_counter() - res.start
+                            parts.append(piece or "")
+            if require_done and not res.done:
+                res.error = "the stream ended without [DONE]"
 
     try:
-        await asyncio.wait_for(go(), timeout_s)
-    except asyncio.TimeoutError:
-        res.status = "hung"
-    except (httpx.HTTPError, json.JSONDecodeError):
-        res.status = "error"
-    res.end = time.perf_counter() - t0
+        if timeout_s is None:
+            await read()
+        else:
+            await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        res.hung, res.error = True, f"no answer in {timeout_s} s"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.transport_error = type(e).__name__
+        res.error = f"{type(e).__name__}: {e}"[:200]
+    res.e2e = time.perf_counter() - res.start
+    res.text = "".join(parts)
     return res
 
 
-async def run_load(base: str, convs: list[list[Turn]], clients: int, max_tokens: int,
-                   timeout_s: float, on_progress: Any = None) -> tuple[list[Result], float]:
-    queue: asyncio.Queue[list[Turn]] = asyncio.Queue()
-    for c in convs:
-        queue.put_nowait(c)
-    results: list[Result] = []
-    t0 = time.perf_counter()
-
-    async def worker() -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s + 5)) as http:
-            while not queue.empty():
-                conv = queue.get_nowait()
-                for t in conv:
-                    r = await one_request(http, base, t, max_tokens, timeout_s, t0)
-                    results.append(r)
-                    if on_progress is not None:
-                        on_progress(len(results))
-
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    return results, time.perf_counter() - t0
+# ---- conversations -----------------------------------------------------------------------------
+@dataclass
+class UserTurn:
+    content: str
+    answer: str | None = None  # the history's answer to this turn; None: the model's reply
 
 
-def replica_load(replicas: list[Replica]) -> list[dict[str, float]]:
-    out = []
-    for r in replicas:
-        try:
-            text = httpx.get(r.url + "/metrics", timeout=5).text
-        except httpx.HTTPError:
-            out.append({"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
-            continue
-        m = {"requests": 0.0, "prompt_tokens": 0.0, "cached_tokens": 0.0}
-        for line in text.splitlines():
-            for name, key in (("kvheat_requests_total", "requests"),
-                              ("kvheat_prompt_tokens_total", "prompt_tokens"),
-                              ("kvheat_cached_tokens_total", "cached_tokens")):
-                if line.startswith(name + "{"):
-                    m[key] += float(line.rsplit(" ", 1)[1])
-        out.append(m)
+@dataclass
+class Conversation:
+    """A system prompt, then user turns (`turns` may be a generator: drawn turn by turn)."""
+
+    id: int
+    system: str
+    turns: Iterable[UserTurn]
+    headers: dict[str, str] = field(default_factory=dict)
+    body: dict[str, Any] = field(default_factory=dict)  # extra request fields (e.g. `user`)
+
+
+@dataclass
+class LoadSpec:
+    model: str
+    max_tokens: int
+    ignore_eos: bool = True
+    timeout_s: float | None = None  # a turn with no end past it counts as hung
+    ttft_on_finish: bool = False
+    require_done: bool = False
+    stop_on_error: bool = False  # a failed turn ends its conversation (a new one starts)
+    path: str = "/v1/chat/completions"
+
+
+def from_list(convs: Sequence[Conversation]) -> Callable[[int], Conversation | None]:
+    """One queue of conversations that every worker takes from, in order."""
+    queue = deque(convs)
+    return lambda _worker: queue.popleft() if queue else None
+
+
+async def run_conversations(base: str, next_conversation: Callable[[int], Conversation | None],
+                            workers: int, spec: LoadSpec, http: httpx.AsyncClient | None = None,
+                            deadline: float | None = None,
+                            on_reply: Callable[[Reply], None] | None = None) -> list[Reply]:
+    """Run conversations on `workers` concurrent workers until `next_conversation(worker)`
+    returns None (or, with `deadline`, a `time.perf_counter()` time, until it passes: no
+    turn starts after it). `http`: one client for all workers; without it each worker
+    opens its own (timeout: the spec's plus 5 s). Returns the replies in the order they
+    ended."""
+    replies: list[Reply] = []
+
+    def before_deadline() -> bool:
+        return deadline is None or time.perf_counter() < deadline
+
+    async def worker(w: int, client: httpx.AsyncClient) -> None:
+        while before_deadline():
+            conv = next_conversation(w)
+            if conv is None:
+                return
+            msgs = [{"role": "system", "content": conv.system}]
+            it = iter(conv.turns)
+            t = 0
+            while before_deadline():
+                turn = next(it, None)
+                if turn is None:
+                    break
+                msgs.append({"role": "user", "content": turn.content})
+                body = {"model": spec.model, "messages": list(msgs),
+                        "max_tokens": spec.max_tokens, "temperature": 0.0, "stream": True,
+                        **({"ignore_eos": True} if spec.ignore_eos else {}),
+                        "stream_options": {"include_usage": True}, **conv.body}
+                r = await stream_turn(client, base + spec.path, body, conv.headers or None,
+                                      spec.timeout_s, spec.ttft_on_finish, spec.require_done)
+                r.conv, r.turn = conv.id, t
+                replies.append(r)
+                if on_reply is not None:
+                    on_reply(r)
+                if not r.ok and spec.stop_on_error:
+                    break
+                msgs.append({"role": "assistant",
+                             "content": r.text if turn.answer is None else turn.answer})
+                t += 1
+            else:
+                return  # the deadline passed
+
+    async def own_client(w: int) -> None:
+        timeout = httpx.Timeout(None if spec.timeout_s is None else spec.timeout_s + 5)
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            await worker(w, client)
+
+    if http is not None:
+        await asyncio.gather(*(worker(w, http) for w in range(workers)))
+    else:
+        await asyncio.gather(*(own_client(w) for w in range(workers)))
+    return replies
+
+
+def metric_sums(text: str, names: dict[str, str]) -> dict[str, float]:
+    """Prometheus text: each metric of `names` (metric name -> key) summed over its labels."""
+    out = dict.fromkeys(names.values(), 0.0)
+    for line in text.splitlines():
+        for name, key in names.items():
+            if line.startswith(name + "{"):
+                out[key] += float(line.rsplit(" ", 1)[1])
     return out
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def max_over_mean(xs: list[float]) -> float | None:
-    m = sum(xs) / len(xs) if xs else 0
-    return max(xs) / m if m else None
+def served(urls: Sequence[str]) -> list[dict[str, float]]:
+    """What each server reports it served: requests, prompt tokens and cached tokens (all
+    zero for a server that does not answer)."""
+    names = {"kvheat_requests_total": "requests", "kvheat_prompt_tokens_total": "prompt_tokens",
+             "kvheat_cached_tokens_total": "cached_tokens"}
+    out = []
+    for url in urls:
+        try:
+            text = httpx.get(url + "/metrics", timeout=5).text
+        except httpx.HTTPError:
+            out.append({"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+            continue
+        out.append(metric_sums(text, names))
+    return out

@@ -1,8 +1,9 @@
-"""vLLM's side of bench/engine.py's peer runs: one offline `vllm.LLM`, kept alive between
+"""vLLM's side of bench/engine/prefix.py's peer runs: one offline `vllm.LLM`, kept alive between
 the interleaved repeats, driven over a local connection with JSON messages.
 
-Run by the python that has vLLM (bench/peers.py finds it), not by kvheat's:
-    python bench/peer_vllm_worker.py PORT AUTHKEY_HEX CONFIG_JSON
+Run by the python that has vLLM (bench/_lib/peers.py finds it), not by kvheat's (it
+imports nothing from the repo):
+    python bench/_lib/peer_vllm_worker.py PORT AUTHKEY_HEX CONFIG_JSON
 Requests: {"op": "ttft", "prompts": [[ids]]} (each prompt alone, one token: seconds per
 prompt), {"op": "batch", "prompts": [[ids]], "max_tokens": N} (all at once: seconds,
 output tokens, the first 8 tokens of each), {"op": "quit"}.

@@ -4,12 +4,12 @@ at least three each), every ratio taken between runs next to each other in time 
 reported as median and range, a warning when the machine is not idle, and every raw
 sample kept in the JSON.
 
-Used by bench/engine.py, bench/load.py, bench/chat.py and bench/cache_ops.py.
+Used by bench/engine/prefix.py, bench/server/load.py, bench/server/chat.py and
+bench/cache/ops.py (their servers: bench/_lib/procs.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import statistics
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench._lib import ROOT
 
 
 # ---- is the machine quiet? -----------------------------------------------------------
@@ -120,108 +120,3 @@ def vllm_env(threads: int, tmp: str | Path) -> dict[str, str]:
             "VLLM_CPU_OMP_THREADS_BIND": cores, "OMP_NUM_THREADS": str(threads),
             "VLLM_CACHE_ROOT": str(Path(tmp) / "vllm-cache"), "TOKENIZERS_PARALLELISM": "false",
             "VLLM_LOGGING_LEVEL": "WARNING"}
-
-
-# ---- server-sent events --------------------------------------------------------------------
-class SSEDecoder:
-    """The `data:` payloads of an SSE stream fed as text chunks, split on line feeds only:
-    a JSON line may carry U+2028 or U+0085 raw, which str.splitlines (and httpx's
-    iter_lines) would cut in two."""
-
-    def __init__(self) -> None:
-        self._buf = ""
-
-    def feed(self, chunk: str) -> list[str]:
-        self._buf += chunk
-        *lines, self._buf = self._buf.split("\n")
-        return [line.rstrip("\r")[5:].lstrip(" ") for line in lines
-                if line.startswith("data:")]
-
-    def close(self) -> list[str]:
-        rest, self._buf = self._buf, ""
-        return [rest[5:].lstrip(" ")] if rest.startswith("data:") else []
-
-
-# ---- servers -------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_kvheat_server(model_dir: str | None, port: int, log: Path, threads: int,
-                        max_seqs: int, batched_tokens: int, num_blocks: int,
-                        extra: list[str] | None = None) -> subprocess.Popen[bytes]:
-    """`kvheat serve` with its engine thread on the cores vLLM binds its compute to."""
-    cores = "0" if threads == 1 else f"0-{threads - 1}"
-    cmd = [os.environ.get("KVHEAT_PYTHON", str(ROOT / ".venv/bin/python")), "-m",
-           "kvheat.server.cli", "serve", "--port", str(port), "--num-blocks", str(num_blocks),
-           "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(batched_tokens),
-           "--threads", str(threads), "--engine-cores", cores, "--log-level", "warning",
-           *(extra or [])]
-    if model_dir:
-        cmd += ["--model", model_dir, "--served-model-name", "tiny"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-
-
-def start_vllm_server(python: str, model_dir: str, port: int, log: Path, tmp: str,
-                      threads: int, max_seqs: int, batched_tokens: int,
-                      max_model_len: int = 2048) -> subprocess.Popen[bytes]:
-    """vLLM's OpenAI server at float32 (it would turn a float32 checkpoint into bfloat16),
-    prefix caching on, cached tokens reported in usage, the same batch limits and threads."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
-           "--enable-prompt-tokens-details", "--max-model-len", str(max_model_len),
-           "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(batched_tokens),
-           "--seed", "0", "--disable-log-stats"]
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            env=vllm_env(threads, tmp))
-
-
-def wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: "
-                               + log.read_text(errors="replace")[-2000:])
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not become ready: " + log.read_text(errors="replace")[-2000:])
-
-
-def stop_proc(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) of a process and its children, from /proc: what an idle
-    peer spends while the other side runs (it should be near zero)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    pids, i = [pid], 0
-    while i < len(pids):  # the whole process tree (vLLM's engine core is a grandchild)
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{pids[i]}/task").iterdir():
-                pids += [int(k) for k in (task / "children").read_text().split()]
-        i += 1
-    for p in set(pids):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total

@@ -1,4 +1,4 @@
-"""bench/cluster.py's report: a round's figures, the summary over rounds (median and
+"""bench/cluster/real.py's report: a round's figures, the summary over rounds (median and
 range), the doc's tables in markdown, and the plot."""
 
 from __future__ import annotations
@@ -60,15 +60,20 @@ def pooled_tail(rs: list[Round]) -> dict[str, float | None]:
         if done:
             first = min(q["start"] + q["ttft"] for q in done)
             warm += [q["ttft"] for q in done if q["start"] >= first]
-    return {"ttft_p99_pooled_s": _p99(every), "ttft_p99_warm_s": _p99(warm),
+    return {"ttft_p99_pooled_s": pct(every, 0.99), "ttft_p99_warm_s": pct(warm, 0.99),
             "pooled_requests": len(every)}
 
 
-def _p99(xs: list[float]) -> float | None:
+def pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def max_over_mean(xs: list[float]) -> float | None:
+    m = sum(xs) / len(xs) if xs else 0
+    return max(xs) / m if m else None
 
 
 def print_table(summary: list[dict[str, Any]]) -> None:

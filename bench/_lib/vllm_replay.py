@@ -1,4 +1,6 @@
-"""Replay a trace through vLLM's own CPU offloading manager, as its scheduler drives it.
+"""Replay a trace through vLLM's own CPU offloading manager, as its scheduler drives it
+(bench/vllm/offload.py and tests/test_vllm_offload.py; vLLM imports the out-of-tree
+policies below by module path, so `bench` must be importable: the repo root on sys.path).
 
 `replay_offload` builds `vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager` with a cache
 policy by name (vLLM's `lru`, `arc`, or an out-of-tree one such as
@@ -30,26 +32,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 try:
-    from .vllm_env import check_torch_extras
+    from kvheat.integrations.vllm_env import check_torch_extras
 
     check_torch_extras()  # what vLLM loads later must load with this torch
     from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
     from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 except Exception as e:  # a broken torchvision says what to run, not a traceback
-    from .vllm_env import import_error
+    from kvheat.integrations.vllm_env import import_error
 
     raise import_error(e) from None
 
-from ..cache.hashing import chain_key, root_key
-from ..replay.traces import TraceRequest
-from .vllm import KVHeatCachePolicy
+from kvheat.cache.hashing import chain_key, root_key
+from kvheat.integrations.vllm import KVHeatCachePolicy
+from kvheat.replay.traces import TraceRequest
 
 KVHEAT = ("KVHeatCachePolicy", "kvheat.integrations.vllm")
-BELADY = ("BeladyCachePolicy", "kvheat.integrations.vllm_replay")
+BELADY = ("BeladyCachePolicy", "bench._lib.vllm_replay")
 POLICIES: dict[str, tuple[str, str | None]] = {
     "lru": ("lru", None), "arc": ("arc", None), "kvheat": KVHEAT, "belady": BELADY,
-    "kvheat-fixed": ("KVHeatFixedMultiple", "kvheat.integrations.vllm_replay"),
+    "kvheat-fixed": ("KVHeatFixedMultiple", "bench._lib.vllm_replay"),
 }
 
 

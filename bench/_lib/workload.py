@@ -1,4 +1,5 @@
-"""Token-level workloads for the engine: the replayer's traces, made into real prompts.
+"""Token-level workloads for the engine benches (bench/engine/table.py) and their tests:
+the replayer's traces, made into real prompts.
 
 A trace names each prompt as a list of block ids, an id standing for a whole prefix. Here
 each id becomes a fixed run of token ids drawn from a generator seeded by the id, so equal
@@ -12,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .traces import TraceRequest, WorkloadConfig, generate_workload
+from kvheat.replay.traces import TraceRequest, WorkloadConfig, generate_workload
 
 
 @dataclass(slots=True)

@@ -1,13 +1,13 @@
 """Block-cache operation cost: µs per block and per request, and side by side with
 vLLM's KVCacheManager and SGLang's RadixCache.
 
-    python bench/cache_ops.py [--json results/cache_ops.json] [--rounds 5]
-    KVHEAT_VLLM_PYTHON=/tmp/vllm/bin/python python bench/cache_ops.py   # vLLM elsewhere
-    KVHEAT_SGLANG_PYTHON=/tmp/sgl/bin/python python bench/cache_ops.py  # + SGLang
+    python bench/cache/ops.py [--json results/cache/ops.json] [--rounds 5]
+    KVHEAT_VLLM_PYTHON=/tmp/vllm/bin/python python bench/cache/ops.py   # vLLM elsewhere
+    KVHEAT_SGLANG_PYTHON=/tmp/sgl/bin/python python bench/cache/ops.py  # + SGLang
 
 Load A: 12,000-token prompts, 16-token blocks, 50% shared prefix.
 Load B (the peers' load): 2,000 requests of 640 tokens over 8 shared 512-token prefixes.
-vLLM is found as bench/peers.py finds it (the project's .venv after `make vllm`). Each peer
+vLLM is found as bench/_lib/peers.py finds it (the project's .venv after `make vllm`). Each peer
 runs in its own interpreter, started once and kept alive (`--peer NAME`); the rounds are
 interleaved, kvheat, vLLM, SGLang, kvheat, vLLM, SGLang ..., and each ratio is taken
 between the runs of one round: the median and range over the rounds are reported, every
@@ -29,8 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import check_quiet, find_vllm_python, fmt_ratio, paired_ratio  # noqa: E402
+if not __package__:  # run as `python bench/cache/ops.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from bench._lib import RESULTS
+from bench._lib.peers import check_quiet, find_vllm_python, fmt_ratio, paired_ratio
 
 BS = 16
 
@@ -282,7 +285,7 @@ def serve_peer(name: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default="results/cache_ops.json")
+    ap.add_argument("--json", default=str(RESULTS / "cache" / "ops.json"))
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (at least 3)")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--peer", choices=["vllm", "sglang"], help=argparse.SUPPRESS)

@@ -17,10 +17,10 @@ the kill to the last failure; then the replica restarted: the time until it serv
 Last, the router's own cost: the same small request straight to a replica and through
 each router, interleaved, P50 difference.
 
-    python bench/cluster.py --smg /tmp/sglr/bin/smg          # the whole run (~10 min)
-    python bench/cluster.py --rounds 1 --conversations 12    # a quick look
+    python bench/cluster/real.py --smg /tmp/sglr/bin/smg          # the whole run (~10 min)
+    python bench/cluster/real.py --rounds 1 --conversations 12    # a quick look
 
-Writes results/cluster.json (`--json`) and a plot (`--plot`).
+Writes results/cluster/real.json (`--json`) and a plot (`--plot`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -37,40 +38,169 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as `python bench/cluster/real.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from cluster_load import (  # noqa: E402
-    Result,
-    Turn,
-    fresh_prompts,
-    max_over_mean,
-    pct,
-    replica_load,
-    run_load,
-    workload,
+from bench._lib import RESULTS, ROOT
+from bench._lib.load import (
+    Conversation,
+    LoadSpec,
+    Reply,
+    UserTurn,
+    from_list,
+    run_conversations,
+    served,
 )
-from cluster_procs import (  # noqa: E402
-    MODEL,
-    ROOT,
-    TENANTS,
-    RedisCluster,
-    Replica,
-    _wait,
-    cpu_seconds,
-    free_port,
-    make_model,
-    start_replica,
-    start_router,
-    stop,
-    wait_http,
-)
-from cluster_report import Round, markdown, plot, print_table, summarize  # noqa: E402
+from bench._lib.models import save_llama
+from bench._lib.procs import RedisCluster, cpu_seconds, free_port, stop, wait_ready, wait_until
+from bench._lib.report import Round, markdown, max_over_mean, pct, plot, print_table, summarize
+
+MODEL = "cluster-llama"
+SECRET = "kvheat-bench-cluster-tier-secret"
+TENANTS = {"acme": "sk-acme", "globex": "sk-globex", "initech": "sk-initech"}
+REPLICA_ADMIN = "cluster-bench-admin"  # the replicas' admin API (loopback only)
+
+# System prompts are shared across tenants (as a framework's default prompt is): the same
+# text, but each tenant's KV is salted apart, so text alone says nothing about what a
+# replica holds for a given tenant.
+SYSTEM_PROMPTS = [
+    "You are a support assistant. Answer about orders, refunds and shipping in two "
+    "sentences. Orders ship within two days; refunds take five days. " * 3,
+    "You are a coding helper. Answer with short Python snippets only. Keep every function "
+    "under ten lines and name variables clearly. " * 3,
+    "You are a travel guide. Paris is the capital of France; Rome of Italy; Madrid of "
+    "Spain. Answer in one short paragraph. " * 3,
+    "You summarise meetings. Keep decisions, owners and dates; drop small talk. Answer as "
+    "a bullet list of at most five items. " * 3,
+]
+QUESTIONS = ["What should I do next?", "Can you explain that again, more briefly?",
+             "What is the most important point?", "Give me an example.",
+             "How long will it take?", "Is there anything I forgot?"]
+
+
+# ---- the load --------------------------------------------------------------------------------
+def _auth(tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TENANTS[tenant]}"}
+
+
+def workload(n_conv: int, turns: int, seed: int) -> list[Conversation]:
+    """Conversations of `turns` turns; the history holds fixed assistant answers, so a
+    prompt never depends on what a replica generated (and every router sees the same)."""
+    rng = random.Random(seed)
+    convs = []
+    names = list(TENANTS)
+    for c in range(n_conv):
+        tenant = names[c % len(names)]
+        sysp = SYSTEM_PROMPTS[rng.randrange(len(SYSTEM_PROMPTS))]
+        conv = []
+        for t in range(turns):
+            q = f"[{c}] {rng.choice(QUESTIONS)} " + " ".join(
+                rng.choice(QUESTIONS) for _ in range(rng.randint(1, 3)))
+            conv.append(UserTurn(q, f"Answer {t} to conversation {c}: " + rng.choice(QUESTIONS)))
+        convs.append(Conversation(c, sysp, conv, _auth(tenant)))
+    return convs
+
+
+def fresh_prompts(n: int) -> list[Conversation]:
+    """One-turn requests on prompts nobody has sent before (a restarted replica has no
+    cache, so only new prefixes show where a router places fresh work)."""
+    return [Conversation(10_000 + i, f"Session {i}: you are a new assistant with new rules. " * 4,
+                         [UserTurn(QUESTIONS[i % len(QUESTIONS)])], _auth("acme"))
+            for i in range(n)]
+
+
+def run_load(base: str, convs: list[Conversation], clients: int, max_tokens: int,
+             timeout_s: float, on_progress: Callable[[int], None] | None = None
+             ) -> tuple[list[Reply], float]:
+    """The conversations on `clients` workers, each with its own HTTP client; the replies
+    (their `start` in seconds from the load's start) and the wall time."""
+    spec = LoadSpec(MODEL, max_tokens, ignore_eos=False, timeout_s=timeout_s, require_done=True)
+    count = 0
+
+    def progress(_: Reply) -> None:
+        nonlocal count
+        count += 1
+        if on_progress is not None:
+            on_progress(count)
+
+    async def go() -> tuple[list[Reply], float]:
+        t0 = time.perf_counter()
+        replies = await run_conversations(base, from_list(convs), clients, spec,
+                                          on_reply=progress if on_progress else None)
+        wall = time.perf_counter() - t0
+        for r in replies:
+            r.start -= t0
+        return replies, wall
+
+    return asyncio.run(go())
+
+
+# ---- the processes ---------------------------------------------------------------------------
+@dataclass
+class Replica:
+    port: int
+    events: int
+    replay: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_replica(r: Replica, args: argparse.Namespace, model_dir: Path, config: Path,
+                  redis_url: str, log: Path) -> None:
+    cmd = [sys.executable, "-m", "kvheat.server.cli", "serve", "--port", str(r.port),
+           "--model", str(model_dir), "--served-model-name", MODEL, "--config", str(config),
+           "--num-blocks", str(args.num_blocks), "--threads", "1", "--max-num-seqs", "8",
+           "--redis-tier-url", redis_url, "--redis-cluster", "--redis-tier-size", "512MiB",
+           "--kv-events-endpoint", f"tcp://127.0.0.1:{r.events}",
+           "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{r.replay}",
+           "--log-level", "warning"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KVHEAT_TIER_SECRET=SECRET,
+               KVHEAT_EVENTS_SECRET=SECRET, KVHEAT_ADMIN_TOKEN=REPLICA_ADMIN, TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1")
+    r.proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+
+
+def start_router(kind: str, port: int, replicas: list[Replica], args: argparse.Namespace,
+                 model_dir: Path, config: Path, log: Path) -> subprocess.Popen[bytes]:
+    urls = [r.url for r in replicas]
+    if kind.startswith("kvheat"):
+        cmd = [sys.executable, "-m", "kvheat.cli", "route", "--port", str(port), "--model",
+               str(model_dir), "--config", str(config), "--health-interval", "0.5",
+               "--log-level", "warning"]
+        for u in urls:
+            cmd += ["--replica", u]
+        cmd += args.route_arg
+        if kind == "kvheat-1":  # new prefixes by the hash alone (one choice)
+            cmd += ["--shard-choices", "1"]
+        # the replicas' admin token: kvheat route reports the cluster's entropy to them
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+                   KVHEAT_REPLICA_ADMIN_TOKEN=REPLICA_ADMIN, KVHEAT_EVENTS_SECRET=SECRET)
+    else:
+        policy = "round_robin" if kind == "rr" else "cache_aware"
+        cmd = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+               *urls, "--policy", policy, "--health-check-interval-secs", "1",
+               "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        env = dict(os.environ)
+    return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+
+
+def replica_load(replicas: list[Replica]) -> list[dict[str, float]]:
+    return served([r.url for r in replicas])
+
+
+def _pid(proc: subprocess.Popen[bytes] | None) -> int | None:
+    return None if proc is None else proc.pid
+
 
 KINDS = {"rr", "sglang", "kvheat", "kvheat-1"}  # routers a round can run
 
@@ -80,7 +210,7 @@ class Bench:
         self.args = args
         self.tmp = tmp
         self.model_dir = tmp / "model"
-        make_model(self.model_dir, args.hidden, args.layers)
+        save_llama(self.model_dir, args.hidden, args.layers)
         self.config = tmp / "tenants.toml"
         self.config.write_text("".join(f'[[tenants]]\nname = "{n}"\napi_keys = ["{k}"]\n\n'
                                        for n, k in TENANTS.items()))
@@ -97,7 +227,7 @@ class Bench:
             start_replica(r, self.args, self.model_dir, self.config, self.redis.url,
                           self.log / f"replica{i}.log")
         for r in self.replicas:
-            wait_http(r.url, r.proc)
+            wait_ready(r.url, r.proc)
 
     def router(self, kind: str) -> tuple[subprocess.Popen[bytes], str]:
         port = free_port()
@@ -105,28 +235,30 @@ class Bench:
                             self.log / f"router-{kind}.log")
         base = f"http://127.0.0.1:{port}"
         try:
-            wait_http(base, proc, 60)
+            wait_ready(base, proc, 60)
         except RuntimeError:
             print((self.log / f"router-{kind}.log").read_text()[-3000:], file=sys.stderr)
             raise
         if kind.startswith("kvheat"):  # every replica in rotation and subscribed
-            _wait(lambda: _healthy_count(base) == len(self.replicas), 60)
+            wait_until(lambda: _healthy_count(base) == len(self.replicas), 60,
+                       "every replica healthy")
         time.sleep(1.0)
         return proc, base
 
-    def one_round(self, kind: str, k: int, convs: list[list[Turn]]) -> tuple[Round, list[Result]]:
+    def one_round(self, kind: str, k: int, convs: list[Conversation]
+                  ) -> tuple[Round, list[Reply]]:
         self.fresh_replicas()
         proc, base = self.router(kind)
 
         def cpu() -> tuple[float, float]:
-            return cpu_seconds(proc), sum(cpu_seconds(r.proc) for r in self.replicas)
+            return cpu_seconds(proc.pid), sum(cpu_seconds(_pid(r.proc)) for r in self.replicas)
 
         cpu0, first = cpu(), []
         timer = threading.Timer(1.0, lambda: first.append(cpu()))
         timer.start()
         try:
-            results, wall = asyncio.run(run_load(base, convs, self.args.clients,
-                                                 self.args.max_tokens, self.args.timeout))
+            results, wall = run_load(base, convs, self.args.clients, self.args.max_tokens,
+                                     self.args.timeout)
             cpu1 = cpu()
         finally:
             timer.cancel()
@@ -156,12 +288,12 @@ class Bench:
               flush=True)
         return rd, results
 
-    def kill_round(self, kind: str, convs: list[list[Turn]],
+    def kill_round(self, kind: str, convs: list[Conversation],
                    reference: dict[tuple[int, int], str]) -> dict[str, Any]:
         """Kill replica 0 a third of the way into the load, restart it at two thirds."""
         self.fresh_replicas()
         proc, base = self.router(kind)
-        total = sum(len(c) for c in convs)
+        total = sum(len(list(c.turns)) for c in convs)
         victim = self.replicas[0]
         marks: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -176,19 +308,18 @@ class Bench:
                               self.log / "replica0.log")
 
         try:
-            results, wall = asyncio.run(run_load(base, convs, self.args.clients,
-                                                 self.args.max_tokens, self.args.timeout,
-                                                 progress))
+            results, wall = run_load(base, convs, self.args.clients, self.args.max_tokens,
+                                     self.args.timeout, progress)
             served_again = probe_s = None
             if "restart" in marks:
-                wait_http(victim.url, victim.proc)
+                wait_ready(victim.url, victim.proc)
                 ready = time.perf_counter() - t0
                 # Requests after the restart until the router sends one to it again.
                 before = replica_load([victim])[0]["requests"]
                 extra = fresh_prompts(24)
                 t_extra = time.perf_counter()
                 for conv in extra:
-                    asyncio.run(run_load(base, [conv], 1, 2, self.args.timeout))
+                    run_load(base, [conv], 1, 2, self.args.timeout)
                     if replica_load([victim])[0]["requests"] > before:
                         served_again = time.perf_counter() - t_extra + (ready - marks["restart"])
                         break
@@ -275,8 +406,8 @@ def main() -> int:
     ap.add_argument("--overhead-only", action="store_true",
                     help="only the router overhead, direct and through each router (--json)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=str(ROOT / "results" / "cluster.json"))
-    ap.add_argument("--plot", default=str(ROOT / "results" / "cluster.png"))
+    ap.add_argument("--json", default=str(RESULTS / "cluster" / "real.json"))
+    ap.add_argument("--plot", default=str(RESULTS / "cluster" / "real.png"))
     ap.add_argument("--markdown", metavar="JSON", default=None,
                     help="print the doc's tables from a saved report and exit (no run)")
     args = ap.parse_args()
@@ -297,7 +428,7 @@ def main() -> int:
             if args.overhead_only:
                 runs = [b.overhead(routers, args.overhead_requests)
                         for _ in range(args.overhead_runs)]
-                report = {"command": " ".join(["bench/cluster.py", *sys.argv[1:]]),
+                report = {"command": " ".join(["bench/cluster/real.py", *sys.argv[1:]]),
                           "machine": {"cpus": os.cpu_count(), "load": os.getloadavg()},
                           "runs": runs, "median_over_direct_ms": {
                               k: statistics.median(r[k]["over_direct_ms"] for r in runs)

@@ -7,9 +7,10 @@ stream, with those same counts, through `SglangLike`. Requests are documents (re
 some hot) with a question after them, some questions longer than their document, so the
 cache threshold, the fallback to the least-loaded worker and the balance rule (in flight
 up to 300) are all exercised. It prints how often the two pick the same worker, by
-the model's mode, and writes docs/results/cluster/sglang_fidelity.json.
+the model's mode, and writes results/cluster/sglang_fidelity.json (`--json`; the doc's copy
+is under docs/results/cluster/).
 
-    python bench/sglang_fidelity.py --smg /tmp/sglr/bin/smg
+    python bench/cluster/sglang_fidelity.py --smg /tmp/sglr/bin/smg
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as `python bench/cluster/sglang_fidelity.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from cluster_procs import free_port  # noqa: E402
-
-from kvheat.router.policy import ReplicaState, RouteRequest, SglangLike  # noqa: E402
+from bench._lib import RESULTS
+from bench._lib.procs import free_port
+from kvheat.router.policy import ReplicaState, RouteRequest, SglangLike
 
 COMPLETION = {"id": "x", "object": "text_completion", "model": "m",
               "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
@@ -256,7 +257,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settle", type=float, default=0.003,
                     help="seconds after a finish before the next step")
-    ap.add_argument("--json", type=Path, default=ROOT / "docs" / "results" / "cluster" / "sglang_fidelity.json")
+    ap.add_argument("--json", type=Path, default=RESULTS / "cluster" / "sglang_fidelity.json")
     args = ap.parse_args()
     if not args.smg:
         sys.exit("sglang-router's smg not found (--smg PATH)")
@@ -268,6 +269,7 @@ def main() -> None:
         print(f"{mode:<10} {m['decisions']:>9} {m['agree']:>11}")
     print(f"{'all':<10} {res['decisions']:>9} {res['agree']:>11}  ({100 * res['agreement']:.1f}%)")
     res["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "smg")}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.json}")
 

@@ -4,13 +4,13 @@ hit rate; then the kvheat and sglang-like rows again at other traffic rates (tim
 and with a shared (Redis) tier budget; then the spread over replica names (the hash and
 tie orders) for kvheat and sglang-like, so a difference can be told from noise.
 
-    python bench/cluster_sim.py                      # needs ../shared/traces
-    python bench/cluster_sim.py --quick              # one trace, one capacity
-    python bench/cluster_sim.py --perturb 12         # only the ensemble below
-    python bench/cluster_sim.py --placement 6        # new prefixes: two choices or one
-    python bench/cluster_sim.py --policies 8         # over each replica eviction policy
-    python bench/cluster_sim.py --replica-counts 8   # 2 and 8 replicas
-    python bench/cluster_sim.py --names 16           # the grid under other replica names
+    python bench/cluster/sim.py                      # needs ../shared/traces
+    python bench/cluster/sim.py --quick              # one trace, one capacity
+    python bench/cluster/sim.py --perturb 12         # only the ensemble below
+    python bench/cluster/sim.py --placement 6        # new prefixes: two choices or one
+    python bench/cluster/sim.py --policies 8         # over each replica eviction policy
+    python bench/cluster/sim.py --replica-counts 8   # 2 and 8 replicas
+    python bench/cluster/sim.py --names 16           # the grid under other replica names
 
 `--perturb K` replays kvheat and sglang-like on K variants of each trace, each missing 3%
 of its requests at random (seeded), and reports the paired difference of their hit rates
@@ -34,7 +34,7 @@ sglang-like with 2 and 8 replicas of 0.25M and 1M tokens, on the traces and K va
 `--placement K` compares how kvheat places a new prefix, on the traces and K variants, at
 three traffic rates: the less queued of the two replicas its key hashes to (the default)
 against the first only (`shard_choices=1`), and sglang-like beside them: the hit rate
-difference and the ratios of the modelled TTFT P99 and mean (and docs/results/cluster/cluster_placement.png).
+difference and the ratios of the modelled TTFT P99 and mean (and cluster_placement.png next to the JSON).
 
 `--names K` replays the issue's grid (kvheat, sglang-like, prefix-hash) on the traces as they
 are with K other sets of replica names (seeded, pod-like): hashing routers place by name,
@@ -42,7 +42,8 @@ so each set is another equally valid run of the same trace, as another deploymen
 name its pods. It reports the median and range of each router's hit rate and kvheat's
 share of the bound, and the grid's checks on the medians.
 
-Writes docs/results/cluster/cluster_sim.json and docs/results/cluster/cluster_sim.png (`--json`, `--plot`).
+Writes results/cluster/sim.json and sim.png (`--json`, `--plot`; the doc's copies are under
+docs/results/cluster/).
 """
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ import sys
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TRACES = ROOT.parent / "shared" / "traces"
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as `python bench/cluster/sim.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from kvheat.replay import PreparedTrace, load_trace  # noqa: E402
-from kvheat.router import policy as P  # noqa: E402
-from kvheat.router.report import plot  # noqa: E402
-from kvheat.router.simulate import ClusterConfig, simulate  # noqa: E402
+from bench._lib import RESULTS, TRACES
+from kvheat.replay import PreparedTrace, load_trace
+from kvheat.router import policy as P
+from kvheat.router.report import plot
+from kvheat.router.simulate import ClusterConfig, simulate
 
 
 class Renamed(P.RoutingPolicy):
@@ -105,8 +106,8 @@ def _spec(router: str) -> tuple[object, str]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=str(ROOT / "docs" / "results" / "cluster" / "cluster_sim.json"))
-    ap.add_argument("--plot", default=str(ROOT / "docs" / "results" / "cluster" / "cluster_sim.png"))
+    ap.add_argument("--json", default=str(RESULTS / "cluster" / "sim.json"))
+    ap.add_argument("--plot", default=str(RESULTS / "cluster" / "sim.png"))
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --json")
     ap.add_argument("--perturb", type=int, default=0, metavar="K",
                     help="only the ensemble: K variants of each trace, 3%% of requests dropped")

@@ -23,7 +23,7 @@
 Trials of the compared settings are interleaved and medians reported, since the machine
 may be shared. Prints a table and writes JSON:
 
-    .venv/bin/python bench/engine.py --json results/engine.json [--skip-local] [--no-peer]
+    .venv/bin/python bench/engine/prefix.py --json results/engine/prefix.json [--skip-local] [--no-peer]
 """
 
 from __future__ import annotations
@@ -45,20 +45,22 @@ from pathlib import Path
 
 import torch
 
-from kvheat.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams, SchedulerConfig
-from kvheat.engine.loader import build_model, init_random_weights, load_model, save_tiny_model
+if not __package__:  # run as `python bench/engine/prefix.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import (  # noqa: E402
+from bench._lib.models import save_tiny_model, save_wide_model, wide_llama
+from bench._lib.peers import (
     check_quiet,
     find_vllm_python,
     fmt_ratio,
     interleaved,
     paired_ratio,
-    process_cpu_seconds,
     spread,
     vllm_env,
 )
+from bench._lib.procs import cpu_seconds
+from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from kvheat.engine.loader import load_model
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -190,22 +192,6 @@ def cold_time_fit(points: list[tuple[int, float]]) -> Callable[[int], float]:
     return lambda n: a * n + b * n * n
 
 
-def wide_llama(layers: int, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
-    """A Llama of representative width (TinyLlama-1.1B's layer shape: hidden 2048, 16 heads
-    of 128, 4 KV heads, intermediate 5632) with few layers and seeded random weights, so
-    the split of compute between linear layers and attention is that of a real 1-8B model
-    at CPU cost. Built from a config by kvheat.engine.loader; nothing is downloaded."""
-    cfg = ModelConfig(model_type="llama", vocab_size=32000, hidden_size=2048,
-                      intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16,
-                      num_key_value_heads=4, head_dim=128, max_position_embeddings=4096,
-                      rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=0,
-                      eos_token_id=1)
-    model = build_model(cfg)
-    init_random_weights(model, seed)
-    model.tie_weights()
-    return model.eval(), cfg
-
-
 def mla_ttft(vocab_seed: int, length: int, trials: int, rng: random.Random) -> dict | None:
     try:
         model, _, cfg = load_model(None, "deepseek", seed=vocab_seed)
@@ -227,7 +213,7 @@ def mla_ttft(vocab_seed: int, length: int, trials: int, rng: random.Random) -> d
 
 # ---- vLLM peer -------------------------------------------------------------------------
 class VLLMPeer:
-    """vLLM's offline engine in its own process (bench/peer_vllm_worker.py), kept alive
+    """vLLM's offline engine in its own process (bench/_lib/peer_vllm_worker.py), kept alive
     across the interleaved repeats."""
 
     def __init__(self, python: str, model_dir: Path, settings: dict, threads: int,
@@ -238,7 +224,7 @@ class VLLMPeer:
         cfg = {"model": str(model_dir), "dtype": "float32", **settings}
         self.log = Path(tmp) / f"vllm-{model_dir.name}.log"
         self.proc = subprocess.Popen(
-            [python, str(Path(__file__).with_name("peer_vllm_worker.py")), str(port),
+            [python, str(Path(__file__).parents[1] / "_lib" / "peer_vllm_worker.py"), str(port),
              key.hex(), json.dumps(cfg)], env=vllm_env(threads, tmp),
             stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
         self.timeout = timeout
@@ -381,7 +367,7 @@ def peer_model(name: str, model_dir: Path, vocab: int, a: argparse.Namespace, tm
                 return go
 
             # kvheat's side is this process alone (vLLM's worker is its child)
-            runs = interleaved({"kvheat": watched(arm(mine), lambda: process_cpu_seconds(theirs.proc.pid)),
+            runs = interleaved({"kvheat": watched(arm(mine), lambda: cpu_seconds(theirs.proc.pid, tree=True)),
                                 "vllm": watched(arm(theirs), time.process_time)}, reps)
             key = "mean_ttft_s" if kind == "ttft" else "output_tokens_per_s"
             res = {"requests": n, "prompt_tokens": prefix + suffix, "shared_prefix": prefix,
@@ -401,14 +387,6 @@ def peer_model(name: str, model_dir: Path, vocab: int, a: argparse.Namespace, tm
         mine.close()
     check_quiet(report, f"after {name}", after_own_run=True)
     return out
-
-
-def save_wide_model(path: Path, layers: int) -> Path:
-    from kvheat.engine.loader import Tokenizer, save_model
-
-    model, cfg = wide_llama(layers)
-    save_model(model, Tokenizer.tiny(cfg.vocab_size), path)
-    return path
 
 
 def main() -> None:

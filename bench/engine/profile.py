@@ -7,7 +7,7 @@ Workloads (fresh prompts, 4 shared 512-token prefixes, each with its own 96-toke
 For each: the mean step time, the share of each aten op (self CPU time), and what the
 ops leave (Python: scheduler, batch building, sampling, dispatch).
 
-    .venv/bin/python bench/engine_profile.py [--model wide] [--json results/engine_profile.json]
+    .venv/bin/python bench/engine/profile.py [--model wide] [--json results/engine/profile.json]
 """
 
 from __future__ import annotations
@@ -19,13 +19,19 @@ import sys
 import time
 from pathlib import Path
 
+# Run as `python bench/engine/profile.py`, the script's folder would come first on
+# sys.path and this file would shadow the standard library's `profile` (cProfile imports
+# it): the repo root takes its place, before anything else is imported.
+if not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench._lib import RESULTS
+from bench._lib.models import wide_llama
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.engine.loader import load_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def engine_for(model: torch.nn.Module) -> LLMEngine:
@@ -55,15 +61,13 @@ def profiled(fn, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["tiny", "wide"], default="tiny")
-    ap.add_argument("--json", default="results/engine_profile.json")
+    ap.add_argument("--json", default=str(RESULTS / "engine" / "profile.json"))
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.model == "tiny":
         model, _, cfg = load_model(None, "llama")
         vocab = cfg.vocab_size
     else:
-        from engine import wide_llama
-
         model, cfg = wide_llama(2)
         vocab = cfg.vocab_size
     rng = random.Random(0)

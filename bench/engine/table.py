@@ -16,12 +16,15 @@ workload is sized so that the device budget matters (Belady well above LRU there
 TTFT is measured from the moment a request enters the engine to its first token.
 "KV memory saved" is 1 - (distinct blocks the running requests hold) / (blocks they would
 hold without sharing), summed over every engine step.
+
+    python bench/engine/table.py [--json results/engine/table.json] [--trace PATH]
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,11 +36,14 @@ import click
 import numpy as np
 import torch
 
+if not __package__:  # run as `python bench/engine/table.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from bench._lib.workload import EngineRequest, cpu_workload, materialize, scale_trace
 from kvheat.cache import CacheConfig, KVCacheManager, policy_names
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.replay import PreparedTrace, load_trace, replay
 from kvheat.replay.traces import TraceRequest
-from kvheat.replay.workload import EngineRequest, cpu_workload, materialize, scale_trace
 from kvheat.tiers.spec import TierSpec
 
 

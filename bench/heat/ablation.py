@@ -1,6 +1,6 @@
 """Ablation of the kvheat policy: what each component adds, on both Mooncake traces.
 
-    .venv/bin/python bench/heat_ablation.py --json docs/results/heat/heat_ablation.json
+    .venv/bin/python bench/heat/ablation.py --json docs/results/heat/heat_ablation.json
 """
 
 from __future__ import annotations
@@ -8,11 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from functools import partial
 from pathlib import Path
 
-from heat_replay import prepared
+if not __package__:  # run as `python bench/heat/ablation.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
+from bench._lib.traces import prepared
 from kvheat.heat import KVHeat
 from kvheat.replay import replay
 

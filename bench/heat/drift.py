@@ -5,15 +5,19 @@ two new system prompts take all traffic (the entropy of the prefixes drops by ~2
 notices the drop and re-weights (drops the stale counts, forgets the ghost history); the online
 tuner (§2.4) adapts the half-life from hit feedback. Hit rates with and without.
 
-    .venv/bin/python bench/heat_drift.py --json docs/results/heat/heat_drift.json
+    .venv/bin/python bench/heat/drift.py --json docs/results/heat/heat_drift.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from functools import partial
 from pathlib import Path
+
+if not __package__:  # run as `python bench/heat/drift.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from kvheat.heat import KVHeat
 from kvheat.replay import replay

@@ -1,6 +1,6 @@
 """The O(1) decayed-entropy tracker: accuracy, speed, memory per key, sampling error.
 
-    .venv/bin/python bench/heat_entropy.py --json docs/results/heat/heat_entropy.json
+    .venv/bin/python bench/heat/entropy.py --json docs/results/heat/heat_entropy.json
 """
 
 from __future__ import annotations
@@ -8,9 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 import tracemalloc
 from pathlib import Path
+
+if not __package__:  # run as `python bench/heat/entropy.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from kvheat.heat import EntropyTracker
 

@@ -4,9 +4,9 @@ holds at every traffic rate".
 A time scale k multiplies every timestamp of a trace by k (the same requests in the same
 order, k times slower traffic). A policy is scale-free when its hit rates do not move with k.
 
-    .venv/bin/python bench/heat_grid.py                      # the full grid (minutes)
-    .venv/bin/python bench/heat_grid.py --quick              # a reduced grid
-    .venv/bin/python bench/heat_grid.py --json docs/results/heat/heat_grid.json --plot docs/results/heat/heat_grid.png
+    .venv/bin/python bench/heat/grid.py                      # the full grid (minutes)
+    .venv/bin/python bench/heat/grid.py --quick              # a reduced grid
+    .venv/bin/python bench/heat/grid.py --json docs/results/heat/heat_grid.json --plot docs/results/heat/heat_grid.png
 
 Prints one table per trace and block size (kvheat's margin over the best other online
 policy in each cell, and the share of the LRU -> Belady gap it closes) and writes JSON.
@@ -20,31 +20,16 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from functools import cache
 from pathlib import Path
 
-from kvheat.replay import PreparedTrace, generate_workload, load_trace, parse_tokens, replay
-from kvheat.replay.traces import TraceRequest, WorkloadConfig
+if not __package__:  # run as `python bench/heat/grid.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-TRACES_DIR = Path(__file__).resolve().parents[2] / "shared" / "traces"
-TRACE_FILES = {"conv": "mooncake_conversation_part1.jsonl", "synth": "mooncake_synthetic_trace.jsonl"}
+from bench._lib import TRACES
+from bench._lib.traces import TRACE_FILES, prepared
+from kvheat.replay import parse_tokens, replay
+
 ONLINE = ["lru", "fifo", "lfu", "arc", "s3fifo", "twoq", "lruk"]
-# The generator at 16-token blocks: a smaller workload of the same shape (the full one has
-# ~30x more block accesses at 16 tokens than at 512, minutes per replay).
-GEN16 = WorkloadConfig(num_conversations=600)
-
-
-def trace_requests(name: str, block: int) -> list[TraceRequest]:
-    if name == "gen":
-        return generate_workload(GEN16 if block < 128 else WorkloadConfig(), block)
-    return load_trace(TRACES_DIR / TRACE_FILES.get(name, name), block)
-
-
-@cache
-def prepared(name: str, block: int) -> PreparedTrace:
-    return PreparedTrace(trace_requests(name, block), block)
-
-
 def _run(job: tuple[str, int, float, str, int]) -> dict:
     name, block, scale, policy, cap = job
     r = replay(prepared(name, block), policy, cap, block, time_scale=scale)
@@ -202,8 +187,8 @@ def main() -> None:
     jobs = []
     for spec in a.traces.split(","):
         name, _, bt = spec.partition(":")
-        if name in TRACE_FILES and not (TRACES_DIR / TRACE_FILES[name]).exists():
-            print(f"skipping {name}: {TRACES_DIR / TRACE_FILES[name]} not found", file=sys.stderr)
+        if name in TRACE_FILES and not (TRACES / TRACE_FILES[name]).exists():
+            print(f"skipping {name}: {TRACES / TRACE_FILES[name]} not found", file=sys.stderr)
             continue
         scales = a.gen_scales if name == "gen" else a.scales
         for s in (float(x) for x in scales.split(",")):

@@ -7,7 +7,7 @@ knows more than a trace (which conversation a request belongs to, whether its an
 delivered, what waits in the queue); this bounds what such a signal could add if it were
 perfect, at the same memory.
 
-    .venv/bin/python bench/heat_oracle.py --json docs/results/heat/heat_oracle.json
+    .venv/bin/python bench/heat/oracle.py --json docs/results/heat/heat_oracle.json
 """
 
 from __future__ import annotations
@@ -15,10 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
-from heat_grid import ONLINE, prepared
+if not __package__:  # run as `python bench/heat/oracle.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
+from bench._lib.traces import prepared
+from bench.heat.grid import ONLINE
 from kvheat.cache.block import Block
 from kvheat.heat import KVHeat
 from kvheat.heat.penalties import ONE_OFF

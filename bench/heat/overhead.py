@@ -8,7 +8,7 @@ empty wrapped call, calibrated here) is subtracted. The policies run interleaved
 after round, so load from other processes falls on all of them alike; each keeps its
 best round (lowest median).
 
-    .venv/bin/python bench/heat_overhead.py --trace conv --json docs/results/heat/heat_overhead.json
+    .venv/bin/python bench/heat/overhead.py --trace conv --json docs/results/heat/heat_overhead.json
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from heat_replay import prepared
+if not __package__:  # run as `python bench/heat/overhead.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
+from bench._lib.traces import prepared
 from kvheat.cache import make_policy
 from kvheat.replay import replay
 

@@ -1,42 +1,24 @@
-"""Trace loading for the heat benchmarks, and a quick policy grid on the project replayer.
+"""A quick policy grid on the project replayer (the traces: bench/_lib/traces.py).
 
 Every heat benchmark replays through `kvheat.replay.replay` on a `PreparedTrace` (keys
 hashed once per trace; Belady's oracle and the miss breakdown come from the replayer), as
 `kvheat replay` does.
 
-    .venv/bin/python bench/heat_replay.py --trace conv --policies lru,twoq,kvheat
+    .venv/bin/python bench/heat/replay.py --trace conv --policies lru,twoq,kvheat
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from functools import cache
+import sys
 from pathlib import Path
 
-from kvheat.replay import PreparedTrace, parse_tokens, replay
-from kvheat.replay.traces import TraceRequest, WorkloadConfig, generate_workload, load_trace
+if not __package__:  # run as `python bench/heat/replay.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-TRACES_DIR = Path(__file__).resolve().parents[2] / "shared" / "traces"
-TRACE_FILES = {
-    "conv": "mooncake_conversation_part1.jsonl",
-    "synth": "mooncake_synthetic_trace.jsonl",
-}
-BLOCK = 512
-
-
-def get_trace(name: str) -> list[TraceRequest]:
-    if name == "gen":
-        return generate_workload(WorkloadConfig(), BLOCK)
-    if name.startswith("gen"):  # gen<seed>: the generator with another seed
-        return generate_workload(WorkloadConfig(seed=int(name[3:])), BLOCK)
-    return load_trace(TRACES_DIR / TRACE_FILES.get(name, name), BLOCK)
-
-
-@cache
-def prepared(name: str) -> PreparedTrace:
-    """The named trace with its keys computed once per process."""
-    return PreparedTrace(get_trace(name), BLOCK)
+from bench._lib.traces import prepared
+from kvheat.replay import parse_tokens, replay
 
 
 def main() -> None:

@@ -17,10 +17,10 @@ doctor's `diagnose` on the two scrapes (with /admin/stats at both ends). Scenari
 
 Top-1 accuracy counts a run right when the first finding is the injected cause, and a
 healthy run right when there is no finding. Prints a confusion-matrix table and writes
-JSON (default docs/results/operations/doctor.json).
+JSON (`--json`, default results/operations/doctor.json).
 
-    python bench/doctor.py                 # 3 runs per scenario
-    python bench/doctor.py --runs 5 --json docs/results/operations/doctor.json
+    python bench/operations/doctor.py      # 3 runs per scenario
+    python bench/operations/doctor.py --runs 5 --json docs/results/operations/doctor.json
 """
 
 from __future__ import annotations
@@ -28,17 +28,23 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 from rich.table import Table
 
+if not __package__:  # run as `python bench/operations/doctor.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from bench._lib import RESULTS
+from bench._lib.procs import free_port
 from kvheat.doctor import Snapshot, admin_stats, diagnose, scrape
 from kvheat.replay.report import print_uncut
 from kvheat.server.app import KVHeatServer
@@ -50,16 +56,10 @@ ADMIN = "adm"
 torch.set_num_threads(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Live:
     def __init__(self, cfg: ServerConfig) -> None:
         self.server = KVHeatServer(cfg)
-        port = _free_port()
+        port = free_port()
         self.uv = self.server.uvicorn("127.0.0.1", port, "error")
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
@@ -175,7 +175,7 @@ def tenant_quota(rng: random.Random) -> Scenario:
 def tier_fault(rng: random.Random) -> Scenario:
     system = _ids(rng, 48)
     cfg = ServerConfig(**_base(num_blocks=48,
-                               tiers=TierSpec(redis_url=f"redis://127.0.0.1:{_free_port()}",
+                               tiers=TierSpec(redis_url=f"redis://127.0.0.1:{free_port()}",
                                               redis_bytes=64 << 20)))
     # Distinct prompts: the 48-block pool evicts, and every eviction tries the dead tier.
     return (cfg, lambda live, r: _chat_like(live, r, 4, system),
@@ -215,7 +215,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario")
     ap.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
                     help="only these (repeatable)")
-    ap.add_argument("--json", default="docs/results/operations/doctor.json")
+    ap.add_argument("--json", default=str(RESULTS / "operations" / "doctor.json"))
     args = ap.parse_args()
     names = args.scenario or list(SCENARIOS)
     runs = []
@@ -252,9 +252,8 @@ def main() -> None:
         "machine": "CPU, in-process kvheat serve, built-in tiny model, torch 1 thread"}
     print(f"top-1 accuracy {acc:.0%} over {len(runs)} runs; healthy runs with findings: "
           f"{summary['healthy_runs_with_findings']}/{len(healthy_runs)}")
-    with open(args.json, "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,11 +17,11 @@ A poller times `/health` every 100 ms. At the end it checks the pool through the
 API, and replays every answered prompt on a reference engine with no tiers (the same
 weights, greedy) to count wrong outputs. It prints one table:
 
-    python bench/chaos.py                      # 240 requests, at most 240 s
-    python bench/chaos.py --requests 80
+    python bench/server/chaos.py               # 240 requests, at most 240 s
+    python bench/server/chaos.py --requests 80
 
 Hung requests (no answer within the client timeout), wrong outputs and leaked blocks must
-all be 0. Writes a JSON report (`--json`, default results/chaos.json).
+all be 0. Writes a JSON report (`--json`, default results/server/chaos.json).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,59 +46,18 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+if not __package__:  # run as `python bench/server/chaos.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from bench._lib import RESULTS, ROOT
+from bench._lib.load import stream_turn
+from bench._lib.procs import Redis, free_port, rss_mib, wait_ready
+
 MODEL = "kvheat-tiny-llama"
 ADMIN = "chaos-admin"
 TENANTS = {"sk-red": "red", "sk-green": "green", "sk-blue": "blue"}
 NUM_BLOCKS = 48
 MAX_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-class Redis:
-    def __init__(self, binary: str, workdir: Path) -> None:
-        self.binary, self.workdir, self.port = binary, workdir, free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), \
-                    socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
 
 
 class DiskSpace:
@@ -173,38 +131,28 @@ async def one_request(http: httpx.AsyncClient, st: Stats, key: str, prompt: list
             "ignore_eos": True, "stream": stream}
     headers = {"Authorization": f"Bearer {key}"}
     st.sent += 1
+    if stream:
+        r = await stream_turn(http, "/v1/completions", body, headers, timeout_s,
+                              cancel_after=2 if cancel else None)
+        if r.status_code is not None:
+            st.statuses[str(r.status_code)] += 1
+        if r.cancelled:
+            st.cancelled_streams += 1
+        elif r.hung:
+            st.hung += 1
+        elif r.transport_error:
+            st.statuses[f"transport:{r.transport_error}"] += 1
+        elif r.stream_error:
+            st.statuses["stream_error"] += 1
+        elif r.done:
+            st.answers.append((prompt, r.text, key))
+        return
     try:
         async with asyncio.timeout(timeout_s):
-            if not stream:
-                r = await http.post("/v1/completions", json=body, headers=headers)
-                st.statuses[str(r.status_code)] += 1
-                if r.status_code == 200:
-                    st.answers.append((prompt, r.json()["choices"][0]["text"], key))
-                return
-            async with http.stream("POST", "/v1/completions", json=body,
-                                   headers=headers) as r:
-                st.statuses[str(r.status_code)] += 1
-                if r.status_code != 200:
-                    await r.aread()
-                    return
-                text, done, n = "", False, 0
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    n += 1
-                    if cancel and n >= 2:
-                        st.cancelled_streams += 1
-                        return  # closes the connection mid-stream
-                    if line == "data: [DONE]":
-                        done = True
-                        break
-                    obj = json.loads(line[6:])
-                    if "error" in obj:
-                        st.statuses["stream_error"] += 1
-                        return
-                    text += obj["choices"][0]["text"]
-                if done:
-                    st.answers.append((prompt, text, key))
+            r = await http.post("/v1/completions", json=body, headers=headers)
+            st.statuses[str(r.status_code)] += 1
+            if r.status_code == 200:
+                st.answers.append((prompt, r.json()["choices"][0]["text"], key))
     except TimeoutError:
         st.hung += 1
     except httpx.HTTPError as e:
@@ -379,13 +327,12 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-seconds", type=float, default=240.0)
     ap.add_argument("--timeout", type=float, default=60.0, help="client timeout: hung past it")
-    ap.add_argument("--json", default=str(ROOT / "results" / "chaos.json"))
+    ap.add_argument("--json", default=str(RESULTS / "server" / "chaos.json"))
     args = ap.parse_args()
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         sys.exit("redis-server is not installed")
     work = Path(tempfile.mkdtemp(prefix="kvheat-chaos-"))
-    redis = Redis(binary, work)
+    redis = Redis(work)
     redis.start()
     disk = DiskSpace(work, 48)  # two arms' 16 MiB stores, then the filler takes the rest
     cfg = work / "chaos.toml"
@@ -408,16 +355,10 @@ def main() -> None:
                             env=env)
     st = Stats()
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"kvheat serve exited; see {work / 'server.log'}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                sys.exit("kvheat serve did not come up")
-            time.sleep(0.2)
+        try:
+            wait_ready(base, proc, 90)
+        except RuntimeError as e:
+            sys.exit(f"kvheat serve did not come up ({e}); see {work / 'server.log'}")
         rss0 = rss_mib(proc.pid)
         t0 = time.monotonic()
 

@@ -4,7 +4,7 @@
 8 conversations in flight, greedy, the same model directory on both servers (the built-in
 tiny Llama, or `--model wide`: a Llama of TinyLlama's width, hidden 2048, 2 layers, seeded
 random weights). Both servers run at float32 with the same threads and batch limits
-(bench/peers.py) and stay up for the whole run; the repeats alternate kvheat, vLLM,
+(bench/_lib/peers.py) and stay up for the whole run; the repeats alternate kvheat, vLLM,
 kvheat, vLLM ... with a fresh system prompt and fresh questions for each repeat (both
 servers see the same ones). Per run: wall time, TTFT mean / P50 / P99 over all turns,
 prompt tokens served from cache (the servers' own usage counts), and whether the two
@@ -12,7 +12,7 @@ servers' completions are the same; ratios are kvheat / vLLM of the runs of one r
 reported as median and range. The idle server's CPU time during the other's run is
 recorded (it must stay near zero for the comparison to be fair).
 
-    .venv/bin/python bench/chat.py [--model tiny|wide] [--repeats 3] [--json results/chat.json]
+    .venv/bin/python bench/server/chat.py [--model tiny|wide] [--repeats 3] [--json results/server/chat.json]
 """
 
 from __future__ import annotations
@@ -30,19 +30,19 @@ from typing import Any
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import (  # noqa: E402
-    SSEDecoder,
-    check_quiet,
-    find_vllm_python,
-    fmt_ratio,
+if not __package__:  # run as `python bench/server/chat.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from bench._lib import RESULTS
+from bench._lib.load import Conversation, LoadSpec, UserTurn, from_list, run_conversations
+from bench._lib.models import save_tiny_model, save_wide_model
+from bench._lib.peers import check_quiet, find_vllm_python, fmt_ratio, paired_ratio, spread
+from bench._lib.procs import (
+    cpu_seconds,
     free_port,
-    paired_ratio,
-    process_cpu_seconds,
-    spread,
     start_kvheat_server,
     start_vllm_server,
-    stop_proc,
+    stop,
     wait_ready,
 )
 
@@ -62,82 +62,36 @@ def conversation_plan(seed: int, conversations: int, turns: int) -> dict[str, An
     return {"system": system, "questions": questions}
 
 
-async def one_turn(http: httpx.AsyncClient, messages: list[dict[str, str]],
-                   max_tokens: int) -> dict[str, Any]:
-    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft = None
-    text: list[str] = []
-    usage: dict[str, Any] = {}
-    dec = SSEDecoder()
-    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for chunk in r.aiter_text():
-            for data in dec.feed(chunk):
-                if data == "[DONE]":
-                    continue
-                ev = json.loads(data)
-                if "error" in ev:
-                    raise RuntimeError(str(ev["error"])[:300])
-                if ev.get("usage"):
-                    usage = ev["usage"]
-                for ch in ev.get("choices") or []:
-                    piece = (ch.get("delta") or {}).get("content")
-                    if piece:
-                        if ttft is None:
-                            ttft = time.perf_counter() - start
-                        text.append(piece)
-    details = usage.get("prompt_tokens_details") or {}
-    return {"ttft_s": ttft, "e2e_s": time.perf_counter() - start, "text": "".join(text),
-            "prompt_tokens": int(usage.get("prompt_tokens", 0)),
-            "cached_tokens": int(details.get("cached_tokens") or 0),
-            "completion_tokens": int(usage.get("completion_tokens", 0))}
-
-
 async def run_chat(base: str, plan: dict[str, Any], concurrency: int,
                    max_tokens: int) -> dict[str, Any]:
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(len(plan["questions"])):
-        queue.put_nowait(i)
-    turns: dict[tuple[int, int], dict[str, Any]] = {}
+    convs = [Conversation(c, plan["system"], [UserTurn(q) for q in qs])
+             for c, qs in enumerate(plan["questions"])]
     limits = httpx.Limits(max_connections=concurrency + 2, keepalive_expiry=2.0)
-
-    async def worker(http: httpx.AsyncClient) -> None:
-        while not queue.empty():
-            c = queue.get_nowait()
-            msgs = [{"role": "system", "content": plan["system"]}]
-            for t, q in enumerate(plan["questions"][c]):
-                msgs.append({"role": "user", "content": q})
-                res = await one_turn(http, msgs, max_tokens)
-                turns[(c, t)] = res
-                msgs.append({"role": "assistant", "content": res["text"]})
-
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600.0),
                                  limits=limits) as http:
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+        replies = await run_conversations(base, from_list(convs), concurrency,
+                                          LoadSpec("tiny", max_tokens), http=http)
         wall = time.perf_counter() - t0
+    failed = [r.error for r in replies if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} turns failed, the first: {failed[0]}")
+    turns = {(r.conv, r.turn): r for r in replies}
     order = sorted(turns)
-    ttft = np.array([turns[k]["ttft_s"] for k in order if turns[k]["ttft_s"] is not None])
-    prompt = sum(turns[k]["prompt_tokens"] for k in order)
+    ttft = np.array([turns[k].ttft for k in order if turns[k].ttft is not None])
+    prompt = sum(turns[k].prompt_tokens for k in order)
+    cached = sum(turns[k].cached_tokens for k in order)
     return {"wall_s": wall, "turns": len(order), "ttft_mean_s": float(ttft.mean()),
             "ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "prompt_tokens": prompt, "cached_tokens": sum(turns[k]["cached_tokens"] for k in order),
-            "cached_fraction": sum(turns[k]["cached_tokens"] for k in order) / prompt if prompt else 0.0,
-            "texts": [turns[k]["text"] for k in order]}
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "cached_fraction": cached / prompt if prompt else 0.0,
+            "texts": [turns[k].text for k in order]}
 
 
 def make_model(kind: str, tmp: str) -> str:
-    from kvheat.engine.loader import save_tiny_model
-
     if kind == "tiny":
         return str(save_tiny_model(Path(tmp) / "tiny-llama"))
-    from engine import save_wide_model
-
     return str(save_wide_model(Path(tmp) / "wide-llama", 2))
 
 
@@ -154,7 +108,7 @@ def main() -> int:
                     help="tokens per step, both servers (vLLM's server default on CPU)")
     ap.add_argument("--num-blocks", type=int, default=8192, help="kvheat's device blocks")
     ap.add_argument("--vllm-python", default=None)
-    ap.add_argument("--json", default="results/chat.json")
+    ap.add_argument("--json", default=str(RESULTS / "server" / "chat.json"))
     a = ap.parse_args()
     vllm_python = find_vllm_python(a.vllm_python)
     if vllm_python is None:
@@ -184,9 +138,9 @@ def main() -> int:
                 plan = conversation_plan(rep, a.conversations, a.turns)
                 for name, (base, _) in servers.items():
                     other = servers["vllm" if name == "kvheat" else "kvheat"][1]
-                    idle0 = process_cpu_seconds(other.pid)
+                    idle0 = cpu_seconds(other.pid, tree=True)
                     res = asyncio.run(run_chat(base, plan, a.concurrency, a.max_tokens))
-                    res["idle_peer_cpu_s"] = process_cpu_seconds(other.pid) - idle0
+                    res["idle_peer_cpu_s"] = cpu_seconds(other.pid, tree=True) - idle0
                     runs[name].append(res)
                     print(f"repeat {rep} {name}: wall {res['wall_s']:.2f} s, TTFT mean "
                           f"{1000 * res['ttft_mean_s']:.1f} ms, P99 {1000 * res['ttft_p99_s']:.1f} ms, "
@@ -194,7 +148,7 @@ def main() -> int:
                           f"{res['idle_peer_cpu_s']:.2f} CPU s", flush=True)
         finally:
             for _, proc in servers.values():
-                stop_proc(proc)
+                stop(proc)
     check_quiet(report, "end", after_own_run=True)
     summary: dict[str, Any] = {}
     for metric in ("wall_s", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "cached_fraction"):

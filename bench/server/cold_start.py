@@ -3,11 +3,12 @@ ones, each run from a new server process (what a replica that just joined a clus
 one restarted by its HPA, serves first). With `--baseline ROOT` (another checkout, e.g.
 `git worktree add /tmp/base COMMIT`) the two source trees run alternately, A B A B.
 
-    python bench/cold_start.py --runs 6
-    python bench/cold_start.py --runs 6 --baseline /tmp/base
+    python bench/server/cold_start.py --runs 6
+    python bench/server/cold_start.py --runs 6 --baseline /tmp/base
 
 The model is the cluster bench's (a Llama of hidden 512, 4 layers, seeded random weights),
-one torch thread. Prints a table and writes JSON (`--json`).
+one torch thread. Prints a table and writes JSON (`--json`, default
+results/server/cold_start.json).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+if not __package__:  # run as `python bench/server/cold_start.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from cluster_procs import free_port, make_model, stop, wait_http  # noqa: E402
+from bench._lib import RESULTS, ROOT
+from bench._lib.models import save_llama
+from bench._lib.procs import free_port, stop, wait_ready
 
 
 def first_ttfts(root: Path, model_dir: Path, requests: int) -> list[float]:
@@ -43,7 +46,7 @@ def first_ttfts(root: Path, model_dir: Path, requests: int) -> list[float]:
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(url, proc)
+        wait_ready(url, proc)
         time.sleep(1.0)  # started and idle, as a replica is before its first request
         out = []
         for i in range(requests):
@@ -70,14 +73,14 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=5, help="requests per server")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="another source tree to run alternately with this one")
-    ap.add_argument("--json", default=str(ROOT / "results" / "cold_start.json"))
+    ap.add_argument("--json", default=str(RESULTS / "server" / "cold_start.json"))
     args = ap.parse_args()
     trees = {"this": ROOT}
     if args.baseline is not None:
         trees["baseline"] = args.baseline.resolve()
     with tempfile.TemporaryDirectory(prefix="kvheat-cold-") as tmp:
         model_dir = Path(tmp) / "model"
-        make_model(model_dir, 512, 4)
+        save_llama(model_dir, 512, 4)
         runs: dict[str, list[list[float]]] = {k: [] for k in trees}
         for i in range(args.runs):
             for name, root in trees.items():

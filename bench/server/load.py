@@ -8,11 +8,11 @@ after warm-up: growth in the second half of the run against the end of warm-up).
 `--peer vllm` the same load runs against vLLM's CPU OpenAI server on the same model
 directory, and the ratios are printed.
 
-    python bench/load.py                          # 64 clients, 60 s, built-in tiny Llama
-    python bench/load.py --clients 8 --duration 10
-    python bench/load.py --peer vllm --vllm-python /tmp/vllm/bin/python
+    python bench/server/load.py                   # 64 clients, 60 s, built-in tiny Llama
+    python bench/server/load.py --clients 8 --duration 10
+    python bench/server/load.py --peer vllm --vllm-python /tmp/vllm/bin/python
 
-Writes a JSON report (`--json`, default results/load.json).
+Writes a JSON report (`--json`, default results/server/load.json).
 """
 
 from __future__ import annotations
@@ -33,21 +33,20 @@ from typing import Any
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import (  # noqa: E402
-    SSEDecoder,
-    check_quiet,
-    find_vllm_python,
-    fmt_ratio,
+if not __package__:  # run as `python bench/server/load.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from bench._lib import RESULTS
+from bench._lib.load import Conversation, LoadSpec, UserTurn, run_conversations
+from bench._lib.peers import check_quiet, find_vllm_python, fmt_ratio, paired_ratio
+from bench._lib.procs import (
     free_port,
-    paired_ratio,
+    rss_mib,
     start_kvheat_server,
     start_vllm_server,
-    stop_proc,
+    stop,
     wait_ready,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
 
 SYSTEM_PROMPTS = [
     "You are a helpful assistant. Please answer the question below in one short paragraph. "
@@ -120,77 +119,17 @@ class RunResult:
         }
 
 
-def rss_mib(pid: int) -> float | None:
-    """Resident memory of a process and its children (vLLM runs its engine in one)."""
-    total = 0.0
-    pids = [pid]
-    try:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        pids += [int(k) for k in kids]
-    except OSError:
-        pass
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) / 1024
-        except OSError:
-            continue
-    return total or None
+def conversation(cid: int, rng: random.Random) -> Conversation:
+    """A chat on one of the shared system prompts, 2-4 turns, its questions drawn turn by
+    turn (so a conversation cut short by the deadline or an error draws no more)."""
+    system = SYSTEM_PROMPTS[rng.randrange(len(SYSTEM_PROMPTS))]
+    n = rng.randint(2, 4)
 
+    def turns() -> Any:
+        for turn in range(n):
+            yield UserTurn(f"[{cid}.{turn}] " + QUESTIONS[rng.randrange(len(QUESTIONS))])
 
-async def one_client(http: httpx.AsyncClient, model: str, cid: int, t0: float, deadline: float,
-                     max_tokens: int, out: list[Sample], rng: random.Random) -> None:
-    while time.perf_counter() < deadline:
-        system = SYSTEM_PROMPTS[rng.randrange(len(SYSTEM_PROMPTS))]
-        msgs: list[dict[str, str]] = [{"role": "system", "content": system}]
-        for turn in range(rng.randint(2, 4)):
-            if time.perf_counter() >= deadline:
-                return
-            msgs.append({"role": "user",
-                         "content": f"[{cid}.{turn}] " + QUESTIONS[rng.randrange(len(QUESTIONS))]})
-            body = {"model": model, "messages": msgs, "max_tokens": max_tokens,
-                    "temperature": 0.0, "stream": True, "ignore_eos": True,
-                    "stream_options": {"include_usage": True}, "user": f"user-{cid}"}
-            start = time.perf_counter()
-            ttft = None
-            text: list[str] = []
-            usage: dict[str, Any] = {}
-            err = None
-            try:
-                async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                    if r.status_code != 200:
-                        err = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                    else:
-                        dec = SSEDecoder()  # lines split on \n only (see peers.SSEDecoder)
-                        async for chunk in r.aiter_text():
-                            for data in dec.feed(chunk):
-                                if data == "[DONE]":
-                                    continue
-                                ev = json.loads(data)
-                                if "error" in ev:
-                                    err = str(ev["error"])[:200]
-                                    break
-                                if ev.get("usage"):
-                                    usage = ev["usage"]
-                                for ch in ev.get("choices") or []:
-                                    delta = ch.get("delta") or {}
-                                    if delta.get("content") or ch.get("finish_reason"):
-                                        if ttft is None:
-                                            ttft = time.perf_counter() - start
-                                        text.append(delta.get("content") or "")
-                            if err is not None:
-                                break
-            except (httpx.HTTPError, json.JSONDecodeError) as e:
-                err = f"{type(e).__name__}: {e}"[:200]
-            end = time.perf_counter()
-            details = usage.get("prompt_tokens_details") or {}
-            out.append(Sample(start - t0, ttft, end - start, int(usage.get("completion_tokens", 0)),
-                              int(details.get("cached_tokens") or 0),
-                              int(usage.get("prompt_tokens", 0)), err))
-            if err is not None:
-                break  # a new conversation
-            msgs.append({"role": "assistant", "content": "".join(text)})
+    return Conversation(cid, system, turns(), body={"user": f"user-{cid}"})
 
 
 async def run_load(name: str, base: str, model: str, pid: int, clients: int, duration: float,
@@ -208,7 +147,7 @@ async def run_load(name: str, base: str, model: str, pid: int, clients: int, dur
 
         async def sample_rss() -> None:
             while not stop.is_set():
-                m = rss_mib(pid)
+                m = rss_mib(pid, children=True)
                 if m is not None:
                     res.rss_mb.append((time.perf_counter() - t0, m))
                 with contextlib.suppress(TimeoutError):
@@ -216,8 +155,13 @@ async def run_load(name: str, base: str, model: str, pid: int, clients: int, dur
 
         sampler = asyncio.create_task(sample_rss())
         rngs = [random.Random(seed * 1000 + i) for i in range(clients)]
-        await asyncio.gather(*(one_client(http, model, i, t0, deadline, max_tokens, res.samples,
-                                          rngs[i]) for i in range(clients)))
+        # Each client runs its own chats until the deadline; a failed turn ends its chat
+        # (its history would be wrong) and a new one starts.
+        spec = LoadSpec(model, max_tokens, ttft_on_finish=True, stop_on_error=True)
+        replies = await run_conversations(base, lambda i: conversation(i, rngs[i]), clients,
+                                          spec, http=http, deadline=deadline)
+        res.samples += [Sample(r.start - t0, r.ttft, r.e2e, r.completion_tokens,
+                               r.cached_tokens, r.prompt_tokens, r.error) for r in replies]
         res.duration_s = time.perf_counter() - t0  # the last requests finish after the deadline
         stop.set()
         await sampler
@@ -286,7 +230,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs per server (default 3 with --peer, else 1)")
     ap.add_argument("--vllm-python", default=None)
-    ap.add_argument("--json", default=str(ROOT / "results" / "load.json"))
+    ap.add_argument("--json", default=str(RESULTS / "server" / "load.json"))
     args = ap.parse_args()
     if args.warmup is None:
         args.warmup = args.duration / 6
@@ -299,7 +243,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvheat-load-") as tmp:
         model_dir = None
         if vllm_python:
-            from kvheat.engine.loader import save_tiny_model
+            from bench._lib.models import save_tiny_model
 
             model_dir = str(save_tiny_model(Path(tmp) / "tiny-llama"))
         servers: dict[str, tuple[str, subprocess.Popen[bytes], Path, str]] = {}
@@ -331,7 +275,7 @@ def main() -> int:
                               f"{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
         finally:
             for _, proc, _, _ in servers.values():
-                stop_proc(proc)
+                stop(proc)
     check_quiet(report, "end", after_own_run=True)
     rows = [r.summary() for name in servers for r in runs[name]]
     print_table(rows)

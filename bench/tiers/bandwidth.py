@@ -1,6 +1,6 @@
 """Tier bandwidth against plain baselines, measured side by side in one run.
 
-    python bench/tiers.py [--json results/tiers.json] [--quick]
+    python bench/tiers/bandwidth.py [--json results/tiers/bandwidth.json] [--quick]
 
 1. host tier put/get vs a plain `torch` copy of the same bytes (target >= 70%), with the
    checksum on (the default) and off;
@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,11 +33,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as `python bench/tiers/bandwidth.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from kvheat.tiers import DiskStore, HostStore  # noqa: E402
-from kvheat.tiers.redis_store import RedisStore, connect  # noqa: E402
+from bench._lib import RESULTS
+from bench._lib.procs import Redis, RedisCluster
+from kvheat.tiers import DiskStore, HostStore
+from kvheat.tiers.redis_store import RedisStore, connect
 
 torch.set_num_threads(1)
 
@@ -196,28 +197,6 @@ def bench_disk(block_bytes: int, n_blocks: int, rounds: int, root: Path) -> dict
 
 
 # ---- redis ------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(workdir: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--dir", str(workdir), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
-        except OSError:
-            time.sleep(0.02)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
-
-
 def redis_benchmark(port: int, value_bytes: int, n: int, pipeline: int) -> dict[str, float]:
     out = subprocess.run(["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get",
                           "-d", str(value_bytes), "-n", str(n), "-P", str(pipeline), "-c", "1",
@@ -278,38 +257,11 @@ def bench_redis(port: int, chunk_bytes: int, n_ops: int, pipeline: int, rounds: 
             "set_ratio": med(set_rps) / med(ref_set), "get_ratio": med(get_rps) / med(ref_get)}
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is valid and free too."""
-    import random
-
-    for _ in range(200):
-        p = random.randrange(20000, 50000)
-        try:
-            for q in (p, p + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-        except OSError:
-            continue
-        return p
-    raise RuntimeError("no free port pair for a cluster node")
-
-
 def bench_cluster(root: Path, chunk_bytes: int, n_chunks: int) -> dict:
-    ports = [cluster_port() for _ in range(3)]
-    procs = [start_redis(root / f"node{p}", p, "--cluster-enabled", "yes",
-                         "--cluster-config-file", f"nodes-{p}.conf") for p in ports]
+    cluster = RedisCluster(root)
     try:
-        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True,
-                       capture_output=True, timeout=60)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            info = subprocess.run(["redis-cli", "-p", str(ports[0]), "cluster", "info"],
-                                  capture_output=True, text=True).stdout
-            if "cluster_state:ok" in info:
-                break
-            time.sleep(0.1)
-        st = RedisStore(connect(f"redis://127.0.0.1:{ports[0]}/0", cluster=True, timeout_s=1.0),
+        cluster.start()
+        st = RedisStore(connect(cluster.url, cluster=True, timeout_s=1.0),
                         1 << 40, model="bench", layout="gqa", backoff_initial_s=0.2)
         chunks = [torch.randn(chunk_bytes // 2).half() for _ in range(n_chunks)]
         keys = [i.to_bytes(16, "little") for i in range(n_chunks)]
@@ -319,8 +271,7 @@ def bench_cluster(root: Path, chunk_bytes: int, n_chunks: int) -> dict:
         identical = sum(1 for g, c in zip(got, chunks, strict=True)
                         if g is not None and torch.equal(g, c))
         slots = {int(st.client.keyslot(st.rkey(k, "tenant:a"))) // 5462 for k in keys}
-        procs[1].kill()
-        procs[1].wait()
+        cluster.nodes[1].kill()
         after: list = []
         raised = None
         try:
@@ -334,10 +285,7 @@ def bench_cluster(root: Path, chunk_bytes: int, n_chunks: int) -> dict:
                 "node_killed_served": sum(1 for g in after if g is not None),
                 "node_killed_went_down": st.stats.went_down}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        cluster.stop()
 
 
 class _Skip(Exception):
@@ -347,7 +295,7 @@ class _Skip(Exception):
 # ---- main -------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default=str(ROOT / "results" / "tiers.json"))
+    ap.add_argument("--json", default=str(RESULTS / "tiers" / "bandwidth.json"))
     ap.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     ap.add_argument("--only", default="host,disk,redis,cluster",
                     help="comma-separated parts to run")
@@ -388,8 +336,8 @@ def main() -> None:
         if not only & {"redis", "cluster"}:
             pass
         elif shutil.which("redis-server") and shutil.which("redis-benchmark"):
-            port = free_port()
-            proc = start_redis(Path(tmp) / "redis", port)
+            redis = Redis(Path(tmp) / "redis").start()
+            port = redis.port
             try:
                 res["redis"] = []
                 # 64 KiB is a small model's chunk; 1 MiB is a 256-token chunk of the built-in
@@ -405,8 +353,7 @@ def main() -> None:
                                  f"redis-benchmark {r['redis_benchmark_get_ops']:.0f}/s",
                                  f"{r['get_ratio']:.0%}", ">=50%"))
             finally:
-                proc.kill()
-                proc.wait()
+                redis.kill()
             try:
                 if "cluster" not in only:
                     raise _Skip

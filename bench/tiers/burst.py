@@ -1,6 +1,6 @@
 """Bytes read from each lower tier per byte served, under bursty multi-client load.
 
-    python bench/tiers_burst.py [--json results/tiers_burst.json] [--clients 16]
+    python bench/tiers/burst.py [--json results/tiers/burst.json] [--clients 16]
 
 The built-in tiny Llama on a small device pool. A warm-up round caches `--prefixes`
 prompt prefixes, which a second round of other prompts pushes down to the lower tier
@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+if not __package__:  # run as `python bench/tiers/burst.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from tiers import free_port, start_redis  # noqa: E402
-
-from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, load_model  # noqa: E402
-from kvheat.tiers import TierSpec  # noqa: E402
+from bench._lib import RESULTS
+from bench._lib.procs import Redis
+from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+from kvheat.tiers import TierSpec
 
 SP = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -46,7 +45,7 @@ def run_burst(e: LLMEngine, reqs: list[list[int]]) -> list[list[int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default=str(ROOT / "results" / "tiers_burst.json"))
+    ap.add_argument("--json", default=str(RESULTS / "tiers" / "burst.json"))
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--bursts", type=int, default=3)
     ap.add_argument("--prefixes", type=int, default=6)
@@ -66,14 +65,13 @@ def main() -> None:
     want = [run_burst(plain, b) for b in bursts]
     results: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        redis_port = free_port()
-        proc = start_redis(Path(tmp) / "redis", redis_port)
+        redis = Redis(Path(tmp) / "redis").start()
         try:
             for tier in ("host", "disk", "redis"):
                 spec = {
                     "host": TierSpec(host_blocks=256),
                     "disk": TierSpec(disk_dir=str(Path(tmp) / "disk"), disk_bytes=1 << 28),
-                    "redis": TierSpec(redis_url=f"redis://127.0.0.1:{redis_port}/0",
+                    "redis": TierSpec(redis_url=redis.url,
                                       redis_bytes=1 << 28,
                                       secret="bench-tier-secret-0123456789"),
                 }[tier]
@@ -100,7 +98,7 @@ def main() -> None:
                 }
                 e.close()
         finally:
-            proc.kill()
+            redis.kill()
     for tier, r in results.items():
         ratio = r["read_per_served"]
         print(f"{tier:6s} read {r['read_bytes'] / 2**20:7.2f} MiB  served "

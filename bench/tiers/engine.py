@@ -1,6 +1,6 @@
 """Time to first token with lower KV tiers under a small device pool, real forward passes.
 
-    python bench/tiers_engine.py [--json results/tiers_engine.json] [--quick]
+    python bench/tiers/engine.py [--json results/tiers/engine.json] [--quick]
 
 A Llama of representative width (hidden 2048, 16 heads / 4 KV heads, 2 layers, seeded
 random weights; 128 KiB of KV per 16-token block) serves requests that share long
@@ -34,15 +34,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+if not __package__:  # run as `python bench/tiers/engine.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from engine import wide_llama  # noqa: E402
-from tiers import free_port, start_redis  # noqa: E402
-
-from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from kvheat.tiers import TierSpec  # noqa: E402
+from bench._lib import RESULTS
+from bench._lib.models import wide_llama
+from bench._lib.procs import Redis
+from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from kvheat.tiers import TierSpec
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -94,7 +93,7 @@ def run(model: torch.nn.Module, cfg: EngineConfig, reqs: list[list[int]]) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default=str(ROOT / "results" / "tiers_engine.json"))
+    ap.add_argument("--json", default=str(RESULTS / "tiers" / "engine.json"))
     ap.add_argument("--quick", action="store_true", help="a smaller run (a smoke test)")
     ap.add_argument("--prefixes", type=int, default=6)
     ap.add_argument("--prefix-tokens", type=int, default=384)
@@ -125,20 +124,18 @@ def main() -> None:
             ("+ disk tier", {"disk_dir": disk, "disk_bytes": 2 * big * block_bytes}),
             ("disk after restart", {"disk_dir": disk, "disk_bytes": 2 * big * block_bytes}),
         ]
-        proc = None
+        redis = None
         if shutil.which("redis-server"):
-            port = free_port()
-            proc = start_redis(Path(tmp) / "redis", port)
-            runs.append(("+ Redis tier", {"redis_url": f"redis://127.0.0.1:{port}/0",
+            redis = Redis(Path(tmp) / "redis").start()
+            runs.append(("+ Redis tier", {"redis_url": redis.url,
                                           "redis_bytes": 2 * big * block_bytes}))
         try:
             for name, kw in runs:
                 results[name] = run(model, cfg(**kw), reqs)
                 print(f"  {name}: {results[name]['mean_ttft_ms']:.1f} ms", file=sys.stderr)
         finally:
-            if proc is not None:
-                proc.kill()
-                proc.wait()
+            if redis is not None:
+                redis.kill()
     ref = results["device only"]["firsts"]
     for name, r in results.items():
         if r.pop("firsts") != ref:

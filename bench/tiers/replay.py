@@ -1,7 +1,7 @@
 """Replay a Mooncake trace through a small device tier with host and disk tiers below it.
 
-    python bench/tiers_replay.py [--trace ../shared/traces/mooncake_conversation_part1.jsonl]
-        [--policy lru,kvheat] [--prefill-tps 20000,3e6] [--limit N] [--json results/tiers_replay.json]
+    python bench/tiers/replay.py [--trace ../shared/traces/mooncake_conversation_part1.jsonl]
+        [--policy lru,kvheat] [--prefill-tps 20000,3e6] [--limit N] [--json results/tiers/replay.json]
 
 The real `KVCacheManager` runs the device pool (requests built with `make_hashed_request`
 from the trace's 512-token block ids) and a `TieredCache` moves real KV bytes between the
@@ -27,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as `python bench/tiers/replay.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from kvheat.cache import CacheConfig, KVCacheManager, make_policy  # noqa: E402
-from kvheat.engine.kv_pool import DeviceKVPool  # noqa: E402
-from kvheat.replay.traces import load_trace  # noqa: E402
-from kvheat.tiers import DiskStore, HostStore, TieredCache, TierSpec  # noqa: E402
+from bench._lib import RESULTS, TRACES
+from kvheat.cache import CacheConfig, KVCacheManager, make_policy
+from kvheat.engine.kv_pool import DeviceKVPool
+from kvheat.replay.traces import load_trace
+from kvheat.tiers import DiskStore, HostStore, TieredCache, TierSpec
 
 torch.set_num_threads(1)
 BLOCK = 512
@@ -155,7 +156,7 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=str(ROOT.parent / "shared" / "traces" /
+    ap.add_argument("--trace", default=str(TRACES /
                                            "mooncake_conversation_part1.jsonl"))
     ap.add_argument("--policy", default="lru,kvheat")
     ap.add_argument("--prefill-tps", default="20000,3e6",
@@ -167,7 +168,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--async-io", action="store_true",
                     help="background demotion thread (hit rates then depend on timing)")
-    ap.add_argument("--json", default=str(ROOT / "results" / "tiers_replay.json"))
+    ap.add_argument("--json", default=str(RESULTS / "tiers" / "replay.json"))
     args = ap.parse_args()
     trace = Path(args.trace)
     if not trace.exists():

@@ -5,12 +5,13 @@ KV cache (so the offload tier matters) and the OffloadingConnector running that 
 replay a multi-turn chat load (the built-in generator, shrunk) through the OpenAI API with
 streaming; report mean / P50 / P99 time to first token, and the offload tier's hits from
 the server's Prometheus metrics (`vllm:external_prefix_cache_hits` / `_queries`, the
-tokens served by the connector). Prints a table and writes JSON.
+tokens served by the connector). Prints a table and writes JSON (`--out`, default
+results/vllm/gpu_e2e.json, the servers' logs beside it).
 
 Skips (exit 0, says why) where there is no CUDA GPU or no vLLM: the project passes its tests
 without one. Usage on a GPU machine:
 
-    python bench/vllm_gpu_e2e.py --model Qwen/Qwen2.5-0.5B-Instruct --cpu-gb 4
+    python bench/vllm/gpu_e2e.py --model Qwen/Qwen2.5-0.5B-Instruct --cpu-gb 4
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+if not __package__:  # run as `python bench/vllm/gpu_e2e.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from bench._lib import RESULTS
+from bench._lib.procs import stop, wait_ready
 
 POLICIES = {"lru": ("lru", None), "arc": ("arc", None),
             "kvheat": ("KVHeatCachePolicy", "kvheat.integrations.vllm")}
@@ -74,23 +81,12 @@ def run_policy(policy: str, a: argparse.Namespace, conversations: list[list[int]
            "--port", str(port), "--host", "127.0.0.1", "--enable-prefix-caching",
            "--gpu-memory-utilization", str(a.gpu_mem), "--max-model-len", str(a.max_len),
            "--kv-transfer-config", json.dumps(transfer_config(policy, int(a.cpu_gb * 1e9)))]
-    log = open(Path(a.out).with_suffix(f".{policy}.log"), "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log = Path(a.out).with_suffix(f".{policy}.log")
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
+        wait_ready(base, proc, 900, log)
         with httpx.Client(timeout=600) as client:
-            deadline = time.time() + 900
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"vllm serve exited ({proc.returncode}); see {log.name}")
-                try:
-                    if client.get(f"{base}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.time() > deadline:
-                    raise RuntimeError("vllm serve did not come up")
-                time.sleep(2)
             before = _metrics(client, base)
             ttft: list[float] = []
             history: list[list[int]] = [[] for _ in conversations]
@@ -113,9 +109,7 @@ def run_policy(policy: str, a: argparse.Namespace, conversations: list[list[int]
                     ttft.append(first if first is not None else float("nan"))
             after = _metrics(client, base)
     finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
+        stop(proc)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     ttft.sort()
     return {"policy": policy, "requests": len(ttft), "ttft_mean_s": statistics.fmean(ttft),
@@ -135,13 +129,14 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=8192)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--port", type=int, default=8765)
-    ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "vllm_gpu_e2e.json"))
+    ap.add_argument("--out", default=str(RESULTS / "vllm" / "gpu_e2e.json"))
     a = ap.parse_args()
     why = _skip_reason()
     if why:
         print(f"skipped: {why}")
         return
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     import random
 
     rng = random.Random(0)

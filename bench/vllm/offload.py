@@ -2,11 +2,11 @@
 Belady bound) inside vLLM's own CPUOffloadingManager, at equal capacity (chunks).
 
 Replays the Mooncake traces (when ../shared/traces has them) and the built-in generator
-through `kvheat.integrations.vllm_replay.replay_offload` at several offload capacities and
+through `bench/_lib/vllm_replay.py`'s `replay_offload` at several offload capacities and
 time scales, prints the offload prefix hit rate of each policy and the time per manager
 call, and writes JSON. Needs the `vllm` extra.
 
-    python bench/vllm_offload.py [--capacity 1M,3M,10M] [--time-scale 0.1,1,10] [--limit N]
+    python bench/vllm/offload.py [--capacity 1M,3M,10M] [--time-scale 0.1,1,10] [--limit N]
 
 With `--overhead ROUNDS` it measures only the per-call cost: lru, arc and kvheat in turn
 on each cell (A B C A B C ...), ROUNDS times, printing the median and range of each
@@ -33,14 +33,17 @@ import statistics
 import sys
 from pathlib import Path
 
+if not __package__:  # run as `python bench/vllm/offload.py`: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
 try:
-    from kvheat.integrations.vllm_replay import replay_offload, replay_side_by_side, request_keys
+    from bench._lib.vllm_replay import replay_offload, replay_side_by_side, request_keys
 except ImportError as e:  # pragma: no cover - the extra is missing
     sys.exit(f"needs vLLM (pip install -e '.[vllm]'): {e}")
+from bench._lib import RESULTS, TRACES
 from kvheat.replay import generate_workload, load_trace, parse_tokens
 from kvheat.replay.traces import WorkloadConfig
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 # Generator shapes no default was chosen on (`--traces gen-a,gen-b,gen-c,gen-d`): other
 # seeds, flatter or steeper prompt popularity, longer think times, more turns, tenants.
 HELD_OUT = {
@@ -70,7 +73,7 @@ def main() -> None:
                          + ",".join(HELD_OUT))
     ap.add_argument("--policies", default="lru,arc,kvheat,belady",
                     help="hit-rate runs: lru, arc, kvheat, belady, kvheat-fixed (multiple 1)")
-    ap.add_argument("--json", default="results/vllm_offload.json")
+    ap.add_argument("--json", default=str(RESULTS / "vllm" / "offload.json"))
     ap.add_argument("--overhead", type=int, default=0, metavar="ROUNDS",
                     help="only the per-call cost, interleaved, ROUNDS rounds")
     ap.add_argument("--gc", choices=("collect", "keep"), default="collect",
