@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,7 @@ def conversation(cid: int, rng: random.Random) -> Conversation:
     system = SYSTEM_PROMPTS[rng.randrange(len(SYSTEM_PROMPTS))]
     n = rng.randint(2, 4)
 
-    def turns() -> Any:
+    def turns() -> Iterator[UserTurn]:
         for turn in range(n):
             yield UserTurn(f"[{cid}.{turn}] " + QUESTIONS[rng.randrange(len(QUESTIONS))])
 
