@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from bench._lib import ROOT
+from bench._lib.peers import vllm_env
 
 
 def free_port(pair: bool = False) -> int:
@@ -98,8 +99,6 @@ def start_vllm_server(python: str, model_dir: str, port: int, log: Path, tmp: st
                       max_model_len: int = 2048) -> subprocess.Popen[bytes]:
     """vLLM's OpenAI server at float32 (it would turn a float32 checkpoint into bfloat16),
     prefix caching on, cached tokens reported in usage, the same batch limits and threads."""
-    from bench._lib.peers import vllm_env
-
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
