@@ -8,12 +8,17 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
 import pytest
+
+# Bench helpers the tests share (bench/_lib: workloads, the vLLM replay) import as `bench`
+# from the repo root, whatever directory pytest runs from.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Deployments that share a Redis or a disk folder configure one tier secret (it keys the
 # MAC of every value read back); the tests run as one such deployment.

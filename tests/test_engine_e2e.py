@@ -4,8 +4,6 @@ batching, preemption (recompute and swap) and streaming never change the tokens.
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -167,8 +165,8 @@ def test_deepseek_mla_prefix_hit_keeps_tokens() -> None:
 
 
 def test_workload_prompts_share_exactly_the_trace_prefixes() -> None:
+    from bench._lib.workload import add_resubmissions, materialize, scale_trace
     from kvheat.replay.traces import TraceRequest
-    from kvheat.replay.workload import add_resubmissions, materialize, scale_trace
 
     trace = [TraceRequest(0, 40, 5, [1, 2, 3]), TraceRequest(1, 33, 5, [1, 2, 4]),
              TraceRequest(2, 10, 5, [7])]
@@ -192,8 +190,7 @@ def test_bench_command_prints_the_table_and_writes_json(tmp_path) -> None:
 
     from click.testing import CliRunner
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from engine_bench import bench_command
+    from bench.engine.table import bench_command
 
     out = tmp_path / "bench.json"
     res = CliRunner().invoke(bench_command, [

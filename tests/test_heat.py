@@ -509,7 +509,7 @@ def test_kvheat_half_life_follows_the_workloads_reuse_gap() -> None:
 
 
 def test_reduced_grid_kvheat_is_scale_free_and_beats_lru() -> None:
-    # A reduced form of bench/heat_grid.py: the generator at two capacities and three
+    # A reduced form of bench/heat/grid.py: the generator at two capacities and three
     # time scales through the project's replayer.
     pt = PreparedTrace(generate_workload(WorkloadConfig(num_conversations=500, seed=7)), 512)
     for cap in (100_000, 300_000):

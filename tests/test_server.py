@@ -805,7 +805,7 @@ def test_serve_command_starts_and_rejects_bad_config(tmp_path: Any) -> None:
 def test_startup_heap_is_frozen_before_serving() -> None:
     """`kvheat serve` freezes what start-up made (the model, the tokenizer, the imports),
     so no full collection scans it again while holding the GIL; the first one used to
-    come on the first request (bench/cold_start.py)."""
+    come on the first request (bench/server/cold_start.py)."""
     import gc
 
     server = KVHeatServer(ServerConfig(num_blocks=64, threads=1))

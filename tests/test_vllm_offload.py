@@ -24,8 +24,8 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus  # noqa: E402
 
+from bench._lib.vllm_replay import replay_offload, request_keys  # noqa: E402
 from kvheat.integrations.vllm import KVHeatCachePolicy  # noqa: E402
-from kvheat.integrations.vllm_replay import replay_offload, request_keys  # noqa: E402
 from kvheat.replay import WorkloadConfig, generate_workload, load_trace  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -566,7 +566,7 @@ def test_chunks_that_leave_drop_their_self_reference() -> None:
 
 
 def test_side_by_side_replays_each_policy_as_alone() -> None:
-    from kvheat.integrations.vllm_replay import replay_side_by_side
+    from bench._lib.vllm_replay import replay_side_by_side
 
     trace = generate_workload(WorkloadConfig(num_conversations=120, arrival_rate=3.0, seed=5))
     keys = request_keys(trace, 512)

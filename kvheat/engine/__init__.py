@@ -14,7 +14,7 @@ loader.py (weights and tokenizers).
 from .config import EngineConfig, SchedulerConfig
 from .engine import LLMEngine
 from .kv_pool import DeviceKVPool
-from .loader import Tokenizer, load_model, save_model, save_tiny_model, tiny_config
+from .loader import Tokenizer, load_model, save_model, tiny_config
 from .model_config import ModelConfig
 from .outputs import RequestOutput, TokenOutput
 from .runner import ModelRunner, SeqBatchItem
@@ -23,7 +23,7 @@ from .scheduler import Scheduler
 
 __all__ = [
     "DeviceKVPool", "GREEDY_BELOW", "ModelConfig", "ModelRunner", "SeqBatchItem", "Tokenizer",
-    "load_model", "save_model", "save_tiny_model", "tiny_config",
+    "load_model", "save_model", "tiny_config",
     "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "Scheduler",
     "SchedulerConfig", "TokenOutput",
 ]

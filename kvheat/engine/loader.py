@@ -2,9 +2,8 @@
 built-in tiny defaults (seeded random weights, a tokenizer built in code), so the
 engine runs on a fresh machine with no download.
 
-`save_tiny_model` writes a tiny default as a real HF directory (config.json,
-model.safetensors, tokenizer.json, tokenizer_config.json) that transformers and vLLM's
-CPU build load too.
+`save_model` writes a model as a real HF directory (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json) that transformers and vLLM's CPU build load too.
 """
 
 from __future__ import annotations
@@ -335,15 +334,6 @@ def load_model(path: str | Path | None = None, family: str = "llama",
     model = _empty_model(cfg, dtype, device)
     load_weights(model, weights)
     return model, tok, cfg
-
-
-def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0) -> Path:
-    """Write the tiny default of `family` as a Hugging Face directory."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model, tok, cfg = load_model(None, family, seed=seed)
-    save_model(model, tok, path)
-    return path
 
 
 def save_model(model: CausalLM, tok: Tokenizer, path: str | Path) -> None:

@@ -85,13 +85,6 @@ class ModelConfig:
         return self.model_type in DEEPSEEK_TYPES
 
     @property
-    def kv_token_width(self) -> int:
-        """Numbers stored per token per layer in the KV pool."""
-        if self.is_mla:
-            return self.kv_lora_rank + self.qk_rope_head_dim
-        return 2 * self.num_key_value_heads * self.head_dim
-
-    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 

@@ -46,11 +46,6 @@ class RequestMetrics:
         t = self.token_times
         return [b - a for a, b in itertools.pairwise(t)]
 
-    @property
-    def mean_itl(self) -> float | None:
-        itl = self.inter_token_latencies
-        return sum(itl) / len(itl) if itl else None
-
 
 @dataclass(slots=True)
 class RequestOutput:

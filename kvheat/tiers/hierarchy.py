@@ -50,10 +50,8 @@ class TieredCache:
         self.indexes: list[TierIndex] = low.indexes
         self.links = low.links
         self.counters: TierCounters = low.counters
-        self.tier_hit_tokens = low.hit_tokens
         self.tier_hit_blocks = low.hit_blocks
         self.tier_demotions = low.demotions
-        self.tier_evictions = low.evictions
         self.tier_deleted = low.deleted
         # Called with (tier name, key, parent key, tokens, True) when a tier takes a key and
         # (tier name, key, None, 0, False) when it loses it.
