@@ -4,7 +4,7 @@ projections that read the same input (q/k/v, gate/up) run as one GEMM.
 On this kind of machine (one AVX2 core, fp32) MKL's GEMM on a plain `[out, in]` weight
 does decode-sized batches (4-64 rows) at 15-25 GFLOP/s; the same product on a weight
 reordered for oneDNN runs 1.3-1.7x faster, and a single row is fastest as MKL's GEMV
-(bench/engine.py, docs/engine.md). vLLM's CPU backend packs its weights the same way.
+(bench/engine/prefix.py, docs/engine.md). vLLM's CPU backend packs its weights the same way.
 The plain parameters stay in place (checkpoint names, `state_dict`, tied embeddings);
 the packed copies are made by `pack` after the weights are final, and made again if
 `pack` is called after a change of weights.

@@ -17,7 +17,7 @@ used alike by `kvheat route` (live replicas) and by the trace simulation
   match (on a tie the one that held it first) if the match covers more than
   `cache_threshold` of the prompt, else the least-loaded one (ties: the first). Defaults
   are SGLang's (0.3, 64, 1.5; its 2**26-character tree is taken as 2**24 tokens).
-  `bench/sglang_fidelity.py` checks it against sglang-router's own binary.
+  `bench/cluster/sglang_fidelity.py` checks it against sglang-router's own binary.
 - `kvheat`: see `KVHeatRouting`.
 """
 

@@ -44,7 +44,7 @@ class TierSpec:
     policy: str | None = None  # the lower tiers' eviction policy; None: the device's
     # Background demotion and prefetch loaders, and timing each tier once at start (with a
     # prefill speed); None: when a tier is slow (disk, Redis). Host only: synchronous
-    # copies, always loaded (a memory copy beats recomputing, bench/tiers.py).
+    # copies, always loaded (a memory copy beats recomputing, bench/tiers/bandwidth.py).
     async_io: bool | None = None
     calibrate: bool | None = None
     queue_size: int = 256  # pending demotions (each holds one block's bytes)
