@@ -105,10 +105,10 @@ def test_errors_are_clear_and_leave_the_pool_intact() -> None:
     held = m.make_request("held", list(range(12)))
     m.allocate(held)
     other = m.make_request("other", [100 + i for i in range(8)])
-    before = (len(m.free_stack), dict(m.cached), m.num_referenced)
+    before = (m.num_free, dict(m.cached), m.num_referenced)
     with pytest.raises(OutOfBlocks):
         m.allocate(other)
-    assert (len(m.free_stack), dict(m.cached), m.num_referenced) == before
+    assert (m.num_free, dict(m.cached), m.num_referenced) == before
     with pytest.raises(CacheError, match="already holds"):
         m.allocate(held)
     with pytest.raises(OutOfBlocks):
@@ -171,7 +171,7 @@ def test_contended_pool_takes_from_tenants_over_quota_first() -> None:
     assert m.tenant_usage("small") == 4 and m.tenant_usage("big") == 4
     assert m.match_tokens([200] * 4, tenant="small") == 4
     m.set_tenant_quota("big", None)  # lifting the quota puts big's blocks back in common
-    assert not m.partitions
+    assert not m.tenants.partitions
     m.check_invariants()
 
 
