@@ -347,7 +347,7 @@ def check_invariants(pool: BlockPool, holders: Iterable[Request]) -> None:
     for r in holders:
         for b in r.blocks:
             held[b.block_id] = held.get(b.block_id, 0) + 1
-    children: dict[int, int] = {}
+    children: dict[Node, int] = {}
     for b in pool.blocks:
         assert b.ref_cnt >= 0
         assert b.ref_cnt == held.get(b.block_id, 0), f"refcount of {b} != holders"
@@ -357,11 +357,11 @@ def check_invariants(pool: BlockPool, holders: Iterable[Request]) -> None:
             assert pool.cached.get(b.key) is b
             if b.parent is not None:
                 assert b.parent.key is not None, "a cached block's parent was evicted"
-                children[b.parent.block_id] = children.get(b.parent.block_id, 0) + 1
+                children[b.parent] = children.get(b.parent, 0) + 1
         elif b.block_id not in free_ids:
             assert b.ref_cnt > 0, f"{b} is neither free, cached nor held"
     for b in pool.blocks:
-        assert b.num_children == children.get(b.block_id, 0), f"child count of {b}"
+        assert b.num_children == children.get(b, 0), f"child count of {b}"
     assert sum(1 for b in pool.blocks if b.ref_cnt) == pool.num_referenced
     assert len(pool.cached) + len(pool.free_stack) + sum(
         1 for b in pool.blocks if b.key is None and b.ref_cnt) == n

@@ -35,6 +35,11 @@ class Chunk(Node, PolicyRecord):
     # leaves is freed by its refcount.
     __slots__ = ("chunk_id", "w_ins", "w_load", "pos", "stored", "count", "last", "gen",
                  "flags")
+    pos: int  # its end token in the storing request (`Placement.place`)
+    count: float
+    last: float
+    gen: int
+    flags: int
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
         # on_insert fills the record: `rec` is the chunk, with HeatRecord's fields.
@@ -58,10 +63,9 @@ def move_access_to_now(heat: KVHeat, c: Chunk, weight: float, now: float) -> Non
     """Move a chunk's access counted earlier with `weight` to `now` (same count)."""
     if now != heat._t:
         heat._advance(now)
-    r = c.rec
-    if r.gen == heat.gen:
-        r.count += heat._w - weight
-        r.last = heat._v
+    if c.gen == heat.gen:  # (the chunk is its own record)
+        c.count += heat._w - weight
+        c.last = heat._v
 
 
 class KnownPrefix(Node):
@@ -114,7 +118,9 @@ class Placement:
         stand-in that gives KVHeat's extension rule the answer kvheat's own cache would:
         a chunk after this request's previous new chunk inherits that chunk's flag; one
         after a chunk the request did not store extends a prefix known before it."""
-        pos = self.pos(c.key) if self.pos is not None else None  # type: ignore[arg-type]
+        key = c.key
+        assert key is not None  # a chunk is placed as it is inserted, under its key
+        pos = self.pos(OffloadKey(key)) if self.pos is not None else None
         if pos is None or pos <= 0:
             c.depth = -1  # unknown: neither a root nor the key naming a conversation
             return
@@ -130,7 +136,7 @@ class Placement:
                 stores = _Stores()
                 ctx.set_state(stores)
             self.stores = stores
-        group = c.key[-4:]  # type: ignore[index]
+        group = key[-4:]
         last = stores.last
         prev = last.get(group)
         c.pos = pos
