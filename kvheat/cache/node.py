@@ -50,10 +50,6 @@ class Node:
         self.heap_ver: float = 0
         self.rec: PolicyRecord | None = None  # the policy's own record, reused across keys
 
-    @property
-    def evictable(self) -> bool:
-        return self.ref_cnt == 0 and self.num_children == 0 and self.key is not None
-
 
 class QueueEnd(Node):
     """The sentinel a `NodeQueue` is linked around (its `next` is the cold end, its
