@@ -254,8 +254,10 @@ class BlockPool:
         del self.cached[b.key]
         parent = b.parent
         self._reset(b)
-        if parent is not None:
-            self._lost_child(parent)
+        if parent is not None:  # (`_lost_child`, written out: this runs per eviction)
+            parent.num_children -= 1
+            if parent.num_children == 0 and parent.ref_cnt == 0:
+                self.policy.on_leaf(parent)
         self.free_stack.append(b)
         if evicted:
             self.stats.evicted_blocks += 1
@@ -276,12 +278,19 @@ class BlockPool:
         b.heap_ver += 1
 
     def _reset(self, b: Block) -> None:
-        """Return `b` to the free state, uncounted against its owner."""
+        """Return `b` to the free state, uncounted against its owner (`_forget_key`, and
+        more, written out: this runs per block freed)."""
         self.usage[b.tenant] -= 1
-        self._forget_key(b)
+        b.key = None
+        b.content = None
+        b.parent = None
         b.num_children = 0
         b.num_tokens = 0
+        b.state = 0
+        b.freq = 0
+        b.parked = None
         b.tenant = None
+        b.heap_ver += 1
 
     # ---- eviction ---------------------------------------------------------------------
     def set_cluster_entropy(self, bits: float) -> None:
@@ -323,7 +332,7 @@ class BlockPool:
     def _evict_one(self, b: Node | None) -> bool:
         if b is None:
             return False
-        assert isinstance(b, Block)
+        assert type(b) is Block  # the pool's policy orders only the pool's blocks
         self.policy.on_evict(b)
         self._unlink(b)
         return True
