@@ -12,6 +12,7 @@ from kvheat.cache import (
     PromptTooLong,
     UnknownRequest,
 )
+from kvheat.cache.tenants import TenantPartitions
 
 
 def mgr(num_blocks: int = 16, block_size: int = 4, **kw) -> KVCacheManager:
@@ -105,10 +106,10 @@ def test_errors_are_clear_and_leave_the_pool_intact() -> None:
     held = m.make_request("held", list(range(12)))
     m.allocate(held)
     other = m.make_request("other", [100 + i for i in range(8)])
-    before = (len(m.free_stack), dict(m.cached), m.num_referenced)
+    before = (m.num_free, dict(m.cached), m.num_referenced)
     with pytest.raises(OutOfBlocks):
         m.allocate(other)
-    assert (len(m.free_stack), dict(m.cached), m.num_referenced) == before
+    assert (m.num_free, dict(m.cached), m.num_referenced) == before
     with pytest.raises(CacheError, match="already holds"):
         m.allocate(held)
     with pytest.raises(OutOfBlocks):
@@ -171,7 +172,23 @@ def test_contended_pool_takes_from_tenants_over_quota_first() -> None:
     assert m.tenant_usage("small") == 4 and m.tenant_usage("big") == 4
     assert m.match_tokens([200] * 4, tenant="small") == 4
     m.set_tenant_quota("big", None)  # lifting the quota puts big's blocks back in common
-    assert not m.partitions
+    assert not m.tenants.partitions
+    m.check_invariants()
+
+
+def test_the_pool_runs_tenant_partitions_only_while_a_quota_is_set() -> None:
+    # Without quotas the pool runs the shared policy itself (no routing on its path);
+    # with one, a single TenantPartitions policy that routes each block to its owner's.
+    m = mgr(num_blocks=8)
+    shared = m.policy
+    assert m.pool.policy is shared
+    m.set_tenant_quota("a", 2)
+    assert isinstance(m.pool.policy, TenantPartitions) and m.policy is shared
+    fill(m, "a", 3, 100)  # free blocks are anyone's; its cached ones sit in its partition
+    assert m.tenant_usage("a") == 3 and len(m.tenants.partitions["a"].q) == 3
+    assert len(shared.q) == 0
+    m.set_tenant_quota("a", None)
+    assert m.pool.policy is shared and len(shared.q) == 3
     m.check_invariants()
 
 

@@ -18,7 +18,7 @@ PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5], []
 
 
 def snapshot(m: KVCacheManager) -> tuple:
-    return (len(m.free_stack), sorted(m.cached), [b.ref_cnt for b in m.blocks], m.num_referenced)
+    return (m.num_free, sorted(m.cached), [b.ref_cnt for b in m.blocks], m.num_referenced)
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -142,7 +142,7 @@ class CacheMachine(RuleBasedStateMachine):
     def consistent(self):
         self.m.check_invariants()
         held = sum(1 for b in self.m.blocks if b.ref_cnt > 0)
-        free = len(self.m.free_stack)
+        free = self.m.num_free
         assert free + held + sum(1 for b in self.m.cached.values() if b.ref_cnt == 0) == POOL
 
 

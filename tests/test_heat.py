@@ -353,7 +353,7 @@ def test_cluster_entropy_reaches_every_tenant_partition() -> None:
     req = mgr.make_request("a", list(range(12)), tenant="small")
     mgr.allocate(req, mgr.match_prefix(req))
     mgr.free(req)
-    pols = [mgr.policy, *mgr.partitions.values()]
+    pols = [mgr.policy, *mgr.tenants.partitions.values()]
     assert len(pols) == 2 and all(isinstance(p, KVHeat) for p in pols)
     mgr.set_cluster_entropy(8.5)
     assert all(p.cluster_bits == 8.5 and p.mode == "high" for p in pols)

@@ -5,10 +5,11 @@ No torch here: this layer runs anywhere, including the trace replayer.
 """
 
 from . import policies  # noqa: F401  (registers the baseline policies)
-from .block import Block, BlockQueue
+from .block import Block
 from .ghost import Ghost
 from .hashing import block_keys, chain_key, root_key, tokens_to_bytes
 from .manager import KVCacheManager
+from .node import Node, NodeQueue, PolicyRecord
 from .policy import PARKED, EvictionPolicy, make_policy, policy_names, register_policy
 from .request import (
     CacheConfig,
@@ -22,8 +23,9 @@ from .request import (
 )
 
 __all__ = [
-    "PARKED", "Block", "BlockQueue", "CacheConfig", "CacheError", "CacheStats", "EvictionPolicy",
-    "Ghost", "KVCacheManager", "OutOfBlocks", "PromptTooLong", "Request", "UnknownRequest",
+    "PARKED", "Block", "CacheConfig", "CacheError", "CacheStats", "EvictionPolicy",
+    "Ghost", "KVCacheManager", "Node", "NodeQueue", "OutOfBlocks", "PolicyRecord",
+    "PromptTooLong", "Request", "UnknownRequest",
     "block_keys", "chain_key", "hit_rate", "make_policy", "policy_names", "register_policy",
     "root_key", "tokens_to_bytes",
 ]

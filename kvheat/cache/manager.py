@@ -2,7 +2,8 @@
 
 One request goes through `allocate` (reuse its cached prefix, take blocks for the rest),
 `append_tokens` while it decodes, and `free`. The mechanism (blocks, free stack, index,
-eviction) is `BlockPool`; this adds requests, their keys, tenants and pinned prefixes.
+eviction) is the `BlockPool` it holds; this adds requests, their keys, tenants and pinned
+prefixes.
 """
 
 from __future__ import annotations
@@ -15,18 +16,97 @@ from .hashing import block_keys, chain_key, root_key, tenant_salt, tokens_to_byt
 from .hashing import scoped_root as _scoped_root
 from .policy import EvictionPolicy
 from .pool import BlockPool, check_invariants
-from .request import CacheConfig, CacheError, OutOfBlocks, PromptTooLong, Request, UnknownRequest
+from .request import (
+    CacheConfig,
+    CacheError,
+    CacheStats,
+    OutOfBlocks,
+    PromptTooLong,
+    Request,
+    UnknownRequest,
+)
 from .tenants import TenantQuotas
 
 
-class KVCacheManager(BlockPool):
+class KVCacheManager:
     def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(config, policy, clock)
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(config, policy, clock)
         self.requests: dict[str, Request] = {}
         self.pins: dict[str, Request] = {}  # pinned prefixes: holders of an extra reference
-        self.tenants = TenantQuotas(self)
+        self.tenants = TenantQuotas(self.pool)
         self._roots: dict[tuple[str | None, str | None], bytes] = {}
+
+    # ---- the pool, as callers read it -------------------------------------------------
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy (the shared one, when tenants with quotas have their own)."""
+        return self.tenants.policy.shared
+
+    @property
+    def blocks(self) -> list[Block]:
+        return self.pool.blocks
+
+    @property
+    def cached(self) -> dict[bytes, Block]:
+        return self.pool.cached
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.pool.stats
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.pool.clock
+
+    @property
+    def evict_listeners(self) -> list[Callable[[Block], None]]:
+        """Called with each block about to lose its KV (see `BlockPool`)."""
+        return self.pool.evict_listeners
+
+    @property
+    def drop_listeners(self) -> list[Callable[[Block], None]]:
+        return self.pool.drop_listeners
+
+    @property
+    def index_listeners(self) -> list[Callable[[Block, bool], None]]:
+        return self.pool.index_listeners
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return self.pool.num_cached
+
+    @property
+    def num_referenced(self) -> int:
+        return self.pool.num_referenced
+
+    @property
+    def usage(self) -> dict[str | None, int]:
+        """Blocks each tenant holds or has cached."""
+        return self.pool.usage
+
+    @property
+    def quotas(self) -> dict[str | None, int]:
+        return self.tenants.quotas
+
+    def evict(self, n: int) -> int:
+        """Evict up to `n` unreferenced cached blocks; returns how many."""
+        return self.pool.evict(n)
+
+    def touch(self, blocks: Sequence[Block]) -> None:
+        """Mark blocks used now (tail-first), without changing who holds them."""
+        self.pool.touch(blocks)
+
+    def set_cluster_entropy(self, bits: float) -> None:
+        """The entropy of all the traffic a router spreads over this cache and its peers,
+        for every policy here that reads an entropy regime; others ignore it."""
+        self.pool.set_cluster_entropy(bits)
 
     # ---- keys and requests --------------------------------------------------------------
     def salt_of(self, tenant: str | None) -> str | None:
@@ -78,14 +158,14 @@ class KVCacheManager(BlockPool):
     def match_prefix(self, req: Request) -> list[Block]:
         """The cached blocks of the request's longest cached prefix (no side effects).
         A key hit whose tokens differ (a hash collision) ends the match."""
-        cached = self.cached
+        cached = self.pool.cached
         out: list[Block] = []
         for key, content in zip(req.keys, req.contents):
             b = cached.get(key)
             if b is None:
                 break
             if b.content != content:
-                self.stats.collisions += 1
+                self.pool.stats.collisions += 1
                 break
             out.append(b)
         return out
@@ -102,47 +182,27 @@ class KVCacheManager(BlockPool):
         (evicting when the free pool is empty). Returns the block table."""
         if req.request_id in self.requests:
             raise CacheError(f"request {req.request_id!r} already holds blocks")
+        pool = self.pool
         n_need = len(req.block_tokens)
-        if n_need > len(self.blocks):
+        n_pool = len(pool.blocks)
+        if n_need > n_pool:
             raise PromptTooLong(
                 f"request needs {n_need} blocks ({req.num_tokens} tokens) but the pool has "
-                f"{len(self.blocks)} blocks of {self.block_size} tokens")
+                f"{n_pool} blocks of {self.block_size} tokens")
         hit = self.match_prefix(req) if matched is None else matched
         n_new = n_need - len(hit)
         # Every unreferenced block can be freed (a referenced block's ancestors are
         # referenced too), so this check is exact and failure changes nothing.
-        if n_new > len(self.free_stack):
-            can_free = len(self.blocks) - self.num_referenced - sum(1 for b in hit if b.ref_cnt == 0)
+        if n_new > pool.num_free:
+            can_free = n_pool - pool.num_referenced - sum(1 for b in hit if b.ref_cnt == 0)
             if n_new > can_free:
                 raise OutOfBlocks(f"request needs {n_new} new blocks; only {can_free} are not in use")
-        now = self.clock()
-        hit_tokens = self._acquire(hit, now)
+        now = pool.clock()
+        hit_tokens = pool.acquire(hit, now)
         blocks = list(hit)
-        if n_new:
-            parent = hit[-1] if hit else None
-            keys, contents, bt = req.keys, req.contents, req.block_tokens
-            n_keys = len(keys)
-            free_stack = self.free_stack
-            tenant = req.tenant
-            self.usage[tenant] = self.usage.get(tenant, 0) + n_new
-            try:
-                for i in range(len(hit), n_need):
-                    b = free_stack.pop() if free_stack else self._evict_for_new(tenant)
-                    b.ref_cnt = 1
-                    b.num_tokens = bt[i]
-                    b.tenant = tenant
-                    b.last_access = b.inserted_at = now
-                    if i < n_keys:
-                        self._register(b, keys[i], contents[i], parent, now,
-                                       keys[i - 1] if i else None)
-                    blocks.append(b)
-                    parent = b
-            except OutOfBlocks:  # only a tenant held to its quota gets here
-                self.num_referenced += len(blocks) - len(hit)
-                self.usage[tenant] -= n_new - (len(blocks) - len(hit))
-                self._undo(blocks, len(hit), now)
-                raise
-            self.num_referenced += n_new
+        if n_new:  # on OutOfBlocks (a tenant held to its quota) the pool undid it all
+            pool.allocate_blocks(blocks, n_need, req.tenant, req.keys, req.contents,
+                                 req.block_tokens, now)
         req.blocks = blocks
         req.num_cached_tokens = hit_tokens
         self.requests[req.request_id] = req
@@ -153,7 +213,7 @@ class KVCacheManager(BlockPool):
     def record_prompt(self, num_tokens: int, hit_tokens: int, hit_blocks: int) -> None:
         """Count one prompt in the hit statistics: for a caller that allocates a prompt in
         pieces (`allocate(..., count_stats=False)`) and knows its hits only at the end."""
-        st = self.stats
+        st = self.pool.stats
         st.requests += 1
         st.query_tokens += num_tokens
         st.hit_tokens += hit_tokens
@@ -172,27 +232,16 @@ class KVCacheManager(BlockPool):
         n_total = n_old + len(tokens)
         n_blocks_needed = -(-n_total // bs)
         n_new = n_blocks_needed - len(req.blocks)
-        if n_new > len(self.blocks) - self.num_referenced:
+        pool = self.pool
+        if n_new > len(pool.blocks) - pool.num_referenced:
             raise OutOfBlocks(f"request needs {n_new} more blocks; none can be freed")
-        taken: list[Block] = []
-        try:
-            for _ in range(n_new):
-                taken.append(self._take_free_block(req.tenant))
-        except OutOfBlocks:  # a tenant held to its quota: give the fresh blocks back
-            self.free_stack.extend(reversed(taken))
-            raise
-        now = self.clock()
+        taken = pool.take_free_blocks(n_new, req.tenant)
+        now = pool.clock()
         req.raw.extend(data)
         req.num_tokens = n_total
         new_ids: list[int] = []
-        if n_new:
-            self.usage[req.tenant] = self.usage.get(req.tenant, 0) + n_new
+        pool.hold(taken, req.tenant, now)
         for b in taken:
-            b.ref_cnt = 1
-            self.num_referenced += 1
-            b.num_tokens = 0
-            b.tenant = req.tenant
-            b.last_access = b.inserted_at = now
             req.blocks.append(b)
             req.block_tokens.append(0)
             new_ids.append(b.block_id)
@@ -209,8 +258,8 @@ class KVCacheManager(BlockPool):
                 req.contents.append(content)
                 b = req.blocks[i]
                 if b.key is None:
-                    self._register(b, key, content, req.blocks[i - 1] if i else None, now,
-                                   parent_key if i else None)
+                    pool.register(b, key, content, req.blocks[i - 1] if i else None, now,
+                                  parent_key if i else None)
         return new_ids
 
     def discard(self, req: Request, from_block: int) -> int:
@@ -228,22 +277,9 @@ class KVCacheManager(BlockPool):
                 raise CacheError(f"block {b.block_id} is shared; its KV cannot be discarded")
         n = 0
         for b in reversed(tail):  # children first, so the tree stays whole
-            if b.key is None:
-                continue
-            for listener in self.index_listeners:
-                listener(b, False)
-            self._pol(b).forget(b)
-            del self.cached[b.key]
-            parent = b.parent
-            if parent is not None:
-                parent.num_children -= 1
-                if parent.num_children == 0 and parent.ref_cnt == 0:
-                    self._pol(parent).on_leaf(parent)
-            b.key = b.content = b.parent = None
-            b.state = b.freq = 0
-            b.parked = None
-            b.heap_ver += 1
-            n += 1
+            if b.key is not None:
+                self.pool.unregister(b)
+                n += 1
         del req.keys[from_block:], req.contents[from_block:]
         return n
 
@@ -253,7 +289,8 @@ class KVCacheManager(BlockPool):
         r = self.requests.pop(rid, None)
         if r is None:
             raise UnknownRequest(f"free of unknown request {rid!r}")
-        self._release(r)
+        self.pool.release(r.blocks)
+        r.blocks = []
 
     # ---- tenants and pins ---------------------------------------------------------------
     def set_tenant_quota(self, tenant: str | None, blocks: int | None) -> int:
@@ -263,7 +300,7 @@ class KVCacheManager(BlockPool):
 
     def tenant_usage(self, tenant: str | None) -> int:
         """Blocks a tenant holds or has cached."""
-        return self.usage.get(tenant, 0)
+        return self.pool.usage.get(tenant, 0)
 
     def flush_tenant(self, tenant: str | None) -> int:
         """`TenantQuotas.flush`: delete the tenant's unreferenced cached blocks."""
@@ -278,14 +315,16 @@ class KVCacheManager(BlockPool):
         hit = self.match_prefix(probe)
         if not hit:
             return 0
-        pin_id = "pin:" + hit[-1].key.hex()  # type: ignore[union-attr]
+        last_key = hit[-1].key
+        assert last_key is not None  # a matched block is cached
+        pin_id = "pin:" + last_key.hex()
         if pin_id in self.pins:
             return sum(b.num_tokens for b in hit)
         holder = Request(pin_id, tenant, probe.root, probe.keys[:len(hit)],
                          probe.contents[:len(hit)], [b.num_tokens for b in hit],
                          sum(b.num_tokens for b in hit))
         holder.blocks = list(hit)
-        holder.num_cached_tokens = self._acquire(hit, self.clock())
+        holder.num_cached_tokens = self.pool.acquire(hit, self.pool.clock())
         self.pins[pin_id] = holder
         return holder.num_cached_tokens
 
@@ -298,7 +337,8 @@ class KVCacheManager(BlockPool):
             pin = self.pins.pop("pin:" + key.hex(), None)
             if pin is not None:
                 n = max(n, pin.num_tokens)
-                self._release(pin)
+                self.pool.release(pin.blocks)
+                pin.blocks = []
         return n
 
     def pinned(self) -> list[tuple[str, str | None, int]]:
@@ -307,4 +347,4 @@ class KVCacheManager(BlockPool):
 
     def check_invariants(self) -> None:
         """Full consistency check (O(pool)); for tests."""
-        check_invariants(self, [*self.requests.values(), *self.pins.values()])
+        check_invariants(self.pool, [*self.requests.values(), *self.pins.values()])

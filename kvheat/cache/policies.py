@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import heapq
 
-from .block import Block, BlockQueue
 from .ghost import Ghost
+from .node import DETACHED, Node, NodeQueue
 from .policy import PARKED, EvictionPolicy, register_policy
 
 
@@ -21,45 +21,47 @@ class LRU(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self.q = BlockQueue("lru")
+        self.q = NodeQueue("lru")
 
-    def on_acquire(self, b: Block) -> None:
+    def on_acquire(self, b: Node) -> None:
         if b.queue is not None:
             b.queue.remove(b)
         b.parked = None
 
-    def on_release(self, b: Block, now: float) -> None:
+    def on_release(self, b: Node, now: float) -> None:
         b.parked = None
         self.q.append(b)
 
     # A request's prefix leaves and rejoins the queue in one loop each, the list links
     # written out: the per-block method calls were most of an allocate's cost.
-    def on_acquire_all(self, blocks: list[Block]) -> None:
+    def on_acquire_all(self, blocks: list[Node]) -> None:
+        detached = DETACHED
         for b in blocks:
             q = b.queue
             if q is not None:
                 prev, nxt = b.prev, b.next
-                prev.next = nxt  # type: ignore[union-attr]
-                nxt.prev = prev  # type: ignore[union-attr]
-                b.prev = b.next = b.queue = None
+                prev.next = nxt
+                nxt.prev = prev
+                b.prev = b.next = detached
+                b.queue = None
                 q.size -= 1
             b.parked = None
 
-    def on_release_all(self, blocks: list[Block], now: float) -> None:
+    def on_release_all(self, blocks: list[Node], now: float) -> None:
         q = self.q
-        tail = q.tail
-        last = tail.prev
+        end = q.end
+        last = end.prev
         for b in blocks:
             b.parked = None
-            last.next = b  # type: ignore[union-attr]
+            last.next = b
             b.prev = last
             b.queue = q
             last = b
-        last.next = tail  # type: ignore[union-attr]
-        tail.prev = last
+        last.next = end
+        end.prev = last
         q.size += len(blocks)
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         return self._pop_evictable(self.q)
 
 
@@ -71,12 +73,12 @@ class FIFO(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self.q = BlockQueue("fifo")
+        self.q = NodeQueue("fifo")
 
-    def on_insert(self, b: Block, now: float) -> None:
+    def on_insert(self, b: Node, now: float) -> None:
         self.q.append(b)
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         return self._pop_evictable(self.q)
 
 
@@ -88,15 +90,15 @@ class LFU(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buckets: dict[int, BlockQueue] = {}
+        self.buckets: dict[int, NodeQueue] = {}
 
-    def on_insert(self, b: Block, now: float) -> None:
+    def on_insert(self, b: Node, now: float) -> None:
         b.freq = 1
 
-    def on_hit(self, b: Block, now: float) -> None:
+    def on_hit(self, b: Node, now: float) -> None:
         b.freq += 1
 
-    def on_acquire(self, b: Block) -> None:
+    def on_acquire(self, b: Node) -> None:
         q = b.queue
         if q is not None:
             q.remove(b)
@@ -104,25 +106,25 @@ class LFU(EvictionPolicy):
                 del self.buckets[b.freq]
         b.parked = None
 
-    def _bucket(self, freq: int) -> BlockQueue:
+    def _bucket(self, freq: int) -> NodeQueue:
         q = self.buckets.get(freq)
         if q is None:
-            q = self.buckets[freq] = BlockQueue(f"f{freq}")
+            q = self.buckets[freq] = NodeQueue(f"f{freq}")
         return q
 
-    def on_leaf(self, b: Block) -> None:
+    def on_leaf(self, b: Node) -> None:
         if b.parked is not None and b.ref_cnt == 0:
             b.parked = None
             self._bucket(b.freq).appendleft(b)
 
-    def on_release(self, b: Block, now: float) -> None:
+    def on_release(self, b: Node, now: float) -> None:
         b.parked = None
         self._bucket(b.freq).append(b)
 
-    def forget(self, b: Block) -> None:
+    def forget(self, b: Node) -> None:
         self.on_acquire(b)
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         # Distinct frequencies are few; scanning them is cheaper than keeping them sorted.
         for f in sorted(self.buckets):
             q = self.buckets[f]
@@ -146,13 +148,13 @@ class ARC(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self.t = {T1: BlockQueue("t1"), T2: BlockQueue("t2")}
+        self.t = {T1: NodeQueue("t1"), T2: NodeQueue("t2")}
         self.size = {T1: 0, T2: 0}  # logical sizes, referenced blocks included
         self.b1: Ghost[bool] = Ghost()
         self.b2: Ghost[bool] = Ghost()
         self.p = 0.0
 
-    def on_insert(self, b: Block, now: float) -> None:
+    def on_insert(self, b: Node, now: float) -> None:
         key = b.key
         assert key is not None
         if self.b1.take(key):
@@ -165,7 +167,7 @@ class ARC(EvictionPolicy):
             b.state = T1
         self.size[b.state] += 1
 
-    def on_hit(self, b: Block, now: float) -> None:
+    def on_hit(self, b: Node, now: float) -> None:
         if b.state == T1:
             self.size[T1] -= 1
             self.size[T2] += 1
@@ -175,16 +177,16 @@ class ARC(EvictionPolicy):
                 b.parked = self.t[T2]
             b.state = T2
 
-    def on_acquire(self, b: Block) -> None:
+    def on_acquire(self, b: Node) -> None:
         if b.queue is not None:
             b.queue.remove(b)
         b.parked = None
 
-    def on_release(self, b: Block, now: float) -> None:
+    def on_release(self, b: Node, now: float) -> None:
         b.parked = None
         self.t[b.state].append(b)
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         first = T1 if self.size[T1] > max(self.p, 0) or self.size[T2] == 0 else T2
         for lst in (first, T2 if first == T1 else T1):
             b = self._pop_evictable(self.t[lst])
@@ -192,7 +194,7 @@ class ARC(EvictionPolicy):
                 return b
         return None
 
-    def on_evict(self, b: Block) -> None:
+    def on_evict(self, b: Node) -> None:
         self.size[b.state] -= 1
         # Each ghost list remembers up to one cache's worth of keys. (Classic ARC trims B1
         # to c - |T1| before admitting the missed key; here eviction runs before the
@@ -203,7 +205,7 @@ class ARC(EvictionPolicy):
     def stats(self) -> dict[str, float]:
         return {"p": self.p, "t1": self.size[T1], "t2": self.size[T2]}
 
-    def forget(self, b: Block) -> None:
+    def forget(self, b: Node) -> None:
         super().forget(b)
         self.size[b.state] -= 1
 
@@ -222,12 +224,12 @@ class TwoQ(EvictionPolicy):
     def __init__(self, kin: float = 0.25, kout: float = 0.5) -> None:
         super().__init__()
         self.kin, self.kout = kin, kout
-        self.a1in = BlockQueue("a1in")
-        self.am = BlockQueue("am")
+        self.a1in = NodeQueue("a1in")
+        self.am = NodeQueue("am")
         self.n_a1in = 0
         self.a1out: Ghost[bool] = Ghost()
 
-    def on_insert(self, b: Block, now: float) -> None:
+    def on_insert(self, b: Node, now: float) -> None:
         assert b.key is not None
         if self.a1out.take(b.key):
             b.state = AM
@@ -236,7 +238,7 @@ class TwoQ(EvictionPolicy):
             self.n_a1in += 1
             self.a1in.append(b)
 
-    def on_hit(self, b: Block, now: float) -> None:
+    def on_hit(self, b: Node, now: float) -> None:
         if b.state == A1IN:  # seen again while on probation: protect it
             self.n_a1in -= 1
             if b.queue is not None:
@@ -244,20 +246,20 @@ class TwoQ(EvictionPolicy):
             b.parked = None
             b.state = AM
 
-    def on_acquire(self, b: Block) -> None:
+    def on_acquire(self, b: Node) -> None:
         if b.state == AM:
             if b.queue is not None:
                 b.queue.remove(b)
             b.parked = None
 
-    def on_release(self, b: Block, now: float) -> None:
+    def on_release(self, b: Node, now: float) -> None:
         if b.state == AM:
             b.parked = None
             self.am.append(b)
         else:
             self._unpark(b)
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         order = (self.a1in, self.am) if self.n_a1in > self.kin * self.capacity else (self.am, self.a1in)
         for q in order:
             b = self._pop_evictable(q)
@@ -265,13 +267,13 @@ class TwoQ(EvictionPolicy):
                 return b
         return None
 
-    def on_evict(self, b: Block) -> None:
+    def on_evict(self, b: Node) -> None:
         if b.state == A1IN:
             self.n_a1in -= 1
             assert b.key is not None
             self.a1out.add(b.key, True, int(self.kout * self.capacity))
 
-    def forget(self, b: Block) -> None:
+    def forget(self, b: Node) -> None:
         super().forget(b)
         if b.state == A1IN:
             self.n_a1in -= 1
@@ -291,30 +293,30 @@ class S3FIFO(EvictionPolicy):
     def __init__(self, small: float = 0.1) -> None:
         super().__init__()
         self.small_frac = small
-        self.s = BlockQueue("small")
-        self.m = BlockQueue("main")
+        self.s = NodeQueue("small")
+        self.m = NodeQueue("main")
         self.n = {SMALL: 0, MAIN: 0}
         self.ghost: Ghost[bool] = Ghost()
 
-    def on_insert(self, b: Block, now: float) -> None:
+    def on_insert(self, b: Node, now: float) -> None:
         b.freq = 0
         assert b.key is not None
         b.state = MAIN if self.ghost.take(b.key) else SMALL
         self.n[b.state] += 1
         (self.m if b.state == MAIN else self.s).append(b)
 
-    def on_hit(self, b: Block, now: float) -> None:
+    def on_hit(self, b: Node, now: float) -> None:
         if b.freq < 3:
             b.freq += 1
 
-    def _move_to_main(self, b: Block) -> None:
+    def _move_to_main(self, b: Node) -> None:
         self.n[SMALL] -= 1
         self.n[MAIN] += 1
         b.state = MAIN
         b.freq = 0
         self.m.append(b)
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         # Each loop step either evicts, parks, promotes, or lowers a frequency, so it ends.
         while self.s.size or self.m.size:
             from_small = self.s.size and (self.n[SMALL] >= self.small_frac * self.capacity or not self.m.size)
@@ -332,13 +334,13 @@ class S3FIFO(EvictionPolicy):
                 return b
         return None
 
-    def on_evict(self, b: Block) -> None:
+    def on_evict(self, b: Node) -> None:
         self.n[b.state] -= 1
         if b.state == SMALL:
             assert b.key is not None
             self.ghost.add(b.key, True, int((1 - self.small_frac) * self.capacity))
 
-    def forget(self, b: Block) -> None:
+    def forget(self, b: Node) -> None:
         super().forget(b)
         self.n[b.state] -= 1
 
@@ -357,35 +359,35 @@ class Belady(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self.heap: list[tuple[float, int, int, float, Block]] = []
+        self.heap: list[tuple[float, int, int, float, Node]] = []
         self.next_use: dict[bytes, float] = {}
         self._seq = 0
 
-    def _push(self, b: Block) -> None:
+    def _push(self, b: Node) -> None:
         b.heap_ver += 1
         self._seq += 1
         assert b.key is not None
         nu = self.next_use.get(b.key, float("inf"))
         heapq.heappush(self.heap, (-nu, -b.depth, self._seq, b.heap_ver, b))
 
-    def on_acquire(self, b: Block) -> None:
+    def on_acquire(self, b: Node) -> None:
         b.heap_ver += 1  # invalidates its heap entry
         b.parked = None
 
-    def on_release(self, b: Block, now: float) -> None:
+    def on_release(self, b: Node, now: float) -> None:
         b.parked = None
         self._push(b)
 
-    def on_leaf(self, b: Block) -> None:
+    def on_leaf(self, b: Node) -> None:
         if b.parked is not None:
             b.parked = None
             self._push(b)
 
-    def forget(self, b: Block) -> None:
+    def forget(self, b: Node) -> None:
         b.heap_ver += 1
         b.parked = None
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         heap = self.heap
         while heap:
             _, _, _, ver, b = heapq.heappop(heap)

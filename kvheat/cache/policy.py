@@ -20,11 +20,11 @@ import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from .block import Block, BlockQueue
+from .node import Node, NodeQueue
 
 # Where heap-ordered policies park an unevictable block they met: a marker, never filled
 # (such a policy pushes the block back into its heap once it is evictable again).
-PARKED = BlockQueue("parked")
+PARKED = NodeQueue("parked")
 
 
 class EvictionPolicy:
@@ -38,44 +38,49 @@ class EvictionPolicy:
         self.capacity = capacity_blocks
 
     # Hooks, called by the cache. `now` is the cache clock (seconds).
-    def on_insert(self, b: Block, now: float) -> None:
+    def on_insert(self, b: Node, now: float) -> None:
         """`b` was just filled and cached; it is referenced by the request that made it."""
 
-    def on_hit(self, b: Block, now: float) -> None:
+    def on_hit(self, b: Node, now: float) -> None:
         """`b` was reused by a request's prefix match."""
 
-    def on_acquire(self, b: Block) -> None:
+    def on_acquire(self, b: Node) -> None:
         """Refcount went 0 -> 1."""
 
-    def on_release(self, b: Block, now: float) -> None:
+    def on_release(self, b: Node, now: float) -> None:
         """Refcount went to 0; called tail-first over a request, so parents come last."""
         self._unpark(b)
 
     # Batched forms, for policies that can do a request's blocks faster in one call. The
     # cache uses them only where a policy overrides them, and then calls them after the
     # refcounts of all the blocks have changed.
-    def on_acquire_all(self, blocks: list[Block]) -> None:
+    def on_acquire_all(self, blocks: list[Node]) -> None:
         """`on_acquire` of each block of a cached prefix, in order."""
         for b in blocks:
             self.on_acquire(b)
 
-    def on_release_all(self, blocks: list[Block], now: float) -> None:
+    def on_release_all(self, blocks: list[Node], now: float) -> None:
         """`on_release` of each block, tail-first as given."""
         for b in blocks:
             self.on_release(b, now)
 
-    def on_leaf(self, b: Block) -> None:
+    def on_leaf(self, b: Node) -> None:
         """`b` (refcount 0) lost its last cached child and may now be evicted."""
         self._unpark(b)
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         """Remove and return an evictable block, or None when there is none."""
         raise NotImplementedError
 
-    def on_evict(self, b: Block) -> None:
+    def victim_for(self, owner: str | None) -> Node | None:
+        """`victim`, to make room for a block `owner` will hold: a policy that keeps
+        owners apart (`kvheat.cache.tenants.TenantPartitions`) chooses by it."""
+        return self.victim()
+
+    def on_evict(self, b: Node) -> None:
         """`b` leaves the cache (its key is still set): ghost lists record it here."""
 
-    def forget(self, b: Block) -> None:
+    def forget(self, b: Node) -> None:
         """Drop every trace of `b` from this policy, without a ghost: the block moves to
         another tenant's policy, is flushed, or was never computed."""
         if b.queue is not None:
@@ -84,18 +89,18 @@ class EvictionPolicy:
 
     # Shared helpers.
     @staticmethod
-    def _unpark(b: Block) -> None:
+    def _unpark(b: Node) -> None:
         q = b.parked
         if q is not None and b.ref_cnt == 0 and b.num_children == 0:
             b.parked = None
             q.appendleft(b)
 
     @staticmethod
-    def _pop_evictable(q: BlockQueue) -> Block | None:
+    def _pop_evictable(q: NodeQueue) -> Node | None:
         """Pop the coldest evictable block of `q`, parking the unevictable ones met first."""
-        tail = q.tail
-        b = q.head.next
-        while b is not None and b is not tail:  # (never None: the tail sentinel ends it)
+        end = q.end
+        b = end.next
+        while b is not end:
             nxt = b.next
             q.remove(b)
             if b.ref_cnt == 0 and b.num_children == 0:

@@ -1,9 +1,12 @@
 """The block pool: KV blocks, the free stack, the prefix index and the eviction policy's
-hooks; pure mechanism (as vLLM's block_pool). `KVCacheManager` builds requests on it.
+hooks; pure mechanism (as vLLM's block_pool). `KVCacheManager` holds one and builds
+requests on it.
 
 Blocks are never evicted while referenced, and only leaves go (a block whose child is
 cached stays), in the order the policy picks. Every operation is O(1) per block: dict
-lookups, intrusive lists, a free-block stack.
+lookups, intrusive lists, a free-block stack. The pool runs one policy and knows nothing
+of tenants but the owner each block is counted against (`usage`): quotas are a policy
+(`kvheat.cache.tenants.TenantPartitions`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from .block import Block
+from .node import Node
 from .policy import EvictionPolicy, make_policy
 from .request import CacheConfig, CacheStats, OutOfBlocks, Request
 
@@ -24,24 +28,10 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(config.num_blocks)]
         self.free_stack: list[Block] = self.blocks[::-1]  # uncached, unreferenced blocks
         self.cached: dict[bytes, Block] = {}
-        self.policy = policy if policy is not None else make_policy(config.policy)
-        self.policy.bind(config.num_blocks)
-        # Tenants with a block quota get a policy of their own (a partition, kept by
-        # `TenantQuotas`); the rest share `self.policy`. Blocks belong to the tenant that
-        # filled them.
-        self.partitions: dict[str | None, EvictionPolicy] = {}
-        self.quotas: dict[str | None, int] = {}
-        self.usage: dict[str | None, int] = {}  # blocks held or cached, by owning tenant
-        # Skip the per-block call where the policy does not use the hook.
-        pol = type(self.policy)
-        base = EvictionPolicy
-        self._on_hit = None if pol.on_hit is base.on_hit else self.policy.on_hit
-        self._on_insert = None if pol.on_insert is base.on_insert else self.policy.on_insert
-        self._on_acquire = None if pol.on_acquire is base.on_acquire else self.policy.on_acquire
-        self._acquire_all = (None if pol.on_acquire_all is base.on_acquire_all
-                             else self.policy.on_acquire_all)
-        self._release_all = (None if pol.on_release_all is base.on_release_all
-                             else self.policy.on_release_all)
+        policy = policy if policy is not None else make_policy(config.policy)
+        policy.bind(config.num_blocks)
+        self.set_policy(policy)
+        self.usage: dict[str | None, int] = {}  # blocks held or cached, by owner (tenant)
         self.clock = clock
         self.num_referenced = 0
         self.stats = CacheStats()
@@ -55,11 +45,28 @@ class BlockPool:
         # rolled back, discarded): KV events for routers (kvheat.kvevents).
         self.index_listeners: list[Callable[[Block, bool], None]] = []
 
-    def _acquire(self, hit: list[Block], now: float) -> int:
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        """Run `policy` from now on (bound already, and already holding the cached
+        blocks: `TenantQuotas` swaps the shared policy and its partitions in and out)."""
+        self.policy = policy
+        # Skip the per-block call where the policy does not use the hook.
+        pol = type(policy)
+        base = EvictionPolicy
+        self._on_hit = None if pol.on_hit is base.on_hit else policy.on_hit
+        self._on_insert = None if pol.on_insert is base.on_insert else policy.on_insert
+        self._on_acquire = None if pol.on_acquire is base.on_acquire else policy.on_acquire
+        self._acquire_all = (None if pol.on_acquire_all is base.on_acquire_all
+                             else policy.on_acquire_all)
+        self._release_all = (None if pol.on_release_all is base.on_release_all
+                             else policy.on_release_all)
+        self._victim_for = None if pol.victim_for is base.victim_for else policy.victim_for
+
+    # ---- references -------------------------------------------------------------------
+    def acquire(self, hit: Sequence[Block], now: float) -> int:
         """Reference the blocks of a cached prefix; returns their token count."""
-        if self._acquire_all is not None and self._on_hit is None and not self.partitions:
+        if self._acquire_all is not None and self._on_hit is None:
             tokens = 0
-            fresh = []
+            fresh: list[Node] = []
             for b in hit:
                 if b.ref_cnt == 0:
                     fresh.append(b)
@@ -69,34 +76,84 @@ class BlockPool:
             self.num_referenced += len(fresh)
             self._acquire_all(fresh)
             return tokens
-        parts = self.partitions
-        policy = self.policy
-        on_hit = self._on_hit
+        on_acquire, on_hit = self._on_acquire, self._on_hit
         tokens = 0
         for b in hit:
-            pol = parts.get(b.tenant, policy) if parts else policy
             if b.ref_cnt == 0:
                 self.num_referenced += 1
-                if pol is not policy:
-                    pol.on_acquire(b)
-                elif self._on_acquire is not None:
-                    self._on_acquire(b)
+                if on_acquire is not None:
+                    on_acquire(b)
             b.ref_cnt += 1
             b.last_access = now
-            if pol is not policy:
-                pol.on_hit(b, now)
-            elif on_hit is not None:
+            if on_hit is not None:
                 on_hit(b, now)
             tokens += b.num_tokens
         return tokens
 
+    def allocate_blocks(self, blocks: list[Block], n_need: int, owner: str | None,
+                        keys: Sequence[bytes], contents: Sequence[bytes],
+                        block_tokens: Sequence[int], now: float) -> None:
+        """Grow `blocks` (a cached prefix, acquired) to `n_need` blocks held once by
+        `owner`: block i holds `block_tokens[i]` tokens and is cached under `keys[i]` when
+        there is one. Evicts when the free stack is empty. The new blocks count against
+        `owner` from the start (a quota's choice of victims sees them). On OutOfBlocks
+        everything is undone, the prefix released too, and the error raised."""
+        n_hit = len(blocks)
+        n_new = n_need - n_hit
+        parent: Block | None = blocks[-1] if blocks else None
+        n_keys = len(keys)
+        free_stack = self.free_stack
+        self.usage[owner] = self.usage.get(owner, 0) + n_new
+        try:
+            for i in range(n_hit, n_need):
+                b = free_stack.pop() if free_stack else self._evict_for(owner)
+                b.ref_cnt = 1
+                b.num_tokens = block_tokens[i]
+                b.tenant = owner
+                b.last_access = b.inserted_at = now
+                if i < n_keys:
+                    self.register(b, keys[i], contents[i], parent, now, keys[i - 1] if i else None)
+                blocks.append(b)
+                parent = b
+        except OutOfBlocks:  # only an owner held to its quota gets here
+            self.num_referenced += len(blocks) - n_hit
+            self.usage[owner] -= n_new - (len(blocks) - n_hit)
+            self._undo(blocks, n_hit, now)
+            raise
+        self.num_referenced += n_new
+
+    def take_free_blocks(self, n: int, owner: str | None) -> list[Block]:
+        """`n` free blocks, evicting for `owner` as needed, not yet held (`hold`); on
+        OutOfBlocks the ones taken go back to the free stack."""
+        taken: list[Block] = []
+        free_stack = self.free_stack
+        try:
+            for _ in range(n):
+                taken.append(free_stack.pop() if free_stack else self._evict_for(owner))
+        except OutOfBlocks:  # an owner held to its quota: give the fresh blocks back
+            free_stack.extend(reversed(taken))
+            raise
+        return taken
+
+    def hold(self, taken: Sequence[Block], owner: str | None, now: float) -> None:
+        """Hold blocks from `take_free_blocks` once each, empty, counted against `owner`."""
+        if taken:
+            self.usage[owner] = self.usage.get(owner, 0) + len(taken)
+        for b in taken:
+            b.ref_cnt = 1
+            self.num_referenced += 1
+            b.num_tokens = 0
+            b.tenant = owner
+            b.last_access = b.inserted_at = now
+
     def _undo(self, blocks: list[Block], n_hit: int, now: float) -> None:
         """Roll back a failed allocate: new blocks leave the cache uncomputed, hits are released."""
+        policy = self.policy
         for b in reversed(blocks[n_hit:]):
             b.ref_cnt = 0
             self.num_referenced -= 1
             if b.key is not None:
-                self._pol(b).forget(b)
+                policy.forget(b)
                 self._unlink(b, evicted=False)
             else:
                 self._reset(b)
@@ -105,13 +162,44 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.num_referenced -= 1
-                self._pol(b).on_release(b, now)
+                policy.on_release(b, now)
 
-    def _pol(self, b: Block) -> EvictionPolicy:
-        return self.partitions.get(b.tenant, self.policy) if self.partitions else self.policy
+    def release(self, blocks: list[Block]) -> None:
+        """Drop one reference to each block, tail-first (so a request's first block ends
+        most recent); uncached blocks left unreferenced go back to the free stack."""
+        now = self.clock()
+        if self._release_all is not None:
+            done: list[Node] = []
+            free_stack = self.free_stack
+            for b in reversed(blocks):
+                b.ref_cnt -= 1
+                if b.ref_cnt == 0:
+                    if b.key is None:
+                        self._reset(b)
+                        free_stack.append(b)
+                    else:
+                        done.append(b)
+                    self.num_referenced -= 1
+            if done:
+                self._release_all(done, now)
+            return
+        on_release = self.policy.on_release
+        released = 0
+        for b in reversed(blocks):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                released += 1
+                if b.key is None:
+                    self._reset(b)
+                    self.free_stack.append(b)
+                else:
+                    on_release(b, now)
+        self.num_referenced -= released
 
-    def _register(self, b: Block, key: bytes, content: bytes, parent: Block | None,
-                  now: float, parent_key: bytes | None = None) -> None:
+    # ---- the prefix index -------------------------------------------------------------
+    def register(self, b: Block, key: bytes, content: bytes, parent: Block | None,
+                 now: float, parent_key: bytes | None = None) -> None:
+        """Cache held block `b` under `key`, as a child of `parent`."""
         if key in self.cached:  # the same prefix was filled by another request meanwhile
             return  # this copy stays private and is freed uncached
         if parent is not None and parent.key is None:
@@ -132,139 +220,66 @@ class BlockPool:
         self.stats.inserted_blocks += 1
         for listener in self.index_listeners:
             listener(b, True)
-        if self.partitions:
-            self._pol(b).on_insert(b, now)
-        elif self._on_insert is not None:
+        if self._on_insert is not None:
             self._on_insert(b, now)
 
-    def _release(self, r: Request) -> None:
-        now = self.clock()
-        parts, policy = self.partitions, self.policy
-        if self._release_all is not None and not parts:
-            done: list[Block] = []
-            free_stack = self.free_stack
-            for b in reversed(r.blocks):
-                b.ref_cnt -= 1
-                if b.ref_cnt == 0:
-                    if b.key is None:
-                        self._reset(b)
-                        free_stack.append(b)
-                    else:
-                        done.append(b)
-                    self.num_referenced -= 1
-            if done:
-                self._release_all(done, now)
-            r.blocks = []
-            return
-        on_release = policy.on_release
-        released = 0
-        for b in reversed(r.blocks):
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                released += 1
-                if b.key is None:
-                    self._reset(b)
-                    self.free_stack.append(b)
-                elif parts and b.tenant in parts:
-                    parts[b.tenant].on_release(b, now)
-                else:
-                    on_release(b, now)
-        self.num_referenced -= released
-        r.blocks = []
+    def unregister(self, b: Block) -> None:
+        """Un-cache held leaf `b`, whose KV was never written (its forward pass failed):
+        its key goes without eviction listeners, and it stays held, private."""
+        for listener in self.index_listeners:
+            listener(b, False)
+        self.policy.forget(b)
+        assert b.key is not None
+        del self.cached[b.key]
+        parent = b.parent
+        self._forget_key(b)
+        if parent is not None:
+            self._lost_child(parent)
 
-    def set_cluster_entropy(self, bits: float) -> None:
-        """The entropy of all the traffic a router spreads over this cache and its peers,
-        for every policy here that reads an entropy regime (the shared one and each
-        tenant partition's); others ignore it."""
-        for pol in (self.policy, *self.partitions.values()):
-            fn = getattr(pol, "set_cluster_entropy", None)
-            if fn is not None:
-                fn(bits)
-
-    def touch(self, blocks: Sequence[Block]) -> None:
-        """Mark blocks used now (tail-first), without changing who holds them."""
-        now = self.clock()
-        for b in reversed(blocks):
-            if b.key is None:
-                continue
-            policy = self._pol(b)
-            b.last_access = now
-            if b.ref_cnt == 0:
-                policy.on_acquire(b)
-                policy.on_hit(b, now)
-                policy.on_release(b, now)
-            else:
-                policy.on_hit(b, now)
-
-    def evict(self, n: int) -> int:
-        """Evict up to `n` unreferenced cached blocks into the free pool; returns how many."""
-        done = 0
-        while done < n and self._evict_one(None):
-            done += 1
-        return done
-
-    def _take_free_block(self, tenant: str | None = None) -> Block:
-        return self.free_stack.pop() if self.free_stack else self._evict_for_new(tenant)
-
-    def _evict_for_new(self, tenant: str | None) -> Block:
-        if not self._evict_one(tenant):
-            if tenant in self.quotas:
-                raise OutOfBlocks(f"tenant {tenant!r} is at its quota of {self.quotas[tenant]} "
-                                  "blocks and none of its own blocks can be evicted")
-            raise OutOfBlocks("no free or evictable block")  # excluded by the callers' checks
-        return self.free_stack.pop()
-
-    def _victim_sources(self, tenant: str | None) -> list[EvictionPolicy]:
-        """Which policies to ask for a victim, in order, when `tenant` needs a block."""
-        if not self.partitions:
-            return [self.policy]
-        quota, usage = self.quotas, self.usage
-        if tenant in quota and usage.get(tenant, 0) >= quota[tenant]:
-            return [self.partitions[tenant]]  # at its quota: only its own blocks go
-        by_pressure = sorted(quota, key=lambda t: usage.get(t, 0) / quota[t], reverse=True)
-        over = [self.partitions[t] for t in by_pressure if usage.get(t, 0) > quota[t]]
-        rest = [self.partitions[t] for t in by_pressure if usage.get(t, 0) <= quota[t]]
-        return over + [self.policy] + rest
-
-    def _evict_one(self, tenant: str | None) -> bool:
-        if not self.partitions:  # the common case: one policy for everyone
-            pol = self.policy
-            b = pol.victim()
-            if b is None:
-                return False
-            pol.on_evict(b)
-            self._unlink(b)
-            return True
-        for pol in self._victim_sources(tenant):
-            b = pol.victim()
-            if b is not None:
-                assert b.ref_cnt == 0 and b.num_children == 0, f"policy chose an unevictable {b}"
-                pol.on_evict(b)
-                self._unlink(b)
-                return True
-        return False
+    def uncache(self, b: Block, drop: bool = False) -> None:
+        """Take refcount-0 leaf `b`, which the policy has let go of (its victim, or
+        forgotten), out of the cache into the free stack. `drop`: its KV is deleted on
+        purpose (a flush, a quota cut), not demoted."""
+        self._unlink(b, drop=drop)
 
     def _unlink(self, b: Block, evicted: bool = True, drop: bool = False) -> None:
-        """Take a refcount-0 leaf out of the cache and into the free pool. `evicted` is
-        False only for blocks whose KV was never computed (a rolled-back allocate);
-        `drop`: its KV is deleted on purpose (flush, quota cut), not demoted."""
+        """`uncache`; `evicted` is False only for blocks whose KV was never computed (a
+        rolled-back allocate)."""
         if evicted:
             for listener in (self.drop_listeners if drop else self.evict_listeners):
                 listener(b)
         for index_listener in self.index_listeners:
             index_listener(b, False)
-        del self.cached[b.key]  # type: ignore[arg-type]
+        assert b.key is not None
+        del self.cached[b.key]
         parent = b.parent
         self._reset(b)
-        if parent is not None:
+        if parent is not None:  # (`_lost_child`, written out: this runs per eviction)
             parent.num_children -= 1
             if parent.num_children == 0 and parent.ref_cnt == 0:
-                self._pol(parent).on_leaf(parent)
+                self.policy.on_leaf(parent)
         self.free_stack.append(b)
         if evicted:
             self.stats.evicted_blocks += 1
 
+    def _lost_child(self, parent: Node) -> None:
+        parent.num_children -= 1
+        if parent.num_children == 0 and parent.ref_cnt == 0:
+            self.policy.on_leaf(parent)
+
+    def _forget_key(self, b: Block) -> None:
+        """Clear what `b` had as a cached block (a new heap version: entries go stale)."""
+        b.key = None
+        b.content = None
+        b.parent = None
+        b.state = 0
+        b.freq = 0
+        b.parked = None
+        b.heap_ver += 1
+
     def _reset(self, b: Block) -> None:
+        """Return `b` to the free state, uncounted against its owner (`_forget_key`, and
+        more, written out: this runs per block freed)."""
         self.usage[b.tenant] -= 1
         b.key = None
         b.content = None
@@ -276,6 +291,51 @@ class BlockPool:
         b.parked = None
         b.tenant = None
         b.heap_ver += 1
+
+    # ---- eviction ---------------------------------------------------------------------
+    def set_cluster_entropy(self, bits: float) -> None:
+        """The entropy of all the traffic a router spreads over this cache and its peers,
+        for a policy that reads an entropy regime; others ignore it."""
+        fn = getattr(self.policy, "set_cluster_entropy", None)
+        if fn is not None:
+            fn(bits)
+
+    def touch(self, blocks: Sequence[Block]) -> None:
+        """Mark blocks used now (tail-first), without changing who holds them."""
+        now = self.clock()
+        policy = self.policy
+        for b in reversed(blocks):
+            if b.key is None:
+                continue
+            b.last_access = now
+            if b.ref_cnt == 0:
+                policy.on_acquire(b)
+                policy.on_hit(b, now)
+                policy.on_release(b, now)
+            else:
+                policy.on_hit(b, now)
+
+    def evict(self, n: int) -> int:
+        """Evict up to `n` unreferenced cached blocks into the free pool; returns how many."""
+        done = 0
+        while done < n and self._evict_one(self.policy.victim()):
+            done += 1
+        return done
+
+    def _evict_for(self, owner: str | None) -> Block:
+        """A block freed by evicting one, to make room for `owner`."""
+        victim_for = self._victim_for
+        if not self._evict_one(self.policy.victim() if victim_for is None else victim_for(owner)):
+            raise OutOfBlocks("no free or evictable block")  # excluded by the callers' checks
+        return self.free_stack.pop()
+
+    def _evict_one(self, b: Node | None) -> bool:
+        if b is None:
+            return False
+        assert type(b) is Block  # the pool's policy orders only the pool's blocks
+        self.policy.on_evict(b)
+        self._unlink(b)
+        return True
 
     @property
     def num_free(self) -> int:
@@ -296,7 +356,7 @@ def check_invariants(pool: BlockPool, holders: Iterable[Request]) -> None:
     for r in holders:
         for b in r.blocks:
             held[b.block_id] = held.get(b.block_id, 0) + 1
-    children: dict[int, int] = {}
+    children: dict[Node, int] = {}
     for b in pool.blocks:
         assert b.ref_cnt >= 0
         assert b.ref_cnt == held.get(b.block_id, 0), f"refcount of {b} != holders"
@@ -306,11 +366,11 @@ def check_invariants(pool: BlockPool, holders: Iterable[Request]) -> None:
             assert pool.cached.get(b.key) is b
             if b.parent is not None:
                 assert b.parent.key is not None, "a cached block's parent was evicted"
-                children[b.parent.block_id] = children.get(b.parent.block_id, 0) + 1
+                children[b.parent] = children.get(b.parent, 0) + 1
         elif b.block_id not in free_ids:
             assert b.ref_cnt > 0, f"{b} is neither free, cached nor held"
     for b in pool.blocks:
-        assert b.num_children == children.get(b.block_id, 0), f"child count of {b}"
+        assert b.num_children == children.get(b, 0), f"child count of {b}"
     assert sum(1 for b in pool.blocks if b.ref_cnt) == pool.num_referenced
     assert len(pool.cached) + len(pool.free_stack) + sum(
         1 for b in pool.blocks if b.key is None and b.ref_cnt) == n

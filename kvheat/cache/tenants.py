@@ -1,18 +1,115 @@
 """Tenant quotas: a tenant with a block quota gets an eviction policy of its own over the
-blocks it owns (a partition of the pool), so at its quota it evicts only its own blocks."""
+blocks it owns (a partition of the pool), so at its quota it evicts only its own blocks.
+
+`TenantPartitions` is that split as one `EvictionPolicy` (the pool sees one policy and no
+tenants); `TenantQuotas` sets quotas, moving blocks between partitions, and runs the
+partitions on the pool only while some tenant has a quota: without quotas the pool runs
+the shared policy itself, with no routing on its path.
+"""
 
 from __future__ import annotations
 
+from .block import Block
+from .node import Node
 from .policy import EvictionPolicy, make_policy, policy_names
 from .pool import BlockPool
+from .request import OutOfBlocks
+
+
+class TenantPartitions(EvictionPolicy):
+    """The shared policy, plus one partition policy per tenant with a quota; each hook
+    goes to the policy of the block's owner (`Block.tenant`), and victims are chosen by
+    who needs the block and how far each tenant is over its quota."""
+
+    name = "tenants"
+
+    def __init__(self, shared: EvictionPolicy, usage: dict[str | None, int]) -> None:
+        super().__init__()
+        self.shared = shared
+        self.partitions: dict[str | None, EvictionPolicy] = {}
+        self.quotas: dict[str | None, int] = {}
+        self.usage = usage  # the pool's: blocks held or cached, by owner
+
+    def of(self, b: Node) -> EvictionPolicy:
+        """The policy that orders `b`: its owner's partition, or the shared one."""
+        return self.partitions.get(b.tenant, self.shared) if isinstance(b, Block) else self.shared
+
+    def on_insert(self, b: Node, now: float) -> None:
+        self.of(b).on_insert(b, now)
+
+    def on_hit(self, b: Node, now: float) -> None:
+        self.of(b).on_hit(b, now)
+
+    def on_acquire(self, b: Node) -> None:
+        self.of(b).on_acquire(b)
+
+    def on_release(self, b: Node, now: float) -> None:
+        self.of(b).on_release(b, now)
+
+    def on_leaf(self, b: Node) -> None:
+        self.of(b).on_leaf(b)
+
+    def on_evict(self, b: Node) -> None:
+        self.of(b).on_evict(b)
+
+    def forget(self, b: Node) -> None:
+        self.of(b).forget(b)
+
+    def victim(self) -> Node | None:
+        return self._pick(None)
+
+    def victim_for(self, owner: str | None) -> Node | None:
+        b = self._pick(owner)
+        if b is None and owner in self.quotas:
+            raise OutOfBlocks(f"tenant {owner!r} is at its quota of {self.quotas[owner]} "
+                              "blocks and none of its own blocks can be evicted")
+        return b
+
+    def _pick(self, owner: str | None) -> Node | None:
+        for pol in self._sources(owner):
+            b = pol.victim()
+            if b is not None:
+                assert b.ref_cnt == 0 and b.num_children == 0, f"policy chose an unevictable {b}"
+                return b
+        return None
+
+    def _sources(self, owner: str | None) -> list[EvictionPolicy]:
+        """Which policies to ask for a victim, in order, when `owner` needs a block."""
+        quota, usage = self.quotas, self.usage
+        if owner in quota and usage.get(owner, 0) >= quota[owner]:
+            return [self.partitions[owner]]  # at its quota: only its own blocks go
+        by_pressure = sorted(quota, key=lambda t: usage.get(t, 0) / quota[t], reverse=True)
+        over = [self.partitions[t] for t in by_pressure if usage.get(t, 0) > quota[t]]
+        rest = [self.partitions[t] for t in by_pressure if usage.get(t, 0) <= quota[t]]
+        return over + [self.shared] + rest
+
+    def set_cluster_entropy(self, bits: float) -> None:
+        """Every policy here that reads an entropy regime gets it (the shared one and
+        each partition's); others ignore it."""
+        for pol in (self.shared, *self.partitions.values()):
+            fn = getattr(pol, "set_cluster_entropy", None)
+            if fn is not None:
+                fn(bits)
+
+    def stats(self) -> dict[str, float]:
+        return self.shared.stats()
 
 
 class TenantQuotas:
-    """The quota operations over a pool's partitions (`pool.partitions`, `pool.quotas`,
-    `pool.usage`, which the pool's eviction reads)."""
+    """The quota operations over a pool: its partitions, run on the pool while any
+    tenant has a quota."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
+        self.policy = TenantPartitions(pool.policy, pool.usage)
+
+    @property
+    def quotas(self) -> dict[str | None, int]:
+        return self.policy.quotas
+
+    @property
+    def partitions(self) -> dict[str | None, EvictionPolicy]:
+        return self.policy.partitions
 
     def set_quota(self, tenant: str | None, blocks: int | None) -> int:
         """Cap a tenant's blocks when the pool is contended (None lifts the cap).
@@ -23,22 +120,23 @@ class TenantQuotas:
         not demoted (demoting them would push other tenants out of the lower tiers).
         Returns how many were deleted.
         """
-        pool = self.pool
+        pool, parts = self.pool, self.policy
         if blocks is not None and blocks <= 0:
             raise ValueError("a quota is a positive number of blocks")
-        old = pool.partitions.get(tenant, pool.policy)
+        old = parts.partitions.get(tenant, parts.shared)
         if blocks is None:
-            pool.quotas.pop(tenant, None)
-            new = pool.policy
-            pool.partitions.pop(tenant, None)
+            parts.quotas.pop(tenant, None)
+            new = parts.shared
+            parts.partitions.pop(tenant, None)
         else:
-            pool.quotas[tenant] = blocks
-            if tenant in pool.partitions:
-                pool.partitions[tenant].bind(blocks)
+            parts.quotas[tenant] = blocks
+            if tenant in parts.partitions:
+                parts.partitions[tenant].bind(blocks)
                 return self.trim(tenant)
             new = self._new_policy()
             new.bind(blocks)
-            pool.partitions[tenant] = new
+            parts.partitions[tenant] = new
+        pool.set_policy(parts if parts.partitions else parts.shared)
         if new is not old:
             # Move the tenant's cached blocks over, oldest first and children before
             # parents, so the new policy sees them in the order they were used.
@@ -55,21 +153,22 @@ class TenantQuotas:
     def trim(self, tenant: str | None) -> int:
         """Delete a tenant's coldest unreferenced blocks while it is over its quota."""
         pool = self.pool
-        quota = pool.quotas.get(tenant)
-        pol = pool.partitions.get(tenant)
+        quota = self.policy.quotas.get(tenant)
+        pol = self.policy.partitions.get(tenant)
         n = 0
         while quota is not None and pol is not None and pool.usage.get(tenant, 0) > quota:
             b = pol.victim()
             if b is None:
                 break
+            assert isinstance(b, Block)
             pol.on_evict(b)
-            pool._unlink(b, drop=True)
+            pool.uncache(b, drop=True)
             n += 1
         return n
 
     def _new_policy(self) -> EvictionPolicy:
-        """A fresh policy like the pool's (by name when it is registered)."""
-        policy = self.pool.policy
+        """A fresh policy like the shared one (by name when it is registered)."""
+        policy = self.policy.shared
         return make_policy(policy.name) if policy.name in policy_names() else type(policy)()
 
     def flush(self, tenant: str | None) -> int:
@@ -81,8 +180,7 @@ class TenantQuotas:
         n = 0
         for b in mine:  # deepest first, so each is a leaf by the time it is reached
             if b.key is not None and b.ref_cnt == 0 and b.num_children == 0:
-                pool._pol(b).forget(b)
-                pool._unlink(b, drop=True)
+                pool.policy.forget(b)
+                pool.uncache(b, drop=True)
                 n += 1
         return n
-

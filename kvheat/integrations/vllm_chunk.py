@@ -1,6 +1,6 @@
 """One vLLM offload chunk as kvheat sees it, and where it sits in its request's prefix.
 
-`Chunk` is both a kvheat `Block` (what `KVHeat` and its heap read) and the chunk's
+`Chunk` is both a kvheat `Node` (what `KVHeat` and its heap read) and the chunk's
 `ChunkStatus` (what vLLM's manager reads and writes through the policy's `get`), so each
 stored chunk is one long-lived object. `Placement` gives each inserted chunk the depth and
 parent kvheat's extension rule needs, from the key positions vLLM's scheduler records in
@@ -15,37 +15,39 @@ from collections.abc import Callable
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
-from ..cache.block import Block
+from ..cache.node import Node, PolicyRecord
 from ..heat.kvheat import KVHeat
 from ..heat.penalties import EXTENSION, FRESH
 
 
-class Chunk(Block):
-    """A kvheat block standing for one vLLM offload chunk, and that chunk's status too:
+class Chunk(Node, PolicyRecord):
+    """A node KVHeat orders, standing for one vLLM offload chunk, and that chunk's status too:
     it has `ChunkStatus`'s `ref_cnt` (-1 while being written), `chunk_id` and `is_ready`,
     and `get` / `evict` hand it to the manager in place of the `ChunkStatus` it inserted
     (vLLM's manager reads and writes a stored chunk only through `get`). One long-lived
     object per chunk instead of two: fewer objects for the garbage collector to promote
     and scan. kvheat's heap reads the same `ref_cnt` (non-zero: skip, as vLLM's rule)."""
 
-    # count, last, gen, flags: KVHeat's per-block record, kept on the chunk itself
-    # (`rec` is the chunk): no second object per stored chunk for the collector. The
-    # cycle `rec` makes lasts while the chunk is cached (it is alive then anyway): evict,
-    # remove and clear break it, so a chunk that leaves is freed by its refcount.
+    # count, last, gen, flags: KVHeat's per-block record, kept on the chunk itself (`rec`
+    # is the chunk, a `PolicyRecord` with HeatRecord's fields): no second object per
+    # stored chunk for the collector. The cycle `rec` makes lasts while the chunk is
+    # cached (it is alive then anyway): evict, remove and clear break it, so a chunk that
+    # leaves is freed by its refcount.
     __slots__ = ("chunk_id", "w_ins", "w_load", "pos", "stored", "count", "last", "gen",
                  "flags")
+    pos: int  # its end token in the storing request (`Placement.place`)
+    count: float
+    last: float
+    gen: int
+    flags: int
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
-        # Only the fields KVHeat and its heap read (Block.__init__ sets twenty: this runs
-        # once per stored chunk). on_insert fills the record: `rec` is the chunk, with
-        # HeatRecord's fields.
+        # on_insert fills the record: `rec` is the chunk, with HeatRecord's fields.
+        super().__init__()
         self.chunk_id = status.chunk_id
         self.key = key
         self.num_tokens = 1  # vLLM offloads whole chunks only: no partial-tail demotion
         self.ref_cnt = status.ref_cnt
-        self.parent = None
-        self.num_children = 0
-        self.parked = None
         self.heap_ver = math.nan
         self.w_ins = 0.0  # weight of the insert's access while the storing request runs
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
@@ -61,22 +63,24 @@ def move_access_to_now(heat: KVHeat, c: Chunk, weight: float, now: float) -> Non
     """Move a chunk's access counted earlier with `weight` to `now` (same count)."""
     if now != heat._t:
         heat._advance(now)
-    r = c.rec
-    if r.gen == heat.gen:
-        r.count += heat._w - weight
-        r.last = heat._v
+    if c.gen == heat.gen:  # (the chunk is its own record)
+        c.count += heat._w - weight
+        c.last = heat._v
 
 
-def _known(depth: int) -> Block:
+class KnownPrefix(Node):
     """A stand-in parent for a chunk whose predecessor this request did not store: the
     cache knew that prefix before (vLLM stores a request's chunks head-to-tail)."""
-    b = Block(-1)
-    b.depth = depth
-    b.inserted_at = -math.inf
-    return b
+
+    __slots__ = ()
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.depth = depth
+        self.inserted_at = -math.inf  # never inserted with the chunk under it
 
 
-_KNOWN_ROOT, _KNOWN = _known(0), _known(1)
+_KNOWN_ROOT, _KNOWN = KnownPrefix(0), KnownPrefix(1)
 
 
 class _Stores:
@@ -114,7 +118,9 @@ class Placement:
         stand-in that gives KVHeat's extension rule the answer kvheat's own cache would:
         a chunk after this request's previous new chunk inherits that chunk's flag; one
         after a chunk the request did not store extends a prefix known before it."""
-        pos = self.pos(c.key) if self.pos is not None else None  # type: ignore[arg-type]
+        key = c.key
+        assert key is not None  # a chunk is placed as it is inserted, under its key
+        pos = self.pos(OffloadKey(key)) if self.pos is not None else None
         if pos is None or pos <= 0:
             c.depth = -1  # unknown: neither a root nor the key naming a conversation
             return
@@ -124,12 +130,13 @@ class Placement:
         stores = self.stores
         if stores is None:
             ctx = self.ctx
-            stores = ctx.get_state(_Stores)  # type: ignore[union-attr]
+            assert ctx is not None  # `begin` named the storing request
+            stores = ctx.get_state(_Stores)
             if stores is None:
                 stores = _Stores()
-                ctx.set_state(stores)  # type: ignore[union-attr]
+                ctx.set_state(stores)
             self.stores = stores
-        group = c.key[-4:]  # type: ignore[index]
+        group = key[-4:]
         last = stores.last
         prev = last.get(group)
         c.pos = pos
@@ -139,7 +146,7 @@ class Placement:
         if prev is not None and prev.pos == pos - tpc:
             p = prev
             # New in this request: inherit its flag; back from the ghost: a known prefix.
-            known = bool(p.rec.flags & EXTENSION) or (not p.rec.flags & FRESH and p.depth >= 1)
+            known = bool(p.flags & EXTENSION) or (not p.flags & FRESH and p.depth >= 1)
             c.parent = _KNOWN if known else _KNOWN_ROOT
         else:
             c.parent = _KNOWN if depth > 1 else _KNOWN_ROOT

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.block import Block
-from .index import UNKNOWN_OWNER
+from .index import UNKNOWN_OWNER, TierEntry
 from .lower import LowerTiers
 from .store import DeviceBlocks
 
@@ -191,7 +191,7 @@ class Demoter:
         own old entry's bytes count as free), handing them to `nxt` when it is up."""
         low = self.lower
         st, idx = low.stores[tier], low.indexes[tier]
-        victims: list[tuple[bytes, Block, bytes | None, object]] = []
+        victims: list[tuple[bytes, TierEntry, bytes | None, object]] = []
         with low.lock:
             freed = 0
             held = idx.sizes.get(key, 0)
@@ -207,13 +207,13 @@ class Demoter:
         for vkey, v, vparent, vowner in victims:
             try:
                 if nxt is not None and low.stores[nxt].available():
-                    t = st.get(vkey, v.tenant)
+                    t = st.get(vkey, v.salt)
                     if t is not None:
-                        self.enqueue(Move(nxt, vkey, v.tenant, v.num_tokens, t, vparent,
+                        self.enqueue(Move(nxt, vkey, v.salt, v.num_tokens, t, vparent,
                                           vowner, low.flushed(vowner)))
                 elif tier == len(low.stores) - 1:
                     low.counters.dropped_bottom += 1
-                st.delete(vkey, v.tenant)
+                st.delete(vkey, v.salt)
                 low.evictions[tier] += 1
             finally:
                 low.release(vkey)

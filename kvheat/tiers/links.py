@@ -86,7 +86,7 @@ class PrefixLinks:
                 for t, idx in enumerate(self.indexes):
                     e = idx.remove(c)
                     if e is not None:
-                        out.append((t, c, e.tenant))
+                        out.append((t, c, e.salt))
                         self.counters.orphans_dropped += 1
                         self.held[c] -= 1
                 if self.held.get(c, 1) == 0:

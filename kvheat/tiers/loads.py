@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.block import Block
+from .index import PeerEntry, TierEntry
 from .lower import LowerTiers
 
 log = logging.getLogger("kvheat.tiers")
@@ -22,7 +22,7 @@ class Step:
     index: int  # block index in the request
     key: bytes
     tier: int
-    entry: Block
+    entry: TierEntry | PeerEntry  # a peer's only when `peer`
     tokens: int
     result: Slot | None = None  # set when a loader thread fetches it
     done: bool = False  # written into its device block
@@ -151,7 +151,7 @@ class Reads:
         now = low.clock()
         with low.lock:
             for s in steps:
-                if not s.peer:
+                if isinstance(s.entry, TierEntry):  # (a peer's entry is not ours to pin)
                     low.indexes[s.tier].unpin(s.entry, now)
                 slot = s.result
                 if slot is None:

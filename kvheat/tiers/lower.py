@@ -8,12 +8,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..cache.block import Block
 from ..cache.manager import KVCacheManager
 from ..cache.policy import make_policy
 from ..cache.request import hit_rate
 from .counters import TierCounters
-from .index import UNKNOWN_OWNER, TierIndex
+from .index import UNKNOWN_OWNER, TierEntry, TierIndex
 from .links import Deletion, PrefixLinks
 from .store import KVStore
 
@@ -88,8 +87,8 @@ class LowerTiers:
                 return salt
         return UNKNOWN_OWNER
 
-    def _index_listener(self, name: str) -> Callable[[Block, bytes | None, bool], None]:
-        def changed(e: Block, parent: bytes | None, stored: bool) -> None:
+    def _index_listener(self, name: str) -> Callable[[TierEntry, bytes | None, bool], None]:
+        def changed(e: TierEntry, parent: bytes | None, stored: bool) -> None:
             assert e.key is not None
             for listener in self.listeners:
                 listener(name, e.key, parent, e.num_tokens, stored)
@@ -102,12 +101,12 @@ class LowerTiers:
         """How many times `owner`'s KV was flushed so far."""
         return self.flushes.get(owner, 0)
 
-    def find(self, key: bytes, salt: str | None) -> tuple[int, Block] | None:
+    def find(self, key: bytes, salt: str | None) -> tuple[int, TierEntry] | None:
         """The first tier that is up and holds `key` in `salt`'s namespace (lock held)."""
         for t, idx in enumerate(self.indexes):
             e = idx.get(key)
             st = self.stores[t]
-            if e is not None and st.ns(e.tenant) == st.ns(salt) and st.available():
+            if e is not None and st.ns(e.salt) == st.ns(salt) and st.available():
                 return t, e
         return None
 
@@ -137,9 +136,9 @@ class LowerTiers:
             for t, idx in enumerate(self.indexes):
                 e = idx.get(key)
                 st = self.stores[t]
-                if e is not None and st.ns(e.tenant) == st.ns(salt):
+                if e is not None and st.ns(e.salt) == st.ns(salt):
                     idx.remove(key)
-                    dels.append((t, key, e.tenant))
+                    dels.append((t, key, e.salt))
                     dels += self.links.release(key, leaving_device=True)
             dels += self.links.settle(key, leaving_device=True)
         self.delete(dels)
@@ -153,12 +152,12 @@ class LowerTiers:
         for t, idx in enumerate(self.indexes):
             st = self.stores[t]
             ns = st.ns(salt)
-            mine = [k for k, e in idx.entries.items() if st.ns(e.tenant) == ns
+            mine = [k for k, e in idx.entries.items() if st.ns(e.salt) == ns
                     and (not shared or idx.owners.get(k) in (tenant, UNKNOWN_OWNER))]
             for k in mine:
                 e = idx.remove(k)
                 if e is not None:
-                    dels.append((t, k, e.tenant))
+                    dels.append((t, k, e.salt))
                     dels += self.links.release(k)
         return dels
 

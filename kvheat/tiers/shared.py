@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-from ..cache.block import Block
+from .index import PeerEntry
 
 log = logging.getLogger("kvheat.tiers")
 _REC = struct.Struct("!BIB")
@@ -153,15 +153,12 @@ class SharedTierFeed:
                 self.peers.popitem(last=False)
 
     # ---- lookups (promotion.Promoter._find) --------------------------------------------------
-    def lookup(self, key: bytes) -> tuple[int, Block] | None:
+    def lookup(self, key: bytes) -> tuple[int, PeerEntry] | None:
         with self._lock:
             tokens = self.peers.get(key)
         if tokens is None:
             return None
-        b = Block(-3)
-        b.key = key
-        b.num_tokens = tokens
-        return self.tier, b
+        return self.tier, PeerEntry(key, tokens)
 
     def forget(self, key: bytes) -> None:
         with self._lock:
