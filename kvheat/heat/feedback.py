@@ -63,7 +63,8 @@ class Feedback:
         self.cluster_left = 0
         self.cluster_window = max(1, round(entropy_half_life))
         self.tuner = OnlineTuner(reuse_mult, reuse_mult / 8, reuse_mult * 8) if tune else None
-        self.detector = DriftDetector(drift_window, drift_threshold, drift_window // 4) if drift else None
+        self.detector = (DriftDetector(drift_window, drift_threshold, drift_window // 4)
+                         if drift else None)
         self.watch_keys = regime or drift  # the entropy regime / drift watch depth-1 keys
         self._set_mode(MID)
 
@@ -99,7 +100,8 @@ class Feedback:
         d = x - self.victim_median
         h = self.horizon
         spread = self.victim_spread
-        self.victim_spread = spread = spread + ((d if d > 0 else -d) - spread) / (n_ev if n_ev < h else h)
+        spread += ((d if d > 0 else -d) - spread) / (n_ev if n_ev < h else h)
+        self.victim_spread = spread
         self.victim_median += spread / 32 if d > 0 else -spread / 32
 
     def victim_returned(self, m: float, gen: int, v: float, evictions: int) -> None:

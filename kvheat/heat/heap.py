@@ -51,44 +51,45 @@ class BlockHeap:
         """Heap entries (stale ones included)."""
         return len(self.heap)
 
-    def push(self, b: Block, k: float) -> None:
-        """Enter `b` at key `k` (superseding any entry it had)."""
-        owner = self.owner
-        if k == self.last_key:  # the same key as the previous push: the same bucket
-            bucket = owner.get(self.last_slot)
-            if bucket is not None:
+    def push(self, blocks: Iterable[Block]) -> None:
+        """Enter each block at its key, in order (superseding any entry it had): a
+        released block, a parked one that became evictable, or the whole heap re-keyed.
+        A request's blocks come in one call; the loop is every access's hot path."""
+        key, owner, heap = self.key, self.owner, self.heap
+        nextafter, inf, heappush = math.nextafter, math.inf, heapq.heappush
+        last_k, last_u = self.last_key, self.last_slot
+        bucket = owner.get(last_u)  # the last push's bucket, unless `pop` took it since
+        entries, compact_at = self.entries, self.compact_at
+        for b in blocks:
+            b.parked = None
+            k = key(b)
+            if k == last_k and bucket is not None:  # as the previous push: its bucket
                 bucket.append(b)
-                b.heap_ver = self.last_slot
-                self.entries += 1
-                return
-        u = k
-        while u in owner:
-            u = math.nextafter(u, math.inf)
-        self.last_key = k
-        self.last_slot = u
-        owner[u] = [b]
-        b.heap_ver = u
-        heapq.heappush(self.heap, u)
-        self.entries += 1
-        if self.entries > self.compact_at:
-            self.compact()
+                b.heap_ver = last_u
+                entries += 1
+                continue
+            u = k
+            while u in owner:
+                u = nextafter(u, inf)
+            last_k = k
+            last_u = u
+            bucket = owner[u] = [b]
+            b.heap_ver = u
+            heappush(heap, u)
+            entries += 1
+            if entries > compact_at:
+                self.last_key, self.last_slot, self.entries = last_k, last_u, entries
+                self.compact()
+                owner, heap, bucket = self.owner, self.heap, None
+                last_k, last_u = self.last_key, self.last_slot
+                entries, compact_at = self.entries, self.compact_at
+        self.last_key, self.last_slot, self.entries = last_k, last_u, entries
 
     # No acquire: a referenced block's entry is skipped (parked) when met, and its release
     # (or, for a parked parent, its becoming a leaf) pushes a fresh entry that supersedes
     # the old one.
-    def release(self, b: Block) -> None:
-        """`b` is evictable again: in at its key."""
-        b.parked = None
-        self.push(b, self.key(b))
-
-    def release_all(self, blocks: Iterable[Block]) -> None:
-        """`release` of each block in order."""
-        key, push = self.key, self.push
-        for b in blocks:
-            b.parked = None
-            push(b, key(b))
-
     def forget(self, b: Block) -> None:
+        """`b` leaves: any entry it has reads as stale."""
         b.heap_ver = math.nan
         b.parked = None
 
@@ -167,9 +168,8 @@ class BlockHeap:
                 if b.ref_cnt or b.num_children:
                     b.parked = PARKED
                     continue
-                k = key(b)
-                if k > u:  # hotter since its entry: back in at its key (above this one)
-                    self.push(b, k)
+                if key(b) > u:  # hotter since its entry: back in at its key (above this one)
+                    self.push((b,))
                     continue
                 b.heap_ver = math.nan
                 if b.key in protected:
@@ -219,16 +219,14 @@ class BlockHeap:
 
     def rebuild(self) -> None:
         """Re-key now: every live block pushed again at its current key (runs over every
-        cached block: at most once per new generation or half-life)."""
+        evictable block: at most once per new generation or half-life)."""
         self.stale = False
         live = self.live()
         self.heap = []
         self.owner = {}
         self.last_key = math.nan
         self.entries = 0
-        key, push = self.key, self.push
-        for b in live:
-            push(b, key(b))
+        self.push(live)
 
     def compact(self) -> None:
         """Drop superseded entries (keys unchanged, so one heapify): keeps the heap, and

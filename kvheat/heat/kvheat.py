@@ -69,8 +69,8 @@ class KVHeat(EvictionPolicy):
         self.gaps = ReuseGapEstimator(quantile=reuse_quantile)
         self._sample_below = self.gaps.threshold if half_life is None else 0
         self.feedback = Feedback(
-            self.clock, self.penalties, self.heap, self.gaps, half_life, reuse_mult, regime, tune, drift, entropy_half_life,
-            entropy_sample, drift_window, drift_threshold,
+            self.clock, self.penalties, self.heap, self.gaps, half_life, reuse_mult, regime,
+            tune, drift, entropy_half_life, entropy_sample, drift_window, drift_threshold,
             adapt_mult and half_life is None and not tune)
         self.evict_age = 0.0  # mean age at eviction since last access, accesses (EWMA)
         self.evictions = 0
@@ -220,21 +220,21 @@ class KVHeat(EvictionPolicy):
 
     # -- the heap --------------------------------------------------------------------
     def on_release(self, b: Block, now: float) -> None:
-        self.heap.release(b)
+        self.heap.push((b,))
 
     def on_release_all(self, blocks: list[Block], now: float) -> None:
         # The cache's batched release (a request's blocks, tail-first, after their refcounts
         # changed): the same heap as `on_release` of each.
-        self.heap.release_all(blocks)
+        self.heap.push(blocks)
 
     def release_all(self, blocks: Iterable[Block]) -> None:
         """`on_release` of each block in order, in one call (for a caller releasing many
         at once, outside the cache)."""
-        self.heap.release_all(blocks)
+        self.heap.push(blocks)
 
     def on_leaf(self, b: Block) -> None:
         if b.parked is not None:  # met while it had children: back in
-            self.heap.release(b)
+            self.heap.push((b,))
 
     def victim(self) -> Block | None:
         return self.heap.pop()
@@ -250,29 +250,27 @@ class KVHeat(EvictionPolicy):
 
     # -- evictions -------------------------------------------------------------------
     def on_evict(self, b: Block) -> None:
-        self.on_evict_all((b,))
+        """`b` leaves the cache: the eviction age, the median victim's heat (for the
+        multiple's feedback), and the ghost history keeps its count."""
+        r: HeatRecord = b.rec
+        # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
+        self.evictions = n_ev = self.evictions + 1
+        last = r.last
+        self.evict_age += ((self.clock.accesses - last - self.evict_age)
+                           / (n_ev if n_ev < 250 else 250))
+        m = r.count
+        if m > 0 and self.feedback.adapt_mult:
+            self.feedback.victim_heat(m, r.gen, last, n_ev)
+        ghost = self.ghost
+        ghost[b.key] = (m, r.gen, last, r.flags)  # type: ignore[index]  # set: cached
+        if len(ghost) >= self.ghost_limit:
+            self.ghost_old = ghost if self.ghost_limit else {}
+            self.ghost = {}
 
     def on_evict_all(self, blocks: Iterable[Block]) -> None:
-        """`on_evict` of each block in order, in one call: the eviction age, the median
-        victim's heat (for the multiple's feedback) and the ghost history."""
-        acc, n_ev, age = self.clock.accesses, self.evictions, self.evict_age
-        fb = self.feedback
-        note = fb.victim_heat if fb.adapt_mult else None
-        ghost, limit = self.ghost, self.ghost_limit
+        """`on_evict` of each block in order."""
         for b in blocks:
-            r: HeatRecord = b.rec
-            # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
-            n_ev += 1
-            last = r.last
-            age += (acc - last - age) / (n_ev if n_ev < 250 else 250)
-            m = r.count
-            if note is not None and m > 0:
-                note(m, r.gen, last, n_ev)
-            ghost[b.key] = (m, r.gen, last, r.flags)  # type: ignore[index]  # set: cached
-            if len(ghost) >= limit:
-                self.ghost_old = ghost if limit else {}
-                self.ghost = ghost = {}
-        self.evictions, self.evict_age = n_ev, age
+            self.on_evict(b)
 
     def ghost_size(self) -> int:
         """Keys the ghost history holds."""

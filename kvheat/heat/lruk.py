@@ -63,11 +63,15 @@ class LRUK(EvictionPolicy):
 
     # The heap's hooks: no acquire (a referenced block's entry is parked when met).
     def on_release(self, b: Block, now: float) -> None:
-        self.heap.release(b)
+        self.heap.push((b,))
+
+    def on_release_all(self, blocks: list[Block], now: float) -> None:
+        # The cache's batched release (a request's blocks, tail-first): one push call.
+        self.heap.push(blocks)
 
     def on_leaf(self, b: Block) -> None:
         if b.parked is not None:  # met while it had children: back in
-            self.heap.release(b)
+            self.heap.push((b,))
 
     def victim(self) -> Block | None:
         return self.heap.pop()

@@ -342,7 +342,7 @@ class KVHeatCachePolicy(CachePolicy):
         """Append the `k` coldest held, unprotected chunks (the heap is empty and the count
         said enough evictable chunks exist, so the rest are held for running requests)."""
         key = self.heat.key
-        cands = []
+        cands: list[tuple[float, int, Chunk]] = []
         for c in self._prune_held():
             if not c.ref_cnt and c.key not in protected:
                 # equal heat: the later marked first (a load's tail after its head)
