@@ -104,10 +104,10 @@ def test_lruk_history_and_regime() -> None:
     b.key = b"k"
     pol.on_insert(b, 1.0)
     assert isinstance(b.rec, LRUKHistory) and b.rec.times == [1.0]
-    assert pol._key(b) == 1.0 - 1e12  # fewer than K accesses: before all others
+    assert pol.key(b) == 1.0 - 1e12  # fewer than K accesses: before all others
     pol.on_hit(b, 5.0)
     pol.on_hit(b, 9.0)
-    assert b.rec.times == [5.0, 9.0] and pol._key(b) == 5.0  # the K-th most recent access
+    assert b.rec.times == [5.0, 9.0] and pol.key(b) == 5.0  # the K-th most recent access
     pol.on_evict(b)
     pol.on_insert(b, 12.0)  # back from the ghost: its last access is remembered
     assert b.rec.times == [9.0, 12.0]
@@ -263,7 +263,7 @@ def test_kvheat_learns_extension_penalty_from_reuse() -> None:
         r = mgr.make_hashed_request(str(i), ids, 20)
         mgr.allocate(r)
         mgr.free(r)
-    assert pol.extension_penalty > 0.5 * pol.max_extension_penalty
+    assert pol.penalties.extension_penalty > 0.5 * pol.penalties.max_extension_penalty
     # Growing conversations: every extension is reused by the next turn: no penalty.
     pol2 = KVHeat()
     mgr2 = KVCacheManager(CacheConfig(400, 4), pol2, clock=lambda: now[0])
@@ -278,7 +278,7 @@ def test_kvheat_learns_extension_penalty_from_reuse() -> None:
         r = mgr2.make_hashed_request(str(i), [0, *hist], 4 * (len(hist) + 1))
         mgr2.allocate(r)
         mgr2.free(r)
-    assert pol2.extension_penalty < 0.25 * pol2.max_extension_penalty
+    assert pol2.penalties.extension_penalty < 0.25 * pol2.penalties.max_extension_penalty
 
 
 def test_kvheat_admission_penalty_stays_on_in_a_long_lived_cache() -> None:
@@ -286,16 +286,14 @@ def test_kvheat_admission_penalty_stays_on_in_a_long_lived_cache() -> None:
     # admission penalty stays in full once the cache has evicted (none before).
     pol = KVHeat(adapt_extension=False)
     pol.bind(100)
-    pol.gaps.estimate = 10.0
-    pol._update_penalties()
-    assert pol.admit_penalty == 0.0 and pol.extension_penalty == 0.0  # nothing evicted yet
-    pol.evictions = 50
-    for age, ext in ((0.0, pol.max_extension_penalty), (10.0, pol.max_extension_penalty / 2),
+    pen = pol.penalties
+    pen.update(10.0, 0, 0.0)
+    assert pen.admit_penalty == 0.0 and pen.extension_penalty == 0.0  # nothing evicted yet
+    for age, ext in ((0.0, pen.max_extension_penalty), (10.0, pen.max_extension_penalty / 2),
                      (1e6, 0.0)):
-        pol.evict_age = age
-        pol._update_penalties()
-        assert pol.admit_penalty == pol.max_admit_penalty
-        assert abs(pol.extension_penalty - ext) < 1e-9
+        pen.update(10.0, 50, age)
+        assert pen.admit_penalty == pen.max_admit_penalty
+        assert abs(pen.extension_penalty - ext) < 1e-9
 
 
 def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
@@ -336,13 +334,13 @@ def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
     assert own > 1.0
     mgr.set_cluster_entropy(0.5)  # lower than its own (a router just started): no effect
     serve(1)
-    assert pol.mode == "mid" and not pol._pin_roots
+    assert pol.mode == "mid" and not pol.penalties.pin_roots
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(ValueError):
             pol.set_cluster_entropy(bad)
     off = KVHeat(regime=False)
     off.set_cluster_entropy(9.0)  # no regime: nothing to set
-    assert off.cluster_bits is None
+    assert off.feedback.cluster_bits is None
 
 
 def test_cluster_entropy_reaches_every_tenant_partition() -> None:
@@ -356,7 +354,7 @@ def test_cluster_entropy_reaches_every_tenant_partition() -> None:
     pols = [mgr.policy, *mgr.tenants.partitions.values()]
     assert len(pols) == 2 and all(isinstance(p, KVHeat) for p in pols)
     mgr.set_cluster_entropy(8.5)
-    assert all(p.cluster_bits == 8.5 and p.mode == "high" for p in pols)
+    assert all(p.feedback.cluster_bits == 8.5 and p.mode == "high" for p in pols)
     lru = KVCacheManager(CacheConfig(num_blocks=64, block_size=4), policy=make_policy("lru"))
     lru.set_cluster_entropy(8.5)  # no regime: nothing happens, nothing raised
 
@@ -407,10 +405,10 @@ def test_kvheat_base_moves_without_changing_decisions() -> None:
     # The heat sums grow as e^{λ v}; moving their base (here every few hundred accesses
     # instead of every ~865 half-lives) rescales them and must not change any eviction.
     plain, moved = KVHeat(half_life=200.0), KVHeat(half_life=200.0)
-    moved.REBASE_AT = 1.0  # type: ignore[misc]
+    moved.clock.rebase_at = 1.0
     ev_plain, hit_plain = _eviction_log(plain)
     ev_moved, hit_moved = _eviction_log(moved)
-    assert moved.gen > 10 and plain.gen == 0
+    assert moved.clock.gen > 10 and plain.clock.gen == 0
     assert hit_moved == hit_plain
     assert ev_moved == ev_plain
 
@@ -519,11 +517,10 @@ def test_reduced_grid_kvheat_is_scale_free_and_beats_lru() -> None:
         assert heat[1.0] > lru, (heat, lru)
 
 
-def test_kvheat_bulk_release_and_rebuild_keep_the_heap_order() -> None:
-    """`release_all` is `on_release` in a loop, and KVHeat's inlined `_rebuild` is the
-    generic one: the same victims in the same order (ties included)."""
+def test_kvheat_bulk_release_keeps_the_heap_order_through_rekeys() -> None:
+    """`release_all` is `on_release` in a loop: the same victims in the same order (ties
+    included), through new half-lives (each re-keys the heap before the next victim)."""
     from kvheat.cache.block import Block
-    from kvheat.heat.heap import HeapPolicy
 
     def run(bulk: bool) -> list[int]:
         rng = random.Random(7)
@@ -547,9 +544,8 @@ def test_kvheat_bulk_release_and_rebuild_keep_the_heap_order() -> None:
                 for b in order:
                     pol.on_release(b, float(t))
             if t % 8 == 0:
-                pol.gen += 1
-                pol.gens.append((pol.base, pol.lam))
-                (pol._rebuild if bulk else lambda: HeapPolicy._rebuild(pol))()
+                pol.clock.set_half_life(pol.half_life * 1.5)
+                assert pol.heap.stale
         out = []
         while (b := pol.victim()) is not None:
             out.append(b.block_id)
@@ -585,26 +581,26 @@ def test_kvheat_multiple_lengthens_when_hot_victims_return() -> None:
 def test_kvheat_multiple_steps_by_victim_heat_and_stays_in_bounds() -> None:
     pol = KVHeat()
     pol.bind(100)
-    pol._victim_heat = 3.0  # the median victim: 8 accesses' worth of heat
+    fb = pol.feedback
+    fb.victim_median = 3.0  # the median victim: 8 accesses' worth of heat
     hot, cold = 64.0, 1.0
-    pol._ghost_feedback(hot, pol.gen, pol._acc)
-    assert pol._mult_log == pytest.approx((MULT_HI - MULT_LO) / 100)
+    now = pol.clock.accesses
+    fb.victim_returned(hot, pol.clock.gen, now, pol.evictions)
+    assert fb.mult_log == pytest.approx((MULT_HI - MULT_LO) / 100)
     for _ in range(1000):
-        pol._ghost_feedback(cold, pol.gen, pol._acc)
+        fb.victim_returned(cold, pol.clock.gen, now, pol.evictions)
     # Re-keyed once (the first time it moved a quarter octave), then not again within
     # one cache turnover (capacity evictions), however far the multiple moves meanwhile.
-    assert pol._mult_log == MULT_LO and 2.0 ** -0.35 < pol.reuse_mult < 2.0 ** -0.25
-    pol.evictions += 100
-    pol._ghost_feedback(cold, pol.gen, pol._acc)
+    assert fb.mult_log == MULT_LO and 2.0 ** -0.35 < pol.reuse_mult < 2.0 ** -0.25
+    fb.victim_returned(cold, pol.clock.gen, now, pol.evictions + 100)
     assert pol.reuse_mult == 2.0 ** MULT_LO
     for _ in range(1000):
-        pol._ghost_feedback(hot, pol.gen, pol._acc)
-    assert pol._mult_log == MULT_HI and pol.reuse_mult == 2.0 ** MULT_LO
-    pol.evictions += 100
-    pol._ghost_feedback(hot, pol.gen, pol._acc)
+        fb.victim_returned(hot, pol.clock.gen, now, pol.evictions + 100)
+    assert fb.mult_log == MULT_HI and pol.reuse_mult == 2.0 ** MULT_LO
+    fb.victim_returned(hot, pol.clock.gen, now, pol.evictions + 200)
     assert pol.reuse_mult == 2.0 ** MULT_HI
     # Penalties keep their length in reuse gaps: their half-life count scales by 1/mult.
-    assert pol.penalty_scale == pytest.approx(1.0 / pol.reuse_mult)
+    assert pol.penalties.scale == pytest.approx(1.0 / pol.reuse_mult)
 
 
 @settings(max_examples=80, deadline=None)
@@ -692,8 +688,8 @@ def test_kvheat_bulk_hits_count_as_one_at_a_time() -> None:
             one.on_hit(b1[i], float(t))
         bulk.on_hit_all([b2[i] for i in pick], float(t))
     (one, b1), (bulk, b2) = twins
-    assert one.retunes == bulk.retunes > 0  # the half-life moved along the way
+    assert one.clock.retunes == bulk.clock.retunes > 0  # the half-life moved along the way
     assert [(r.rec.count, r.rec.flags, r.rec.gen, r.rec.last) for r in b1] == \
         [(r.rec.count, r.rec.flags, r.rec.gen, r.rec.last) for r in b2]
-    assert (one._acc, one.half_life, one.tracker.bits()) == \
-        (bulk._acc, bulk.half_life, bulk.tracker.bits())
+    assert (one.clock.accesses, one.half_life, one.tracker.bits()) == \
+        (bulk.clock.accesses, bulk.half_life, bulk.tracker.bits())

@@ -154,7 +154,7 @@ def test_monotone_heads_are_never_colder_than_their_tails() -> None:
         pol.chunks[chain[3]].rec.count *= 8.0  # the tail hotter than its head (as a lost
         _chain_request(mgr, chain, "b")  # ghost or an admission penalty leaves it)
         heat = pol.heat
-        return [heat._key(pol.chunks[k]) for k in chain]
+        return [heat.key(pol.chunks[k]) for k in chain]
 
     plain, mono = keys_after(False), keys_after(True)
     assert plain[0] < plain[3]  # without the rule the head would go before its tail
@@ -178,8 +178,8 @@ def test_early_hits_count_a_load_once() -> None:
         mgr.complete_load(chain, ctx)
         mgr.prepare_store(chain, ctx)
         mgr.on_request_finished(ctx)
-        counts[early] = (during, pol.heat.log_count(pol.chunks[chain[0]]), pol.heat._acc,
-                         pol.heat.lam)
+        counts[early] = (during, pol.heat.log_count(pol.chunks[chain[0]]), pol.heat.clock.accesses,
+                         pol.heat.clock.lam)
     # While the request runs, only the early policy has counted its hit ...
     assert counts[True][0] > counts[False][0]
     # ... and once it ends both have counted it exactly once, at the request's end: the
@@ -214,13 +214,13 @@ def test_gated_rules_run_only_while_evictions_are_young() -> None:
     from kvheat.integrations.vllm import _tight
 
     def tight() -> bool:
-        return _tight(pol.heat, pol._evicted, pol._evict_age)
+        return _tight(pol.heat, pol.evicted, pol.evict_age)
 
     assert not tight()  # nothing evicted yet: every reuse so far was held
     pol.heat.gaps.estimate = 100.0
-    pol._evicted, pol._evict_age = 5, 50.0
+    pol.evicted, pol.evict_age = 5, 50.0
     assert tight()
-    pol._evict_age = pol.heat.penalty_fade * 100.0
+    pol.evict_age = pol.heat.penalties.fade * 100.0
     assert not tight()
     # With the gate shut the rules do nothing: the same counts as the plain policy.
     chain = [_key(i) for i in range(3)]
@@ -254,13 +254,13 @@ def test_hold_gate_opens_once_evictions_are_old() -> None:
     from kvheat.integrations.vllm import _loose, _tight
 
     pol = KVHeatCachePolicy(16)
-    assert not _loose(pol.heat, pol._evicted, pol._evict_age)  # nothing evicted yet
-    pol._evicted, pol._evict_age = 5, 1e9
+    assert not _loose(pol.heat, pol.evicted, pol.evict_age)  # nothing evicted yet
+    pol.evicted, pol.evict_age = 5, 1e9
     pol.heat.gaps.estimate = None
-    assert not _loose(pol.heat, pol._evicted, pol._evict_age)  # no reuse gap measured
+    assert not _loose(pol.heat, pol.evicted, pol.evict_age)  # no reuse gap measured
     pol.heat.gaps.estimate = 100.0
-    for age in (50.0, pol.heat.penalty_fade * 100.0, 1e9):
-        pol._evict_age = age  # once it has evicted and measured a gap: the complement
+    for age in (50.0, pol.heat.penalties.fade * 100.0, 1e9):
+        pol.evict_age = age  # once it has evicted and measured a gap: the complement
         assert _loose(pol.heat, 5, age) != _tight(pol.heat, 5, age)
 
 
@@ -314,17 +314,17 @@ def test_gate_tracks_the_mean_eviction_age() -> None:
     evict = pol.evict
 
     def watched(n, protected):
-        acc = pol.heat._acc
+        acc = pol.heat.clock.accesses
         out = evict(n, protected)
         ages.extend(acc - c.last for _, c in out or ())  # the record is on the chunk
         return out
     pol.evict = watched
     r = replay_offload(trace, "kvheat", 300, keys=request_keys(trace, 512), manager=mgr,
                        time_scale=0.2)
-    assert r.evictions == pol._evicted == len(ages) > 300
+    assert r.evictions == pol.evicted == len(ages) > 300
     # over about the last `capacity` evictions: inside their range, near their mean
     last = ages[-300:]
-    assert min(last) <= pol._evict_age <= max(last)
+    assert min(last) <= pol.evict_age <= max(last)
 
 
 def test_the_policy_chunk_is_the_managers_chunk_status() -> None:
@@ -488,7 +488,7 @@ class PolicyContract(RuleBasedStateMachine):
         self._both("clear")
         self.ref.clear()
         assert self.a.chunks == {} and self.a.ghost_size() == 0
-        assert self.a.heat.heap == [] and self.a.evictable_keys() == set()
+        assert len(self.a.heat.heap) == 0 and self.a.evictable_keys() == set()
         assert self.a.num_evictable() == 0
 
     @invariant()

@@ -4,16 +4,18 @@ The policies (`kvheat`, `lruk`, `fused`) need no import to be found: `make_polic
 them by name (kvheat/cache/policy.py).
 """
 
-from .counts import HeatRecord
+from .counts import HeatClock, HeatRecord
 from .drift import DriftDetector
 from .entropy import EntropyTracker, shannon_bits
 from .fused import Fused, fused_score
+from .heap import BlockHeap
 from .kvheat import KVHeat
 from .lruk import LRUK, LRUKHistory
+from .penalties import Penalties
 from .regime import Regime
 from .tuning import OnlineTuner
 
 __all__ = [
-    "LRUK", "DriftDetector", "EntropyTracker", "Fused", "HeatRecord", "KVHeat", "LRUKHistory",
-    "OnlineTuner", "Regime", "fused_score", "shannon_bits",
+    "LRUK", "BlockHeap", "DriftDetector", "EntropyTracker", "Fused", "HeatClock", "HeatRecord",
+    "KVHeat", "LRUKHistory", "OnlineTuner", "Penalties", "Regime", "fused_score", "shannon_bits",
 ]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from array import array
 from collections.abc import Hashable
 
@@ -166,10 +165,6 @@ class EntropyTracker:
     def probability(self, key: Hashable) -> float:
         i = self.slot.get(key)
         return self._weight(i) / self.U.s if i is not None and self.U.s > 0 else 0.0
-
-    def memory_bytes(self) -> int:
-        """Bytes held: the arrays plus the dict's table (keys themselves not counted)."""
-        return int(self.array_bytes() + sys.getsizeof(self.slot))
 
     def array_bytes(self) -> int:
         """Bytes of the per-key weight and epoch arrays."""

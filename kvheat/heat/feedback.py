@@ -1,7 +1,8 @@
-"""What KVHeat adapts to while it runs: the half-life follows the measured reuse gap (and,
-optionally, the online tuner), the entropy regime switches the admission penalty and root
-pinning, and the optional drift detector drops stale heat. docs/heat.md ("Online tuning and
-drift") has the measurements.
+"""What KVHeat adapts to while it runs: the half-life follows the measured reuse gap (times
+a multiple that itself follows the victims that come back, and optionally the online
+tuner), the entropy regime switches the admission penalty and root pinning, and the
+optional drift detector reports stale heat. docs/heat.md ("Online tuning and drift") has
+the measurements.
 """
 
 from __future__ import annotations
@@ -9,78 +10,71 @@ from __future__ import annotations
 import math
 
 from ..cache.block import Block
+from .counts import HeatClock
 from .drift import DriftDetector
-from .entropy import LN2, EntropyTracker
-from .penalties import ONE_OFF, HeatPenalties
-from .regime import HIGH, LOW, Regime
+from .entropy import EntropyTracker
+from .heap import BlockHeap
+from .penalties import Penalties
+from .regime import MID, Regime
+from .reuse import ReuseGapEstimator
 from .tuning import OnlineTuner
 
 # log2 bounds of the multiple under `adapt_mult`: a quarter to eight reuse gaps.
 MULT_LO, MULT_HI = -2.0, 3.0
 
 
-class HeatFeedback(HeatPenalties):
-    def _init_feedback(self, reuse_mult: float, regime: bool, tune: bool, drift: bool,
-                       entropy_half_life: float, entropy_sample: int, drift_window: int,
-                       drift_threshold: float, adapt_mult: bool = False) -> None:
+class Feedback:
+    """KVHeat's adaptation: it sets the clock's half-life, the penalties' scale and
+    regime flags, and re-keys the heap when the keys' order changes."""
+
+    def __init__(self, clock: HeatClock, penalties: Penalties, heap: BlockHeap,
+                 gaps: ReuseGapEstimator, half_life: float | None, reuse_mult: float,
+                 regime: bool, tune: bool, drift: bool, entropy_half_life: float,
+                 entropy_sample: int, drift_window: int, drift_threshold: float,
+                 adapt_mult: bool) -> None:
+        self.clock, self.penalties, self.heap, self.gaps = clock, penalties, heap, gaps
+        self.capacity = 0
+        self.fixed_half_life = half_life
         self.reuse_mult = reuse_mult
         self.base_reuse_mult = reuse_mult
-        # With `adapt_mult` the multiple follows the victims that come back (ghost hits,
-        # `_ghost_feedback`); its step is set at `bind`, when the capacity is known.
+        # With `adapt_mult` the multiple follows the victims that come back
+        # (`victim_returned`); its step is set at `bind`, when the capacity is known.
         self.adapt_mult = adapt_mult
-        self._mult_log = math.log2(reuse_mult)
-        self._keyed_log = self._mult_log  # log2 of the multiple the heap is keyed with
-        self._mult_step = 0.0  # set at bind: (MULT_HI − MULT_LO) / capacity
-        self._victim_heat = 0.0
-        self._victim_spread = 0.0
-        self._rekey_at = 0  # eviction count before which the multiple is not re-keyed
+        self.mult_log = math.log2(reuse_mult)
+        self.keyed_log = self.mult_log  # log2 of the multiple the heap is keyed with
+        self.mult_step = 0.0  # set at bind: (MULT_HI − MULT_LO) / capacity
+        # The median victim's log2 heat at its last access, and the spread its step
+        # follows, over about `horizon` evictions (the ghost history's length, at bind).
+        self.victim_median = 0.0
+        self.victim_spread = 0.0
+        self.horizon = 1
+        self.rekey_at = 0  # eviction count before which the multiple is not re-keyed
         self.entropy_sample = entropy_sample
-        self._entropy_n = entropy_sample - 1  # the first access is recorded
+        self.entropy_n = entropy_sample - 1  # the first access is recorded
         self.use_regime = regime
         self.regime = Regime()
-        self.mode = "mid"
+        self.mode = MID
         # The entropy window counts depth-1 accesses (about one per request), not seconds.
         self.tracker = EntropyTracker(entropy_half_life) if (regime or drift) else None
         # The entropy of all the traffic a router spreads over this cache and others
         # (`set_cluster_entropy`): the regime reads it, not this cache's own share of the
         # keys, for one entropy window of depth-1 accesses after each report.
         self.cluster_bits: float | None = None
-        self._cluster_left = 0
-        self._cluster_window = max(1, round(entropy_half_life))
+        self.cluster_left = 0
+        self.cluster_window = max(1, round(entropy_half_life))
         self.tuner = OnlineTuner(reuse_mult, reuse_mult / 8, reuse_mult * 8) if tune else None
-        self.detector = DriftDetector(drift_window, drift_threshold, drift_window // 4) if drift else None
-        self._feedback = regime or drift  # entropy regime / drift watch depth-1 keys
-        self._set_mode("mid")
+        self.detector = (DriftDetector(drift_window, drift_threshold, drift_window // 4)
+                         if drift else None)
+        self.watch_keys = regime or drift  # the entropy regime / drift watch depth-1 keys
+        self._set_mode(MID)
 
-    def _ghost_feedback(self, m: float, gen: int, v: float) -> None:
-        """A victim came back: one hotter than the median victim (both by heat at the last
-        access) asks for more frequency (a longer multiple), a colder one for more
-        recency. At a balanced multiple, returns come from both halves equally often."""
-        if m <= 0:
-            return
-        base, lam = self.gens[gen]
-        d = math.log2(m) - lam * (v - base) / LN2 - self._victim_heat
-        x = self._mult_log + (self._mult_step if d > 0 else -self._mult_step)
-        self._mult_log = x = MULT_HI if x > MULT_HI else MULT_LO if x < MULT_LO else x
-        # Re-keying costs O(cached blocks): at most once per cache turnover (capacity
-        # evictions) keeps it O(1) per eviction however the multiple wanders.
-        if abs(x - self._keyed_log) > 0.25 and self.evictions >= self._rekey_at:
-            self._rekey_at = self.evictions + self.capacity
-            self._set_mult(2.0 ** x)
+    def bind(self, capacity_blocks: int, horizon: int) -> None:
+        self.capacity = capacity_blocks
+        self.horizon = max(1, horizon)
+        self.mult_step = (MULT_HI - MULT_LO) / max(capacity_blocks, 1)
 
-    def _set_mult(self, mult: float) -> None:
-        """A new multiple: the penalties, stated in half-lives at the starting multiple,
-        keep their length in reuse gaps, and the heap is re-keyed once."""
-        self.reuse_mult = mult
-        self._keyed_log = math.log2(mult)
-        self.penalty_scale = self.base_reuse_mult / mult
-        self._factors()
-        hl = self.half_life
-        self._measured_half_life()
-        if self.half_life == hl:
-            self._rekey()
-
-    def _measured_half_life(self) -> None:
+    # -- the half-life and its multiple ----------------------------------------------
+    def reuse_gap_moved(self) -> None:
         """The reuse-gap estimate moved: follow it when the half-life it implies is more
         than a quarter octave away (each change re-keys the heap once)."""
         est = self.gaps.estimate
@@ -91,37 +85,82 @@ class HeatFeedback(HeatPenalties):
         # to 0 and lose their order, so the half-life stays above 1/64 of the cache's size
         # (evicted blocks are younger than ~16 cache sizes of traffic).
         hl = max(1.0, self.capacity / 64, mult * est)
-        if abs(math.log2(hl / self.half_life)) > 0.25:
-            self._set_half_life(hl)
+        if abs(math.log2(hl / self.clock.half_life)) > 0.25:
+            self.clock.set_half_life(hl)
 
-    def _observe(self, b: Block, now: float, hit: bool) -> None:
-        """Feedback for the optional tuner, entropy regime and drift detector."""
+    def victim_heat(self, m: float, gen: int, last: float, n_ev: int) -> None:
+        """The `n_ev`-th victim had count `m` (generation `gen`, last access `last`): the
+        median victim's heat, by stochastic approximation over about `horizon` evictions,
+        so that returns of a random sample of victims step up and down equally often,
+        whatever the spread's skew."""
+        x = self.clock.log2_at_last(m, gen, last)
+        if n_ev <= 1:
+            self.victim_median = x
+            return
+        d = x - self.victim_median
+        h = self.horizon
+        spread = self.victim_spread
+        spread += ((d if d > 0 else -d) - spread) / (n_ev if n_ev < h else h)
+        self.victim_spread = spread
+        self.victim_median += spread / 32 if d > 0 else -spread / 32
+
+    def victim_returned(self, m: float, gen: int, v: float, evictions: int) -> None:
+        """A victim came back: one hotter than the median victim (both by heat at the last
+        access) asks for more frequency (a longer multiple), a colder one for more
+        recency. At a balanced multiple, returns come from both halves equally often."""
+        if m <= 0:
+            return
+        d = self.clock.log2_at_last(m, gen, v) - self.victim_median
+        x = self.mult_log + (self.mult_step if d > 0 else -self.mult_step)
+        self.mult_log = x = MULT_HI if x > MULT_HI else MULT_LO if x < MULT_LO else x
+        # Re-keying costs O(cached blocks): at most once per cache turnover (capacity
+        # evictions) keeps it O(1) per eviction however the multiple wanders.
+        if abs(x - self.keyed_log) > 0.25 and evictions >= self.rekey_at:
+            self.rekey_at = evictions + self.capacity
+            self._set_mult(2.0 ** x)
+
+    def _set_mult(self, mult: float) -> None:
+        """A new multiple: the penalties, stated in half-lives at the starting multiple,
+        keep their length in reuse gaps, and the heap is re-keyed once."""
+        self.reuse_mult = mult
+        self.keyed_log = math.log2(mult)
+        self.penalties.scale = self.base_reuse_mult / mult
+        self.penalties.factors()
+        hl = self.clock.half_life
+        self.reuse_gap_moved()
+        if self.clock.half_life == hl:
+            self.heap.rekey()
+
+    # -- the tuner, the entropy regime and drift -------------------------------------
+    def observe(self, b: Block, hit: bool) -> bool:
+        """Feedback for the optional tuner, entropy regime and drift detector; True when
+        the detector saw drift."""
         if self.tuner is not None and self.tuner.record(hit):
             if self.fixed_half_life is None:
-                self._measured_half_life()
+                self.reuse_gap_moved()
             else:
-                self._set_half_life(self.tuner.value / self.reuse_mult * self.fixed_half_life)
+                self.clock.set_half_life(self.tuner.value / self.reuse_mult * self.fixed_half_life)
         if b.depth == 1:  # the key right under a root names a conversation or document
             if self.tracker is not None:
                 self.tracker.update(b.key)
                 # The regime is a coarse, slow signal: re-read it every
                 # `entropy_sample`-th update only (sampling the updates themselves
                 # would see fewer distinct keys and bias the entropy down).
-                self._entropy_n += 1
-                if self._entropy_n >= self.entropy_sample or self._cluster_left > 0:
-                    self._entropy_n = 0
-                    U = self.tracker.U.s  # entropy() inlined: H = ln U − V/U
-                    bits = max(0.0, math.log(U) - self.tracker.V.s / U) / LN2 if U > 0 else 0.0
-                    if self._cluster_left > 0:
+                self.entropy_n += 1
+                if self.entropy_n >= self.entropy_sample or self.cluster_left > 0:
+                    self.entropy_n = 0
+                    bits = self.tracker.bits()
+                    if self.cluster_left > 0:
                         # a shard's keys carry at most the whole traffic's entropy: the
                         # cluster's reading raises this cache's, never lowers it
-                        self._cluster_left -= 1
+                        self.cluster_left -= 1
                         bits = max(bits, self.cluster_bits or 0.0)
                     mode = self.regime.classify(bits)
                     if mode != self.mode:
                         self._set_mode(mode)
             if self.detector is not None and self.detector.observe(b.key):
-                self._on_drift()
+                return True
+        return False
 
     def set_cluster_entropy(self, bits: float) -> None:
         """The entropy (bits) of the keys under the roots over all the traffic a router
@@ -140,19 +179,11 @@ class HeatFeedback(HeatPenalties):
         if self.tracker is None or not self.use_regime:
             return
         self.cluster_bits = float(bits)
-        self._cluster_left = self._cluster_window
+        self.cluster_left = self.cluster_window
         mode = self.regime.classify(max(self.tracker.bits(), self.cluster_bits))
         if mode != self.mode:
             self._set_mode(mode)
 
     def _set_mode(self, mode: str) -> None:
         self.mode = mode
-        on = self.use_regime
-        self._new_flags = ONE_OFF if on and mode == HIGH else 0
-        self._pin_roots = on and mode == LOW
-
-    def _on_drift(self) -> None:
-        """A few new prefixes took over: the heat the old ones built up is stale and would
-        hold them for ln(count) half-lives, so every count drops to at most one access
-        and the ghost history is forgotten (O(cached blocks), once per drift)."""
-        self._cap_counts_at_one()
+        self.penalties.follow_regime(mode if self.use_regime else MID)

@@ -1,79 +1,199 @@
 """The bucketed min-heap the heat policies evict from (KVHeat, LRU-K).
 
-A policy defines `_key(block)`; the coldest evictable leaf goes first. Blocks that are
-referenced or still have cached children when met are parked and pushed again when they
-become evictable (see kvheat/cache/policy.py).
+A policy holds one `BlockHeap` and gives it its key function; the coldest evictable leaf
+goes first. Blocks that are referenced or still have cached children when met are parked
+and pushed again when they become evictable (see kvheat/cache/policy.py).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable, Container, Iterable
 
 from ..cache.block import Block
-from ..cache.policy import PARKED, EvictionPolicy
+from ..cache.policy import PARKED
 
 
-class HeapPolicy(EvictionPolicy):
-    """Evict the evictable leaf with the smallest key; subclasses define `_key`.
+class BlockHeap:
+    """Blocks by ascending key: `pop` returns the evictable leaf with the smallest one.
 
-    The heap holds bare floats (C-speed comparisons, no tuples); `owner` maps each to
-    a bucket: the blocks pushed with that key, in push order. Consecutive pushes of an
-    equal key (a request's blocks, inserted at one time) share one bucket and one heap
-    entry; other equal keys step to the next float up. Ties thus go to the earlier push
-    (the cache releases a request tail-first, so a chain's tail leaves before its head).
-    An entry is live while it equals `block.heap_ver` (lazy invalidation: a newer push
-    supersedes it; NaN: none)."""
+    The heap holds bare floats (C-speed comparisons, no tuples); `owner` maps each to a
+    bucket: the blocks pushed with that key, in push order. Consecutive pushes of an equal
+    key (a request's blocks, inserted at one time) share one bucket and one heap entry;
+    other equal keys step to the next float up. Ties thus go to the earlier push (the cache
+    releases a request tail-first, so a chain's tail leaves before its head). An entry is
+    live while it equals `block.heap_ver` (lazy invalidation: a newer push supersedes it;
+    NaN: none). `key(block)` is the policy's key, read at each push and at a re-key."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, key: Callable[[Block], float]) -> None:
+        self.key = key
         self.heap: list[float] = []
         self.owner: dict[float, list[Block]] = {}
-        self._last_key = math.nan
-        self._last_slot = math.nan
-        self._cur: list[Block] = []  # the bucket `victim` is draining (left of heap)
-        # Keys changed (new generation or half-life) but the heap is not re-keyed yet: it
-        # is, once, when a victim is next taken (`_rekey`), however many changes came first.
-        self._stale = False
-        self._cur_i = 0
-        self._cur_u = math.nan
-        self._entries = 0  # pushes since the last compaction, plus what it kept
-        self._compact_at = 1024
+        self.last_key = math.nan  # the key of the last push, and the slot it went to
+        self.last_slot = math.nan
+        self.cur: list[Block] = []  # the bucket `pop` is draining (left of `heap`)
+        self.cur_i = 0
+        self.cur_u = math.nan
+        # Keys changed (a new generation or half-life) but the heap is not re-keyed yet:
+        # it is, once, when a block is next taken, however many changes came first.
+        self.stale = False
+        self.entries = 0  # pushes since the last compaction, plus what it kept
+        self.compact_at: float = 1024  # entries beyond which a push compacts
+        self.capacity = 0
 
-    def _key(self, b: Block) -> float:
-        raise NotImplementedError
+    def bind(self, capacity_blocks: int, compact_at: int | None = None) -> None:
+        self.capacity = capacity_blocks
+        if compact_at is not None:
+            self.compact_at = compact_at
 
-    def _push(self, b: Block) -> None:
-        self._push_key(b, self._key(b))
+    def __len__(self) -> int:
+        """Heap entries (stale ones included)."""
+        return len(self.heap)
 
-    def _push_key(self, b: Block, k: float) -> None:
-        owner = self.owner
-        if k == self._last_key:
-            bucket = owner.get(self._last_slot)
-            if bucket is not None:
+    def push(self, blocks: Iterable[Block]) -> None:
+        """Enter each block at its key, in order (superseding any entry it had): a
+        released block, a parked one that became evictable, or the whole heap re-keyed.
+        A request's blocks come in one call; the loop is every access's hot path."""
+        key, owner, heap = self.key, self.owner, self.heap
+        nextafter, inf, heappush = math.nextafter, math.inf, heapq.heappush
+        last_k, last_u = self.last_key, self.last_slot
+        bucket = owner.get(last_u)  # the last push's bucket, unless `pop` took it since
+        entries, compact_at = self.entries, self.compact_at
+        for b in blocks:
+            b.parked = None
+            k = key(b)
+            if k == last_k and bucket is not None:  # as the previous push: its bucket
                 bucket.append(b)
-                b.heap_ver = self._last_slot
-                self._entries += 1
-                return
-        u = k
-        while u in owner:
-            u = math.nextafter(u, math.inf)
-        self._last_key = k
-        self._last_slot = u
-        owner[u] = [b]
-        b.heap_ver = u
-        heapq.heappush(self.heap, u)
-        self._entries += 1
-        if self._entries > self._compact_at:
-            self._compact()
+                b.heap_ver = last_u
+                entries += 1
+                continue
+            u = k
+            while u in owner:
+                u = nextafter(u, inf)
+            last_k = k
+            last_u = u
+            bucket = owner[u] = [b]
+            b.heap_ver = u
+            heappush(heap, u)
+            entries += 1
+            if entries > compact_at:
+                self.last_key, self.last_slot, self.entries = last_k, last_u, entries
+                self.compact()
+                owner, heap, bucket = self.owner, self.heap, None
+                last_k, last_u = self.last_key, self.last_slot
+                entries, compact_at = self.entries, self.compact_at
+        self.last_key, self.last_slot, self.entries = last_k, last_u, entries
+
+    # No acquire: a referenced block's entry is skipped (parked) when met, and its release
+    # (or, for a parked parent, its becoming a leaf) pushes a fresh entry that supersedes
+    # the old one.
+    def forget(self, b: Block) -> None:
+        """`b` leaves: any entry it has reads as stale."""
+        b.heap_ver = math.nan
+        b.parked = None
+
+    def rekey(self) -> None:
+        """Every key changed: re-key the heap before the next block is taken, not now."""
+        self.stale = True
+
+    def pop(self) -> Block | None:
+        """Remove and return the evictable leaf with the smallest key (None: none left)."""
+        if self.stale:
+            self.rebuild()
+        heap = self.heap
+        while True:
+            cur, i = self.cur, self.cur_i
+            if i >= len(cur):
+                if not heap:
+                    self.cur, self.cur_i = [], 0
+                    return None
+                u = heapq.heappop(heap)
+                cur = self.cur = self.owner.pop(u)
+                i = 0
+                self.cur_u = u
+            elif heap and heap[0] < self.cur_u:  # a smaller key arrived meanwhile
+                self._park_bucket()
+                continue
+            u = self.cur_u
+            n = len(cur)
+            while i < n:
+                b = cur[i]
+                i += 1
+                if u != b.heap_ver or b.key is None:
+                    continue
+                if b.ref_cnt or b.num_children:
+                    b.parked = PARKED
+                    continue
+                self.cur_i = i
+                b.heap_ver = math.nan
+                return b
+            self.cur_i = i
+
+    def take_lazy(self, n: int, protected: Container[object]
+                  ) -> tuple[list[Block], list[Block]]:
+        """Up to `n` blocks in one call, for a caller that does not push a block again
+        when its key rises (a hit, a cleared flag, a raised head): between re-keys keys
+        only rise, so a block's entry is a lower bound of its key, and a block met with a
+        key above its entry is pushed back at its key instead of taken. The blocks are the
+        coldest, as `pop` with a push at every access would give (ties aside). Blocks
+        whose key (`Block.key`) is in `protected` are taken and returned apart, for the
+        caller to push back; fewer than `n` when the heap runs dry."""
+        if self.stale:
+            self.rebuild()
+        heap, owner, heappop, key = self.heap, self.owner, heapq.heappop, self.key
+        picked: list[Block] = []
+        skipped: list[Block] = []
+        if n <= 0:
+            return picked, skipped
+        if self.cur_i < len(self.cur) and heap and heap[0] < self.cur_u:
+            self._park_bucket()  # a smaller key arrived since the bucket was taken
+        cur, i, u = self.cur, self.cur_i, self.cur_u
+        # No compaction while `cur` is drained here: once, after.
+        compact_at, self.compact_at = self.compact_at, math.inf
+        while True:
+            if i >= len(cur):
+                if not heap:
+                    cur, i = [], 0
+                    break
+                u = heappop(heap)
+                cur = owner.pop(u)
+                i = 0
+            m = len(cur)
+            while i < m:
+                b = cur[i]
+                i += 1
+                if u != b.heap_ver or b.key is None:
+                    continue
+                if b.ref_cnt or b.num_children:
+                    b.parked = PARKED
+                    continue
+                if key(b) > u:  # hotter since its entry: back in at its key (above this one)
+                    self.push((b,))
+                    continue
+                b.heap_ver = math.nan
+                if b.key in protected:
+                    skipped.append(b)
+                    continue
+                picked.append(b)
+                if len(picked) == n:
+                    break
+            else:
+                continue
+            break
+        self.cur, self.cur_i, self.cur_u = cur, i, u
+        self.compact_at = compact_at
+        if self.entries > compact_at:
+            self.compact()
+        return picked, skipped
 
     def _park_bucket(self) -> None:
         """Return the rest of the bucket being drained to the heap (before later pushes
         of the same key)."""
-        rest = self._cur[self._cur_i:]
-        self._cur, self._cur_i = [], 0
+        rest = self.cur[self.cur_i:]
+        self.cur, self.cur_i = [], 0
         if rest:
-            u = self._cur_u
+            u = self.cur_u
             later = self.owner.get(u)
             if later is None:
                 self.owner[u] = rest
@@ -81,7 +201,8 @@ class HeapPolicy(EvictionPolicy):
             else:
                 self.owner[u] = rest + later
 
-    def _live(self) -> list[Block]:
+    def live(self) -> list[Block]:
+        """The blocks with a live entry, in heap-entry order (not key order)."""
         self._park_bucket()
         # A block is live in one bucket at most (the one its `heap_ver` names), perhaps
         # twice there: keep its first entry, in bucket order.
@@ -96,25 +217,22 @@ class HeapPolicy(EvictionPolicy):
                 live[i].heap_ver = u
         return live
 
-    def _rebuild(self) -> None:
-        self._stale = False
-        live = self._live()
+    def rebuild(self) -> None:
+        """Re-key now: every live block pushed again at its current key (runs over every
+        evictable block: at most once per new generation or half-life)."""
+        self.stale = False
+        live = self.live()
         self.heap = []
         self.owner = {}
-        self._last_key = math.nan
-        self._entries = 0
-        for b in live:
-            self._push(b)
+        self.last_key = math.nan
+        self.entries = 0
+        self.push(live)
 
-    def _rekey(self) -> None:
-        """Every key changed: re-key the heap before the next victim, not now."""
-        self._stale = True
-
-    def _compact(self) -> None:
+    def compact(self) -> None:
         """Drop superseded entries (keys unchanged, so one heapify): keeps the heap, and
         the log n of every push, near the number of evictable blocks."""
-        if self._stale:  # a rebuild compacts too
-            self._rebuild()
+        if self.stale:  # a rebuild compacts too
+            self.rebuild()
             return
         self._park_bucket()
         owner: dict[float, list[Block]] = {}
@@ -134,54 +252,6 @@ class HeapPolicy(EvictionPolicy):
         self.owner = owner
         self.heap = heap = list(owner)
         heapq.heapify(heap)
-        self._last_key = math.nan
-        self._entries = kept
-        self._compact_at = kept + max(kept // 2, self.capacity // 2) + 256
-
-    # No on_acquire: a referenced block's entry is skipped (parked) by `victim`, and its
-    # release pushes a fresh entry that supersedes the old one (the cache skips the call).
-
-    def on_release(self, b: Block, now: float) -> None:
-        b.parked = None
-        self._push(b)
-
-    def on_leaf(self, b: Block) -> None:
-        if b.parked is not None:
-            b.parked = None
-            self._push(b)
-
-    def victim(self) -> Block | None:
-        if self._stale:
-            self._rebuild()
-        heap = self.heap
-        while True:
-            cur, i = self._cur, self._cur_i
-            if i >= len(cur):
-                if not heap:
-                    self._cur, self._cur_i = [], 0
-                    return None
-                u = heapq.heappop(heap)
-                cur = self._cur = self.owner.pop(u)
-                i = 0
-                self._cur_u = u
-            elif heap and heap[0] < self._cur_u:  # a smaller key arrived meanwhile
-                self._park_bucket()
-                continue
-            u = self._cur_u
-            n = len(cur)
-            while i < n:
-                b = cur[i]
-                i += 1
-                if u != b.heap_ver or b.key is None:
-                    continue
-                if b.ref_cnt or b.num_children:
-                    b.parked = PARKED
-                    continue
-                self._cur_i = i
-                b.heap_ver = math.nan
-                return b
-            self._cur_i = i
-
-    def forget(self, b: Block) -> None:
-        b.heap_ver = math.nan
-        b.parked = None
+        self.last_key = math.nan
+        self.entries = kept
+        self.compact_at = kept + max(kept // 2, self.capacity // 2) + 256

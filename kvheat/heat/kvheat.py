@@ -1,32 +1,41 @@
 """`kvheat`: the default eviction policy, decayed-frequency heat on the cache's own clock.
 
-A block's heat is its exponentially decayed access count on a virtual clock (counts.py),
-times its penalty factors (penalties.py), adapted while it runs (feedback.py); the coldest
-evictable leaf goes first (heap.py). The class below wires the cache's hooks to those
-parts, with the per-access work inlined: it is the hot path of every replay and server.
+A block's key is its exponentially decayed access count on a virtual clock (`HeatClock`,
+counts.py) times its penalty factors (`Penalties`, penalties.py): `KVHeat.key`. The
+coldest evictable leaf goes first, from one `BlockHeap` (heap.py). While it runs the policy
+adapts (feedback.py): the half-life follows the measured reuse gap, the entropy regime
+sets the penalties' flags, the optional drift detector drops stale heat. The cache's hooks
+below have the per-access work inlined: they are the hot path of every replay and server.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from ..cache.block import Block
-from ..cache.policy import register_policy
-from .counts import HeatRecord
-from .entropy import LN2
-from .feedback import MULT_HI, MULT_LO, HeatFeedback
-from .penalties import EXTENSION, FRESH, PINNED
+from ..cache.policy import EvictionPolicy, register_policy
+from .counts import HeatClock, HeatRecord
+from .entropy import EntropyTracker
+from .feedback import Feedback
+from .heap import BlockHeap
+from .penalties import EXTENSION, FRESH, PINNED, Penalties
+from .reuse import ReuseGapEstimator
+
+# What the ghost history keeps of an evicted block: its record's fields, as a tuple
+# (count, generation, last access, flags).
+Remembered = tuple[float, int, float, int]
 
 
 @register_policy("kvheat")
-class KVHeat(HeatFeedback):
+class KVHeat(EvictionPolicy):
     """Decayed-frequency heat with history, suffix demotion and optional adaptation.
 
     The half-life is `reuse_mult` times the workload's typical reuse gap, measured online
     (`ReuseGapEstimator`), unless `half_life` fixes it (in block accesses); every penalty
-    is a number of half-lives. Each block's `rec` is its `HeatRecord`.
+    is a number of half-lives. Each block's `rec` is its `HeatRecord`. Evicted keys keep
+    their count for a while (the ghost history), so a prefix that comes back resumes its
+    heat.
     """
 
     name = "kvheat"
@@ -49,28 +58,70 @@ class KVHeat(HeatFeedback):
             raise ValueError("half_life must be positive (block accesses)")
         if reuse_mult <= 0:
             raise ValueError("reuse_mult must be positive")
-        self._init_counts(half_life, reuse_quantile, ghost, max_count)
-        self._init_penalties(tail_penalty, admit_penalty, pin_bonus, extension_penalty,
-                             adapt_extension, penalty_fade)
-        self._init_feedback(reuse_mult, regime, tune, drift, entropy_half_life, entropy_sample,
-                            drift_window, drift_threshold,
-                            adapt_mult and half_life is None and not tune)
+        self.heap = BlockHeap(self.key)
+        # until bound (the cache's size) and then measured, unless fixed
+        self.clock = HeatClock(half_life if half_life is not None else 1024.0, max_count,
+                               self.heap.rekey)
+        self.penalties = Penalties(tail_penalty, admit_penalty, pin_bonus, extension_penalty,
+                                   adapt_extension, penalty_fade)
+        # The workload's reuse gap, measured on a sample of keys unless `half_life` fixes
+        # the half-life (then nothing is sampled and the estimate stays None).
+        self.gaps = ReuseGapEstimator(quantile=reuse_quantile)
+        self._sample_below = self.gaps.threshold if half_life is None else 0
+        self.feedback = Feedback(
+            self.clock, self.penalties, self.heap, self.gaps, half_life, reuse_mult, regime,
+            tune, drift, entropy_half_life, entropy_sample, drift_window, drift_threshold,
+            adapt_mult and half_life is None and not tune)
+        self.evict_age = 0.0  # mean age at eviction since last access, accesses (EWMA)
+        self.evictions = 0
+        self.ghost_mult = ghost
+        # History in two generations of plain dicts (O(1), no per-entry links): new
+        # entries go to `ghost`; when it holds `ghost_limit` keys (2/3 of `ghost` ×
+        # capacity) it becomes `ghost_old` and the older one is dropped, so the last
+        # 2/3..4/3 × `ghost` × capacity evictions are kept, `ghost` × capacity on average.
+        self.ghost: dict[bytes, Remembered] = {}
+        self.ghost_old: dict[bytes, Remembered] = {}
+        self.ghost_limit = 0
         self.ghost_hits = 0
 
+    # -- the key ---------------------------------------------------------------------
+    def key(self, b: Block) -> float:
+        """`b`'s eviction key, the smallest goes first: its decayed access count (brought
+        to the current generation) times its flags' factor, and the tail factor when it is
+        shorter than a full block."""
+        r: HeatRecord = b.rec
+        clock = self.clock
+        if r.gen != clock.gen:
+            clock.rescale(r)
+        p = self.penalties
+        k = r.count * p.flag[r.flags]
+        return k * p.tail if b.num_tokens < p.block_size else k
+
+    def raise_key(self, b: Block, k: float) -> None:
+        """Set `b`'s count so that its key is `k`, right after `key(b)` read a lower one
+        (its heap entry stays a lower bound: see `take_lazy`)."""
+        r: HeatRecord = b.rec
+        p = self.penalties
+        if b.num_tokens < p.block_size:
+            k /= p.tail
+        r.count = k / p.flag[r.flags]
+
+    # -- accesses --------------------------------------------------------------------
     def on_insert(self, b: Block, now: float) -> None:
         # Runs once per block filled: flags precomputed, few attribute lookups.
-        if now != self._t:
-            self._advance(now)
-        self._acc += 1
-        w = self._w
+        clock, pen = self.clock, self.penalties
+        if now != clock.t:
+            clock.advance(now)
+        clock.accesses += 1
+        w = clock.weight
         n = b.num_tokens
-        bs = self.block_size
+        bs = pen.block_size
         if n > bs:
-            self.block_size = bs = n
+            pen.block_size = bs = n
         key: bytes = b.key  # type: ignore[assignment]  # set: the block is cached
-        if key[0] < self._sample_below and self.gaps.observe(key, self._v):
-            self._measured_half_life()
-            w = self._w
+        if key[0] < self._sample_below and self.gaps.observe(key, clock.v):
+            self.feedback.reuse_gap_moved()
+            w = clock.weight
         r: HeatRecord | None = b.rec
         if r is None:  # the block's first insert: its record is reused from then on
             r = b.rec = HeatRecord()
@@ -78,9 +129,9 @@ class KVHeat(HeatFeedback):
         if g is None and self.ghost_old:
             g = self.ghost_old.pop(key, None)
         if g is None:
-            st = self._new_flags
+            st = pen.new_flags
             p = b.parent
-            if p is not None and self._extensions:
+            if p is not None and pen.extensions:
                 # A new block extending a prefix known before this request (hit now, or
                 # back from the ghost: count > 1) below depth 0 is an appended suffix; a
                 # new parent passes its flag on down the chain.
@@ -94,205 +145,205 @@ class KVHeat(HeatFeedback):
                 # Inserted counts are added to `reuse` in batches of 64 (exact: the
                 # smoothing only applies at the batch end).
                 if st & EXTENSION:
-                    self._ext_seen += 1
+                    pen.ext_seen += 1
                 else:
                     st |= FRESH
-                self._first_seen += 1
-                if self._first_seen >= 64:
-                    self._update_penalties()
+                pen.first_seen += 1
+                if pen.first_seen >= 64:
+                    pen.update(self.gaps.estimate, self.evictions, self.evict_age)
             r.count = w
         else:
             self.ghost_hits += 1
             m, gen, v, st = g
-            if self.adapt_mult:
-                self._ghost_feedback(m, gen, v)
-                w = self._w
-            if gen != self.gen:
-                m = self._convert(m, gen, v)
+            if self.feedback.adapt_mult:
+                self.feedback.victim_returned(m, gen, v, self.evictions)
+                w = clock.weight
+            if gen != clock.gen:
+                m = clock.convert(m, gen, v)
             r.count = m + w
             if st & (EXTENSION | FRESH):
-                self.reuse[0 if st & EXTENSION else 2] += 1.0
+                pen.reuse[0 if st & EXTENSION else 2] += 1.0
             st = 0
-        if self._pin_roots and b.depth == 0:
+        if pen.pin_roots and b.depth == 0:
             st |= PINNED
-        r.gen = self.gen
-        r.last = self._v
+        r.gen = clock.gen
+        r.last = clock.v
         r.flags = st
-        if (b.depth == 1 and self._feedback) or self.tuner is not None:
-            self._observe(b, now, False)
+        if ((b.depth == 1 and self.feedback.watch_keys) or self.feedback.tuner is not None) \
+                and self.feedback.observe(b, False):
+            self.forget_heat()
 
     def on_hit(self, b: Block, now: float) -> None:
-        if now != self._t:
-            self._advance(now)
-        self._acc += 1
-        key: bytes = b.key  # type: ignore[assignment]  # set: the block is cached
-        if key[0] < self._sample_below and self.gaps.observe(key, self._v):
-            self._measured_half_life()
-        r: HeatRecord = b.rec
-        if r.gen != self.gen:
-            self._rescale(r)
-        m = r.count + self._w
-        r.count = m if m < self._cap else self._cap
-        r.last = self._v
-        st = r.flags
-        if st > PINNED:
-            if st & (EXTENSION | FRESH):
-                self.reuse[0 if st & EXTENSION else 2] += 1.0
-            r.flags = st & PINNED  # seen again: no longer a one-off
-        if (b.depth == 1 and self._feedback) or self.tuner is not None:
-            self._observe(b, now, True)
+        self.on_hit_all((b,), now)
 
     def on_hit_all(self, blocks: Iterable[Block], now: float) -> None:
         """`on_hit` of each block in order, at one timestamp, in one call (a request's
-        reused blocks): the same counts, flags and feedback, lookups hoisted."""
-        if now != self._t:
-            self._advance(now)
-        gaps, below = self.gaps, self._sample_below
-        observe = self._observe if self._feedback or self.tuner is not None else None
-        tuned = self.tuner is not None
-        reuse = self.reuse
+        reused blocks)."""
+        clock, gaps, below = self.clock, self.gaps, self._sample_below
+        if now != clock.t:
+            clock.advance(now)
+        fb = self.feedback
+        observe = fb.observe if fb.watch_keys or fb.tuner is not None else None
+        tuned = fb.tuner is not None
+        reuse = self.penalties.reuse
         for b in blocks:
-            self._acc += 1
+            clock.accesses += 1
             key: bytes = b.key  # type: ignore[assignment]  # set: the block is cached
-            if key[0] < below and gaps.observe(key, self._v):
-                self._measured_half_life()  # may start a generation: read them per block
+            if key[0] < below and gaps.observe(key, clock.v):
+                fb.reuse_gap_moved()  # may start a generation: read the clock per block
             r: HeatRecord = b.rec
-            if r.gen != self.gen:
-                self._rescale(r)
-            m = r.count + self._w
-            cap = self._cap
+            if r.gen != clock.gen:
+                clock.rescale(r)
+            m = r.count + clock.weight
+            cap = clock.cap
             r.count = m if m < cap else cap
-            r.last = self._v
+            r.last = clock.v
             st = r.flags
             if st > PINNED:
                 if st & (EXTENSION | FRESH):
                     reuse[0 if st & EXTENSION else 2] += 1.0
                 r.flags = st & PINNED  # seen again: no longer a one-off
-            if observe is not None and (b.depth == 1 or tuned):
-                observe(b, now, True)
+            if observe is not None and (b.depth == 1 or tuned) and observe(b, True):
+                self.forget_heat()
 
-    def on_release(self, b: Block, now: float) -> None:
-        # _push with the key computed inline: this runs once per block access.
-        b.parked = None
+    def move_access(self, b: Block, weight: float, now: float) -> None:
+        """Move `b`'s access counted earlier with `weight` (the clock's weight then) to
+        `now`: the same count, dated later (a caller that counted a use early, at a load's
+        start, moves it to the request's end). Nothing moves across a generation."""
+        clock = self.clock
+        if now != clock.t:
+            clock.advance(now)
         r: HeatRecord = b.rec
-        if r.gen != self.gen:
-            self._rescale(r)
-        k = r.count * self._flag[r.flags]
-        if b.num_tokens < self.block_size:
-            k *= self._tail
-        if k == self._last_key:  # the same key as the previous push: same bucket
-            bucket = self.owner.get(self._last_slot)
-            if bucket is not None:
-                bucket.append(b)
-                b.heap_ver = self._last_slot
-                self._entries += 1
-                return
-        self._push_key(b, k)
+        if r.gen == clock.gen:
+            r.count += clock.weight - weight
+            r.last = clock.v
+
+    # -- the heap --------------------------------------------------------------------
+    def on_release(self, b: Block, now: float) -> None:
+        self.heap.push((b,))
 
     def on_release_all(self, blocks: list[Block], now: float) -> None:
         # The cache's batched release (a request's blocks, tail-first, after their refcounts
-        # changed): the same heap as `on_release` of each, without a call per block.
-        self.release_all(blocks)
+        # changed): the same heap as `on_release` of each.
+        self.heap.push(blocks)
 
     def release_all(self, blocks: Iterable[Block]) -> None:
         """`on_release` of each block in order, in one call (for a caller releasing many
-        at once: the loop's lookups hoisted, the push inlined; the same heap after)."""
-        gen, flag, bs, tail = self.gen, self._flag, self.block_size, self._tail
-        rescale, nextafter, inf, heappush = self._rescale, math.nextafter, math.inf, heapq.heappush
-        owner, heap = self.owner, self.heap
-        last_k, last_u = self._last_key, self._last_slot
-        bucket = owner.get(last_u)  # the last push's bucket, unless victim took it since
-        entries, compact_at = self._entries, self._compact_at
-        for b in blocks:
-            b.parked = None
-            r: HeatRecord = b.rec
-            if r.gen != gen:
-                rescale(r)
-            k = r.count * flag[r.flags]
-            if b.num_tokens < bs:
-                k *= tail
-            if k == last_k and bucket is not None:
-                bucket.append(b)
-                b.heap_ver = last_u
-                entries += 1
-                continue
-            u = k
-            while u in owner:
-                u = nextafter(u, inf)
-            last_k = k
-            last_u = u
-            bucket = owner[u] = [b]
-            b.heap_ver = u
-            heappush(heap, u)
-            entries += 1
-            if entries > compact_at:
-                self._last_key, self._last_slot, self._entries = last_k, last_u, entries
-                self._compact()
-                owner, heap, bucket = self.owner, self.heap, None
-                last_k, last_u = self._last_key, self._last_slot
-                entries, compact_at = self._entries, self._compact_at
-        self._last_key, self._last_slot, self._entries = last_k, last_u, entries
+        at once, outside the cache)."""
+        self.heap.push(blocks)
 
+    def on_leaf(self, b: Block) -> None:
+        if b.parked is not None:  # met while it had children: back in
+            self.heap.push((b,))
+
+    def victim(self) -> Block | None:
+        return self.heap.pop()
+
+    def take_lazy(self, n: int, protected: Container[object]
+                  ) -> tuple[list[Block], list[Block]]:
+        """Up to `n` victims for a caller that saves the push at each hit (vLLM's offload
+        tier, `KVHeatCachePolicy`): `BlockHeap.take_lazy`."""
+        return self.heap.take_lazy(n, protected)
+
+    def forget(self, b: Block) -> None:
+        self.heap.forget(b)
+
+    # -- evictions -------------------------------------------------------------------
     def on_evict(self, b: Block) -> None:
-        self.on_evict_all((b,))
+        """`b` leaves the cache: the eviction age, the median victim's heat (for the
+        multiple's feedback), and the ghost history keeps its count."""
+        r: HeatRecord = b.rec
+        # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
+        self.evictions = n_ev = self.evictions + 1
+        last = r.last
+        self.evict_age += ((self.clock.accesses - last - self.evict_age)
+                           / (n_ev if n_ev < 250 else 250))
+        m = r.count
+        if m > 0 and self.feedback.adapt_mult:
+            self.feedback.victim_heat(m, r.gen, last, n_ev)
+        ghost = self.ghost
+        ghost[b.key] = (m, r.gen, last, r.flags)  # type: ignore[index]  # set: cached
+        if len(ghost) >= self.ghost_limit:
+            self.ghost_old = ghost if self.ghost_limit else {}
+            self.ghost = {}
 
     def on_evict_all(self, blocks: Iterable[Block]) -> None:
-        """`on_evict` of each block in order, in one call: the eviction age, the median
-        victim's heat (for `_ghost_feedback`) and the ghost history, lookups hoisted."""
-        acc, n_ev, age = self._acc, self.evictions, self.evict_age
-        adapt = self.adapt_mult
-        gens, log2, spread, med = self.gens, math.log2, self._victim_spread, self._victim_heat
-        horizon = max(1, self.ghost_limit)
-        ghost, limit = self.ghost, self.ghost_limit
+        """`on_evict` of each block in order."""
         for b in blocks:
-            r: HeatRecord = b.rec
-            # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
-            n_ev += 1
-            last = r.last
-            age += (acc - last - age) / (n_ev if n_ev < 250 else 250)
-            m = r.count
-            if adapt and m > 0:
-                # The median victim's log2 heat at its last access, by stochastic
-                # approximation over about the ghost history's length: returns of a
-                # random sample of victims then step up and down equally often,
-                # whatever the spread's skew.
-                base, lam = gens[r.gen]
-                x = log2(m) - lam * (last - base) / LN2
-                if n_ev <= 1:
-                    med = x
-                else:
-                    d = x - med
-                    spread += ((d if d > 0 else -d) - spread) / (n_ev if n_ev < horizon else horizon)
-                    med += spread / 32 if d > 0 else -spread / 32
-            ghost[b.key] = (m, r.gen, last, r.flags)  # type: ignore[index]  # set: cached
-            if len(ghost) >= limit:
-                self.ghost_old = ghost if limit else {}
-                self.ghost = ghost = {}
-        self.evictions, self.evict_age = n_ev, age
-        self._victim_spread, self._victim_heat = spread, med
+            self.on_evict(b)
 
+    def ghost_size(self) -> int:
+        """Keys the ghost history holds."""
+        return len(self.ghost) + len(self.ghost_old)
+
+    def forget_heat(self) -> None:
+        """Every cached count drops to at most one access now, the history is forgotten
+        (O(cached blocks)): the drift detector's answer to stale heat."""
+        clock = self.clock
+        lam, base = clock.lam, clock.base
+        for b in self.heap.live():
+            r: HeatRecord = b.rec
+            if r.gen != clock.gen:
+                clock.rescale(r)
+            one = math.exp(lam * (r.last - base))
+            if r.count > one:
+                r.count = one
+        self.ghost.clear()
+        self.ghost_old.clear()
+        self.heap.rebuild()
+
+    # -- setup and reports -----------------------------------------------------------
     def bind(self, capacity_blocks: int) -> None:
         super().bind(capacity_blocks)
+        self.heap.bind(capacity_blocks, compact_at=2 * capacity_blocks + 256)
         self.ghost_limit = int(self.ghost_mult * capacity_blocks * 2 / 3)
-        self._compact_at = 2 * capacity_blocks + 256
-        if self.fixed_half_life is None and self.gaps.estimate is None:
+        if self.feedback.fixed_half_life is None and self.gaps.estimate is None:
             # Until the first reuse gaps are in: the cache's own size, in accesses.
-            self.half_life = float(max(capacity_blocks, 1))
-            self.lam = LN2 / self.half_life
-            self.gens[self.gen] = (self.base, self.lam)
-        self._mult_step = (MULT_HI - MULT_LO) / max(capacity_blocks, 1)
+            self.clock.start(float(max(capacity_blocks, 1)))
+        self.feedback.bind(capacity_blocks, self.ghost_limit)
+
+    def set_cluster_entropy(self, bits: float) -> None:
+        """The entropy (bits) of the keys under the roots over all the traffic a router
+        spreads across this cache and its peers: `Feedback.set_cluster_entropy`."""
+        self.feedback.set_cluster_entropy(bits)
+
+    @property
+    def mode(self) -> str:
+        """The entropy regime: "low", "mid" or "high"."""
+        return self.feedback.mode
+
+    @property
+    def tracker(self) -> EntropyTracker | None:
+        """The decayed entropy of the keys under the roots (None: neither the regime nor
+        drift watches them)."""
+        return self.feedback.tracker
+
+    @property
+    def half_life(self) -> float:
+        """The half-life, in block accesses."""
+        return self.clock.half_life
+
+    @property
+    def reuse_mult(self) -> float:
+        """The half-life's multiple of the measured reuse gap."""
+        return self.feedback.reuse_mult
+
+    def log_count(self, b: Block, vtime: float | None = None) -> float:
+        """ln of `b`'s decayed access count at virtual time `vtime` (default: now)."""
+        return self.clock.log_count(b.rec, vtime)
 
     def stats(self) -> dict[str, float]:
-        out = {"half_life_accesses": self.half_life, "ghost_hits": self.ghost_hits,
-               "admit_penalty": self.admit_penalty, "evict_age": self.evict_age,
-               "extension_penalty": self.extension_penalty,
-               "retunes": self.retunes, "reuse_mult": self.reuse_mult}
+        fb, pen = self.feedback, self.penalties
+        out = {"half_life_accesses": self.clock.half_life, "ghost_hits": self.ghost_hits,
+               "admit_penalty": pen.admit_penalty, "evict_age": self.evict_age,
+               "extension_penalty": pen.extension_penalty,
+               "retunes": self.clock.retunes, "reuse_mult": fb.reuse_mult}
         if self.gaps.estimate is not None:
             out["reuse_gap_accesses"] = self.gaps.estimate
-        if self.tracker is not None:
-            out["entropy_bits"] = self.tracker.bits()
-        if self._cluster_left > 0:
-            out["cluster_entropy_bits"] = self.cluster_bits  # type: ignore[assignment]
-        if self.detector is not None:
-            out["drifts"] = self.detector.drifts
+        if fb.tracker is not None:
+            out["entropy_bits"] = fb.tracker.bits()
+        if fb.cluster_left > 0 and fb.cluster_bits is not None:
+            out["cluster_entropy_bits"] = fb.cluster_bits
+        if fb.detector is not None:
+            out["drifts"] = fb.detector.drifts
         return out

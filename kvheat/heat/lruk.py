@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from ..cache.block import Block
 from ..cache.ghost import Ghost
-from ..cache.policy import register_policy
-from .heap import HeapPolicy
+from ..cache.policy import EvictionPolicy, register_policy
+from .heap import BlockHeap
 
 
 @dataclass(slots=True)
@@ -19,7 +19,7 @@ class LRUKHistory:
 
 
 @register_policy("lruk")
-class LRUK(HeapPolicy):
+class LRUK(EvictionPolicy):
     """LRU-K: evict the block whose K-th most recent access is oldest (fewer than K
     accesses counts as infinitely old, LRU among those). History survives eviction in a
     ghost map (a key's last access), as LRU-K's retained-information period."""
@@ -33,11 +33,16 @@ class LRUK(HeapPolicy):
         self.k = k
         self.ghost_mult = ghost
         self.ghost: Ghost[float] = Ghost()
+        self.heap = BlockHeap(self.key)
 
-    def _key(self, b: Block) -> float:
+    def key(self, b: Block) -> float:
         times: list[float] = b.rec.times
         # Blocks with < K accesses sort before all others (offset), LRU among themselves.
         return times[0] if len(times) == self.k else times[-1] - 1e12
+
+    def bind(self, capacity_blocks: int) -> None:
+        super().bind(capacity_blocks)
+        self.heap.bind(capacity_blocks)
 
     def on_insert(self, b: Block, now: float) -> None:
         assert b.key is not None
@@ -55,6 +60,24 @@ class LRUK(HeapPolicy):
         times.append(now)
         if len(times) > self.k:
             del times[0]
+
+    # The heap's hooks: no acquire (a referenced block's entry is parked when met).
+    def on_release(self, b: Block, now: float) -> None:
+        self.heap.push((b,))
+
+    def on_release_all(self, blocks: list[Block], now: float) -> None:
+        # The cache's batched release (a request's blocks, tail-first): one push call.
+        self.heap.push(blocks)
+
+    def on_leaf(self, b: Block) -> None:
+        if b.parked is not None:  # met while it had children: back in
+            self.heap.push((b,))
+
+    def victim(self) -> Block | None:
+        return self.heap.pop()
+
+    def forget(self, b: Block) -> None:
+        self.heap.forget(b)
 
     def on_evict(self, b: Block) -> None:
         assert b.key is not None

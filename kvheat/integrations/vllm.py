@@ -62,7 +62,7 @@ except Exception as e:  # a broken torchvision says what to run, not a traceback
     raise import_error(e) from None
 
 from ..heat.kvheat import KVHeat
-from .vllm_chunk import Chunk, Placement, move_access_to_now
+from .vllm_chunk import Chunk, Placement
 
 __all__ = ["KVHeatCachePolicy"]
 
@@ -73,7 +73,7 @@ def _tight(heat: KVHeat, evicted: int, evict_age: float) -> bool:
     if not evicted:
         return False  # nothing evicted yet: every reuse so far was held
     gap = heat.gaps.estimate if heat.gaps is not None else None
-    return gap is not None and evict_age < heat.penalty_fade * gap
+    return gap is not None and evict_age < heat.penalties.fade * gap
 
 
 _HELD = object()  # a chunk's `parked` while the request that loaded it runs (`hold`)
@@ -129,9 +129,9 @@ class KVHeatCachePolicy(CachePolicy):
         self._tick = 0.0  # one timestamp per request event; KVHeat counts accesses itself
         self.placement = Placement()  # the storing request: its chunks' prefix
         self._loading = False  # the last event was a load's start (early_hits)
-        self._evicted = 0
+        self.evicted = 0  # chunks evicted so far
         self.fallbacks = 0  # evictions of held chunks: nothing else was left
-        self._evict_age = 0.0  # the gate's mean eviction age (gated)
+        self.evict_age = 0.0  # the gate's mean eviction age, accesses (gated)
 
     # -- lookups ---------------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:
@@ -153,7 +153,7 @@ class KVHeatCachePolicy(CachePolicy):
         self.placement.place(c)
         c.inserted_at = self._tick
         self.heat.on_insert(c, self._tick)
-        c.w_ins = self.heat._w  # this access's weight, in generation c.rec.gen
+        c.w_ins = self.heat.clock.weight  # this access's weight, in generation c.rec.gen
         if chunk.ref_cnt == 0:
             self._free += 1
             c.stored = True
@@ -216,19 +216,19 @@ class KVHeatCachePolicy(CachePolicy):
                     if hits:
                         heat.on_hit_all(hits, now)
                         hits = []
-                    move_access_to_now(heat, c, c.w_ins, now)
+                    heat.move_access(c, c.w_ins, now)
                     c.w_ins = 0.0
             elif c.w_load:  # its load already counted the hit: move it to now
                 if hits:
                     heat.on_hit_all(hits, now)
                     hits = []
-                move_access_to_now(heat, c, c.w_load, now)
+                heat.move_access(c, c.w_load, now)
                 c.w_load = 0.0
             elif c.ref_cnt >= 0:  # reused, or found pending from another's store
                 hits.append(c)
         if hits:
             heat.on_hit_all(hits, now)
-        if not self.monotone or (self.gated and not _tight(self.heat, self._evicted, self._evict_age)):
+        if not self.monotone or (self.gated and not _tight(self.heat, self.evicted, self.evict_age)):
             heat.release_all([c for c in reversed(present) if not c.ref_cnt
                               and (c.parked is not None or c.heap_ver != c.heap_ver)])
             return
@@ -236,16 +236,12 @@ class KVHeatCachePolicy(CachePolicy):
         # as any chunk after it; where its count says otherwise its history was lost
         # (ghost dropped, admission penalty): raise it. Tail-first, so equal keys lose
         # the tail first.
-        flag, gen, top = heat._flag, heat.gen, 0.0
+        key, top = heat.key, 0.0
         back = []
         for c in reversed(present):
-            r = c.rec
-            if r.gen != gen:
-                heat._rescale(r)
-            f = flag[r.flags]
-            k = r.count * f
+            k = key(c)
             if k < top:
-                r.count = top / f
+                heat.raise_key(c, top)
             else:
                 top = k
             if not c.ref_cnt and (c.parked is not None or c.heap_ver != c.heap_ver):
@@ -257,7 +253,7 @@ class KVHeatCachePolicy(CachePolicy):
     def mark_evictable(self, key: OffloadKey) -> None:
         self._free += 1
         c = self.chunks[key]
-        if c.stored and self.hold and _loose(self.heat, self._evicted, self._evict_age):
+        if c.stored and self.hold and _loose(self.heat, self.evicted, self.evict_age):
             # A load completed (a store's completion is the first mark): held for the
             # request that loaded it, as kvheat's own cache keeps a running request's
             # blocks referenced; back in the heap when a request listing it ends.
@@ -284,8 +280,8 @@ class KVHeatCachePolicy(CachePolicy):
         self._free -= 1
         # `_tight`, inlined (this runs at every load's start)
         if self.early_hits and (not self.gated or (
-                self._evicted and (est := self.heat.gaps.estimate) is not None
-                and self._evict_age < self.heat.penalty_fade * est)):
+                self.evicted and (est := self.heat.gaps.estimate) is not None
+                and self.evict_age < self.heat.penalties.fade * est)):
             c = self.chunks[key]
             if c.w_load:
                 return
@@ -298,7 +294,7 @@ class KVHeatCachePolicy(CachePolicy):
                 self._tick += 1.0
             heat = self.heat
             heat.on_hit(c, self._tick)
-            c.w_load = heat._w
+            c.w_load = heat.clock.weight
 
     # -- eviction --------------------------------------------------------------------
     def evict(self, n: int, protected: set[OffloadKey]
@@ -326,12 +322,12 @@ class KVHeatCachePolicy(CachePolicy):
         if skipped:  # back in the heap with their unchanged key
             heat.release_all([c for c in skipped if not c.ref_cnt])
         if self.gated or self.hold:
-            acc, cap = heat._acc, max(self.cache_capacity, 1)
-            ev, age = self._evicted, self._evict_age
+            acc, cap = heat.clock.accesses, max(self.cache_capacity, 1)
+            ev, age = self.evicted, self.evict_age
             for c in picked:
                 ev += 1
                 age += (acc - c.last - age) / (ev if ev < cap else cap)
-            self._evicted, self._evict_age = ev, age
+            self.evicted, self.evict_age = ev, age
         heat.on_evict_all(picked)  # the ghost keeps its heat
         out: list[tuple[OffloadKey, ChunkStatus]] = []
         for c in picked:
@@ -345,15 +341,14 @@ class KVHeatCachePolicy(CachePolicy):
     def _evict_rest(self, k: int, protected: set[OffloadKey], picked: list[Chunk]) -> None:
         """Append the `k` coldest held, unprotected chunks (the heap is empty and the count
         said enough evictable chunks exist, so the rest are held for running requests)."""
-        key = self.heat._key
-        cands = []
+        key = self.heat.key
+        cands: list[tuple[float, int, Chunk]] = []
         for c in self._prune_held():
             if not c.ref_cnt and c.key not in protected:
                 # equal heat: the later marked first (a load's tail after its head)
                 cands.append((key(c), -len(cands), c))
         for *_, c in heapq.nsmallest(k, cands):
-            c.parked = None
-            c.heap_ver = math.nan
+            self.heat.forget(c)  # no longer held, and no heap entry
             picked.append(c)
             self.fallbacks += 1
 
@@ -380,7 +375,7 @@ class KVHeatCachePolicy(CachePolicy):
         return self._free
 
     def ghost_size(self) -> int:
-        return len(self.heat.ghost) + len(self.heat.ghost_old)
+        return self.heat.ghost_size()
 
     def stats(self) -> dict[str, float]:
         return self.heat.stats()
