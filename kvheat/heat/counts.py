@@ -17,13 +17,25 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from ..cache.node import PolicyRecord
 from .entropy import LN2
 
 
+class HeatFields(Protocol):
+    """What KVHeat reads and writes of a node's record: a `HeatRecord`, or a node that is
+    its own record with these fields (vLLM's offload `Chunk`)."""
+
+    count: float
+    last: float
+    gen: int
+    flags: int
+
+
 @dataclass(slots=True)
-class HeatRecord:
-    """KVHeat's per-block record (`Block.rec`)."""
+class HeatRecord(PolicyRecord):
+    """KVHeat's per-block record (`Node.rec`)."""
 
     count: float = 0.0  # Σ_i e^{λ(v_i − base)}, relative to generation `gen`
     last: float = 0.0  # virtual time of the last access
@@ -97,7 +109,7 @@ class HeatClock:
         base, lam = self.gens[gen]
         return m * math.exp(lam * (base - v) + self.lam * (v - self.base))
 
-    def rescale(self, r: HeatRecord) -> None:
+    def rescale(self, r: HeatFields) -> None:
         """Bring `r`'s count to the current generation."""
         r.count = self.convert(r.count, r.gen, r.last)
         r.gen = self.gen
@@ -107,7 +119,7 @@ class HeatClock:
         base, lam = self.gens[gen]
         return math.log2(m) - lam * (last - base) / LN2
 
-    def log_count(self, r: HeatRecord, vtime: float | None = None) -> float:
+    def log_count(self, r: HeatFields, vtime: float | None = None) -> float:
         """ln of `r`'s decayed access count at virtual time `vtime` (default: now)."""
         base, lam = self.gens[r.gen]
         v = self.accesses if vtime is None else vtime

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..cache.block import Block
+from ..cache.node import Node
 from .counts import HeatClock
 from .drift import DriftDetector
 from .entropy import EntropyTracker
@@ -132,7 +132,7 @@ class Feedback:
             self.heap.rekey()
 
     # -- the tuner, the entropy regime and drift -------------------------------------
-    def observe(self, b: Block, hit: bool) -> bool:
+    def observe(self, b: Node, hit: bool) -> bool:
         """Feedback for the optional tuner, entropy regime and drift detector; True when
         the detector saw drift."""
         if self.tuner is not None and self.tuner.record(hit):

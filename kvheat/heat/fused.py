@@ -9,7 +9,7 @@ import random
 import numpy as np
 from numpy.typing import NDArray
 
-from ..cache.block import Block
+from ..cache.node import Node
 from ..cache.policy import EvictionPolicy, register_policy
 
 
@@ -39,8 +39,8 @@ class Fused(EvictionPolicy):
     """Sampled eviction by the fused score: among `sample` random evictable leaves evict
     the lowest fused_score(H_b, ts_b), where H_b is the block's self-information
     -log2 p(b) normalised by log2(#blocks) (a rarely used block has high entropy) and ts_b
-    its recency normalised over the sample. A candidate's `rec` is its index in `cands`
-    (None: not a candidate); `freq` counts its accesses."""
+    its recency normalised over the sample. `slot` maps a candidate to its index in
+    `cands`; `freq` counts a block's accesses."""
 
     name = "fused"
 
@@ -48,44 +48,44 @@ class Fused(EvictionPolicy):
         super().__init__()
         self.sample = sample
         self.alpha, self.beta = alpha, beta
-        self.cands: list[Block] = []
+        self.cands: list[Node] = []
+        self.slot: dict[Node, int] = {}
         self.total = 0
         self.rng = random.Random(seed)
 
-    def _add(self, b: Block) -> None:
-        if b.rec is None and b.ref_cnt == 0 and b.num_children == 0:
-            b.rec = len(self.cands)
+    def _add(self, b: Node) -> None:
+        if b not in self.slot and b.ref_cnt == 0 and b.num_children == 0:
+            self.slot[b] = len(self.cands)
             self.cands.append(b)
 
-    def _drop(self, b: Block) -> None:
-        i: int | None = b.rec
+    def _drop(self, b: Node) -> None:
+        i = self.slot.pop(b, None)
         if i is None:
             return
         last = self.cands.pop()
         if last is not b:
             self.cands[i] = last
-            last.rec = i
-        b.rec = None
+            self.slot[last] = i
 
-    def on_insert(self, b: Block, now: float) -> None:
+    def on_insert(self, b: Node, now: float) -> None:
         b.freq = 1
-        b.rec = None
+        self.slot.pop(b, None)
         self.total += 1
 
-    def on_hit(self, b: Block, now: float) -> None:
+    def on_hit(self, b: Node, now: float) -> None:
         b.freq += 1
         self.total += 1
 
-    def on_acquire(self, b: Block) -> None:
+    def on_acquire(self, b: Node) -> None:
         self._drop(b)
 
-    def on_release(self, b: Block, now: float) -> None:
+    def on_release(self, b: Node, now: float) -> None:
         self._add(b)
 
-    def on_leaf(self, b: Block) -> None:
+    def on_leaf(self, b: Node) -> None:
         self._add(b)
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         c = self.cands
         if not c:
             return None
@@ -102,5 +102,5 @@ class Fused(EvictionPolicy):
         self._drop(best)
         return best
 
-    def on_evict(self, b: Block) -> None:
-        b.rec = None
+    def on_evict(self, b: Node) -> None:
+        self.slot.pop(b, None)

@@ -11,7 +11,7 @@ import heapq
 import math
 from collections.abc import Callable, Container, Iterable
 
-from ..cache.block import Block
+from ..cache.node import Node
 from ..cache.policy import PARKED
 
 
@@ -26,13 +26,13 @@ class BlockHeap:
     live while it equals `block.heap_ver` (lazy invalidation: a newer push supersedes it;
     NaN: none). `key(block)` is the policy's key, read at each push and at a re-key."""
 
-    def __init__(self, key: Callable[[Block], float]) -> None:
+    def __init__(self, key: Callable[[Node], float]) -> None:
         self.key = key
         self.heap: list[float] = []
-        self.owner: dict[float, list[Block]] = {}
+        self.owner: dict[float, list[Node]] = {}
         self.last_key = math.nan  # the key of the last push, and the slot it went to
         self.last_slot = math.nan
-        self.cur: list[Block] = []  # the bucket `pop` is draining (left of `heap`)
+        self.cur: list[Node] = []  # the bucket `pop` is draining (left of `heap`)
         self.cur_i = 0
         self.cur_u = math.nan
         # Keys changed (a new generation or half-life) but the heap is not re-keyed yet:
@@ -51,7 +51,7 @@ class BlockHeap:
         """Heap entries (stale ones included)."""
         return len(self.heap)
 
-    def push(self, blocks: Iterable[Block]) -> None:
+    def push(self, blocks: Iterable[Node]) -> None:
         """Enter each block at its key, in order (superseding any entry it had): a
         released block, a parked one that became evictable, or the whole heap re-keyed.
         A request's blocks come in one call; the loop is every access's hot path."""
@@ -88,7 +88,7 @@ class BlockHeap:
     # No acquire: a referenced block's entry is skipped (parked) when met, and its release
     # (or, for a parked parent, its becoming a leaf) pushes a fresh entry that supersedes
     # the old one.
-    def forget(self, b: Block) -> None:
+    def forget(self, b: Node) -> None:
         """`b` leaves: any entry it has reads as stale."""
         b.heap_ver = math.nan
         b.parked = None
@@ -97,7 +97,7 @@ class BlockHeap:
         """Every key changed: re-key the heap before the next block is taken, not now."""
         self.stale = True
 
-    def pop(self) -> Block | None:
+    def pop(self) -> Node | None:
         """Remove and return the evictable leaf with the smallest key (None: none left)."""
         if self.stale:
             self.rebuild()
@@ -131,19 +131,19 @@ class BlockHeap:
             self.cur_i = i
 
     def take_lazy(self, n: int, protected: Container[object]
-                  ) -> tuple[list[Block], list[Block]]:
+                  ) -> tuple[list[Node], list[Node]]:
         """Up to `n` blocks in one call, for a caller that does not push a block again
         when its key rises (a hit, a cleared flag, a raised head): between re-keys keys
         only rise, so a block's entry is a lower bound of its key, and a block met with a
         key above its entry is pushed back at its key instead of taken. The blocks are the
         coldest, as `pop` with a push at every access would give (ties aside). Blocks
-        whose key (`Block.key`) is in `protected` are taken and returned apart, for the
+        whose key (`Node.key`) is in `protected` are taken and returned apart, for the
         caller to push back; fewer than `n` when the heap runs dry."""
         if self.stale:
             self.rebuild()
         heap, owner, heappop, key = self.heap, self.owner, heapq.heappop, self.key
-        picked: list[Block] = []
-        skipped: list[Block] = []
+        picked: list[Node] = []
+        skipped: list[Node] = []
         if n <= 0:
             return picked, skipped
         if self.cur_i < len(self.cur) and heap and heap[0] < self.cur_u:
@@ -201,12 +201,12 @@ class BlockHeap:
             else:
                 self.owner[u] = rest + later
 
-    def live(self) -> list[Block]:
+    def live(self) -> list[Node]:
         """The blocks with a live entry, in heap-entry order (not key order)."""
         self._park_bucket()
         # A block is live in one bucket at most (the one its `heap_ver` names), perhaps
         # twice there: keep its first entry, in bucket order.
-        live: list[Block] = []
+        live: list[Node] = []
         for u, bucket in self.owner.items():
             start = len(live)
             for b in bucket:
@@ -235,7 +235,7 @@ class BlockHeap:
             self.rebuild()
             return
         self._park_bucket()
-        owner: dict[float, list[Block]] = {}
+        owner: dict[float, list[Node]] = {}
         kept = 0
         for u, bucket in self.owner.items():
             for b in bucket:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container, Iterable
+from typing import cast
 
-from ..cache.block import Block
+from ..cache.node import Node
 from ..cache.policy import EvictionPolicy, register_policy
-from .counts import HeatClock, HeatRecord
+from .counts import HeatClock, HeatFields, HeatRecord
 from .entropy import EntropyTracker
 from .feedback import Feedback
 from .heap import BlockHeap
@@ -85,11 +86,11 @@ class KVHeat(EvictionPolicy):
         self.ghost_hits = 0
 
     # -- the key ---------------------------------------------------------------------
-    def key(self, b: Block) -> float:
+    def key(self, b: Node) -> float:
         """`b`'s eviction key, the smallest goes first: its decayed access count (brought
         to the current generation) times its flags' factor, and the tail factor when it is
         shorter than a full block."""
-        r: HeatRecord = b.rec
+        r = cast(HeatFields, b.rec)
         clock = self.clock
         if r.gen != clock.gen:
             clock.rescale(r)
@@ -97,17 +98,17 @@ class KVHeat(EvictionPolicy):
         k = r.count * p.flag[r.flags]
         return k * p.tail if b.num_tokens < p.block_size else k
 
-    def raise_key(self, b: Block, k: float) -> None:
+    def raise_key(self, b: Node, k: float) -> None:
         """Set `b`'s count so that its key is `k`, right after `key(b)` read a lower one
         (its heap entry stays a lower bound: see `take_lazy`)."""
-        r: HeatRecord = b.rec
+        r = cast(HeatFields, b.rec)
         p = self.penalties
         if b.num_tokens < p.block_size:
             k /= p.tail
         r.count = k / p.flag[r.flags]
 
     # -- accesses --------------------------------------------------------------------
-    def on_insert(self, b: Block, now: float) -> None:
+    def on_insert(self, b: Node, now: float) -> None:
         # Runs once per block filled: flags precomputed, few attribute lookups.
         clock, pen = self.clock, self.penalties
         if now != clock.t:
@@ -118,11 +119,12 @@ class KVHeat(EvictionPolicy):
         bs = pen.block_size
         if n > bs:
             pen.block_size = bs = n
-        key: bytes = b.key  # type: ignore[assignment]  # set: the block is cached
+        key = b.key
+        assert key is not None  # the block is cached
         if key[0] < self._sample_below and self.gaps.observe(key, clock.v):
             self.feedback.reuse_gap_moved()
             w = clock.weight
-        r: HeatRecord | None = b.rec
+        r = cast("HeatFields | None", b.rec)
         if r is None:  # the block's first insert: its record is reused from then on
             r = b.rec = HeatRecord()
         g = self.ghost.pop(key, None)
@@ -135,7 +137,7 @@ class KVHeat(EvictionPolicy):
                 # A new block extending a prefix known before this request (hit now, or
                 # back from the ghost: count > 1) below depth 0 is an appended suffix; a
                 # new parent passes its flag on down the chain.
-                pr: HeatRecord = p.rec
+                pr = cast(HeatFields, p.rec)
                 if p.inserted_at != now or pr.count != w:
                     if p.depth >= 1:
                         st |= EXTENSION
@@ -173,10 +175,10 @@ class KVHeat(EvictionPolicy):
                 and self.feedback.observe(b, False):
             self.forget_heat()
 
-    def on_hit(self, b: Block, now: float) -> None:
+    def on_hit(self, b: Node, now: float) -> None:
         self.on_hit_all((b,), now)
 
-    def on_hit_all(self, blocks: Iterable[Block], now: float) -> None:
+    def on_hit_all(self, blocks: Iterable[Node], now: float) -> None:
         """`on_hit` of each block in order, at one timestamp, in one call (a request's
         reused blocks)."""
         clock, gaps, below = self.clock, self.gaps, self._sample_below
@@ -188,10 +190,11 @@ class KVHeat(EvictionPolicy):
         reuse = self.penalties.reuse
         for b in blocks:
             clock.accesses += 1
-            key: bytes = b.key  # type: ignore[assignment]  # set: the block is cached
+            key = b.key
+            assert key is not None  # the block is cached
             if key[0] < below and gaps.observe(key, clock.v):
                 fb.reuse_gap_moved()  # may start a generation: read the clock per block
-            r: HeatRecord = b.rec
+            r = cast(HeatFields, b.rec)
             if r.gen != clock.gen:
                 clock.rescale(r)
             m = r.count + clock.weight
@@ -206,53 +209,53 @@ class KVHeat(EvictionPolicy):
             if observe is not None and (b.depth == 1 or tuned) and observe(b, True):
                 self.forget_heat()
 
-    def move_access(self, b: Block, weight: float, now: float) -> None:
+    def move_access(self, b: Node, weight: float, now: float) -> None:
         """Move `b`'s access counted earlier with `weight` (the clock's weight then) to
         `now`: the same count, dated later (a caller that counted a use early, at a load's
         start, moves it to the request's end). Nothing moves across a generation."""
         clock = self.clock
         if now != clock.t:
             clock.advance(now)
-        r: HeatRecord = b.rec
+        r = cast(HeatFields, b.rec)
         if r.gen == clock.gen:
             r.count += clock.weight - weight
             r.last = clock.v
 
     # -- the heap --------------------------------------------------------------------
-    def on_release(self, b: Block, now: float) -> None:
+    def on_release(self, b: Node, now: float) -> None:
         self.heap.push((b,))
 
-    def on_release_all(self, blocks: list[Block], now: float) -> None:
+    def on_release_all(self, blocks: list[Node], now: float) -> None:
         # The cache's batched release (a request's blocks, tail-first, after their refcounts
         # changed): the same heap as `on_release` of each.
         self.heap.push(blocks)
 
-    def release_all(self, blocks: Iterable[Block]) -> None:
+    def release_all(self, blocks: Iterable[Node]) -> None:
         """`on_release` of each block in order, in one call (for a caller releasing many
         at once, outside the cache)."""
         self.heap.push(blocks)
 
-    def on_leaf(self, b: Block) -> None:
+    def on_leaf(self, b: Node) -> None:
         if b.parked is not None:  # met while it had children: back in
             self.heap.push((b,))
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         return self.heap.pop()
 
     def take_lazy(self, n: int, protected: Container[object]
-                  ) -> tuple[list[Block], list[Block]]:
+                  ) -> tuple[list[Node], list[Node]]:
         """Up to `n` victims for a caller that saves the push at each hit (vLLM's offload
         tier, `KVHeatCachePolicy`): `BlockHeap.take_lazy`."""
         return self.heap.take_lazy(n, protected)
 
-    def forget(self, b: Block) -> None:
+    def forget(self, b: Node) -> None:
         self.heap.forget(b)
 
     # -- evictions -------------------------------------------------------------------
-    def on_evict(self, b: Block) -> None:
+    def on_evict(self, b: Node) -> None:
         """`b` leaves the cache: the eviction age, the median victim's heat (for the
         multiple's feedback), and the ghost history keeps its count."""
-        r: HeatRecord = b.rec
+        r = cast(HeatFields, b.rec)
         # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
         self.evictions = n_ev = self.evictions + 1
         last = r.last
@@ -262,12 +265,14 @@ class KVHeat(EvictionPolicy):
         if m > 0 and self.feedback.adapt_mult:
             self.feedback.victim_heat(m, r.gen, last, n_ev)
         ghost = self.ghost
-        ghost[b.key] = (m, r.gen, last, r.flags)  # type: ignore[index]  # set: cached
+        key = b.key
+        assert key is not None  # the block is still cached
+        ghost[key] = (m, r.gen, last, r.flags)
         if len(ghost) >= self.ghost_limit:
             self.ghost_old = ghost if self.ghost_limit else {}
             self.ghost = {}
 
-    def on_evict_all(self, blocks: Iterable[Block]) -> None:
+    def on_evict_all(self, blocks: Iterable[Node]) -> None:
         """`on_evict` of each block in order."""
         for b in blocks:
             self.on_evict(b)
@@ -282,7 +287,7 @@ class KVHeat(EvictionPolicy):
         clock = self.clock
         lam, base = clock.lam, clock.base
         for b in self.heap.live():
-            r: HeatRecord = b.rec
+            r = cast(HeatFields, b.rec)
             if r.gen != clock.gen:
                 clock.rescale(r)
             one = math.exp(lam * (r.last - base))
@@ -328,9 +333,9 @@ class KVHeat(EvictionPolicy):
         """The half-life's multiple of the measured reuse gap."""
         return self.feedback.reuse_mult
 
-    def log_count(self, b: Block, vtime: float | None = None) -> float:
+    def log_count(self, b: Node, vtime: float | None = None) -> float:
         """ln of `b`'s decayed access count at virtual time `vtime` (default: now)."""
-        return self.clock.log_count(b.rec, vtime)
+        return self.clock.log_count(cast(HeatFields, b.rec), vtime)
 
     def stats(self) -> dict[str, float]:
         fb, pen = self.feedback, self.penalties

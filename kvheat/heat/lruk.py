@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
-from ..cache.block import Block
 from ..cache.ghost import Ghost
+from ..cache.node import Node, PolicyRecord
 from ..cache.policy import EvictionPolicy, register_policy
 from .heap import BlockHeap
 
 
 @dataclass(slots=True)
-class LRUKHistory:
-    """LRUK's per-block record (`Block.rec`): the block's last K access times, oldest
+class LRUKHistory(PolicyRecord):
+    """LRUK's per-block record (`Node.rec`): the block's last K access times, oldest
     first."""
 
     times: list[float]
@@ -35,8 +36,8 @@ class LRUK(EvictionPolicy):
         self.ghost: Ghost[float] = Ghost()
         self.heap = BlockHeap(self.key)
 
-    def key(self, b: Block) -> float:
-        times: list[float] = b.rec.times
+    def key(self, b: Node) -> float:
+        times = cast(LRUKHistory, b.rec).times
         # Blocks with < K accesses sort before all others (offset), LRU among themselves.
         return times[0] if len(times) == self.k else times[-1] - 1e12
 
@@ -44,42 +45,42 @@ class LRUK(EvictionPolicy):
         super().bind(capacity_blocks)
         self.heap.bind(capacity_blocks)
 
-    def on_insert(self, b: Block, now: float) -> None:
+    def on_insert(self, b: Node, now: float) -> None:
         assert b.key is not None
         last = self.ghost.take(b.key)
         times = [last] if last is not None and self.k > 1 else []
         times.append(now)
-        h: LRUKHistory | None = b.rec
+        h = cast("LRUKHistory | None", b.rec)
         if h is None:  # the block's first insert: its record is reused from then on
             b.rec = LRUKHistory(times[-self.k:])
         else:
             h.times = times[-self.k:]
 
-    def on_hit(self, b: Block, now: float) -> None:
-        times: list[float] = b.rec.times
+    def on_hit(self, b: Node, now: float) -> None:
+        times = cast(LRUKHistory, b.rec).times
         times.append(now)
         if len(times) > self.k:
             del times[0]
 
     # The heap's hooks: no acquire (a referenced block's entry is parked when met).
-    def on_release(self, b: Block, now: float) -> None:
+    def on_release(self, b: Node, now: float) -> None:
         self.heap.push((b,))
 
-    def on_release_all(self, blocks: list[Block], now: float) -> None:
+    def on_release_all(self, blocks: list[Node], now: float) -> None:
         # The cache's batched release (a request's blocks, tail-first): one push call.
         self.heap.push(blocks)
 
-    def on_leaf(self, b: Block) -> None:
+    def on_leaf(self, b: Node) -> None:
         if b.parked is not None:  # met while it had children: back in
             self.heap.push((b,))
 
-    def victim(self) -> Block | None:
+    def victim(self) -> Node | None:
         return self.heap.pop()
 
-    def forget(self, b: Block) -> None:
+    def forget(self, b: Node) -> None:
         self.heap.forget(b)
 
-    def on_evict(self, b: Block) -> None:
+    def on_evict(self, b: Node) -> None:
         assert b.key is not None
-        h: LRUKHistory = b.rec
+        h = cast(LRUKHistory, b.rec)
         self.ghost.add(b.key, h.times[-1], int(self.ghost_mult * self.capacity))

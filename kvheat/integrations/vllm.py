@@ -49,6 +49,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 try:
     from .vllm_env import check_torch_extras
@@ -61,6 +62,7 @@ except Exception as e:  # a broken torchvision says what to run, not a traceback
 
     raise import_error(e) from None
 
+from ..cache.node import NodeQueue
 from ..heat.kvheat import KVHeat
 from .vllm_chunk import Chunk, Placement
 
@@ -76,7 +78,8 @@ def _tight(heat: KVHeat, evicted: int, evict_age: float) -> bool:
     return gap is not None and evict_age < heat.penalties.fade * gap
 
 
-_HELD = object()  # a chunk's `parked` while the request that loaded it runs (`hold`)
+# A chunk's `parked` while the request that loaded it runs (`hold`): a marker, never filled.
+_HELD = NodeQueue("held")
 
 
 def _loose(heat: KVHeat, evicted: int, evict_age: float) -> bool:
@@ -97,7 +100,7 @@ class KVHeatCachePolicy(CachePolicy):
 
     def __init__(self, cache_capacity: int, finish_inserts: bool = False,
                  monotone: bool = True, early_hits: bool = True, gated: bool = True,
-                 hold: bool = True, **heat_kwargs: object) -> None:
+                 hold: bool = True, **heat_kwargs: Any) -> None:
         super().__init__(cache_capacity)
         # A chunk whose load completes stays out of the heap until the request that loaded
         # it ends, while the cache is not tight (the gate's complement: early_hits covers a
@@ -115,7 +118,7 @@ class KVHeatCachePolicy(CachePolicy):
         self.chunks: dict[OffloadKey, Chunk] = {}
         # The manager's most frequent call, at C speed (an instance attribute shadows the
         # method; same answer).
-        self.get = self.chunks.get  # type: ignore[method-assign]
+        self.get = self.chunks.get  # type: ignore[method-assign,assignment]
         # Evictable chunks are those whose kvheat ref_cnt is 0; only their count is kept
         # (a set beside the chunk dict cost a hash-set update on every mark).
         self._free = 0
@@ -124,7 +127,7 @@ class KVHeatCachePolicy(CachePolicy):
         self._reset()
 
     def _reset(self) -> None:
-        self.heat = KVHeat(**self._heat_kwargs)  # type: ignore[arg-type]
+        self.heat = KVHeat(**self._heat_kwargs)
         self.heat.bind(max(self.cache_capacity, 1))
         self._tick = 0.0  # one timestamp per request event; KVHeat counts accesses itself
         self.placement = Placement()  # the storing request: its chunks' prefix
@@ -312,7 +315,8 @@ class KVHeatCachePolicy(CachePolicy):
             self._flush()
         heat = self.heat
         # the n coldest, setting protected chunks aside (the heap skips ref_cnt > 0 itself)
-        picked, skipped = heat.take_lazy(n, protected)
+        # (the heap holds only this policy's chunks)
+        picked, skipped = cast("tuple[list[Chunk], list[Chunk]]", heat.take_lazy(n, protected))
         if len(picked) < n:
             if not self.hold:  # cannot happen while every evictable chunk is in the heap
                 for b in picked + skipped:
@@ -331,10 +335,10 @@ class KVHeatCachePolicy(CachePolicy):
         heat.on_evict_all(picked)  # the ghost keeps its heat
         out: list[tuple[OffloadKey, ChunkStatus]] = []
         for c in picked:
-            key = c.key
-            del chunks[key]  # type: ignore[arg-type]
+            key = cast(OffloadKey, c.key)  # (set: a chunk in the heap is stored)
+            del chunks[key]
             c.key = c.rec = None  # any heap entry left behind is stale; the cycle broken
-            out.append((key, c))  # type: ignore[arg-type]
+            out.append((key, c))  # type: ignore[arg-type]  # a Chunk is its ChunkStatus
         self._free -= n
         return out
 

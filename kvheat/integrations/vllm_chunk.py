@@ -16,7 +16,6 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
 from ..cache.node import Node, PolicyRecord
-from ..heat.kvheat import KVHeat
 from ..heat.penalties import EXTENSION, FRESH
 
 
@@ -57,15 +56,6 @@ class Chunk(Node, PolicyRecord):
     @property
     def is_ready(self) -> bool:
         return self.ref_cnt >= 0
-
-
-def move_access_to_now(heat: KVHeat, c: Chunk, weight: float, now: float) -> None:
-    """Move a chunk's access counted earlier with `weight` to `now` (same count)."""
-    if now != heat._t:
-        heat._advance(now)
-    if c.gen == heat.gen:  # (the chunk is its own record)
-        c.count += heat._w - weight
-        c.last = heat._v
 
 
 class KnownPrefix(Node):
