@@ -96,8 +96,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, pool)
         if policy is None:
             policy = make_policy(cfg.policy)
-        self.cache = KVCacheManager(CacheConfig(pool.num_blocks, cfg.block_size, cfg.policy),
-                                    policy=policy)
+        self.cache = KVCacheManager(CacheConfig(pool.num_blocks, cfg.block_size, cfg.policy,
+                                                dict(cfg.share_groups)), policy=policy)
         self.swap_space = (HostSwapSpace(pool, cfg.swap_space_blocks)
                            if cfg.scheduler.preemption == "swap" else None)
         self._prefill_speed: float | None = None  # tokens/s, a moving average

@@ -40,7 +40,7 @@ from ..server.netsignals import url_endpoint
 from ..server.tracing import Tracing, end_span
 from .config import ReplicaSpec, RouterConfig, RouterConfigError
 from .index import PrefixIndex
-from .keys import PromptKeys, salt_of
+from .keys import PromptKeys
 from .metrics import RouterMetrics
 from .policy import Decision, KVHeatRouting, NoReplica, RouteRequest, RoutingPolicy
 from .policy import make_policy as make_router
@@ -169,7 +169,7 @@ class KVHeatRouter:
                 tried.add(r.name)
                 content = body_bytes
                 if r.spec.kind == "vllm" and tenant is not None:
-                    content = msgspec.json.encode({**body, "cache_salt": salt_of(tenant)})
+                    content = msgspec.json.encode({**body, "cache_salt": self.keys.salt(tenant)})
                 status = await self.forwarder.forward(send, receive, r, rreq, decision,
                                                       _PATHS[endpoint], headers, content,
                                                       stream, span)

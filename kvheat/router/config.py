@@ -81,8 +81,12 @@ class RouterConfig:
     model: str | None = None
     family: str = "llama"
     block_size: int = 16  # when a replica does not say
-    # API key -> tenant name, as the replicas' config maps them (None: an open API).
+    # API key -> tenant name, as the replicas' config maps them (None: an open API), and
+    # tenant -> share group, as it groups them: the router salts a tenant's keys as the
+    # replicas' caches do (kvheat.cache.hashing.tenant_salt). `kvheat route --config`
+    # reads both from the replicas' server config.
     tenants: dict[str, str] = field(default_factory=dict)
+    share_groups: dict[str, str] = field(default_factory=dict)
     discover: str | None = None  # "host:port": every address the name resolves to
     health_interval_s: float = 1.0
     health_failures: int = 2  # consecutive failed checks before a replica is out

@@ -87,7 +87,8 @@ class KVHeatServer:
                                     prefix_caching=a.prefix_caching)
             ecfg = EngineConfig(num_blocks=a.num_blocks or config.num_blocks,
                                 block_size=config.block_size, policy=a.policy,
-                                scheduler=sched, seed=config.seed, tiers=config.arm_tiers(a))
+                                share_groups=config.share_groups, scheduler=sched,
+                                seed=config.seed, tiers=config.arm_tiers(a))
             try:
                 eng = LLMEngine(model, tok, ecfg)
             except (OSError, ValueError) as e:  # e.g. a disk tier folder it cannot write
