@@ -43,7 +43,7 @@ from .index import PrefixIndex
 from .keys import PromptKeys
 from .metrics import RouterMetrics
 from .policy import Decision, KVHeatRouting, NoReplica, RouteRequest, RoutingPolicy
-from .policy import make_policy as make_router
+from .policy import make_routing_policy
 from .proxy import Forwarder, Receive, RouterError, Send, read_body, send_error
 from .regime import ClusterEntropy
 from .replicas import Replica, ReplicaRegistry
@@ -77,7 +77,7 @@ class KVHeatRouter:
         kw: dict[str, object] = {"overload_guard": config.overload_guard,
                                  "shard_choices": config.shard_choices} \
             if config.policy == "kvheat" else {}
-        self.policy: RoutingPolicy = make_router(config.policy, self.index, **kw)
+        self.policy: RoutingPolicy = make_routing_policy(config.policy, self.index, **kw)
         self.metrics = RouterMetrics()
         self.tracing = Tracing(config.otlp_endpoint, span_exporter, service_name="kvheat-router")
         self.keys = PromptKeys(config, keyer)

@@ -9,7 +9,7 @@ import click
 
 from ..server.config import EVENTS_SECRET_ENV, ConfigError, load_config, secret_from_env
 from .config import ReplicaSpec, RouterConfig, RouterConfigError
-from .policy import POLICIES
+from .policy import ROUTING_POLICIES
 
 
 @click.command("route")
@@ -19,7 +19,7 @@ from .policy import POLICIES
 @click.option("--discover", default=None,
               help="host:port: every address this name resolves to is a kvheat replica "
                    "(a Kubernetes headless service), polled with the health checks.")
-@click.option("--policy", type=click.Choice(POLICIES), default="kvheat", show_default=True)
+@click.option("--policy", type=click.Choice(ROUTING_POLICIES), default="kvheat", show_default=True)
 @click.option("--model", type=click.Path(file_okay=False), default=None,
               help="The replicas' model directory (its tokenizer keys prompts); default: "
                    "the built-in tiny model's.")

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from ..checks import check_fields
 from ..server.config import check_secret
-from .policy import POLICIES
+from .policy import ROUTING_POLICIES
 
 KINDS = ("kvheat", "vllm", "openai")
 
@@ -121,9 +121,9 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, error=RouterConfigError)
-        if self.policy not in POLICIES:
+        if self.policy not in ROUTING_POLICIES:
             raise RouterConfigError(f"unknown policy {self.policy!r}; known: "
-                                    f"{', '.join(POLICIES)}")
+                                    f"{', '.join(ROUTING_POLICIES)}")
         if self.block_size < 1 or self.health_failures < 1 or self.max_attempts < 1 or \
                 self.shard_choices < 1:
             raise RouterConfigError("block_size, health_failures, max_attempts and "

@@ -28,7 +28,7 @@ from ..cache import CacheConfig, KVCacheManager, make_policy
 from ..replay.replayer import PreparedTrace, replay
 from .index import DEVICE, SHARED_TIER, PrefixIndex
 from .policy import KVHeatRouting, RouteRequest, RoutingPolicy
-from .policy import make_policy as make_router
+from .policy import make_routing_policy
 from .regime import ClusterEntropy
 
 
@@ -182,7 +182,7 @@ def simulate(pt: PreparedTrace,
     for n in names:
         index.add_replica(n)
     if isinstance(router, str):
-        policy = make_router(router, index)
+        policy = make_routing_policy(router, index)
     elif isinstance(router, RoutingPolicy):
         policy = router
     else:  # a factory given the index (a policy that reads it)
