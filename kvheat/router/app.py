@@ -42,8 +42,14 @@ from .config import ReplicaSpec, RouterConfig, RouterConfigError
 from .index import PrefixIndex
 from .keys import PromptKeys
 from .metrics import RouterMetrics
-from .policy import Decision, KVHeatRouting, NoReplica, RouteRequest, RoutingPolicy
-from .policy import make_routing_policy
+from .policy import (
+    Decision,
+    KVHeatRouting,
+    NoReplica,
+    RouteRequest,
+    RoutingPolicy,
+    make_routing_policy,
+)
 from .proxy import Forwarder, Receive, RouterError, Send, read_body, send_error
 from .regime import ClusterEntropy
 from .replicas import Replica, ReplicaRegistry

@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from ..cache import CacheConfig, KVCacheManager, make_policy
 from ..replay.replayer import PreparedTrace, replay
 from .index import DEVICE, SHARED_TIER, PrefixIndex
-from .policy import KVHeatRouting, RouteRequest, RoutingPolicy
-from .policy import make_routing_policy
+from .policy import KVHeatRouting, RouteRequest, RoutingPolicy, make_routing_policy
 from .regime import ClusterEntropy
 
 
