@@ -30,8 +30,7 @@ from .outputs import EngineStats, RequestMetrics, RequestOutput, TokenOutput
 from .runner import ModelRunner, SeqBatchItem
 from .sampling import RequestSampler, SamplingParams, sample
 from .scheduler import Scheduler
-from .sequence import SchedulerOutput, SeqStatus
-from .sequence import Sequence as SchedSequence
+from .sequence import SchedulerOutput, Seq, SeqStatus
 from .swap import HostSwapSpace
 
 if TYPE_CHECKING:
@@ -43,7 +42,7 @@ class _Req:
 
     __slots__ = ("seq", "sampler", "metrics", "eos", "stalled_at")
 
-    def __init__(self, seq: SchedSequence, sampler: RequestSampler, metrics: RequestMetrics,
+    def __init__(self, seq: Seq, sampler: RequestSampler, metrics: RequestMetrics,
                  eos: set[int]) -> None:
         self.seq = seq
         self.sampler = sampler
@@ -173,7 +172,7 @@ class LLMEngine:
         sampler = RequestSampler(params, self.model_config.vocab_size, self.kv_pool.device,
                                  seed)  # checks logit_bias
         now = self.clock()
-        seq = SchedSequence(rid, prompt, params.max_tokens, tenant, session, lora, arrival=now)
+        seq = Seq(rid, prompt, params.max_tokens, tenant, session, lora, arrival=now)
         self.scheduler.add(seq)  # validates the size against the pool
         eos = set() if params.ignore_eos else self._eos
         self.requests[rid] = _Req(seq, sampler, RequestMetrics(now, len(prompt)),
