@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..cache import CacheConfig, KVCacheManager, make_policy
+from ..cache import CacheConfig, KVCacheManager, hit_rate, make_policy
 from ..replay.replayer import PreparedTrace, replay
 from .index import DEVICE, SHARED_TIER, PrefixIndex
 from .policy import KVHeatRouting, RouteRequest, RoutingPolicy, make_routing_policy
@@ -96,8 +96,7 @@ class ClusterResult:
 
     @property
     def hit_rate(self) -> float:
-        return (self.hit_tokens + self.shared_hit_tokens) / self.total_tokens \
-            if self.total_tokens else 0.0
+        return hit_rate(self.hit_tokens + self.shared_hit_tokens, self.total_tokens)
 
     @property
     def imbalance_requests(self) -> float:
