@@ -34,6 +34,7 @@ from typing import Protocol
 
 from ..cache import Block, KVCacheManager, OutOfBlocks, Request
 from ..cache.hashing import prompt_scope, tokens_to_bytes
+from ..cache.misses import MissClassifier
 from .config import SchedulerConfig
 from .load_classes import load_class, share_prefill_budget
 from .sequence import ScheduledItem, SchedulerOutput, Seq, SeqStatus
@@ -394,6 +395,17 @@ class Scheduler:
         if self.config.prefix_caching != "exact":
             return None
         return prompt_scope(prompt)  # as a router keys it (kvheat.router.keys)
+
+    def miss_kinds(self, classifier: MissClassifier, prompt: Sequence[int],
+                   tenant: str | None) -> list[str]:
+        """The class each of the prompt's full blocks would have if it missed
+        (`MissClassifier.prepare`), the prompt keyed as this mode looks it up: in its own
+        scope ("exact", `prompt_scope`), as is ("block"). "off" looks nothing up, so no
+        block is ever served: each is a first sight (compulsory), never a capacity miss a
+        larger pool would have served."""
+        if self.config.prefix_caching == "off":
+            return ["compulsory"] * (len(prompt) // self.block_size)
+        return classifier.prepare(self.cache, prompt, tenant, scope=self.prompt_scope(prompt))
 
     # ---- checks -----------------------------------------------------------------------
     def check_accounting(self) -> None:
