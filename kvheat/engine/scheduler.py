@@ -259,9 +259,9 @@ class Scheduler:
         part = full.head(start + n, bs)
         loaded: list[tuple[str, int]] = []
         try:
-            if planned:
-                self.tiers.allocate(part, count_stats=False)  # type: ignore[union-attr]
-                loaded = self.tiers.last_loaded  # type: ignore[union-attr]
+            if planned and self.tiers is not None:  # a plan: only with tiers
+                self.tiers.allocate(part, count_stats=False)
+                loaded = self.tiers.last_loaded
                 start = min(part.num_cached_tokens, start)  # less if a load failed
                 n = part.num_tokens - start
             else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..checks import check_fields
@@ -55,7 +56,7 @@ class ReplicaSpec:
     def parse(cls, text: str) -> ReplicaSpec:
         """`URL[,kind=K][,events=ADDR][,replay=ADDR][,block_size=N]`."""
         url, *opts = [p.strip() for p in text.split(",")]
-        kw: dict[str, object] = {}
+        kw: dict[str, Any] = {}
         for o in opts:
             k, sep, v = o.partition("=")
             if not sep or k not in ("kind", "events", "replay", "block_size"):
@@ -69,7 +70,7 @@ class ReplicaSpec:
                         from None
             else:
                 kw[k] = v
-        return cls(url, **kw)  # type: ignore[arg-type]
+        return cls(url, **kw)
 
 
 @dataclass(slots=True)
