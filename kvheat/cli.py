@@ -265,13 +265,13 @@ def _write(fn: Callable[[dict, str], None], what: dict, path: str | None, option
 def _cluster_options(pols: list[str], routers: str, shared_capacity: str | None,
                      block_tokens: int) -> tuple[list[str], int]:
     """The routers and the shared tier's tokens of a --replicas run, checked."""
-    from .router.policy import POLICIES
+    from .router.policy import ROUTING_POLICIES
 
     names = _names(routers, "--router", "router")
-    unknown = [r for r in names if r not in POLICIES]
+    unknown = [r for r in names if r not in ROUTING_POLICIES]
     if unknown:
         raise click.BadParameter(f"unknown router {', '.join(unknown)}; known: "
-                                 f"{', '.join(POLICIES)}", param_hint="--router")
+                                 f"{', '.join(ROUTING_POLICIES)}", param_hint="--router")
     if len(pols) != 1:
         raise click.BadParameter("with --replicas give one eviction --policy (default here: "
                                  "kvheat)", param_hint="--policy")
@@ -287,7 +287,7 @@ def _replay_cluster(pt, name: str, caps: list[int], pols: list[str], names: list
                     decode_tps: float, time_scale: float, json_path: str | None,
                     plot_path: str | None, overload_guard: bool = False) -> None:
     from .replay.replayer import pool_blocks
-    from .router.policy import make_policy as make_router
+    from .router.policy import make_routing_policy
     from .router.report import plot, print_table, summarize, write_json
     from .router.simulate import ClusterConfig, simulate
 
@@ -302,7 +302,7 @@ def _replay_cluster(pt, name: str, caps: list[int], pols: list[str], names: list
             cfg = ClusterConfig(replicas=replicas, capacity_tokens=run_c, cache_policy=pols[0],
                                 shared_tokens=shared, prefill_tps=prefill_tps,
                                 decode_tps=decode_tps, time_scale=time_scale)
-            spec = (lambda ix: make_router("kvheat", ix, overload_guard=True)) \
+            spec = (lambda ix: make_routing_policy("kvheat", ix, overload_guard=True)) \
                 if r == "kvheat" and overload_guard else r
             res = simulate(pt, spec, cfg)
             res.capacity_tokens = c

@@ -17,7 +17,7 @@ from test_router_e2e import EVENTS_SECRET, start_router, stop_router
 from test_server import MODEL, SYSTEM, _free_port, start, stop
 
 from kvheat.cache import CacheConfig, KVCacheManager
-from kvheat.cache.hashing import block_keys, root_key
+from kvheat.cache.hashing import block_keys, root_key, tenant_salt
 from kvheat.kvevents import (
     BlockRemoved,
     BlockStored,
@@ -34,7 +34,6 @@ from kvheat.kvevents.schema import END_SEQ, SNAPSHOT_SEQ
 from kvheat.kvevents.secret import EventSecret
 from kvheat.router.config import ReplicaSpec, RouterConfig
 from kvheat.router.index import PrefixIndex
-from kvheat.router.keys import salt_of
 from kvheat.server.config import ArmConfig, ServerConfig, TenantConfig
 
 ADMIN = "probe-admin"
@@ -101,7 +100,7 @@ def test_an_attacker_without_the_secret_recovers_no_prompt_from_the_events() -> 
             legit.close()
         # ... and none of them is what hashing a guess without the secret gives.
         tok = s.server.tokenizer
-        root = root_key(salt_of("bank"))
+        root = root_key(tenant_salt("bank", {}))
         guesses = set()
         for guess in range(10_000):
             keys, _ = block_keys(tok.encode(_pin_prompt(guess)), 16, root)

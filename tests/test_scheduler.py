@@ -12,7 +12,7 @@ from kvheat.cache import CacheConfig, KVCacheManager
 from kvheat.engine.config import SchedulerConfig
 from kvheat.engine.load_classes import LONG, SHORT
 from kvheat.engine.scheduler import Scheduler
-from kvheat.engine.sequence import SeqStatus, Sequence
+from kvheat.engine.sequence import Seq, SeqStatus
 
 
 class StepClock:
@@ -31,11 +31,11 @@ def make(num_blocks: int = 64, block_size: int = 4, **cfg) -> tuple[Scheduler, S
     return Scheduler(SchedulerConfig(**cfg), cache, clock=clock), clock
 
 
-def next_token(seq: Sequence) -> int:
+def next_token(seq: Seq) -> int:
     return (len(seq.token_ids) * 31 + sum(map(ord, seq.seq_id))) % 997
 
 
-def step(s: Scheduler, clock: StepClock, finished: list[Sequence] | None = None) -> int:
+def step(s: Scheduler, clock: StepClock, finished: list[Seq] | None = None) -> int:
     """One scheduler step with a stand-in forward pass; returns tokens run."""
     out = s.schedule()
     assert out.num_batched_tokens <= s.config.max_num_batched_tokens
@@ -72,7 +72,7 @@ def toks(rng: random.Random, n: int) -> list[int]:
 def test_requests_complete_and_blocks_balance() -> None:
     s, clock = make(max_num_batched_tokens=32, max_num_seqs=4)
     rng = random.Random(0)
-    seqs = [Sequence(f"r{i}", toks(rng, rng.randint(1, 40)), rng.randint(1, 12)) for i in range(10)]
+    seqs = [Seq(f"r{i}", toks(rng, rng.randint(1, 40)), rng.randint(1, 12)) for i in range(10)]
     for q in seqs:
         s.add(q)
     run_all(s, clock)
@@ -83,7 +83,7 @@ def test_requests_complete_and_blocks_balance() -> None:
 
 def test_chunked_prefill_respects_budget() -> None:
     s, clock = make(max_num_batched_tokens=16)
-    q = Sequence("long", list(range(100)), 2)
+    q = Seq("long", list(range(100)), 2)
     s.add(q)
     chunks = []
     while s.has_work:
@@ -101,12 +101,12 @@ def test_chunked_prefill_respects_budget() -> None:
 
 def test_finished_turn_blocks_serve_the_next_turn() -> None:
     s, clock = make(block_size=4)
-    turn1 = Sequence("t1", list(range(10)), 7, session="c")
+    turn1 = Seq("t1", list(range(10)), 7, session="c")
     s.add(turn1)
     run_all(s, clock)
     # Next turn: the whole history (prompt + generated tokens) plus a new message.
     history = turn1.token_ids
-    turn2 = Sequence("t2", history + [500, 501, 502], 3, session="c")
+    turn2 = Seq("t2", history + [500, 501, 502], 3, session="c")
     s.add(turn2)
     run_all(s, clock)
     # Every full block whose KV was computed in turn 1 (the last sampled token never was).
@@ -118,7 +118,7 @@ def test_finished_turn_blocks_serve_the_next_turn() -> None:
 def test_same_step_admission_never_reads_unwritten_blocks() -> None:
     s, clock = make(block_size=4, max_num_batched_tokens=64)
     prompt = list(range(20))
-    a, b = Sequence("a", prompt, 1), Sequence("b", prompt + [50, 51, 52, 53, 54], 1)
+    a, b = Seq("a", prompt, 1), Seq("b", prompt + [50, 51, 52, 53, 54], 1)
     s.add(a)
     s.add(b)
     out = s.schedule()
@@ -142,7 +142,7 @@ def test_no_prefix_cache_with_shared_prefixes_keeps_the_tree_sound() -> None:
     rng = random.Random(5)
     shared = toks(rng, 12)
     for i in range(6):
-        s.add(Sequence(f"o{i}", shared + toks(rng, 9), 9))
+        s.add(Seq(f"o{i}", shared + toks(rng, 9), 9))
         step(s, clock)  # check_accounting runs the manager's full invariant check
     run_all(s, clock)
     assert s.cache.stats.hit_tokens == 0
@@ -153,13 +153,13 @@ def test_prefix_modes() -> None:
     want = {"block": (28, 32, 32), "exact": (28, 0, 32), "off": (0, 0, 0)}
     for mode, expected in want.items():
         s, clock = make(block_size=4, prefix_caching=mode)
-        s.add(Sequence("first", prompt, 1))
+        s.add(Seq("first", prompt, 1))
         run_all(s, clock)
         got = []
         # the same prompt; a longer one sharing it; that longer one resubmitted
         for name, p in (("same", prompt), ("longer", prompt + [9, 9, 9]),
                         ("again", prompt + [9, 9, 9])):
-            q = Sequence(name, p, 1)
+            q = Seq(name, p, 1)
             s.add(q)
             run_all(s, clock)
             got.append(q.num_cached_tokens)
@@ -171,14 +171,14 @@ def test_no_starvation_of_a_long_request_under_short_stream() -> None:
     s, clock = make(num_blocks=512, block_size=4, max_num_batched_tokens=budget, max_num_seqs=64,
                     short_max_tokens=32, long_min_tokens=256, aging_s=1e9)  # weights alone
     rng = random.Random(1)
-    long = Sequence("long", toks(rng, 600), 4)
+    long = Seq("long", toks(rng, 600), 4)
     s.add(long)
-    finished: list[Sequence] = []
+    finished: list[Seq] = []
     i = 0
     steps = 0
     while long.status is not SeqStatus.FINISHED:
         for _ in range(3):  # more short work arrives each step than the budget can serve
-            s.add(Sequence(f"s{i}", toks(rng, 12), 4))
+            s.add(Seq(f"s{i}", toks(rng, 12), 4))
             i += 1
         step(s, clock, finished)
         steps += 1
@@ -199,14 +199,14 @@ def test_aging_guard_lets_a_long_request_get_its_blocks() -> None:
                         aging_s=aging_s)
         rng = random.Random(2)
         for j in range(8):
-            s.add(Sequence(f"warm{j}", toks(rng, 12), 8))
+            s.add(Seq(f"warm{j}", toks(rng, 12), 8))
         step(s, clock)
-        long = Sequence("long", toks(rng, 120), 8)
+        long = Seq("long", toks(rng, 120), 8)
         s.add(long)
         i = 0
         for n in range(250):
             for _ in range(2):
-                s.add(Sequence(f"s{i}", toks(rng, 12), 8))
+                s.add(Seq(f"s{i}", toks(rng, 12), 8))
                 i += 1
             step(s, clock)
             if long.status is SeqStatus.FINISHED:
@@ -223,7 +223,7 @@ def test_preemption_frees_and_restores() -> None:
     # resumes from where it was, with its tokens intact and the blocks balanced.
     s, clock = make(num_blocks=24, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
     rng = random.Random(3)
-    seqs = [Sequence(f"p{i}", toks(rng, 6), 16) for i in range(8)]
+    seqs = [Seq(f"p{i}", toks(rng, 6), 16) for i in range(8)]
     for q in seqs:
         s.add(q)
     history: dict[str, list[int]] = {}
@@ -248,7 +248,7 @@ def test_preemption_frees_and_restores() -> None:
         # the stand-in "model" is deterministic, so a resumed sequence generates the same
         # tokens it would have without preemption
         ref = list(q.token_ids[:q.num_prompt_tokens])
-        probe = Sequence(q.seq_id, ref, 0)
+        probe = Seq(q.seq_id, ref, 0)
         for _ in range(16):
             probe.token_ids.append(next_token(probe))
         assert probe.token_ids == q.token_ids
@@ -257,8 +257,8 @@ def test_preemption_frees_and_restores() -> None:
 
 def test_abort_frees_blocks_and_bad_requests_change_nothing() -> None:
     s, clock = make(num_blocks=16, block_size=4)
-    a = Sequence("a", list(range(20)), 8)
-    b = Sequence("b", list(range(100, 110)), 8)
+    a = Seq("a", list(range(20)), 8)
+    b = Seq("b", list(range(100, 110)), 8)
     s.add(a)
     s.add(b)
     step(s, clock)
@@ -267,11 +267,11 @@ def test_abort_frees_blocks_and_bad_requests_change_nothing() -> None:
     s.check_accounting()
     assert s.cache.num_referenced == 0 and not s.has_work
     with pytest.raises(ValueError, match="blocks"):
-        s.add(Sequence("big", list(range(60)), 10))
+        s.add(Seq("big", list(range(60)), 10))
     with pytest.raises(ValueError, match="token id"):
-        s.add(Sequence("neg", [1, -2, 3], 1))
+        s.add(Seq("neg", [1, -2, 3], 1))
     with pytest.raises(ValueError, match="empty"):
-        s.add(Sequence("empty", [], 1))
+        s.add(Seq("empty", [], 1))
     assert not s.has_work
     with pytest.raises(ValueError):
         SchedulerConfig(prefix_caching="sometimes")

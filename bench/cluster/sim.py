@@ -93,9 +93,9 @@ def row(res, **extra) -> dict:
 def _spec(router: str) -> tuple[object, str]:
     """A router name of this script: the policy (or factory) and who hints the regime."""
     if router == "kvheat+guard":
-        return (lambda ix: P.make_policy("kvheat", ix, overload_guard=True)), "kvheat"
+        return (lambda ix: P.make_routing_policy("kvheat", ix, overload_guard=True)), "kvheat"
     if router == "kvheat-1":  # new prefixes to the first hashed replica only
-        return (lambda ix: P.make_policy("kvheat", ix, shard_choices=1)), "kvheat"
+        return (lambda ix: P.make_routing_policy("kvheat", ix, shard_choices=1)), "kvheat"
     if router.endswith("-own"):
         return router[:-4], "none"
     if router.endswith("+hints"):
@@ -144,7 +144,7 @@ def main() -> int:
     if args.quick:
         names = names[:1]
     caps = [1_000_000] if args.quick else list(CAPS)
-    routers = list(P.POLICIES)
+    routers = list(P.ROUTING_POLICIES)
     out: dict = {"grid": [], "time_scales": [], "shared": [], "spread": []}
     summaries = []
     for name in names:
@@ -187,7 +187,7 @@ def main() -> int:
                 rates = []
                 for seed in range(4):
                     res = simulate(pt, lambda ix, r=r, seed=seed: Renamed(
-                        P.make_policy(r, ix), seed), ClusterConfig(
+                        P.make_routing_policy(r, ix), seed), ClusterConfig(
                         replicas=4, capacity_tokens=cap,
                         regime_hints="all" if r == "kvheat" else "none"), bound=False)
                     rates.append(res.hit_rate)

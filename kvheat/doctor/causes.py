@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cache import hit_rate
 from .scrape import Scrape
 
 FLOOR = 0.3
@@ -173,9 +174,11 @@ def tenant_quota(s: Snapshot) -> Finding:
 
 def _hit_rate_drop(s: Snapshot) -> tuple[float, float, float]:
     """(hit rate before the window, hit rate in it, relative drop) from the token counters."""
-    before = _ratio(sum(v for (n, _), v in s.a.items() if n == "kvheat_cached_tokens_total"),
-                    sum(v for (n, _), v in s.a.items() if n == "kvheat_prompt_tokens_total"))
-    now = _ratio(s.delta("kvheat_cached_tokens_total"), s.delta("kvheat_prompt_tokens_total"))
+    # Token counters: whole numbers, as `hit_rate` counts them.
+    before = hit_rate(int(sum(v for (n, _), v in s.a.items() if n == "kvheat_cached_tokens_total")),
+                      int(sum(v for (n, _), v in s.a.items() if n == "kvheat_prompt_tokens_total")))
+    now = hit_rate(int(s.delta("kvheat_cached_tokens_total")),
+                   int(s.delta("kvheat_prompt_tokens_total")))
     return before, now, _clamp(_ratio(before - now, before))
 
 

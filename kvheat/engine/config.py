@@ -53,6 +53,8 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     block_size: int = 16
     policy: str = "kvheat"  # eviction policy of the block cache (kvheat.heat's scale-free heat)
+    # tenant -> share group: tenants of one group reuse each other's blocks (CacheConfig).
+    share_groups: dict[str, str] = field(default_factory=dict)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     swap_space_blocks: int = 0  # host blocks for swap preemption (with preemption="swap")
     # Lower KV tiers under the device cache (kvheat.tiers.TierSpec): host memory, local

@@ -30,8 +30,7 @@ from .outputs import EngineStats, RequestMetrics, RequestOutput, TokenOutput
 from .runner import ModelRunner, SeqBatchItem
 from .sampling import RequestSampler, SamplingParams, sample
 from .scheduler import Scheduler
-from .sequence import SchedulerOutput, SeqStatus
-from .sequence import Sequence as SchedSequence
+from .sequence import SchedulerOutput, Seq, SeqStatus
 from .swap import HostSwapSpace
 
 if TYPE_CHECKING:
@@ -43,7 +42,7 @@ class _Req:
 
     __slots__ = ("seq", "sampler", "metrics", "eos", "stalled_at")
 
-    def __init__(self, seq: SchedSequence, sampler: RequestSampler, metrics: RequestMetrics,
+    def __init__(self, seq: Seq, sampler: RequestSampler, metrics: RequestMetrics,
                  eos: set[int]) -> None:
         self.seq = seq
         self.sampler = sampler
@@ -96,8 +95,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, pool)
         if policy is None:
             policy = make_policy(cfg.policy)
-        self.cache = KVCacheManager(CacheConfig(pool.num_blocks, cfg.block_size, cfg.policy),
-                                    policy=policy)
+        self.cache = KVCacheManager(CacheConfig(pool.num_blocks, cfg.block_size, cfg.policy,
+                                                dict(cfg.share_groups)), policy=policy)
         self.swap_space = (HostSwapSpace(pool, cfg.swap_space_blocks)
                            if cfg.scheduler.preemption == "swap" else None)
         self._prefill_speed: float | None = None  # tokens/s, a moving average
@@ -173,7 +172,7 @@ class LLMEngine:
         sampler = RequestSampler(params, self.model_config.vocab_size, self.kv_pool.device,
                                  seed)  # checks logit_bias
         now = self.clock()
-        seq = SchedSequence(rid, prompt, params.max_tokens, tenant, session, lora, arrival=now)
+        seq = Seq(rid, prompt, params.max_tokens, tenant, session, lora, arrival=now)
         self.scheduler.add(seq)  # validates the size against the pool
         eos = set() if params.ignore_eos else self._eos
         self.requests[rid] = _Req(seq, sampler, RequestMetrics(now, len(prompt)),
@@ -345,15 +344,35 @@ class LLMEngine:
         self.scheduler.check_accounting()
 
 
+class ContextLengthExceeded(ValueError):
+    """A request longer than the model's context; `param` names the request field at fault
+    ("prompt" or "max_tokens"), for the server's 400 `context_length_exceeded`."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+    """The one context-length check of a request (`add_request` raises it, the server
+    answers it with a 400): the prompt leaves room for at least one new token, and the
+    prompt plus `max_tokens` fits the context."""
+    n, ctx = num_prompt_tokens, context_length
+    if n >= ctx:
+        raise ContextLengthExceeded(f"the prompt has {n} tokens; this model's context "
+                                    f"length is {ctx}", "prompt")
+    if n + max_tokens > ctx:
+        raise ContextLengthExceeded(f"the prompt ({n} tokens) plus max_tokens "
+                                    f"({max_tokens}) exceeds the context length of {ctx}",
+                                    "max_tokens")
+
+
 def _check_prompt(prompt: list[int], max_tokens: int, model_config: Any) -> None:
     vocab = model_config.vocab_size
     bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
     if bad:
         raise ValueError(f"token id {bad[0]!r} is outside the vocabulary of {vocab}")
-    max_pos = model_config.max_position_embeddings
-    if len(prompt) + max_tokens > max_pos:
-        raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds "
-                         f"the model's {max_pos} positions")
+    check_context_length(len(prompt), max_tokens, model_config.max_position_embeddings)
 
 
 def model_fingerprint(model: torch.nn.Module, sample_bytes: int = 1 << 16) -> str:

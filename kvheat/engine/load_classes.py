@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .sequence import Sequence as Seq
+    from .sequence import Seq
 
 SHORT, REGULAR, LONG = "short", "regular", "long"
 LOAD_CLASSES = (SHORT, REGULAR, LONG)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .sequence import ScheduledItem, Sequence
+    from .sequence import ScheduledItem, Seq
 
 
 @dataclass(slots=True)
@@ -75,7 +75,7 @@ class EngineStats:
     logical_blocks: int = 0
     physical_blocks: int = 0
 
-    def count_memory(self, running: Iterable[Sequence], num_referenced: int) -> None:
+    def count_memory(self, running: Iterable[Seq], num_referenced: int) -> None:
         """Once per step that runs: the blocks the running sequences hold."""
         self.steps += 1
         self.logical_blocks += sum(len(s.cache_req.blocks) for s in running

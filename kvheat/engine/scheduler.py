@@ -29,15 +29,15 @@ blocks to a host `SwapSpace` and writes them back when it resumes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from ..cache import Block, KVCacheManager, OutOfBlocks, Request
 from ..cache.hashing import prompt_scope, tokens_to_bytes
+from ..cache.misses import MissClassifier
 from .config import SchedulerConfig
 from .load_classes import load_class, share_prefill_budget
-from .sequence import ScheduledItem, SchedulerOutput, SeqStatus, Sequence
+from .sequence import ScheduledItem, SchedulerOutput, Seq, SeqStatus
 
 
 class SwapSpace(Protocol):
@@ -84,8 +84,8 @@ class Scheduler:
         self.swap_space = swap_space
         self.tiers = tiers  # lower KV tiers under the device cache (kvheat.tiers.TieredCache)
         self.clock = clock
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []  # in admission order
+        self.waiting: list[Seq] = []
+        self.running: list[Seq] = []  # in admission order
         self.fresh: set[int] = set()  # block ids whose KV this step's forward writes
         self._admitted = 0
         self.num_steps = 0
@@ -93,7 +93,7 @@ class Scheduler:
         self.preemptions_by_tenant: dict[str | None, int] = {}
 
     # ---- requests ---------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Seq) -> None:
         why = self.never_fits(seq.token_ids[:seq.num_prompt_tokens], seq.max_tokens,
                               seq.tenant, seq.lora, pool_only=True)
         if why is not None:
@@ -115,7 +115,7 @@ class Scheduler:
                 and len(self.waiting) <= cfg.prefetch_queue_depth:
             self.tiers.prefetch(self._full_request(seq))
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Seq, reason: str) -> None:
         """End a sequence (done or aborted): its blocks are freed, full ones stay cached."""
         if seq.status is SeqStatus.FINISHED:
             return
@@ -142,11 +142,11 @@ class Scheduler:
         now = self.clock()
         budget = cfg.max_num_batched_tokens
         items: list[ScheduledItem] = []
-        preempted: list[Sequence] = []
+        preempted: list[Seq] = []
         scheduled: set[str] = set()
         self.fresh.clear()
 
-        def emit(seq: Sequence, n: int) -> None:
+        def emit(seq: Seq, n: int) -> None:
             req = seq.cache_req
             assert req is not None
             start = seq.num_computed
@@ -156,7 +156,7 @@ class Scheduler:
                                        start + n == len(seq.token_ids)))
             scheduled.add(seq.seq_id)
 
-        def grow(seq: Sequence, n: int) -> bool:
+        def grow(seq: Seq, n: int) -> bool:
             """Take blocks for `n` more tokens of a running sequence, preempting the
             youngest unscheduled sequence while needed. False: `seq` itself was preempted."""
             assert seq.cache_req is not None
@@ -192,12 +192,12 @@ class Scheduler:
         return SchedulerOutput(items, preempted, cfg.max_num_batched_tokens - budget)
 
     def _schedule_prefills(self, budget: int, now: float, scheduled: set[str],
-                           preempted: list[Sequence], emit: Callable[[Sequence, int], None],
-                           grow: Callable[[Sequence, int], bool]) -> int:
+                           preempted: list[Seq], emit: Callable[[Seq, int], None],
+                           grow: Callable[[Seq, int], bool]) -> int:
         cfg = self.config
         admit_blocked = False  # an aged request is waiting for blocks: admit nobody younger
 
-        def try_run(seq: Sequence, limit: int) -> int:
+        def try_run(seq: Seq, limit: int) -> int:
             """Schedule up to `limit` tokens of `seq`; returns tokens scheduled."""
             nonlocal admit_blocked
             n = min(limit, seq.num_pending)
@@ -224,7 +224,7 @@ class Scheduler:
         return share_prefill_budget(running, self.waiting, budget, now, cfg.class_weights,
                                     cfg.aging_s, try_run)
 
-    def _admit(self, seq: Sequence, limit: int) -> int:
+    def _admit(self, seq: Seq, limit: int) -> int:
         """Give a waiting sequence its cached prefix and blocks for its first chunk.
         Returns the chunk length, or 0 when it cannot start now (nothing changed)."""
         cfg = self.config
@@ -259,9 +259,9 @@ class Scheduler:
         part = full.head(start + n, bs)
         loaded: list[tuple[str, int]] = []
         try:
-            if planned:
-                self.tiers.allocate(part, count_stats=False)  # type: ignore[union-attr]
-                loaded = self.tiers.last_loaded  # type: ignore[union-attr]
+            if planned and self.tiers is not None:  # a plan: only with tiers
+                self.tiers.allocate(part, count_stats=False)
+                loaded = self.tiers.last_loaded
                 start = min(part.num_cached_tokens, start)  # less if a load failed
                 n = part.num_tokens - start
             else:
@@ -308,7 +308,7 @@ class Scheduler:
         self.fresh.clear()
 
     # ---- preemption -------------------------------------------------------------------
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Seq) -> None:
         assert seq.cache_req is not None
         if self.config.preemption == "swap" and seq.num_computed > 0:
             assert self.swap_space is not None
@@ -326,13 +326,13 @@ class Scheduler:
         self.preemptions_by_tenant[seq.tenant] = self.preemptions_by_tenant.get(seq.tenant, 0) + 1
         self.waiting.append(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Seq) -> None:
         if seq.cache_req is not None:
             self.cache.free(seq.cache_req)
             seq.cache_req = None
         seq.num_computed = 0
 
-    def _full_request(self, seq: Sequence) -> Request:
+    def _full_request(self, seq: Seq) -> Request:
         """The cache's view of the whole sequence (keys of all its full blocks), hashed
         again only when tokens were added: a waiting request is looked at every step."""
         req = seq.full_req
@@ -355,7 +355,7 @@ class Scheduler:
             return []
         return match
 
-    def never_fits(self, prompt: Seq[int], max_tokens: int, tenant: str | None = None,
+    def never_fits(self, prompt: Sequence[int], max_tokens: int, tenant: str | None = None,
                    lora: str | None = None, pool_only: bool = False) -> str | None:
         """Why a request for `prompt` + `max_tokens` can never be admitted to this pool,
         or None: the one check of `add` and the server. It needs blocks for prompt +
@@ -387,7 +387,7 @@ class Scheduler:
                 return f"{what}; pinned prefixes hold {held} of the pool's {pool} blocks"
         return None
 
-    def prompt_scope(self, prompt: Seq[int]) -> bytes | None:
+    def prompt_scope(self, prompt: Sequence[int]) -> bytes | None:
         """"exact" mode keys a prompt's blocks in a scope of the whole prompt, so they match
         only the very same prompt (a whole-prompt cache) and never another prompt's shared
         prefix. The tenant stays the tenant (quotas, flush, pins and usage see it), and the
@@ -395,6 +395,17 @@ class Scheduler:
         if self.config.prefix_caching != "exact":
             return None
         return prompt_scope(prompt)  # as a router keys it (kvheat.router.keys)
+
+    def miss_kinds(self, classifier: MissClassifier, prompt: Sequence[int],
+                   tenant: str | None) -> list[str]:
+        """The class each of the prompt's full blocks would have if it missed
+        (`MissClassifier.prepare`), the prompt keyed as this mode looks it up: in its own
+        scope ("exact", `prompt_scope`), as is ("block"). "off" looks nothing up, so no
+        block is ever served: each is a first sight (compulsory), never a capacity miss a
+        larger pool would have served."""
+        if self.config.prefix_caching == "off":
+            return ["compulsory"] * (len(prompt) // self.block_size)
+        return classifier.prepare(self.cache, prompt, tenant, scope=self.prompt_scope(prompt))
 
     # ---- checks -----------------------------------------------------------------------
     def check_accounting(self) -> None:
@@ -432,8 +443,8 @@ def _by_tier(device: int, loaded: list[tuple[str, int]], total: int) -> dict[str
     return out
 
 
-def _pick_victim(running: list[Sequence], cache: KVCacheManager, scheduled: set[str],
-                 now: float, aging_s: float, tenant: str | None = None) -> Sequence | None:
+def _pick_victim(running: list[Seq], cache: KVCacheManager, scheduled: set[str],
+                 now: float, aging_s: float, tenant: str | None = None) -> Seq | None:
     """The youngest running sequence not scheduled this step; aged ones last. For a
     `tenant` at its quota, only its own sequences: the blocks another tenant frees
     would go to it past its quota (it preempts itself, or waits, instead). Others
@@ -444,7 +455,7 @@ def _pick_victim(running: list[Sequence], cache: KVCacheManager, scheduled: set[
         return t in quotas and usage.get(t, 0) > quotas[t]
 
     own = tenant in quotas and usage.get(tenant, 0) >= quotas[tenant]
-    best: Sequence | None = None
+    best: Seq | None = None
     best_key: tuple[bool, bool, int] | None = None
     for s in running:
         if s.seq_id in scheduled or (own and s.tenant != tenant):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,8 +19,9 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Sequence:
-    """One request as the scheduler sees it: its tokens so far and how many have KV."""
+class Seq:
+    """One request as the scheduler sees it: its tokens so far and how many have KV.
+    (`Seq`, not `Sequence`: that name is `collections.abc.Sequence` throughout kvheat.)"""
 
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "max_tokens", "tenant", "session", "lora",
@@ -29,7 +30,7 @@ class Sequence:
         "full_req", "cached_by_tier",
     )
 
-    def __init__(self, seq_id: str, prompt_token_ids: Seq[int], max_tokens: int,
+    def __init__(self, seq_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
                  tenant: str | None = None, session: str | None = None,
                  lora: str | None = None, arrival: float | None = None) -> None:
         self.seq_id = seq_id
@@ -69,13 +70,13 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.seq_id!r}, {self.status.value}, computed={self.num_computed}/"
+        return (f"Seq({self.seq_id!r}, {self.status.value}, computed={self.num_computed}/"
                 f"{len(self.token_ids)}, class={self.load_class})")
 
 
 @dataclass(slots=True)
 class ScheduledItem:
-    seq: Sequence
+    seq: Seq
     token_ids: list[int]  # the tokens to run this step
     num_computed: int  # KV already in the pool before them
     block_table: list[int]
@@ -85,7 +86,7 @@ class ScheduledItem:
 @dataclass(slots=True)
 class SchedulerOutput:
     items: list[ScheduledItem]
-    preempted: list[Sequence]
+    preempted: list[Seq]
     num_batched_tokens: int
 
     @property

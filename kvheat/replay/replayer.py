@@ -14,7 +14,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from ..cache import CacheConfig, EvictionPolicy, KVCacheManager, OutOfBlocks, Request, make_policy
+from ..cache import (
+    CacheConfig,
+    EvictionPolicy,
+    KVCacheManager,
+    OutOfBlocks,
+    Request,
+    hit_rate,
+    make_policy,
+)
 from ..cache.hashing import root_key, tenant_salt, trace_block_keys
 from ..cache.misses import MISS_KINDS, MissClassifier
 from .traces import TraceRequest
@@ -52,7 +60,7 @@ class ReplayResult:
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.total_tokens)
 
     def as_dict(self) -> dict:
         return {
@@ -136,7 +144,7 @@ class PreparedTrace:
                     prefix = False
                 seen.add(k)
             total += sum(bt)
-        return hit / total if total else 0.0
+        return hit_rate(hit, total)
 
 
 MAX_TOKENS = 10**15  # a token count beyond any cache: a typo, not a size

@@ -40,10 +40,16 @@ from ..server.netsignals import url_endpoint
 from ..server.tracing import Tracing, end_span
 from .config import ReplicaSpec, RouterConfig, RouterConfigError
 from .index import PrefixIndex
-from .keys import PromptKeys, salt_of
+from .keys import PromptKeys
 from .metrics import RouterMetrics
-from .policy import Decision, KVHeatRouting, NoReplica, RouteRequest, RoutingPolicy
-from .policy import make_policy as make_router
+from .policy import (
+    Decision,
+    KVHeatRouting,
+    NoReplica,
+    RouteRequest,
+    RoutingPolicy,
+    make_routing_policy,
+)
 from .proxy import Forwarder, Receive, RouterError, Send, read_body, send_error
 from .regime import ClusterEntropy
 from .replicas import Replica, ReplicaRegistry
@@ -77,7 +83,7 @@ class KVHeatRouter:
         kw: dict[str, object] = {"overload_guard": config.overload_guard,
                                  "shard_choices": config.shard_choices} \
             if config.policy == "kvheat" else {}
-        self.policy: RoutingPolicy = make_router(config.policy, self.index, **kw)
+        self.policy: RoutingPolicy = make_routing_policy(config.policy, self.index, **kw)
         self.metrics = RouterMetrics()
         self.tracing = Tracing(config.otlp_endpoint, span_exporter, service_name="kvheat-router")
         self.keys = PromptKeys(config, keyer)
@@ -169,7 +175,7 @@ class KVHeatRouter:
                 tried.add(r.name)
                 content = body_bytes
                 if r.spec.kind == "vllm" and tenant is not None:
-                    content = msgspec.json.encode({**body, "cache_salt": salt_of(tenant)})
+                    content = msgspec.json.encode({**body, "cache_salt": self.keys.salt(tenant)})
                 status = await self.forwarder.forward(send, receive, r, rreq, decision,
                                                       _PATHS[endpoint], headers, content,
                                                       stream, span)

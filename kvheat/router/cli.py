@@ -9,7 +9,7 @@ import click
 
 from ..server.config import EVENTS_SECRET_ENV, ConfigError, load_config, secret_from_env
 from .config import ReplicaSpec, RouterConfig, RouterConfigError
-from .policy import POLICIES
+from .policy import ROUTING_POLICIES
 
 
 @click.command("route")
@@ -19,14 +19,15 @@ from .policy import POLICIES
 @click.option("--discover", default=None,
               help="host:port: every address this name resolves to is a kvheat replica "
                    "(a Kubernetes headless service), polled with the health checks.")
-@click.option("--policy", type=click.Choice(POLICIES), default="kvheat", show_default=True)
+@click.option("--policy", type=click.Choice(ROUTING_POLICIES), default="kvheat", show_default=True)
 @click.option("--model", type=click.Path(file_okay=False), default=None,
               help="The replicas' model directory (its tokenizer keys prompts); default: "
                    "the built-in tiny model's.")
 @click.option("--family", default="llama", show_default=True,
               help="Built-in model family, when --model is not given.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True),
-              default=None, help="The replicas' server config: its tenants' API keys.")
+              default=None, help="The replicas' server config: its tenants' API keys and "
+                                 "share groups (prompts are keyed as the replicas key them).")
 @click.option("--block-size", type=int, default=16, show_default=True,
               help="Tokens per block of replicas that do not say.")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -88,6 +89,7 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         tenants: dict[str, str] = {}
+        share_groups: dict[str, str] = {}
         if config_path:
             try:
                 # The replicas' config, checked as they check it (a bare string of api
@@ -97,12 +99,14 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
             except ConfigError as e:
                 raise RouterConfigError(str(e)) from None
             tenants = {k: t.name for t in scfg.tenants for k in t.api_keys}
+            share_groups = scfg.share_groups
             if events_secret is None:
                 events_secret = scfg.kv_events_secret
         if events_secret is None:
             events_secret = secret_from_env(EVENTS_SECRET_ENV, RouterConfigError)
         cfg = RouterConfig(replicas=[ReplicaSpec.parse(r) for r in replicas], policy=policy,
                            model=model, family=family, block_size=block_size, tenants=tenants,
+                           share_groups=share_groups,
                            discover=discover, health_interval_s=health_interval_s,
                            read_timeout_s=read_timeout_s, max_attempts=max_attempts,
                            prewarm=not no_prewarm, overload_guard=overload_guard,

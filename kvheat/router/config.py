@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..checks import check_fields
 from ..server.config import check_secret
-from .policy import POLICIES
+from .policy import ROUTING_POLICIES
 
 KINDS = ("kvheat", "vllm", "openai")
 
@@ -55,7 +56,7 @@ class ReplicaSpec:
     def parse(cls, text: str) -> ReplicaSpec:
         """`URL[,kind=K][,events=ADDR][,replay=ADDR][,block_size=N]`."""
         url, *opts = [p.strip() for p in text.split(",")]
-        kw: dict[str, object] = {}
+        kw: dict[str, Any] = {}
         for o in opts:
             k, sep, v = o.partition("=")
             if not sep or k not in ("kind", "events", "replay", "block_size"):
@@ -69,7 +70,7 @@ class ReplicaSpec:
                         from None
             else:
                 kw[k] = v
-        return cls(url, **kw)  # type: ignore[arg-type]
+        return cls(url, **kw)
 
 
 @dataclass(slots=True)
@@ -81,8 +82,12 @@ class RouterConfig:
     model: str | None = None
     family: str = "llama"
     block_size: int = 16  # when a replica does not say
-    # API key -> tenant name, as the replicas' config maps them (None: an open API).
+    # API key -> tenant name, as the replicas' config maps them (None: an open API), and
+    # tenant -> share group, as it groups them: the router salts a tenant's keys as the
+    # replicas' caches do (kvheat.cache.hashing.tenant_salt). `kvheat route --config`
+    # reads both from the replicas' server config.
     tenants: dict[str, str] = field(default_factory=dict)
+    share_groups: dict[str, str] = field(default_factory=dict)
     discover: str | None = None  # "host:port": every address the name resolves to
     health_interval_s: float = 1.0
     health_failures: int = 2  # consecutive failed checks before a replica is out
@@ -117,9 +122,9 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, error=RouterConfigError)
-        if self.policy not in POLICIES:
+        if self.policy not in ROUTING_POLICIES:
             raise RouterConfigError(f"unknown policy {self.policy!r}; known: "
-                                    f"{', '.join(POLICIES)}")
+                                    f"{', '.join(ROUTING_POLICIES)}")
         if self.block_size < 1 or self.health_failures < 1 or self.max_attempts < 1 or \
                 self.shard_choices < 1:
             raise RouterConfigError("block_size, health_failures, max_attempts and "

@@ -216,7 +216,7 @@ class PrefixIndex:
             self.unresolved += n
             return []
         if ev.parent_block_hash is None:
-            parent = root_key(_salt_of(ev))
+            parent = root_key(_cache_salt_in(ev))
         else:
             got = alias.get((ev.parent_block_hash, rank))
             if got is None:
@@ -409,9 +409,10 @@ def _own_keys(hashes: list[bytes | int]) -> list[bytes]:
     return keys
 
 
-def _salt_of(ev: BlockStored) -> str | None:
-    """The cache salt a vLLM store names for its first block (its extra keys hold the
-    LoRA name, multimodal pairs, then the salt string)."""
+def _cache_salt_in(ev: BlockStored) -> str | None:
+    """The `cache_salt` a vLLM store names for its first block (its extra keys hold the
+    LoRA name, multimodal pairs, then the salt string): read back, never derived here; the
+    router sent it, as `PromptKeys.salt` derives it from the tenant."""
     if not ev.extra_keys or ev.extra_keys[0] is None:
         return None
     strs = [x for x in ev.extra_keys[0] if isinstance(x, str) and x != ev.lora_name]

@@ -24,11 +24,6 @@ from .policy import RouteRequest
 MODES = ("block", "exact", "off")
 
 
-def salt_of(tenant: str | None) -> str | None:
-    """The cache salt the replicas derive from a tenant (and vLLM gets as `cache_salt`)."""
-    return tenant_salt(tenant, {})
-
-
 @dataclass(frozen=True, slots=True)
 class ArmLayout:
     """A kvheat replica's A/B arms, as its `GET /kv_events` says: the arm (event rank) each
@@ -95,6 +90,11 @@ class PromptKeys:
                                      bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
         return tok.encode(text, add_special_tokens=False)
 
+    def salt(self, tenant: str | None) -> str | None:
+        """The cache salt of a tenant's keys, as the replicas' caches derive it (its share
+        group's when it has one); a vLLM replica gets it as `cache_salt`."""
+        return tenant_salt(tenant, self.config.share_groups)
+
     def tenant_of(self, authorization: str) -> tuple[str | None, bool]:
         """(tenant, known): the tenant of the request's API key; without a tenant map the
         API is open (None, True)."""
@@ -147,7 +147,7 @@ class PromptKeys:
             return RouteRequest([], [], len(tokens or ()), rank)
         root = self._roots.get(tenant)
         if root is None:
-            root = self._roots[tenant] = root_key(salt_of(tenant))
+            root = self._roots[tenant] = root_key(self.salt(tenant))
         raw = tokens_to_bytes(list(tokens))  # once: the scope and the keys read it
         if mode == "exact":
             root = scoped_root(root, prompt_scope(raw))

@@ -27,6 +27,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..heat.entropy import EntropyTracker
 from .index import Match, PrefixIndex
@@ -425,20 +426,25 @@ class KVHeatRouting(RoutingPolicy):
         self.work.pop(replica, None)
 
 
-def make_policy(name: str, index: PrefixIndex | None = None, **kw: object) -> RoutingPolicy:
+# The routing policies by name. Named apart from the cache's eviction policies
+# (`kvheat.cache.make_policy`, `policy_names`): in kvheat a bare "policy" is the cache's.
+ROUTING_POLICIES = ("rr", "least-load", "prefix-hash", "sglang-like", "kvheat")
+
+
+def make_routing_policy(name: str, index: PrefixIndex | None = None,
+                        **settings: Any) -> RoutingPolicy:
+    """The routing policy `name` (one of ROUTING_POLICIES) with its `settings`; the
+    kvheat policy reads the prefix `index`."""
     if name == "rr":
         return RoundRobin()
     if name == "least-load":
         return LeastLoad()
     if name == "prefix-hash":
-        return PrefixHash(**kw)  # type: ignore[arg-type]
+        return PrefixHash(**settings)
     if name == "sglang-like":
-        return SglangLike(**kw)  # type: ignore[arg-type]
+        return SglangLike(**settings)
     if name == "kvheat":
         if index is None:
             raise ValueError("the kvheat policy needs the prefix index")
-        return KVHeatRouting(index, KVHeatRoutingConfig(**kw))  # type: ignore[arg-type]
-    raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")
-
-
-POLICIES = ("rr", "least-load", "prefix-hash", "sglang-like", "kvheat")
+        return KVHeatRouting(index, KVHeatRoutingConfig(**settings))
+    raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(ROUTING_POLICIES)}")

@@ -215,7 +215,10 @@ class ReplicaRegistry:
         self.index.clear_replica(r.name)
 
     async def _discover(self) -> None:
-        host, port = self.config.discover.rsplit(":", 1)  # type: ignore[union-attr]
+        discover = self.config.discover
+        if discover is None:
+            return
+        host, port = discover.rsplit(":", 1)
         loop = asyncio.get_running_loop()
         try:
             infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)

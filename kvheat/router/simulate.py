@@ -24,11 +24,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..cache import CacheConfig, KVCacheManager, make_policy
+from ..cache import Block, CacheConfig, KVCacheManager, hit_rate, make_policy
 from ..replay.replayer import PreparedTrace, replay
 from .index import DEVICE, SHARED_TIER, PrefixIndex
-from .policy import KVHeatRouting, RouteRequest, RoutingPolicy
-from .policy import make_policy as make_router
+from .policy import KVHeatRouting, RouteRequest, RoutingPolicy, make_routing_policy
 from .regime import ClusterEntropy
 
 
@@ -97,8 +96,7 @@ class ClusterResult:
 
     @property
     def hit_rate(self) -> float:
-        return (self.hit_tokens + self.shared_hit_tokens) / self.total_tokens \
-            if self.total_tokens else 0.0
+        return hit_rate(self.hit_tokens + self.shared_hit_tokens, self.total_tokens)
 
     @property
     def imbalance_requests(self) -> float:
@@ -182,7 +180,7 @@ def simulate(pt: PreparedTrace,
     for n in names:
         index.add_replica(n)
     if isinstance(router, str):
-        policy = make_router(router, index)
+        policy = make_routing_policy(router, index)
     elif isinstance(router, RoutingPolicy):
         policy = router
     else:  # a factory given the index (a policy that reads it)
@@ -196,7 +194,7 @@ def simulate(pt: PreparedTrace,
                              policy=make_policy(cfg.cache_policy), clock=lambda: now[0])
         mgr.index_listeners.append(_feed(index, name))
         if shared is not None:
-            mgr.evict_listeners.append(lambda b, i=i: shared.put(b.key, i))  # type: ignore[misc]
+            mgr.evict_listeners.append(_to_shared(shared, i))
         caches.append(mgr)
     from .policy import ReplicaState
 
@@ -278,6 +276,14 @@ def single_cache_bound(pt: PreparedTrace, cfg: ClusterConfig) -> float:
         _bounds[key] = replay(pt, cfg.cache_policy, key[1], pt.block_tokens,
                               time_scale=cfg.time_scale).hit_rate
     return _bounds[key]
+
+
+def _to_shared(shared: _SharedTier, writer: int) -> Callable[[Block], None]:
+    """An evict listener: replica `writer`'s evicted blocks go to the shared tier."""
+    def on_evict(b: Block) -> None:
+        if b.key is not None:  # always: an evicted block was a cached one
+            shared.put(b.key, writer)
+    return on_evict
 
 
 def _feed(index: PrefixIndex, name: str):

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..cache import make_policy
 from ..engine import GREEDY_BELOW, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from ..engine.engine import ContextLengthExceeded, check_context_length
 from ..engine.loader import load_model
 from .admin import admin_router
 from .arms import ArmRouter, ArmStats, arm_user
@@ -87,7 +88,8 @@ class KVHeatServer:
                                     prefix_caching=a.prefix_caching)
             ecfg = EngineConfig(num_blocks=a.num_blocks or config.num_blocks,
                                 block_size=config.block_size, policy=a.policy,
-                                scheduler=sched, seed=config.seed, tiers=config.arm_tiers(a))
+                                share_groups=config.share_groups, scheduler=sched,
+                                seed=config.seed, tiers=config.arm_tiers(a))
             try:
                 eng = LLMEngine(model, tok, ecfg)
             except (OSError, ValueError) as e:  # e.g. a disk tier folder it cannot write
@@ -244,22 +246,21 @@ class KVHeatServer:
         if n_prompt == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
         ctx = self.max_model_len
-        if n_prompt >= ctx:
-            param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-            raise ApiError(400, f"the prompt has {n_prompt} tokens; this model's context "
-                           f"length is {ctx}", param=param, code="context_length_exceeded")
         if max_tokens is None and tenant is not None:
             max_tokens = tenant.max_tokens
         limit = self.config.max_tokens_limit
-        if max_tokens is None:
-            max_tokens = min(self.config.default_max_tokens, limit or ctx, ctx - n_prompt)
+        if max_tokens is None:  # at least 1: a prompt with no room left fails the check
+            max_tokens = max(1, min(self.config.default_max_tokens, limit or ctx,
+                                    ctx - n_prompt))
+        try:  # the engine's own check, before the request is queued
+            check_context_length(n_prompt, max_tokens, ctx)
+        except ContextLengthExceeded as e:
+            param = "messages" if e.param == "prompt" and \
+                isinstance(body, ChatCompletionRequest) else e.param
+            raise ApiError(400, str(e), param=param, code="context_length_exceeded") from None
         if limit is not None and max_tokens > limit:
             raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of "
                            f"{limit}", param="max_tokens")
-        if n_prompt + max_tokens > ctx:
-            raise ApiError(400, f"the prompt ({n_prompt} tokens) plus max_tokens "
-                           f"({max_tokens}) exceeds the context length of {ctx}",
-                           param="max_tokens", code="context_length_exceeded")
         temperature = body.temperature
         if temperature is None:
             temperature = tenant.temperature if tenant and tenant.temperature is not None else 1.0

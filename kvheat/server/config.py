@@ -10,6 +10,7 @@ as lists of tables:
     name = "acme"                       # letters, digits, '_', '.', '-' (not "none")
     api_keys = ["sk-acme-1"]            # a list, even for one key
     quota_blocks = 128                  # blocks of each arm's pool; fair sharing under contention
+    share_group = "corp"                # optional: tenants of one group reuse each other's KV
     temperature = 0.7                   # sampling defaults (docs/server.md, "Tenants")
     logit_bias = { "13" = -100.0 }
 
@@ -19,7 +20,10 @@ as lists of tables:
     policy = "lru"
 
 Without tenants, the API is open and nothing is salted; with tenants, every request needs
-one of their keys and each tenant's blocks are salted by its name (no cross-tenant reuse).
+one of their keys and each tenant's blocks are salted by its name (no cross-tenant reuse),
+or by its `share_group`'s: tenants of one group see each other's blocks. A router in front
+(`kvheat route --config` this file) reads the same tenants, keys and groups, so it keys
+prompts as these replicas do.
 
 Every key's value must have exactly the type its field declares (`check_fields`: an
 integer is never 64.5 or true, a flag never "false", a list never a bare string), else
@@ -106,6 +110,9 @@ class TenantConfig:
     # tenant-<i>, its position in the config. /metrics needs no key then, and must not
     # tell who the tenants are.
     metrics_label: str | None = None
+    # Tenants with the same share group are salted alike (kvheat.cache.hashing.tenant_salt):
+    # each reuses the others' cached prefixes. None: salted by its own name.
+    share_group: str | None = None
 
     def __post_init__(self) -> None:
         check_value(self.name, str, "name", "a tenant", ConfigError)
@@ -137,6 +144,8 @@ class TenantConfig:
             raise ConfigError(f"tenant {self.name!r}: max_tokens must be at least 1")
         if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise ConfigError(f"tenant {self.name!r}: logit_bias values must be in [-100, 100]")
+        if self.share_group is not None:
+            check_name(self.share_group, f"{what}: share_group", reserved=False)
         if self.metrics_label is not None:
             check_name(self.metrics_label, f"{what}: metrics_label")
             if GENERATED_LABEL_RE.fullmatch(self.metrics_label):
@@ -314,6 +323,12 @@ class ServerConfig:
         if self.metrics_token:
             return {t.name: t.name for t in self.tenants}
         return {t.name: t.metrics_label or f"tenant-{i}" for i, t in enumerate(self.tenants)}
+
+    @property
+    def share_groups(self) -> dict[str, str]:
+        """Tenant name -> its share group, for the tenants in one (as `CacheConfig` and a
+        router take them)."""
+        return {t.name: t.share_group for t in self.tenants if t.share_group is not None}
 
     @property
     def arm_list(self) -> list[ArmConfig]:

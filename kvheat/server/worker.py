@@ -153,8 +153,7 @@ class EngineWorker:
             raise RequestTooLarge(too_large)
         eng.add_request(prompt, params, tenant=handle.tenant, request_id=rid)
         t0 = time.perf_counter()
-        kinds = self.classifiers[handle.arm].prepare(
-            eng.cache, prompt, handle.tenant, scope=eng.scheduler.prompt_scope(prompt))
+        kinds = eng.scheduler.miss_kinds(self.classifiers[handle.arm], prompt, handle.tenant)
         t1 = time.perf_counter()
         predicted = 0
         for k in kinds:
