@@ -26,6 +26,7 @@ from ..cache import (
 from ..tiers.spec import build_tiers
 from .config import EngineConfig
 from .kv_pool import DeviceKVPool
+from .llama import CausalLM
 from .outputs import EngineStats, RequestMetrics, RequestOutput, TokenOutput
 from .runner import ModelRunner, SeqBatchItem
 from .sampling import RequestSampler, SamplingParams, sample
@@ -78,7 +79,7 @@ class _Req:
 
 
 class LLMEngine:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None,
+    def __init__(self, model: CausalLM, tokenizer: Any = None,
                  config: EngineConfig | None = None, policy: EvictionPolicy | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         cfg = config or EngineConfig()
@@ -89,6 +90,7 @@ class LLMEngine:
             pool = DeviceKVPool.for_model(self.model_config, cfg.num_blocks, cfg.block_size,
                                           cfg.dtype, cfg.device)
         else:
+            assert cfg.kv_memory_bytes is not None  # EngineConfig checks one is given
             pool = DeviceKVPool.from_memory_budget(self.model_config, cfg.kv_memory_bytes,
                                                    cfg.block_size, cfg.dtype, cfg.device)
         self.kv_pool = pool

@@ -28,6 +28,7 @@ blocks to a host `SwapSpace` and writes them back when it resumes.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -104,7 +105,7 @@ class Scheduler:
         cfg = self.config
         seq.load_class = load_class(seq.num_prompt_tokens + seq.max_tokens,
                                     cfg.short_max_tokens, cfg.long_min_tokens)
-        if seq.arrival is None:
+        if math.isnan(seq.arrival):
             seq.arrival = self.clock()
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)

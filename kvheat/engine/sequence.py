@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,7 +41,8 @@ class Seq:
         self.tenant = tenant
         self.session = session
         self.lora = lora
-        self.arrival = arrival  # set from the scheduler's clock when None
+        # NaN until the scheduler stamps it from its clock (when not given)
+        self.arrival: float = math.nan if arrival is None else arrival
         self.status = SeqStatus.WAITING
         self.num_computed = 0  # leading tokens whose KV is in the pool
         self.cache_req: Request | None = None  # the manager's view while blocks are held

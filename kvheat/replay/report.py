@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -99,7 +100,8 @@ def plot(summary: dict, path: str | Path) -> None:
         xs = [c for c in caps if (p, c) in cell]
         # kvheat: bold black squares, unlike any colour of the default cycle (arc gets
         # tab:red from it); Belady: the dashed grey ceiling.
-        style = {"linestyle": "--", "color": "dimgray"} if p == "belady" else {"marker": "o"}
+        style: dict[str, Any] = ({"linestyle": "--", "color": "dimgray"} if p == "belady"
+                                 else {"marker": "o"})
         if p == "kvheat":
             style = {"marker": "s", "linewidth": 2.5, "color": "black", "zorder": 3}
         ax.plot(xs, [100 * cell[(p, c)] for c in xs], label=p, **style)

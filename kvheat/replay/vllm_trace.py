@@ -248,7 +248,7 @@ def record_kv_events(endpoint: str, path: str | Path, topic: str = "",
     import msgspec
     import zmq
 
-    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sock.connect(endpoint)
     sock.setsockopt_string(zmq.SUBSCRIBE, topic)
     dec = msgspec.msgpack.Decoder()

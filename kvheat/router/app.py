@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Scope
 
 from ..kvevents.secret import EventSecret
 from ..server.netsignals import url_endpoint
@@ -103,7 +104,7 @@ class KVHeatRouter:
         self.app = self._build_app()
 
     # ---- one proxied request --------------------------------------------------------------
-    async def handle(self, scope: dict[str, Any], receive: Receive, send: Send,
+    async def handle(self, scope: Scope, receive: Receive, send: Send,
                      endpoint: str) -> None:
         try:
             status = await self._route(scope, receive, send, endpoint)
@@ -113,7 +114,7 @@ class KVHeatRouter:
         if status:
             self.metrics.answered(endpoint, status)
 
-    async def _route(self, scope: dict[str, Any], receive: Receive, send: Send,
+    async def _route(self, scope: Scope, receive: Receive, send: Send,
                      endpoint: str) -> int:
         """Answer one request; the status sent (0: the client left first)."""
         t_start = time.perf_counter()
@@ -265,7 +266,7 @@ class KVHeatRouter:
     def _build_app(self) -> Any:
         api, handle = self.api, self.handle
 
-        async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] == "http" and scope["method"] == "POST":
                 endpoint = _PROXIED.get(scope["path"])
                 if endpoint is not None:

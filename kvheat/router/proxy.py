@@ -10,10 +10,10 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+from starlette.types import Receive, Send
 from yarl import URL
 
 from ..server.protocol import PREWARM_HEADER
@@ -23,8 +23,6 @@ from .policy import Decision, RouteRequest
 from .replicas import Replica, ReplicaRegistry
 
 log = logging.getLogger("kvheat.router")
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 _PASSED_BACK = ("retry-after", "cache-control")
 
 

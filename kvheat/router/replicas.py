@@ -224,8 +224,8 @@ class ReplicaRegistry:
             infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except OSError:
             return
-        urls = {f"http://{'[' + a[4][0] + ']' if ':' in a[4][0] else a[4][0]}:{port}"
-                for a in infos}
+        addrs = {str(a[4][0]) for a in infos}
+        urls = {f"http://{'[' + a + ']' if ':' in a else a}:{port}" for a in addrs}
         for u in urls:
             self._discovered_missing.pop(u, None)
             if u not in self.replicas:
@@ -298,17 +298,18 @@ class ReplicaRegistry:
                     m.event_errors.labels(r.name, kind).set(getattr(st, kind))
 
     def describe(self, r: Replica) -> dict[str, Any]:
-        ev = r.events.stats if r.events is not None else None
+        sub = r.events
         return {"url": r.name, "kind": r.spec.kind, "healthy": r.healthy,
                 "events_flowing": r.events_flowing if r.spec.kind != "openai" else None,
                 "in_flight": r.state.in_flight, "routed": r.routed,
                 "block_size": r.block_size,
                 "index_blocks": {label: self.index.blocks_of(r.name, place)
                                  for place, label in _PLACES},
-                "events": None if ev is None else {
-                    "batches": ev.batches, "gaps": ev.gaps, "resets": ev.resets, "bad": ev.bad,
-                    "handler_errors": ev.handler_errors, "restarts": ev.restarts,
-                    "timeouts": ev.timeouts, "subscribed": r.events.alive}}
+                "events": None if sub is None else {
+                    "batches": sub.stats.batches, "gaps": sub.stats.gaps,
+                    "resets": sub.stats.resets, "bad": sub.stats.bad,
+                    "handler_errors": sub.stats.handler_errors, "restarts": sub.stats.restarts,
+                    "timeouts": sub.stats.timeouts, "subscribed": sub.alive}}
 
 
 def _port(v: object) -> int | None:

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import hmac
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -159,7 +160,7 @@ class KVHeatServer:
         cfg = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
                              access_log=False,
                              # A backstop only: the drain ends every request before it.
-                             timeout_graceful_shutdown=self.config.drain_timeout_s + 5)
+                             timeout_graceful_shutdown=math.ceil(self.config.drain_timeout_s + 5))
         return _DrainingServer(cfg, self)
 
     async def begin_drain(self) -> None:
@@ -373,7 +374,9 @@ def _build_app(server: KVHeatServer) -> FastAPI:
 
     app = FastAPI(title="kvheat", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server on the kvheat KV cache.")
-    app.add_middleware(RequestGuard, max_body_bytes=server.config.max_body_bytes,
+    body_limit = server.config.max_body_bytes
+    assert isinstance(body_limit, int)  # ServerConfig parsed the size
+    app.add_middleware(RequestGuard, max_body_bytes=body_limit,
                        early_check=server.early_check, too_large=server.body_too_large)
 
     add_error_handlers(app, server.count_rejected)

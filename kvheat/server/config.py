@@ -462,8 +462,8 @@ def tier_spec(keys: dict[str, Any]) -> TierSpec:
     for k, v in keys.items():
         if not k.endswith("_bytes"):
             check_value(v, hints[TIER_KEYS[k]], k, error=ConfigError)
-    spec = {TIER_KEYS[k]: parse_size(v, k) if k.endswith("_bytes") else v
-            for k, v in keys.items()}
+    spec: dict[str, Any] = {TIER_KEYS[k]: parse_size(v, k) if k.endswith("_bytes") else v
+                            for k, v in keys.items()}
     try:
         return TierSpec(**spec)
     except (TypeError, ValueError) as e:

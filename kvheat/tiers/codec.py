@@ -93,7 +93,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 and fp8 included)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 @dataclass(slots=True)

@@ -241,7 +241,7 @@ class DiskStore(KVStore):
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 # torch.empty, not bytearray: no zero-fill pass over the buffer
-                buf = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+                buf = torch.empty(size, dtype=torch.uint8).numpy().data
                 n = f.readinto(buf)
             if n != size:
                 raise CorruptValue("torn", f"read {n} of {size} bytes")

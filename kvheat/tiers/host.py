@@ -36,7 +36,7 @@ class _SlotView:
                  shape: tuple[int, ...]) -> None:
         self.dtype, self.shape, self.nbytes = dtype, shape, nbytes
         self.tensor = row[:nbytes].view(dtype).view(shape)
-        self.raw = memoryview(row[:nbytes].numpy())
+        self.raw = row[:nbytes].numpy().data
 
 
 class HostStore(KVStore):

@@ -56,10 +56,12 @@ def cuda_device_node(device: int | None = None) -> int | None:
         return None
     props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None
                                              else device)
+    # (PCI fields exist on CUDA builds only; torch's stubs do not name them all)
     bus = getattr(props, "pci_bus_id", None)
-    if bus is None:
+    domain, dev = getattr(props, "pci_domain_id", None), getattr(props, "pci_device_id", None)
+    if bus is None or domain is None or dev is None:
         return None
-    bus_id = f"{props.pci_domain_id:04x}:{bus:02x}:{props.pci_device_id:02x}.0"
+    bus_id = f"{domain:04x}:{bus:02x}:{dev:02x}.0"
     try:
         node = int(Path(f"/sys/bus/pci/devices/{bus_id}/numa_node").read_text())
     except (OSError, ValueError):
