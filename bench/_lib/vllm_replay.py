@@ -43,13 +43,15 @@ except Exception as e:  # a broken torchvision says what to run, not a traceback
 
     raise import_error(e) from None
 
+from kvheat.cache import hit_rate
 from kvheat.cache.hashing import chain_key, root_key
 from kvheat.integrations.vllm import KVHeatCachePolicy
 from kvheat.replay.traces import TraceRequest
 
 KVHEAT = ("KVHeatCachePolicy", "kvheat.integrations.vllm")
 BELADY = ("BeladyCachePolicy", "bench._lib.vllm_replay")
-POLICIES: dict[str, tuple[str, str | None]] = {
+# Where vLLM loads each offload policy from: (class or built-in name, module path).
+VLLM_OFFLOAD_POLICIES: dict[str, tuple[str, str | None]] = {
     "lru": ("lru", None), "arc": ("arc", None), "kvheat": KVHEAT, "belady": BELADY,
     "kvheat-fixed": ("KVHeatFixedMultiple", "bench._lib.vllm_replay"),
 }
@@ -163,7 +165,7 @@ class OffloadResult:
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.total_tokens)
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__slots__}
@@ -194,7 +196,7 @@ def replay_offload(trace: Sequence[TraceRequest], policy: str, capacity_chunks: 
                    touch: bool = False, keys: list[list[OffloadKey]] | None = None,
                    manager: CPUOffloadingManager | None = None) -> OffloadResult:
     """Play `trace` through a `CPUOffloadingManager` of `capacity_chunks` chunks running
-    `policy` (a key of POLICIES), and count token-weighted offload prefix hits."""
+    `policy` (a key of VLLM_OFFLOAD_POLICIES), and count token-weighted offload prefix hits."""
     steps = _replay_steps(trace, policy, capacity_chunks, chunk_tokens, time_scale,
                           prefill_tps, decode_tps, load_tps, store_tps, touch, keys, manager)
     return deque(steps, maxlen=1)[0]  # the last yield: the finished result
@@ -233,7 +235,7 @@ def _replay_steps(trace: Sequence[TraceRequest], policy: str, capacity_chunks: i
                   manager: CPUOffloadingManager | None = None
                   ) -> Iterator[OffloadResult]:
     """The replay of `replay_offload`, yielding its (running) result after each event."""
-    name, module = POLICIES.get(policy, (policy, None))
+    name, module = VLLM_OFFLOAD_POLICIES.get(policy, (policy, None))
     mgr = manager or CPUOffloadingManager(capacity_chunks, cache_policy=name,
                                           cache_policy_module_path=module)
     pol = mgr._policy  # the policy vLLM's factory built (read for stats and the oracle)

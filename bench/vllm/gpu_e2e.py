@@ -32,8 +32,7 @@ if not __package__:  # run as `python bench/vllm/gpu_e2e.py`: import from the re
 from bench._lib import RESULTS
 from bench._lib.procs import stop, wait_ready
 
-POLICIES = {"lru": ("lru", None), "arc": ("arc", None),
-            "kvheat": ("KVHeatCachePolicy", "kvheat.integrations.vllm")}
+POLICIES = ("lru", "arc", "kvheat")
 
 
 def _skip_reason() -> str | None:
@@ -53,7 +52,9 @@ def _skip_reason() -> str | None:
 
 def transfer_config(policy: str, cpu_bytes: int) -> dict:
     """The --kv-transfer-config JSON that runs `policy` in vLLM's CPU offloading tier."""
-    name, module = POLICIES[policy]
+    from bench._lib.vllm_replay import VLLM_OFFLOAD_POLICIES  # imports vLLM: only here
+
+    name, module = VLLM_OFFLOAD_POLICIES[policy]
     extra: dict = {"cpu_bytes_to_use": cpu_bytes, "eviction_policy": name}
     if module:
         extra["cache_policy_module_path"] = module
