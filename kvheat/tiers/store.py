@@ -84,6 +84,11 @@ class TransferModel:
         self._fit = None
         self.last_at = time.monotonic()
 
+    def reset(self) -> None:
+        """Forget every sample (they describe a tier that has since changed speed)."""
+        self.samples.clear()
+        self._fit = None
+
     def fit(self) -> tuple[float, float] | None:
         """(latency seconds, bandwidth bytes/s), or None before any sample."""
         if self._fit is not None:
@@ -173,8 +178,16 @@ class KVStore:
         return os.urandom(32)
 
     # ---- the interface ----------------------------------------------------------------
+    # Set by the server's self-healer (kvheat/server/selfheal.py): every caller skips the
+    # tier as if it were down, while `put`/`get` still work for its probes.
+    bypassed = False
+
     def available(self) -> bool:
-        """False while the tier is marked down (callers skip it and recompute)."""
+        """False while the tier is down or bypassed (callers skip it and recompute)."""
+        return not self.bypassed and self.reachable()
+
+    def reachable(self) -> bool:
+        """False while the tier is marked down (a store that can go down overrides it)."""
         return True
 
     def used_bytes(self) -> int:
@@ -270,7 +283,8 @@ class KVStore:
         wfit = self.write_model.fit()
         return {
             "name": self.name, "capacity_bytes": self.capacity_bytes,
-            "used_bytes": self.used_bytes(), "available": self.available(),
+            "used_bytes": self.used_bytes(), "available": self.reachable(),
+            "bypassed": self.bypassed,
             "read_latency_s": fit[0] if fit else None,
             "read_bandwidth_Bps": fit[1] if fit else None,
             "write_latency_s": wfit[0] if wfit else None,
