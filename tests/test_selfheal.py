@@ -314,3 +314,33 @@ def test_a_failing_step_is_contained() -> None:
         assert heal._thread is not None and heal._thread.is_alive()
     finally:
         stop(s)
+
+
+def test_a_tier_that_turned_slow_is_seen_before_its_model_follows(tmp_path: Path) -> None:
+    """The latest reads far slower than the transfer model predicts (its trimmed mean
+    still the old speed, loads still chosen, so no doctor finding yet): the healer probes
+    the tier at once; fast by the probe, its timings are measured again."""
+    s = start(ServerConfig(**_heal_config(
+        num_blocks=24, self_heal_interval_s=3600.0,
+        tiers=TierSpec(disk_dir=str(tmp_path / "kv"), disk_bytes=64 << 20))))
+    heal = s.server.healer
+    assert heal is not None
+    tc = s.server.worker.engines["default"].tiers
+    assert tc is not None
+    model = tc.tiers[0].read_model
+    try:
+        for _ in range(200):
+            model.record(tc.block_bytes, 1e-4)
+        assert model.drift() == pytest.approx(1.0, rel=0.2)
+        heal.step(_window((1, 0), (2, 0)), 0.0)
+        assert s.metric("kvheat_self_heal_actions_total", action="recalibrate") == 0
+        for _ in range(8):
+            model.record(tc.block_bytes, 0.05)  # 500x slower
+        assert (tc.estimate_load_s(0, 1) or 1) < 1e-3  # the window's fit has not moved
+        assert (model.drift() or 0) > 100
+        heal.step(_window((2, 0), (3, 0)), 0.0)
+        assert s.metric("kvheat_self_heal_actions_total", action="recalibrate",
+                        cause="tier_slow", tier="disk") == 1
+        assert (model.drift() or 9) < 2  # measured again: consistent
+    finally:
+        stop(s)

@@ -10,6 +10,8 @@ with the doctor's own cause functions (`kvheat.doctor.causes`) and acts:
                            probes in a row pass, then recalibrate it
     tier_slow, tier fast   recalibrate: its transfer timings are stale (the tier is fast
                            again by its probe): forget them and measure again
+    (the doctor's tier_slow, and a tier whose latest reads took DRIFT times what its
+    transfer model predicts: a tier that just turned slow still gets loads)
     overload               shed: refuse the lowest priority class (tenant priority, then
                            arm priority) with 429 and Retry-After; one more class per step,
                            never the highest; one class back per step once the overload
@@ -54,6 +56,9 @@ log = logging.getLogger("kvheat.server.selfheal")
 
 ENTER = 0.5  # a cause's score that starts an action (the doctor reports from FLOOR)
 EXIT = FLOOR / 2  # below it the cause counts as gone
+# A tier whose latest reads took this many times what its transfer model predicts has
+# changed speed: its load-or-recompute timings are stale (`TransferModel.drift`).
+DRIFT = 2.0
 ACTIONS = ("bypass", "restore", "recalibrate", "shed", "unshed", "scale_signal",
            "scale_signal_end")
 # What the healer reads of the registry: the series its causes use (not the kernel
@@ -61,7 +66,7 @@ ACTIONS = ("bypass", "restore", "recalibrate", "shed", "unshed", "scale_signal",
 SERIES = ("kvheat_requests", "kvheat_rejected_requests", "kvheat_queue_length",
           "kvheat_tier_up", "kvheat_tier_writable", "kvheat_tier_faults",
           "kvheat_tier_load_faults", "kvheat_load_decisions",
-          "kvheat_tier_bandwidth_bytes_per_second")
+          "kvheat_tier_bandwidth_bytes_per_second", "kvheat_self_heal_shed_requests")
 _TIER_RE = re.compile(r"\btier=([A-Za-z0-9_.-]+)")
 
 Priority = tuple[int, int]  # (tenant priority, arm priority): lower is shed first
@@ -180,7 +185,8 @@ class SelfHealer:
     def step(self, snap: Snapshot, now: float) -> None:
         """Score one window and act on it (each part contained on its own)."""
         for part in (lambda: self._tiers(tier_fault(snap), tier_slow(snap), now),
-                     lambda: self._overload(overload(snap), snap, now),
+                     lambda: self._overload(overload(snap), overload(_shed_as_refused(snap)),
+                                            snap, now),
                      lambda: self._apply()):
             try:
                 part()
@@ -195,7 +201,13 @@ class SelfHealer:
         for tier in sorted(named.get("tier_fault", set())):
             if tier not in self.bypassed and tier in self._tier_names():
                 self._bypass(tier, "tier_fault", fault.score, now)
-        for tier in sorted(named.get("tier_slow", set())):
+        # Slow: what the doctor finds (its blocks mostly recomputed), and tiers whose
+        # latest reads are far slower than their model says, which the doctor cannot
+        # see while the stale model still sends loads there.
+        drifting = self._drifting_tiers()
+        if drifting:
+            slow = Finding("tier_slow", max(slow.score, 1.0), slow.evidence, slow.action)
+        for tier in sorted(named.get("tier_slow", set()) | drifting):
             if tier in self.bypassed or tier not in self._slow_tier_names():
                 continue
             if self.dry_run:  # a probe writes to the tier: not in a dry run
@@ -249,7 +261,11 @@ class SelfHealer:
         self._record("recalibrate", cause, tier, score, None,
                      "load-or-recompute timings measured again")
 
-    def _overload(self, f: Finding, snap: Snapshot, now: float) -> None:
+    def _overload(self, f: Finding, offered: Finding, snap: Snapshot, now: float) -> None:
+        """`f`: the overload of the traffic served (raises the shed level); `offered`: the
+        same with the requests shed counted as refused, as they would be without the
+        shedding (only its absence lowers the level again: no flapping while the
+        demand lasts)."""
         shed_now, self._shed_count = self._shed_count, 0
         refused = snap.deltas("kvheat_rejected_requests_total", "status").get("503", 0.0)
         if f.score >= ENTER:
@@ -275,7 +291,7 @@ class SelfHealer:
                                  f"{boost:g} refused requests")
                 self._set_boost(boost)
             return
-        if f.score >= EXIT:
+        if max(f.score, offered.score) >= EXIT:
             self._overload_clear_since = None
             return
         if self._overload_clear_since is None:
@@ -335,6 +351,12 @@ class SelfHealer:
     def _tier_names(self) -> set[str]:
         return {st.name for tc in self._tier_caches() for st in tc.tiers}
 
+    def _drifting_tiers(self) -> set[str]:
+        """Tiers in use whose latest reads took DRIFT times their model's estimate."""
+        return {st.name for tc in self._tier_caches() for st in tc.tiers
+                if not st.inline and not st.bypassed
+                and (d := st.read_model.drift()) is not None and d >= DRIFT}
+
     def _slow_tier_names(self) -> set[str]:
         """Tiers the load-or-recompute model can judge too slow (host copies never are)."""
         return {st.name for tc in self._tier_caches() for st in tc.tiers if not st.inline}
@@ -364,3 +386,16 @@ class SelfHealer:
 def _tiers_named(f: Finding) -> set[str]:
     """The tiers a finding's evidence names (its series' tier label)."""
     return {m.group(1) for k in f.evidence for m in _TIER_RE.finditer(k)}
+
+
+def _shed_as_refused(snap: Snapshot) -> Snapshot:
+    """`snap` with the requests the healer shed added to the 503 refusals."""
+    def fold(sc: Scrape) -> Scrape:
+        out = dict(sc)
+        shed = sum(v for (n, lab), v in sc.items() if n == "kvheat_self_heal_shed_requests_total"
+                   and dict(lab).get("dry_run") == "false")
+        key = ("kvheat_rejected_requests_total", (("status", "503"),))
+        out[key] = out.get(key, 0.0) + shed
+        return out
+
+    return Snapshot(fold(snap.a), fold(snap.b), snap.dt, snap.admin_a, snap.admin_b)

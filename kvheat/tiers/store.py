@@ -89,6 +89,17 @@ class TransferModel:
         self.samples.clear()
         self._fit = None
 
+    def drift(self, recent: int = 8) -> float | None:
+        """How many times slower (above 1) or faster (below 1) the latest `recent`
+        transfers were than the fit over the whole window predicts them (the median
+        ratio); None with fewer samples. A tier that changed speed shows it here long
+        before the trimmed mean of the window follows."""
+        latest = [s for s in list(self.samples)[-recent:] if s[0] > 0 and s[1] > 0]
+        if len(latest) < recent:
+            return None
+        ratios = [y / est for x, y in latest if (est := self.estimate(x)) and est > 0]
+        return _median(ratios) if ratios else None
+
     def fit(self) -> tuple[float, float] | None:
         """(latency seconds, bandwidth bytes/s), or None before any sample."""
         if self._fit is not None:
