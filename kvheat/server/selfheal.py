@@ -121,7 +121,8 @@ class SelfHealer:
         self._last_start: dict[tuple[str, str], float] = {}
         self._overload_clear_since: float | None = None
         self._shed_changed = float("-inf")
-        self._shed_count = 0  # requests shed since the last step (any thread)
+        self._shed_count = 0  # requests shed since the last step (request handlers add)
+        self._shed_lock = threading.Lock()
         self._prev: Scrape | None = None
         self._prev_at = 0.0
         self._stop = threading.Event()
@@ -266,7 +267,8 @@ class SelfHealer:
         same with the requests shed counted as refused, as they would be without the
         shedding (only its absence lowers the level again: no flapping while the
         demand lasts)."""
-        shed_now, self._shed_count = self._shed_count, 0
+        with self._shed_lock:
+            shed_now, self._shed_count = self._shed_count, 0
         refused = snap.deltas("kvheat_rejected_requests_total", "status").get("503", 0.0)
         if f.score >= ENTER:
             self._overload_clear_since = None
@@ -337,7 +339,8 @@ class SelfHealer:
         cls = (tenant.priority if tenant else 0, self._arm_priority.get(arm, 0))
         if cls not in self.classes[:self.shed_level]:
             return None
-        self._shed_count += 1
+        with self._shed_lock:
+            self._shed_count += 1
         self.metrics.shed_requests.labels(self.dry).inc()
         return None if self.dry_run else max(1, math.ceil(self.hold_s))
 
