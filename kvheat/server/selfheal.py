@@ -387,8 +387,11 @@ class SelfHealer:
 
 
 def _tiers_named(f: Finding) -> set[str]:
-    """The tiers a finding's evidence names (its series' tier label)."""
-    return {m.group(1) for k in f.evidence for m in _TIER_RE.finditer(k)}
+    """The tiers a finding's evidence names (its series' tier label). A tier that only
+    refuses writes (a full disk) is left out: it still serves reads, and its store has
+    already paused demotions to it."""
+    return {m.group(1) for k in f.evidence if not k.startswith("kvheat_tier_writable")
+            for m in _TIER_RE.finditer(k)}
 
 
 def _shed_as_refused(snap: Snapshot) -> Snapshot:
