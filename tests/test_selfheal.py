@@ -254,6 +254,11 @@ def test_stale_slow_timings_are_recalibrated(tmp_path: Path) -> None:
         assert (tc.estimate_load_s(0, 1) or 9) < 0.5
         heal.step(slow, 0.5)  # within the gap (1 s): not again
         assert s.metric("kvheat_self_heal_actions_total", action="recalibrate") == 1
+        # A full disk (refusing writes, the doctor's tier_fault at 0.8) still serves its
+        # reads: it is not bypassed.
+        full = parse_metrics(_slow_text(20) + b'kvheat_tier_writable{arm="default",tier="disk"} 0\n')
+        heal.step(Snapshot(parse_metrics(_slow_text(20)), full, 2.0), 5.0)
+        assert not disk.bypassed and not heal.bypassed
     finally:
         stop(s)
 

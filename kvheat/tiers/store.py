@@ -295,7 +295,6 @@ class KVStore:
         return {
             "name": self.name, "capacity_bytes": self.capacity_bytes,
             "used_bytes": self.used_bytes(), "available": self.reachable(),
-            "bypassed": self.bypassed,
             "read_latency_s": fit[0] if fit else None,
             "read_bandwidth_Bps": fit[1] if fit else None,
             "write_latency_s": wfit[0] if wfit else None,
