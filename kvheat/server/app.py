@@ -51,6 +51,7 @@ from .protocol import (
     SamplingFields,
 )
 from .responses import Reply, collect, first_item, json_response, stream
+from .selfheal import SelfHealer
 from .tracing import Tracing, end_span
 from .worker import EngineWorker, RequestTooLarge
 
@@ -133,6 +134,9 @@ class KVHeatServer:
             redis = url_endpoint(config.tiers.redis_url or "", 6379)
             self.metrics.registry.register(NetSignalsCollector(
                 lambda: [(*redis, "redis")] if redis else []))
+        self.healer: SelfHealer | None = None
+        if config.self_heal != "off":
+            self.healer = SelfHealer(self)
         self.draining = False
         self.app = _build_app(self)
 
@@ -153,6 +157,8 @@ class KVHeatServer:
 
     def start(self) -> None:
         self.worker.start()
+        if self.healer is not None:
+            self.healer.start()
 
     def uvicorn(self, host: str = "127.0.0.1", port: int = 8000,
                 log_level: str = "info") -> uvicorn.Server:
@@ -178,6 +184,8 @@ class KVHeatServer:
             self.worker.end_all("the server is shutting down; retry on another replica")
 
     def stop(self) -> None:
+        if self.healer is not None:
+            self.healer.stop()
         self.worker.stop()
         for feed in self._shared.values():
             feed.close()
@@ -300,6 +308,14 @@ class KVHeatServer:
             raise ApiError(503, "the server is at capacity; retry later", "server_error",
                            code="overloaded")
         arm = self.router.arm_for(arm_user(body.user, tenant.name if tenant else None))
+        retry_after = self.healer.admit(tenant, arm) if self.healer is not None else None
+        if retry_after is not None:  # overloaded: this priority class is shed for now
+            self.count_rejected(429)
+            resp = error_response(429, "the server is overloaded and sheds this priority "
+                                  "of traffic for now; retry later", "server_error",
+                                  code="load_shed")
+            resp.headers["Retry-After"] = str(retry_after)
+            return resp
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         rid = f"{prefix}-{uuid.uuid4().hex}"
         tenant_name = tenant.name if tenant else None

@@ -76,6 +76,13 @@ from .config import EVENTS_SECRET_ENV, ConfigError, load_config, secret_from_env
 @click.option("--net-signals/--no-net-signals", default=None,
               help="Per-peer kernel TCP signals (retransmits, RTT, socket states) in /metrics "
                    "(default: on).")
+@click.option("--self-heal", "self_heal", is_flag=False, flag_value="on", default=None,
+              type=click.Choice(["off", "on", "dry-run"]),
+              help="Act on the doctor's findings about this server: bypass a failing tier, "
+                   "shed the lowest priority, recalibrate, raise the autoscaler's signal "
+                   "(--self-heal); or only report them (--self-heal=dry-run). Default: off.")
+@click.option("--self-heal-interval", "self_heal_interval_s", type=float, default=None,
+              help="Seconds between the self-healer's looks at the metrics (2).")
 @click.option("--seed", type=int, default=None, help="Seed of the built-in model's weights.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -93,7 +100,8 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                   admin_token: str | None, otlp_endpoint: str | None,
                   kv_events_endpoint: str | None, kv_events_replay_endpoint: str | None,
                   kv_events_token_ids: bool | None, kv_events_secret: str | None,
-                  metrics_token: str | None, net_signals: bool | None, seed: int | None,
+                  metrics_token: str | None, net_signals: bool | None,
+                  self_heal: str | None, self_heal_interval_s: float | None, seed: int | None,
                   log_level: str) -> None:
     """Serve an OpenAI-compatible API on the kvheat cache."""
     from .app import KVHeatServer
@@ -117,7 +125,8 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                           kv_events_replay_endpoint=kv_events_replay_endpoint,
                           kv_events_token_ids=kv_events_token_ids,
                           kv_events_secret=kv_events_secret, metrics_token=metrics_token,
-                          net_signals=net_signals, seed=seed)
+                          net_signals=net_signals, self_heal=self_heal,
+                          self_heal_interval_s=self_heal_interval_s, seed=seed)
         if cfg.kv_events_secret is None:  # neither the option nor the file: the env's
             env_secret = secret_from_env(error=ConfigError)
             if env_secret is not None:
@@ -129,7 +138,8 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
     click.echo(f"kvheat: serving {cfg.model_name} on http://{host}:{port}  arms: {arms}  "
                f"tenants: {len(cfg.tenants) or 'none (open API)'}  admin API: "
                f"{'on' if cfg.admin_token else 'off'}  /metrics: "
-               f"{'token' if cfg.metrics_token else 'open'}", err=True)
+               f"{'token' if cfg.metrics_token else 'open'}  self-heal: {cfg.self_heal}",
+               err=True)
     server.freeze_startup_heap()
     server.uvicorn(host, port, log_level).run()
 

@@ -69,6 +69,7 @@ GENERATED_LABEL_RE = re.compile(r"tenant-[0-9]+")
 TOKEN_RE = re.compile(r"[\x21-\x7e]+")
 MIN_SECRET_BYTES = 16
 EVENTS_SECRET_ENV = "KVHEAT_EVENTS_SECRET"
+SELF_HEAL_MODES = ("off", "on", "dry-run")
 
 
 def check_name(value: str, what: str, reserved: bool = True) -> None:
@@ -113,6 +114,8 @@ class TenantConfig:
     # Tenants with the same share group are salted alike (kvheat.cache.hashing.tenant_salt):
     # each reuses the others' cached prefixes. None: salted by its own name.
     share_group: str | None = None
+    # Under overload, self-healing (self_heal) refuses the lowest priority first.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         check_value(self.name, str, "name", "a tenant", ConfigError)
@@ -161,6 +164,7 @@ class ArmConfig:
     num_blocks: int | None = None  # None: the server's num_blocks
     host_tier_blocks: int | None = None  # None: the server's host_tier_blocks
     prefix_caching: str = "block"  # "block", "exact" or "off"
+    priority: int = 0  # ranks after the tenant's priority when self-healing sheds load
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*",
@@ -224,6 +228,19 @@ class ServerConfig:
     # Kernel network signals per peer in /metrics (kvheat/server/netsignals.py): TCP
     # retransmits, RTT, TIME_WAIT/CLOSE_WAIT sockets, listen-queue overflows.
     net_signals: bool = True
+    # Guarded self-healing (kvheat/server/selfheal.py, docs/operations.md "Self-healing"):
+    # "off"; "on": every self_heal_interval_s, score this server's own metrics as `kvheat
+    # doctor` does and act (bypass a failing or slow tier, shed the lowest priority,
+    # recalibrate load-or-recompute, raise the autoscaler's signal); "dry-run": only
+    # report what it would do.
+    self_heal: str = "off"
+    self_heal_interval_s: float = 2.0
+    # Hysteresis: an action in force lasts at least this long, and ends only once its
+    # cause has been gone this long (a bypassed tier: its probes pass self_heal_probe_ok
+    # times in a row).
+    self_heal_hold_s: float = 10.0
+    self_heal_min_gap_s: float = 10.0  # the same action on the same tier: at most this often
+    self_heal_probe_ok: int = 3
     tenants: list[TenantConfig] = field(default_factory=list)
     arms: list[ArmConfig] = field(default_factory=list)
 
@@ -282,6 +299,14 @@ class ServerConfig:
             raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.kv_events_queue < 1:
             raise ConfigError("kv_events_queue must be at least 1")
+        if self.self_heal not in SELF_HEAL_MODES:
+            raise ConfigError(f"self_heal must be one of {', '.join(SELF_HEAL_MODES)}, not "
+                              f"{self.self_heal!r}")
+        for name in ("self_heal_interval_s", "self_heal_hold_s", "self_heal_min_gap_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise ConfigError(f"{name} must be in (0, 3600]")
+        if self.self_heal_probe_ok < 1:
+            raise ConfigError("self_heal_probe_ok must be at least 1")
         seen_keys: set[str] = set()
         names: set[str] = set()
         for t in self.tenants:

@@ -136,6 +136,9 @@ class ServerMetrics:
             "kvheat_internal_errors", "Errors in metrics, tracing or bookkeeping that were "
             "logged and skipped (serving went on), by where they happened.", ["where"],
             registry=r)
+        # arm -> requests the self-healer adds to the waiting queue's series (the one the
+        # HPA scales on): demand it refused, which the queue no longer shows.
+        self.queue_boost: dict[str, float] = {}
         # Last seen values of monotone engine counters, to turn them into Counter increments.
         self._last: dict[tuple[str, ...], float] = {}
 
@@ -188,7 +191,7 @@ class ServerMetrics:
         """Queues, blocks (and each of `tenants`' blocks), evictions, preemptions, tiers."""
         cache = engine.cache
         sched = engine.scheduler
-        self.queue.labels(arm, "waiting").set(len(sched.waiting))
+        self.queue.labels(arm, "waiting").set(len(sched.waiting) + self.queue_boost.get(arm, 0.0))
         self.queue.labels(arm, "running").set(len(sched.running))
         n_free = cache.num_free
         n_used = cache.num_referenced

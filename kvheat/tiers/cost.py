@@ -47,27 +47,56 @@ class LoadCost:
 
     def calibrate(self, rounds: int = 3) -> dict[str, dict[str, float | None]]:
         """Time real puts and gets of probe blocks on every tier (deleted after)."""
+        return {st.name: self._time(st, rounds) for st in self.stores}
+
+    def recalibrate(self, tier: int, rounds: int = 3) -> dict[str, float | None]:
+        """Forget what was measured of `tier` (it changed speed since: a slow spell that
+        ended, a fast one that did not last) and time it again now."""
+        st = self.stores[tier]
+        st.read_model.reset()
+        st.write_model.reset()
+        return self._time(st, rounds)
+
+    def probe(self, tier: int) -> float | None:
+        """Seconds to read back one probe block just written to `tier` (deleted after);
+        None when the tier would not store it or gave back something else. The store
+        records the read in its transfer model like any other."""
+        st = self.stores[tier]
+        key = b"kvheat-probe-health"
+        block = self._probe_block()
+        if not st.put(key, block, "kvheat-probe"):
+            return None
+        try:
+            t0 = time.perf_counter()
+            got = st.get(key, "kvheat-probe")
+            seconds = time.perf_counter() - t0
+        finally:
+            st.delete(key, "kvheat-probe")
+        # Compared as bytes: random bits read as floats hold NaNs, which never equal.
+        same = got is not None and torch.equal(_raw(got), _raw(block))
+        return seconds if same else None
+
+    def _probe_block(self) -> torch.Tensor:
         g = torch.Generator().manual_seed(0)
         probe = torch.randint(0, 255, (self.block_bytes,), dtype=torch.uint8, generator=g)
-        probe = probe.view(self.block_dtype).view(self.block_shape)
-        out: dict[str, dict[str, float | None]] = {}
-        for st in self.stores:
-            for r in range(rounds):
-                for n in (1, 4):
-                    keys = [f"kvheat-probe-{r}-{n}-{j}".encode() for j in range(n)]
-                    stored = [k for k in keys if st.put(k, probe, "kvheat-probe")]
-                    if stored:
-                        if st.pipelined:
-                            st.get_many(stored, "kvheat-probe")
-                        else:
-                            for k in stored:
-                                st.get(k, "kvheat-probe")
-                    for k in stored:
-                        st.delete(k, "kvheat-probe")
-            fit = st.read_model.fit()
-            out[st.name] = {"latency_s": fit[0] if fit else None,
-                            "bandwidth_Bps": fit[1] if fit else None}
-        return out
+        return probe.view(self.block_dtype).view(self.block_shape)
+
+    def _time(self, st: KVStore, rounds: int) -> dict[str, float | None]:
+        probe = self._probe_block()
+        for r in range(rounds):
+            for n in (1, 4):
+                keys = [f"kvheat-probe-{r}-{n}-{j}".encode() for j in range(n)]
+                stored = [k for k in keys if st.put(k, probe, "kvheat-probe")]
+                if stored:
+                    if st.pipelined:
+                        st.get_many(stored, "kvheat-probe")
+                    else:
+                        for k in stored:
+                            st.get(k, "kvheat-probe")
+                for k in stored:
+                    st.delete(k, "kvheat-probe")
+        fit = st.read_model.fit()
+        return {"latency_s": fit[0] if fit else None, "bandwidth_Bps": fit[1] if fit else None}
 
     def decide(self, plan: Plan, wait: float) -> int:
         """How many of the plan's blocks to load: the prefix with the largest estimated
@@ -117,3 +146,7 @@ class LoadCost:
             if tokens / speed - load > best_gain:
                 best_k, best_gain = k, tokens / speed - load
         return best_k
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)

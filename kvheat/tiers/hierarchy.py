@@ -118,6 +118,37 @@ class TieredCache:
         """Time real puts and gets of probe blocks on every tier (deleted after)."""
         return self.cost.calibrate(rounds)
 
+    # ---- a tier's health (the server's self-healer) ---------------------------------------
+    def set_bypass(self, name: str, on: bool) -> bool:
+        """Skip tier `name` (no loads, no demotions: its blocks are recomputed) or use it
+        again; False when there is no such tier."""
+        t = self.tier_of(name)
+        if t is None:
+            return False
+        self.tiers[t].bypassed = on
+        return True
+
+    def probe(self, name: str) -> tuple[bool, float | None]:
+        """(healthy, read seconds) of tier `name` now: a probe block is written, read back
+        and checked, and the read is no slower than recomputing one block (the cost
+        model's test of a load; any good read with no prefill speed known)."""
+        t = self.tier_of(name)
+        if t is None:
+            return False, None
+        seconds = self.cost.probe(t)
+        speed = self.prefill_speed()
+        if seconds is None:
+            return False, None
+        return speed is None or seconds <= self.mgr.block_size / speed, seconds
+
+    def recalibrate(self, name: str, rounds: int = 3) -> bool:
+        """Re-measure tier `name`'s transfers from scratch (`LoadCost.recalibrate`)."""
+        t = self.tier_of(name)
+        if t is None:
+            return False
+        self.cost.recalibrate(t, rounds)
+        return True
+
     def backlog_s(self) -> float:
         """Estimated seconds until the loader threads are through the reads queued now."""
         return self.reads.backlog_s()

@@ -93,7 +93,7 @@ class RedisStore(KVStore):
         return super()._default_key()
 
     # ---- up/down ----------------------------------------------------------------------
-    def available(self) -> bool:
+    def reachable(self) -> bool:
         return not self.down or self.clock() >= self.retry_at
 
     def _call(self, fn: Callable[[], T], fallback: T) -> T:

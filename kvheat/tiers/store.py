@@ -84,6 +84,22 @@ class TransferModel:
         self._fit = None
         self.last_at = time.monotonic()
 
+    def reset(self) -> None:
+        """Forget every sample (they describe a tier that has since changed speed)."""
+        self.samples.clear()
+        self._fit = None
+
+    def drift(self, recent: int = 8) -> float | None:
+        """How many times slower (above 1) or faster (below 1) the latest `recent`
+        transfers were than the fit over the whole window predicts them (the median
+        ratio); None with fewer samples. A tier that changed speed shows it here long
+        before the trimmed mean of the window follows."""
+        latest = [s for s in list(self.samples)[-recent:] if s[0] > 0 and s[1] > 0]
+        if len(latest) < recent:
+            return None
+        ratios = [y / est for x, y in latest if (est := self.estimate(x)) and est > 0]
+        return _median(ratios) if ratios else None
+
     def fit(self) -> tuple[float, float] | None:
         """(latency seconds, bandwidth bytes/s), or None before any sample."""
         if self._fit is not None:
@@ -173,8 +189,16 @@ class KVStore:
         return os.urandom(32)
 
     # ---- the interface ----------------------------------------------------------------
+    # Set by the server's self-healer (kvheat/server/selfheal.py): every caller skips the
+    # tier as if it were down, while `put`/`get` still work for its probes.
+    bypassed = False
+
     def available(self) -> bool:
-        """False while the tier is marked down (callers skip it and recompute)."""
+        """False while the tier is down or bypassed (callers skip it and recompute)."""
+        return not self.bypassed and self.reachable()
+
+    def reachable(self) -> bool:
+        """False while the tier is marked down (a store that can go down overrides it)."""
         return True
 
     def used_bytes(self) -> int:
@@ -270,7 +294,7 @@ class KVStore:
         wfit = self.write_model.fit()
         return {
             "name": self.name, "capacity_bytes": self.capacity_bytes,
-            "used_bytes": self.used_bytes(), "available": self.available(),
+            "used_bytes": self.used_bytes(), "available": self.reachable(),
             "read_latency_s": fit[0] if fit else None,
             "read_bandwidth_Bps": fit[1] if fit else None,
             "write_latency_s": wfit[0] if wfit else None,
