@@ -75,6 +75,9 @@ def _evicting_traffic(s: Served, seed: int, n: int) -> None:
 def test_tier_fault_bypass_probe_and_restore(redis_server: RedisServer, mode: str) -> None:
     s = start(ServerConfig(**_heal_config(
         num_blocks=24, self_heal=mode,
+        # a gap longer than the checks below take, however loaded the machine: the Redis
+        # comes back empty, and its indexed blocks' failed loads are fault evidence again
+        self_heal_min_gap_s=5.0,
         tiers=TierSpec(redis_url=redis_server.url, redis_bytes=64 << 20, redis_shared=False))))
     heal = s.server.healer
     assert heal is not None

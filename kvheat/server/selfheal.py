@@ -246,6 +246,9 @@ class SelfHealer:
 
     def _restore(self, tier: str, b: Bypass, now: float, probe_s: float | None = None) -> None:
         del self.bypassed[tier]
+        # No new bypass of this tier within the gap: a store back from an outage may fail
+        # loads of what it lost for a while (the index learns), and must not flap.
+        self._last_start[("bypass", tier)] = now
         self.metrics.active.labels("bypass", b.cause, tier, self.dry).set(0)
         self._record("restore", b.cause, tier, 0.0, None,
                      f"in use again after {now - b.since:.1f} s"
