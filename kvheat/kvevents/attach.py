@@ -24,12 +24,15 @@ def attach(pub: KVEventPublisher, mgr: KVCacheManager, tiers: Any = None,
     pub.add_rank(rank)
 
     def on_device(b: Block, stored: bool) -> None:
+        key = b.key
+        if key is None:  # (never: the pool calls this with cached blocks only)
+            return
         if stored:
             parent = b.parent.key if b.parent is not None else None
-            record((rank, True, "device", b.key, parent, b.num_tokens,  # type: ignore[arg-type]
+            record((rank, True, "device", key, parent, b.num_tokens,
                     b.content if with_tokens else None))
         else:
-            record((rank, False, "device", b.key, None, 0, None))  # type: ignore[arg-type]
+            record((rank, False, "device", key, None, 0, None))
 
     def on_tier(name: str, key: bytes, parent: bytes | None, tokens: int, stored: bool) -> None:
         record((rank, stored, name, key, parent, tokens, None))
