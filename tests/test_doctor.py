@@ -7,9 +7,11 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from click.testing import CliRunner
@@ -19,6 +21,7 @@ from kvheat.cli import main
 from kvheat.doctor import CAUSES, DoctorError, Snapshot, diagnose, parse_metrics, scrape
 from kvheat.doctor.cli import run_doctor
 from kvheat.server.config import ServerConfig
+from kvheat.server.metrics import STALL_BUCKETS
 
 ARM = 'arm="a"'
 
@@ -170,6 +173,33 @@ def test_long_prompts() -> None:
     assert _top(a2, b2) == "long_prompts"
 
 
+def _pauses(at: dict[float, int]) -> dict[str, float]:
+    """A pause histogram's series (event-loop lag) with `at[bound]` pauses in each bucket."""
+    out, acc, total = {}, 0, 0.0
+    for bound in (*STALL_BUCKETS, float("inf")):
+        acc += at.get(bound, 0)
+        total += at.get(bound, 0) * (bound if bound != float("inf") else 10.0)
+        le = "+Inf" if bound == float("inf") else str(bound)
+        out[f'kvheat_event_loop_lag_seconds_bucket{{le="{le}"}}'] = acc
+    out["kvheat_event_loop_lag_seconds_count"] = acc
+    out["kvheat_event_loop_lag_seconds_sum"] = total
+    return out
+
+
+def test_stall_from_event_loop_lag() -> None:
+    a, b = _healthy()
+    a.update(_pauses({0.001: 200}))
+    b.update(_pauses({0.001: 380, 0.005: 15}))  # short lags only: scheduling noise
+    assert diagnose(_snap(a, b)) == []
+    b.update(_pauses({0.001: 380, 0.25: 1}))  # one long pause is not a cause
+    assert diagnose(_snap(a, b)) == []
+    b.update(_pauses({0.001: 380, 0.25: 5}))  # five 0.1-0.25 s pauses in 10 s
+    found = diagnose(_snap(a, b))
+    assert found[0].cause == "stall" and found[0].score >= 0.9
+    assert "event loop is blocked" in found[0].action
+    assert found[0].evidence["kvheat_event_loop_lag_seconds >= 0.05 s, count Δ"] == 5
+
+
 def test_every_cause_scores_in_unit_range() -> None:
     a, b = _healthy()
     for c in CAUSES:
@@ -302,5 +332,37 @@ def test_e2e_overload_ranks_first() -> None:
         finally:
             th.join()
         assert got and got[0].cause == "overload"
+    finally:
+        stop(s)
+
+
+def test_e2e_event_loop_stall_ranks_first() -> None:
+    """A real stall: a handler (added here, for the test) that blocks the event loop for
+    0.2 s, called while ordinary requests are served; the doctor ranks `stall` first."""
+    s = start(ServerConfig(num_blocks=192, threads=1, max_num_seqs=8, max_tokens_limit=32))
+
+    async def blocking() -> dict[str, str]:
+        time.sleep(0.2)  # sync work on the loop: every request on it waits
+        return {"ok": "blocked"}
+
+    s.server.app.add_api_route("/test-block", blocking, methods=["POST"])
+    try:
+        url = s.base + "/metrics"
+        _complete(s.base, SYSTEM + " Warm up.", 4)
+        s.wait_idle()
+        a = scrape(url)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            jobs = [pool.submit(_complete, s.base, SYSTEM + f" Q{i}", 4) for i in range(6)]
+            for _ in range(6):
+                httpx.post(s.base + "/test-block", timeout=10)
+                time.sleep(0.1)
+            assert all(j.result() == "ok" for j in jobs)
+        s.wait_idle()
+        time.sleep(0.2)  # the watcher's next wake records the last pause
+        b = scrape(url)
+        found = diagnose(Snapshot(a, b, time.monotonic() - t0))
+        assert found and found[0].cause == "stall", [(f.cause, f.score) for f in found]
+        assert found[0].evidence["kvheat_event_loop_lag_seconds >= 0.05 s, count Δ"] >= 5
     finally:
         stop(s)
