@@ -246,8 +246,9 @@ def tier_fault(s: Snapshot) -> Finding:
 
 
 def tier_slow(s: Snapshot) -> Finding:
-    """Blocks found on lower tiers are mostly recomputed: loading them was judged slower
-    than recomputing (the tier's fitted bandwidth is too low)."""
+    """Loads from a lower tier got slow: its fitted read bandwidth fell severalfold over
+    the window while blocks were read from it, or blocks found there are mostly
+    recomputed (loading was judged slower than recomputing)."""
     dec = s.deltas("kvheat_load_decisions_total", "decision")
     n = sum(dec.values())
     rec = dec.get("recompute", 0.0)
@@ -257,12 +258,24 @@ def tier_slow(s: Snapshot) -> Finding:
     score = _clamp((share - 0.5) / 0.4) * weight
     ev = {"kvheat_load_decisions_total{decision=recompute} Δ": rec,
           "kvheat_load_decisions_total Δ": n}
+    read = s.deltas("kvheat_tier_bytes_total", "tier", direction="read")
+    before: dict[str, float] = {}
+    for (name, lab), v in s.a.items():
+        d = dict(lab)
+        if name == "kvheat_tier_bandwidth_bytes_per_second" and d.get("direction") == "read":
+            before[d.get("tier", "")] = before.get(d.get("tier", ""), 0.0) + v
     for t, v in s.values("kvheat_tier_bandwidth_bytes_per_second", "tier",
                          direction="read").items():
         ev[f"kvheat_tier_bandwidth_bytes_per_second{{tier={t},direction=read}}"] = v
-    action = ("Loads from the lower tier are slower than recompute, so its blocks go unused: "
-              "move the tier to faster storage/network, or drop it and give the memory to "
-              "the device pool.")
+        if t in before and v > 0 and read.get(t, 0.0) > 0:
+            fell = before[t] / v
+            ev[f"... before the window{{tier={t}}}"] = before[t]
+            ev[f"kvheat_tier_bytes_total{{tier={t},direction=read}} Δ"] = read[t]
+            score = max(score, _clamp((fell - 1.5) / 2.5))  # 4x slower: full weight
+    action = ("Loads from the lower tier got slow (its read bandwidth fell, or its blocks "
+              "are recomputed rather than loaded): check the tier's store and the network "
+              "to it (latency, a saturated link, a busy Redis); meanwhile `--self-heal` "
+              "bypasses it, or drop it and give the memory to the device pool.")
     return Finding("tier_slow", score, ev, action)
 
 
@@ -356,7 +369,9 @@ def long_prompts(s: Snapshot) -> Finding:
     return Finding("long_prompts", score, ev, action)
 
 
-LONG_PAUSE_S = 0.05  # a pause a request notices; shorter ones are scheduling noise
+# A pause a request notices. Shorter ones are scheduling noise: with the GIL shared by a
+# dozen busy threads (5 ms switch interval each) the loop wakes up to ~60 ms late.
+LONG_PAUSE_S = 0.1
 
 
 def _long_pauses(s: Snapshot, name: str, **want: str) -> tuple[float, float]:
@@ -407,14 +422,19 @@ def stall(s: Snapshot) -> Finding:
     return Finding("stall", score, ev, action)
 
 
-CAUSES: tuple[Cause, ...] = (capacity, tenant_quota, entropy_drift, tier_fault, tier_slow,
-                              network, overload, long_prompts, stall)
+# Also the order of equal scores: a cause that names a failing part (a tier, the network,
+# one tenant) before one that describes the load (its size, its prompts, its mix), since
+# fixing the part may remove the load's symptom (a slow tier's blocks also count as
+# capacity misses). Overload before stall: more work than the server takes makes its
+# event loop late too.
+CAUSES: tuple[Cause, ...] = (tier_fault, tier_slow, network, tenant_quota, overload, stall,
+                              long_prompts, capacity, entropy_drift)
 # Causes with no series to score them by. Empty since `stall` got its series (event-loop
 # lag, GC pauses); kept so callers that name them still import.
 UNSUPPORTED: tuple[str, ...] = ()
 
 
 def diagnose(s: Snapshot, floor: float = FLOOR) -> list[Finding]:
-    """The causes scoring at `floor` or above, most likely first."""
+    """The causes scoring at `floor` or above, most likely first (ties in CAUSES order)."""
     found = [f for f in (c(s) for c in CAUSES) if f.score >= floor]
     return sorted(found, key=lambda f: -f.score)
