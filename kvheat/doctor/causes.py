@@ -292,7 +292,7 @@ def network(s: Snapshot) -> Finding:
             bytes_a[p] = bytes_a.get(p, 0.0) + v
     offered = s.finished() + s.rejected()
     roles = {dict(lab).get("peer", ""): dict(lab).get("role", "") for (n, lab) in s.b
-             if n == "kvheat_net_peer_retransmitted_segments"}
+             if n in ("kvheat_net_peer_retransmitted_segments", "kvheat_net_peer_rtt_seconds")}
     for peer, rb in s.values("kvheat_net_peer_retransmitted_segments", "peer").items():
         ra = sum(v for (_, lab), v in rtx_a.items() if dict(lab).get("peer") == peer)
         d_rtx = max(rb - ra, 0.0)  # a gauge: it drops when sockets close
@@ -313,6 +313,11 @@ def network(s: Snapshot) -> Finding:
     ttft_mean = _ratio(s.delta("kvheat_time_to_first_token_seconds_sum"), ttft_n)
     if ttft_mean > 0:
         for peer, rtt in s.values("kvheat_net_peer_rtt_seconds", "peer").items():
+            # Not a client's: an HTTP client has nothing to send after an answer, so it
+            # delays its ACK (up to 40 ms on Linux) and the server's RTT sample grows by it
+            # on a perfect link. Upstreams (Redis, replicas) answer at once.
+            if roles.get(peer) == "client":
+                continue
             share = rtt / ttft_mean
             sc = _clamp((share - 0.1) / 0.4)  # RTT at half the mean TTFT: full weight
             if sc > 0:
