@@ -313,10 +313,11 @@ def network(s: Snapshot) -> Finding:
     ttft_mean = _ratio(s.delta("kvheat_time_to_first_token_seconds_sum"), ttft_n)
     if ttft_mean > 0:
         for peer, rtt in s.values("kvheat_net_peer_rtt_seconds", "peer").items():
-            # Not a client's: an HTTP client has nothing to send after an answer, so it
-            # delays its ACK (up to 40 ms on Linux) and the server's RTT sample grows by it
-            # on a perfect link. Upstreams (Redis, replicas) answer at once.
-            if roles.get(peer) == "client":
+            # Upstreams only (Redis, replicas, a router's servers: the roles the server
+            # names). A client, or an unnamed "peer" connection, has nothing to send after
+            # an answer, so it delays its ACK (up to 40 ms on Linux) and the RTT sample
+            # grows by it on a perfect link; upstreams answer at once.
+            if roles.get(peer, "peer") in ("client", "peer"):
                 continue
             share = rtt / ttft_mean
             sc = _clamp((share - 0.1) / 0.4)  # RTT at half the mean TTFT: full weight
