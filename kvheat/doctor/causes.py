@@ -8,6 +8,7 @@ used (series -> value) and the action that fixes it.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -279,6 +280,15 @@ def tier_slow(s: Snapshot) -> Finding:
     return Finding("tier_slow", score, ev, action)
 
 
+def _loopback(peer: str) -> bool:
+    """Loopback has no link to lose packets on: its retransmits are timers firing early
+    (tail-loss probes racing a delayed ACK on a busy host), never the network."""
+    try:
+        return ipaddress.ip_address(peer).is_loopback
+    except ValueError:  # "other", the bucket of the peers past the top ones
+        return False
+
+
 def network(s: Snapshot) -> Finding:
     """Retransmits per peer relative to its traffic, or a peer RTT that is a real share of
     the time to first token (from kvheat_net_*, the server's netsignals)."""
@@ -294,6 +304,8 @@ def network(s: Snapshot) -> Finding:
     roles = {dict(lab).get("peer", ""): dict(lab).get("role", "") for (n, lab) in s.b
              if n in ("kvheat_net_peer_retransmitted_segments", "kvheat_net_peer_rtt_seconds")}
     for peer, rb in s.values("kvheat_net_peer_retransmitted_segments", "peer").items():
+        if _loopback(peer):
+            continue
         ra = sum(v for (_, lab), v in rtx_a.items() if dict(lab).get("peer") == peer)
         d_rtx = max(rb - ra, 0.0)  # a gauge: it drops when sockets close
         d_bytes = max(bytes_b.get(peer, 0.0) - bytes_a.get(peer, 0.0), 0.0)
@@ -317,7 +329,7 @@ def network(s: Snapshot) -> Finding:
             # names). A client, or an unnamed "peer" connection, has nothing to send after
             # an answer, so it delays its ACK (up to 40 ms on Linux) and the RTT sample
             # grows by it on a perfect link; upstreams answer at once.
-            if roles.get(peer, "peer") in ("client", "peer"):
+            if roles.get(peer, "peer") in ("client", "peer") or _loopback(peer):
                 continue
             share = rtt / ttft_mean
             sc = _clamp((share - 0.1) / 0.4)  # RTT at half the mean TTFT: full weight
