@@ -4,6 +4,8 @@ healthy pair yields nothing, bad answers give one clear error, and against a rea
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import http.server
 import json
 import threading
@@ -15,13 +17,14 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
 from test_server import MODEL, SYSTEM, start, stop
 
 from kvheat.cli import main
 from kvheat.doctor import CAUSES, DoctorError, Snapshot, diagnose, parse_metrics, scrape
 from kvheat.doctor.cli import run_doctor
 from kvheat.server.config import ServerConfig
-from kvheat.server.metrics import STALL_BUCKETS
+from kvheat.server.metrics import STALL_BUCKETS, StallWatch
 
 ARM = 'arm="a"'
 
@@ -374,3 +377,31 @@ def test_e2e_event_loop_stall_ranks_first() -> None:
         assert found[0].evidence["kvheat_event_loop_lag_seconds >= 0.1 s, count Δ"] >= 5
     finally:
         stop(s)
+
+
+def test_stall_watch_series_and_containment() -> None:
+    """The watcher records a real blocking call on its loop and a real full collection,
+    and takes itself out of gc.callbacks when stopped."""
+    reg = CollectorRegistry()
+    watch = StallWatch(reg)
+
+    async def run() -> None:
+        watch.start()
+        await asyncio.sleep(0.06)
+        time.sleep(0.15)  # blocks the loop: the watcher wakes ~0.1-0.15 s late
+        await asyncio.sleep(0.12)
+        gc.collect()  # a real generation-2 collection
+
+    try:
+        asyncio.run(run())
+    finally:
+        watch.stop()
+    assert watch._on_gc not in gc.callbacks
+    late = reg.get_sample_value("kvheat_event_loop_lag_seconds_count") or 0
+    fast = reg.get_sample_value("kvheat_event_loop_lag_seconds_bucket", {"le": "0.05"}) or 0
+    assert late - fast >= 1  # one wake 50 ms or more late
+    assert (reg.get_sample_value("kvheat_gc_pause_seconds_count", {"generation": "2"}) or 0) >= 1
+    watch._on_gc("stop", {})  # a stop without a start (hooked mid-collection): ignored
+    watch._on_gc("start", {"generation": "x"})
+    watch._on_gc("stop", {"generation": "x"})  # a bad payload: counted, never raised
+    assert watch.errors == 1
