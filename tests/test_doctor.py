@@ -4,21 +4,27 @@ healthy pair yields nothing, bad answers give one clear error, and against a rea
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
 from test_server import MODEL, SYSTEM, start, stop
 
 from kvheat.cli import main
 from kvheat.doctor import CAUSES, DoctorError, Snapshot, diagnose, parse_metrics, scrape
 from kvheat.doctor.cli import run_doctor
 from kvheat.server.config import ServerConfig
+from kvheat.server.metrics import STALL_BUCKETS, StallWatch
 
 ARM = 'arm="a"'
 
@@ -142,9 +148,17 @@ def test_network() -> None:
     a, b = _healthy()
     b['kvheat_net_peer_retransmitted_segments{peer="10.0.0.2",role="client",source="sock_diag"}'] = 200
     assert _top(a, b) == "network"
+    a3, b3 = _healthy()  # loopback loses nothing: its retransmits are early timers
+    for s in (a3, b3):
+        for k in [k for k in s if "10.0.0.2" in k]:
+            s[k.replace("10.0.0.2", "127.0.0.1")] = s.pop(k)
+    b3['kvheat_net_peer_retransmitted_segments{peer="127.0.0.1",role="client",source="sock_diag"}'] = 200
+    assert diagnose(_snap(a3, b3)) == []
     a2, b2 = _healthy()
     b2['kvheat_net_peer_rtt_seconds{peer="10.0.0.2",role="client",source="sock_diag"}'] = 0.05
-    assert _top(a2, b2) == "network"  # RTT as long as the mean TTFT
+    assert diagnose(_snap(a2, b2)) == []  # a client's RTT holds its delayed ACKs: no cause
+    b2['kvheat_net_peer_rtt_seconds{peer="10.0.0.9",role="redis",source="sock_diag"}'] = 0.05
+    assert _top(a2, b2) == "network"  # an upstream's RTT as long as the mean TTFT
 
 
 def test_overload() -> None:
@@ -168,6 +182,33 @@ def test_long_prompts() -> None:
     a2, b2 = _healthy()
     b2['kvheat_rejected_requests_total{status="400"}'] = 30
     assert _top(a2, b2) == "long_prompts"
+
+
+def _pauses(at: dict[float, int]) -> dict[str, float]:
+    """A pause histogram's series (event-loop lag) with `at[bound]` pauses in each bucket."""
+    out, acc, total = {}, 0, 0.0
+    for bound in (*STALL_BUCKETS, float("inf")):
+        acc += at.get(bound, 0)
+        total += at.get(bound, 0) * (bound if bound != float("inf") else 10.0)
+        le = "+Inf" if bound == float("inf") else str(bound)
+        out[f'kvheat_event_loop_lag_seconds_bucket{{le="{le}"}}'] = acc
+    out["kvheat_event_loop_lag_seconds_count"] = acc
+    out["kvheat_event_loop_lag_seconds_sum"] = total
+    return out
+
+
+def test_stall_from_event_loop_lag() -> None:
+    a, b = _healthy()
+    a.update(_pauses({0.001: 200}))
+    b.update(_pauses({0.001: 380, 0.05: 15}))  # lags under 0.1 s: scheduling noise
+    assert diagnose(_snap(a, b)) == []
+    b.update(_pauses({0.001: 380, 0.25: 1}))  # one long pause is not a cause
+    assert diagnose(_snap(a, b)) == []
+    b.update(_pauses({0.001: 380, 0.25: 5}))  # five 0.1-0.25 s pauses in 10 s
+    found = diagnose(_snap(a, b))
+    assert found[0].cause == "stall" and found[0].score >= 0.9
+    assert "event loop is blocked" in found[0].action
+    assert found[0].evidence["kvheat_event_loop_lag_seconds >= 0.1 s, count Δ"] == 5
 
 
 def test_every_cause_scores_in_unit_range() -> None:
@@ -304,3 +345,63 @@ def test_e2e_overload_ranks_first() -> None:
         assert got and got[0].cause == "overload"
     finally:
         stop(s)
+
+
+def test_e2e_event_loop_stall_ranks_first() -> None:
+    """A real stall: a handler (added here, for the test) that blocks the event loop for
+    0.25 s, called while ordinary requests are served; the doctor ranks `stall` first."""
+    s = start(ServerConfig(num_blocks=192, threads=1, max_num_seqs=8, max_tokens_limit=32))
+
+    async def blocking() -> dict[str, str]:
+        time.sleep(0.25)  # sync work on the loop: every request on it waits
+        return {"ok": "blocked"}
+
+    s.server.app.add_api_route("/test-block", blocking, methods=["POST"])
+    try:
+        url = s.base + "/metrics"
+        _complete(s.base, SYSTEM + " Warm up.", 4)
+        s.wait_idle()
+        a = scrape(url)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            jobs = [pool.submit(_complete, s.base, SYSTEM + f" Q{i}", 4) for i in range(6)]
+            for _ in range(6):
+                httpx.post(s.base + "/test-block", timeout=10)
+                time.sleep(0.1)
+            assert all(j.result() == "ok" for j in jobs)
+        s.wait_idle()
+        time.sleep(0.2)  # the watcher's next wake records the last pause
+        b = scrape(url)
+        found = diagnose(Snapshot(a, b, time.monotonic() - t0))
+        assert found and found[0].cause == "stall", [(f.cause, f.score) for f in found]
+        assert found[0].evidence["kvheat_event_loop_lag_seconds >= 0.1 s, count Δ"] >= 5
+    finally:
+        stop(s)
+
+
+def test_stall_watch_series_and_containment() -> None:
+    """The watcher records a real blocking call on its loop and a real full collection,
+    and takes itself out of gc.callbacks when stopped."""
+    reg = CollectorRegistry()
+    watch = StallWatch(reg)
+
+    async def run() -> None:
+        watch.start()
+        await asyncio.sleep(0.06)
+        time.sleep(0.15)  # blocks the loop: the watcher wakes ~0.1-0.15 s late
+        await asyncio.sleep(0.12)
+        gc.collect()  # a real generation-2 collection
+
+    try:
+        asyncio.run(run())
+    finally:
+        watch.stop()
+    assert watch._on_gc not in gc.callbacks
+    late = reg.get_sample_value("kvheat_event_loop_lag_seconds_count") or 0
+    fast = reg.get_sample_value("kvheat_event_loop_lag_seconds_bucket", {"le": "0.05"}) or 0
+    assert late - fast >= 1  # one wake 50 ms or more late
+    assert (reg.get_sample_value("kvheat_gc_pause_seconds_count", {"generation": "2"}) or 0) >= 1
+    watch._on_gc("stop", {})  # a stop without a start (hooked mid-collection): ignored
+    watch._on_gc("start", {"generation": "x"})
+    watch._on_gc("stop", {"generation": "x"})  # a bad payload: counted, never raised
+    assert watch.errors == 1

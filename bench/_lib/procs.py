@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -235,3 +237,55 @@ class RedisCluster:
     def stop(self) -> None:
         for n in self.nodes:
             n.kill()
+
+
+# ---- a faulty link: a TCP proxy (in front of a real Redis, in the operations benches) --
+class FaultProxy:
+    """Forwards loopback TCP to `target`; `mode`: "pass", "slow" (each answer chunk held
+    `delay_s`) or "blackhole" (everything read and dropped, nothing answered)."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.delay_s = delay_s
+        self.mode = "pass"
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pipe, args=(client,), daemon=True).start()
+
+    def _pipe(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.target)
+        except OSError:
+            client.close()
+            return
+        ends = {client: upstream, upstream: client}
+        try:
+            while not self._stop:
+                ready, _, _ = select.select(list(ends), [], [], 0.2)
+                for s in ready:
+                    data = s.recv(1 << 16)
+                    if not data:
+                        return
+                    if self.mode == "blackhole":
+                        continue  # lost
+                    if self.mode == "slow" and s is upstream:
+                        time.sleep(self.delay_s)
+                    ends[s].sendall(data)
+        except OSError:
+            pass
+        finally:
+            client.close()
+            upstream.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()

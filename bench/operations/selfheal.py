@@ -33,9 +33,7 @@ import argparse
 import json
 import os
 import random
-import select
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -52,7 +50,7 @@ from rich.table import Table
 if not __package__:  # run as `python bench/operations/selfheal.py`: import from the repo root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from bench._lib.procs import Redis, free_port
+from bench._lib.procs import FaultProxy, Redis, free_port
 from kvheat.replay.report import print_uncut
 from kvheat.server.app import KVHeatServer
 from kvheat.server.config import ServerConfig, TenantConfig
@@ -62,58 +60,6 @@ MODEL = "kvheat-tiny-llama"
 WINDOW_S, STEP_S = 2.0, 0.5
 torch.set_num_threads(1)
 os.environ.setdefault("KVHEAT_TIER_SECRET", "kvheat-bench-tier-secret")
-
-
-# ---- the fault: a TCP proxy in front of a real Redis ------------------------------------
-class FaultProxy:
-    """Forwards loopback TCP to `target`; `mode`: "pass", "slow" (each answer chunk held
-    `delay_s`) or "blackhole" (everything read and dropped, nothing answered)."""
-
-    def __init__(self, target_port: int, delay_s: float) -> None:
-        self.target = ("127.0.0.1", target_port)
-        self.delay_s = delay_s
-        self.mode = "pass"
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self._stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._pipe, args=(client,), daemon=True).start()
-
-    def _pipe(self, client: socket.socket) -> None:
-        try:
-            upstream = socket.create_connection(self.target)
-        except OSError:
-            client.close()
-            return
-        ends = {client: upstream, upstream: client}
-        try:
-            while not self._stop:
-                ready, _, _ = select.select(list(ends), [], [], 0.2)
-                for s in ready:
-                    data = s.recv(1 << 16)
-                    if not data:
-                        return
-                    if self.mode == "blackhole":
-                        continue  # lost
-                    if self.mode == "slow" and s is upstream:
-                        time.sleep(self.delay_s)
-                    ends[s].sendall(data)
-        except OSError:
-            pass
-        finally:
-            client.close()
-            upstream.close()
-
-    def close(self) -> None:
-        self._stop = True
-        self.sock.close()
 
 
 # ---- a live server and its clients --------------------------------------------------------

@@ -8,6 +8,7 @@ used (series -> value) and the action that fixes it.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -246,8 +247,9 @@ def tier_fault(s: Snapshot) -> Finding:
 
 
 def tier_slow(s: Snapshot) -> Finding:
-    """Blocks found on lower tiers are mostly recomputed: loading them was judged slower
-    than recomputing (the tier's fitted bandwidth is too low)."""
+    """Loads from a lower tier got slow: its fitted read bandwidth fell severalfold over
+    the window while blocks were read from it, or blocks found there are mostly
+    recomputed (loading was judged slower than recomputing)."""
     dec = s.deltas("kvheat_load_decisions_total", "decision")
     n = sum(dec.values())
     rec = dec.get("recompute", 0.0)
@@ -257,13 +259,34 @@ def tier_slow(s: Snapshot) -> Finding:
     score = _clamp((share - 0.5) / 0.4) * weight
     ev = {"kvheat_load_decisions_total{decision=recompute} Δ": rec,
           "kvheat_load_decisions_total Δ": n}
+    read = s.deltas("kvheat_tier_bytes_total", "tier", direction="read")
+    before: dict[str, float] = {}
+    for (name, lab), v in s.a.items():
+        d = dict(lab)
+        if name == "kvheat_tier_bandwidth_bytes_per_second" and d.get("direction") == "read":
+            before[d.get("tier", "")] = before.get(d.get("tier", ""), 0.0) + v
     for t, v in s.values("kvheat_tier_bandwidth_bytes_per_second", "tier",
                          direction="read").items():
         ev[f"kvheat_tier_bandwidth_bytes_per_second{{tier={t},direction=read}}"] = v
-    action = ("Loads from the lower tier are slower than recompute, so its blocks go unused: "
-              "move the tier to faster storage/network, or drop it and give the memory to "
-              "the device pool.")
+        if t in before and v > 0 and read.get(t, 0.0) > 0:
+            fell = before[t] / v
+            ev[f"... before the window{{tier={t}}}"] = before[t]
+            ev[f"kvheat_tier_bytes_total{{tier={t},direction=read}} Δ"] = read[t]
+            score = max(score, _clamp((fell - 1.5) / 2.5))  # 4x slower: full weight
+    action = ("Loads from the lower tier got slow (its read bandwidth fell, or its blocks "
+              "are recomputed rather than loaded): check the tier's store and the network "
+              "to it (latency, a saturated link, a busy Redis); meanwhile `--self-heal` "
+              "bypasses it, or drop it and give the memory to the device pool.")
     return Finding("tier_slow", score, ev, action)
+
+
+def _loopback(peer: str) -> bool:
+    """Loopback has no link to lose packets on: its retransmits are timers firing early
+    (tail-loss probes racing a delayed ACK on a busy host), never the network."""
+    try:
+        return ipaddress.ip_address(peer).is_loopback
+    except ValueError:  # "other", the bucket of the peers past the top ones
+        return False
 
 
 def network(s: Snapshot) -> Finding:
@@ -279,8 +302,10 @@ def network(s: Snapshot) -> Finding:
             bytes_a[p] = bytes_a.get(p, 0.0) + v
     offered = s.finished() + s.rejected()
     roles = {dict(lab).get("peer", ""): dict(lab).get("role", "") for (n, lab) in s.b
-             if n == "kvheat_net_peer_retransmitted_segments"}
+             if n in ("kvheat_net_peer_retransmitted_segments", "kvheat_net_peer_rtt_seconds")}
     for peer, rb in s.values("kvheat_net_peer_retransmitted_segments", "peer").items():
+        if _loopback(peer):
+            continue
         ra = sum(v for (_, lab), v in rtx_a.items() if dict(lab).get("peer") == peer)
         d_rtx = max(rb - ra, 0.0)  # a gauge: it drops when sockets close
         d_bytes = max(bytes_b.get(peer, 0.0) - bytes_a.get(peer, 0.0), 0.0)
@@ -300,6 +325,12 @@ def network(s: Snapshot) -> Finding:
     ttft_mean = _ratio(s.delta("kvheat_time_to_first_token_seconds_sum"), ttft_n)
     if ttft_mean > 0:
         for peer, rtt in s.values("kvheat_net_peer_rtt_seconds", "peer").items():
+            # Upstreams only (Redis, replicas, a router's servers: the roles the server
+            # names). A client, or an unnamed "peer" connection, has nothing to send after
+            # an answer, so it delays its ACK (up to 40 ms on Linux) and the RTT sample
+            # grows by it on a perfect link; upstreams answer at once.
+            if roles.get(peer, "peer") in ("client", "peer") or _loopback(peer):
+                continue
             share = rtt / ttft_mean
             sc = _clamp((share - 0.1) / 0.4)  # RTT at half the mean TTFT: full weight
             if sc > 0:
@@ -356,14 +387,72 @@ def long_prompts(s: Snapshot) -> Finding:
     return Finding("long_prompts", score, ev, action)
 
 
-CAUSES: tuple[Cause, ...] = (capacity, tenant_quota, entropy_drift, tier_fault, tier_slow,
-                              network, overload, long_prompts)
-# Asked for by the issue, but `kvheat serve` exports no signal for it (no event-loop lag
-# or GC pause series): reported as unsupported, never guessed.
-UNSUPPORTED = ("stall",)
+# A pause a request notices. Shorter ones are scheduling noise: with the GIL shared by a
+# dozen busy threads (5 ms switch interval each) the loop wakes up to ~60 ms late.
+LONG_PAUSE_S = 0.1
+
+
+def _long_pauses(s: Snapshot, name: str, **want: str) -> tuple[float, float]:
+    """(pauses of `LONG_PAUSE_S` or more, a lower bound of the seconds they took) in the
+    window, from a histogram's bucket counters: each pause counted at its bucket's floor."""
+    cum: dict[float, float] = {}
+    for le, v in s.deltas(name + "_bucket", "le", **want).items():
+        bound = float("inf") if le == "+Inf" else float(le)
+        cum[bound] = cum.get(bound, 0.0) + v
+    n, lost, below, floor = 0.0, 0.0, 0.0, 0.0
+    for bound in sorted(cum):
+        inside = max(cum[bound] - below, 0.0)
+        if floor >= LONG_PAUSE_S:
+            n += inside
+            lost += inside * floor
+        below, floor = cum[bound], bound
+    return n, lost
+
+
+def stall(s: Snapshot) -> Finding:
+    """The event loop woke late, or garbage collections held the GIL, for long pauses that
+    add up to a real share of the window (a single pause is not a cause: it must recur)."""
+    dt = max(s.dt, 1e-3)
+    n_lag, lost_lag = _long_pauses(s, "kvheat_event_loop_lag_seconds")
+    n_gc, lost_gc = _long_pauses(s, "kvheat_gc_pause_seconds")
+    n_gc2, _ = _long_pauses(s, "kvheat_gc_pause_seconds", generation="2")
+    # Full weight at 5% of the window lost to long pauses, seen at least four times (two
+    # are bad luck; a GC pause also shows as loop lag, so the larger of the two counts).
+    share = max(lost_lag, lost_gc) / dt
+    n = max(n_lag, n_gc)
+    score = _clamp(share / 0.05) * _clamp((n - 1.0) / 3.0)
+    ev = {f"kvheat_event_loop_lag_seconds >= {LONG_PAUSE_S} s, count Δ": n_lag,
+          "kvheat_event_loop_lag_seconds_sum Δ": round(s.delta("kvheat_event_loop_lag_seconds_sum"), 4),
+          f"kvheat_gc_pause_seconds >= {LONG_PAUSE_S} s, count Δ": n_gc,
+          f"kvheat_gc_pause_seconds{{generation=2}} >= {LONG_PAUSE_S} s, count Δ": n_gc2,
+          "kvheat_gc_pause_seconds_sum Δ": round(s.delta("kvheat_gc_pause_seconds_sum"), 4),
+          "share of the window lost to long pauses (lower bound)": round(share, 3)}
+    if lost_gc >= lost_lag / 2 and n_gc > 0:
+        action = ("Garbage collection pauses the server (long generation-2 collections): "
+                  "freeze the start-up heap (gc.freeze() after warm-up, as `kvheat serve` "
+                  "does), raise the gen-2 threshold (gc.set_threshold), and find what keeps "
+                  "allocating long-lived objects (a growing Python-side cache).")
+    else:
+        action = ("The event loop is blocked (it woke late while GC was quiet): move "
+                  "blocking or CPU-heavy work off it (run_in_executor / the server's CPU "
+                  "pool), look for sync I/O in request handlers or middleware, and check "
+                  "for a thread holding the GIL (py-spy dump shows who).")
+    return Finding("stall", score, ev, action)
+
+
+# Also the order of equal scores: a cause that names a failing part (a tier, the network,
+# one tenant) before one that describes the load (its size, its prompts, its mix), since
+# fixing the part may remove the load's symptom (a slow tier's blocks also count as
+# capacity misses). Overload before stall: more work than the server takes makes its
+# event loop late too.
+CAUSES: tuple[Cause, ...] = (tier_fault, tier_slow, network, tenant_quota, overload, stall,
+                              long_prompts, capacity, entropy_drift)
+# Causes with no series to score them by. Empty since `stall` got its series (event-loop
+# lag, GC pauses); kept so callers that name them still import.
+UNSUPPORTED: tuple[str, ...] = ()
 
 
 def diagnose(s: Snapshot, floor: float = FLOOR) -> list[Finding]:
-    """The causes scoring at `floor` or above, most likely first."""
+    """The causes scoring at `floor` or above, most likely first (ties in CAUSES order)."""
     found = [f for f in (c(s) for c in CAUSES) if f.score >= floor]
     return sorted(found, key=lambda f: -f.score)

@@ -41,7 +41,7 @@ from .errors import ApiError, add_error_handlers, error_response, finished_error
 from .events import EventsCollector, ServerEvents
 from .guard import RequestGuard
 from .handle import Finished, RequestHandle
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, StallWatch
 from .netsignals import NetSignalsCollector, url_endpoint
 from .prompts import PromptEncoder
 from .protocol import (
@@ -115,6 +115,7 @@ class KVHeatServer:
             except ValueError as e:  # e.g. the port is taken
                 raise ConfigError(str(e)) from None
         self.metrics = ServerMetrics(config.tenant_labels())
+        self.stalls = StallWatch(self.metrics.registry)  # event-loop lag, GC pauses
         self.router = ArmRouter(config.arm_list)
         self.arm_stats = ArmStats(self.router.names)
         self.tracing = Tracing(config.otlp_endpoint, span_exporter)
@@ -184,6 +185,7 @@ class KVHeatServer:
             self.worker.end_all("the server is shutting down; retry on another replica")
 
     def stop(self) -> None:
+        self.stalls.stop()
         if self.healer is not None:
             self.healer.stop()
         self.worker.stop()
@@ -383,6 +385,7 @@ def _build_app(server: KVHeatServer) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.start()
+        server.stalls.start()
         try:
             yield
         finally:

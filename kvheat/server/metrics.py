@@ -13,10 +13,17 @@ tenants are.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import asyncio
+import bisect
+import gc
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from ..cache.misses import PUBLIC_MISS_KINDS, public_misses
 
@@ -30,12 +37,16 @@ STORE_FAULTS = ("put_refused", "corrupt_checksum", "corrupt_key", "corrupt_torn"
 HIERARCHY_FAULTS = ("load_failed", "shape_mismatch", "demote_refused", "demote_dropped",
                     "orphans_dropped", "worker_errors")
 
+log = logging.getLogger("kvheat.server")
+
 NO_TENANT = "none"  # the tenant label of requests without a tenant (no tenants configured)
 UNKNOWN_TENANT = "unknown"  # a name the label map lacks (never a name itself)
 
 # Latency buckets in seconds: a CPU engine's TTFT runs from milliseconds to seconds.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
+# Pause buckets in seconds: what a request sees as a stall starts at tens of milliseconds.
+STALL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -232,3 +243,107 @@ class ServerMetrics:
                 bw = t.get(field_name)
                 if bw is not None:
                     self.tier_bandwidth.labels(arm, tier, direction).set(bw)
+
+
+class _Pauses:
+    """A histogram kept in plain numbers. A GC callback may run while its own thread holds a
+    prometheus_client lock (a scrape allocating), so it must never take one; `observe`
+    takes no lock and a scrape copies the numbers (at worst one pause late)."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(STALL_BUCKETS) + 1)  # the last one: above every bound
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(STALL_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def family_sample(self) -> tuple[list[tuple[str, float]], float]:
+        buckets, acc = [], 0
+        for bound, n in zip((*STALL_BUCKETS, float("inf")), list(self.counts), strict=True):
+            acc += n
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), float(acc)))
+        return buckets, self.total
+
+
+class StallWatch(Collector):
+    """Pauses that hold every request at once, as Prometheus histograms read at scrape time:
+
+    - kvheat_event_loop_lag_seconds: how late the event loop's watcher woke from a short
+      sleep (a blocking call or CPU-heavy work on the loop, or the GIL held elsewhere);
+    - kvheat_gc_pause_seconds{generation}: each garbage collection, by generation (from
+      gc.callbacks; a full collection of a large heap holds the GIL for all threads).
+
+    Labels are bounded (three generations). Neither part can stop serving: the GC callback
+    swallows its own errors, and the watcher logs and ends on one (the loop goes on).
+    gc.callbacks is process-wide: two servers in one process each count every collection.
+    """
+
+    INTERVAL_S = 0.05
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.loop_lag = _Pauses()
+        self.gc_pauses = [_Pauses() for _ in range(3)]
+        self.errors = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop watched, once started
+        self._gc_start = 0.0
+        self._task: asyncio.Task[None] | None = None
+        registry.register(self)
+
+    # ---- GC pauses ---------------------------------------------------------------------
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        try:
+            if phase == "start":
+                self._gc_start = time.perf_counter()
+            elif self._gc_start:
+                self.gc_pauses[min(int(info.get("generation", 2)), 2)].observe(
+                    time.perf_counter() - self._gc_start)
+                self._gc_start = 0.0
+        except Exception:  # a collection must never fail because of us
+            self.errors += 1
+
+    # ---- event-loop lag ----------------------------------------------------------------
+    def start(self) -> None:
+        """On the event loop (the app's lifespan): hook the collector, start the watcher."""
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+        self.loop = asyncio.get_running_loop()
+        self._task = self.loop.create_task(self._watch(), name="kvheat-stall-watch")
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                t0 = loop.time()
+                await asyncio.sleep(self.INTERVAL_S)
+                self.loop_lag.observe(max(loop.time() - t0 - self.INTERVAL_S, 0.0))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.errors += 1
+            log.exception("the event-loop lag watcher failed; kvheat_event_loop_lag_seconds "
+                          "stops here (serving goes on)")
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        lag = HistogramMetricFamily(
+            "kvheat_event_loop_lag_seconds", "How late the event loop woke from a "
+            f"{self.INTERVAL_S * 1000:.0f} ms sleep: time every request on the loop waited "
+            "(blocking or CPU-heavy work on the loop, or the GIL held by another thread).")
+        buckets, total = self.loop_lag.family_sample()
+        lag.add_metric([], buckets, total)
+        yield lag
+        pauses = HistogramMetricFamily(
+            "kvheat_gc_pause_seconds", "Python garbage collections by generation (gen 2: "
+            "full collections, which scan the whole heap holding the GIL).",
+            labels=["generation"])
+        for g, h in enumerate(self.gc_pauses):
+            buckets, total = h.family_sample()
+            pauses.add_metric([str(g)], buckets, total)
+        yield pauses
