@@ -68,10 +68,10 @@ if not __package__:  # run as `python bench/operations/doctor.py`: import from t
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from bench._lib import RESULTS
+from bench._lib.inproc import InProcessServer
 from bench._lib.procs import FaultProxy, Redis, free_port
 from kvheat.doctor import CAUSES, FLOOR, Snapshot, admin_stats, diagnose, scrape
 from kvheat.replay.report import print_uncut
-from kvheat.server.app import KVHeatServer
 from kvheat.server.config import ServerConfig, TenantConfig
 from kvheat.tiers import TierSpec
 
@@ -83,22 +83,10 @@ os.environ.setdefault("KVHEAT_TIER_SECRET", "kvheat-bench-tier-secret")
 
 class Live:
     def __init__(self, cfg: ServerConfig, host: str = "127.0.0.1") -> None:
-        self.server = KVHeatServer(cfg)
-        # As `kvheat serve` does before serving: the start-up heap is frozen, so the full
-        # collections a healthy run sees are those of its own traffic.
-        self.server.freeze_startup_heap()
-        port = free_port()
-        self.uv = self.server.uvicorn(host, port, "error")
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.uv.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        self.port = port
-        # Listening on every address (the network scenario), it is scraped on loopback.
-        self.base = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+        # The start-up heap frozen, as `kvheat serve` does: the full collections a healthy
+        # run sees are those of its own traffic.
+        self.proc = InProcessServer(cfg, host, freeze_startup_heap=True)
+        self.server, self.port, self.base = self.proc.server, self.proc.port, self.proc.base
         self.http = httpx.Client(timeout=120)
 
     def complete(self, prompt: list[int], max_tokens: int, key: str = "none") -> int:
@@ -116,8 +104,7 @@ class Live:
 
     def close(self) -> None:
         self.http.close()
-        self.uv.should_exit = True
-        self.thread.join(timeout=30)
+        self.proc.close()
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

@@ -50,9 +50,9 @@ from rich.table import Table
 if not __package__:  # run as `python bench/operations/selfheal.py`: import from the repo root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from bench._lib.procs import FaultProxy, Redis, free_port
+from bench._lib.inproc import InProcessServer
+from bench._lib.procs import FaultProxy, Redis
 from kvheat.replay.report import print_uncut
-from kvheat.server.app import KVHeatServer
 from kvheat.server.config import ServerConfig, TenantConfig
 from kvheat.tiers import TierSpec
 
@@ -63,30 +63,11 @@ os.environ.setdefault("KVHEAT_TIER_SECRET", "kvheat-bench-tier-secret")
 
 
 # ---- a live server and its clients --------------------------------------------------------
-class Live:
-    def __init__(self, cfg: ServerConfig) -> None:
-        self.server = KVHeatServer(cfg)
-        port = free_port()
-        self.uv = self.server.uvicorn("127.0.0.1", port, "error")
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.uv.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        self.base = f"http://127.0.0.1:{port}"
-
-    def close(self) -> None:
-        self.uv.should_exit = True
-        self.thread.join(timeout=30)
-
-
 class Clients:
     """Closed-loop streaming clients; each request recorded as (start, seconds to its
     first token, status, who), each answer's text by its prompt (greedy: comparable)."""
 
-    def __init__(self, live: Live, t0: float) -> None:
+    def __init__(self, live: InProcessServer, t0: float) -> None:
         self.live, self.t0 = live, t0
         self.records: list[tuple[float, float, int, str]] = []
         self.answers: dict[tuple[int, ...], tuple[int, str]] = {}  # -> (max_tokens, text)
@@ -227,7 +208,7 @@ def run_one(kind: str, mode: str, seed: int, args: argparse.Namespace) -> dict[s
         cfg, traffic, inject, remove, close = overload_scenario(mode, seed)
     else:
         cfg, traffic, inject, remove, close = tier_scenario(kind, mode, seed, args.slow_ms)
-    live = Live(cfg)
+    live = InProcessServer(cfg)
     t0 = time.monotonic()
     clients = Clients(live, t0)
     try:
@@ -274,7 +255,7 @@ def greedy_check(answers: dict[tuple[int, ...], tuple[int, str]], n: int) -> tup
     with --self-heal answered; how many answers are the same."""
     rng = random.Random(0)
     sample = rng.sample(sorted(answers), min(n, len(answers)))
-    live = Live(ServerConfig(num_blocks=512, threads=1, max_num_seqs=8))
+    live = InProcessServer(ServerConfig(num_blocks=512, threads=1, max_num_seqs=8))
     same = 0
     try:
         with httpx.Client(timeout=120) as http:

@@ -240,6 +240,7 @@ class SelfHealer:
             return
         self._last_start[("bypass", tier)] = now
         self.bypassed[tier] = Bypass(cause, now)
+        self._apply()  # in effect before it is reported
         self._record("bypass", cause, tier, score, 1.0,
                      "its blocks are recomputed until its probes pass"
                      + (f" (probe read {probe_s * 1000:.1f} ms)" if probe_s else ""))
