@@ -113,7 +113,9 @@ def test_overload_from_prometheus_ranks_as_the_live_path(
                         "--end", f"{t_end:.3f}", "--selector", 'job="kvheat"', "--json")
     assert code == 0, out
     found = json.loads(out)["findings"]
-    assert [f["cause"] for f in found] == [f.cause for f in live]
+    # The same cause first (a cause near its floor may come and go with gauges read a
+    # scrape apart, so only the top one is compared).
+    assert found and found[0]["cause"] == live[0].cause == "overload", found
     # The same counters moved by the same amounts: one Snapshot, two ways to read it.
     moved = {e["series"]: e["value"] for e in found[0]["evidence"] if e["series"].endswith(" Δ")}
     assert moved and moved == {k: v for k, v in live[0].evidence.items() if k.endswith(" Δ")}
