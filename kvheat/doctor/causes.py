@@ -447,9 +447,6 @@ def stall(s: Snapshot) -> Finding:
 # event loop late too.
 CAUSES: tuple[Cause, ...] = (tier_fault, tier_slow, network, tenant_quota, overload, stall,
                               long_prompts, capacity, entropy_drift)
-# Causes with no series to score them by. Empty since `stall` got its series (event-loop
-# lag, GC pauses); kept so callers that name them still import.
-UNSUPPORTED: tuple[str, ...] = ()
 
 
 def diagnose(s: Snapshot, floor: float = FLOOR) -> list[Finding]:

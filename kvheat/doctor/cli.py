@@ -12,7 +12,8 @@ import prometheus_client.parser  # noqa: F401 (the command needs the server extr
 from rich.table import Table
 
 from ..replay.report import print_uncut
-from .causes import FLOOR, UNSUPPORTED, Finding, Snapshot, diagnose
+from .causes import FLOOR, Finding, Snapshot, diagnose
+from .prometheus import parse_time, snapshot
 from .scrape import MAX_BYTES, DoctorError, admin_stats, scrape
 
 
@@ -30,16 +31,23 @@ def run_doctor(url: str, window: float, token: str | None = None,
     return diagnose(Snapshot(a, b, dt, adm_a, adm_b), floor)
 
 
+def run_doctor_prometheus(prometheus: str, start: float, end: float, match: str | None = None,
+                          token: str | None = None, floor: float = FLOOR,
+                          max_bytes: int = MAX_BYTES) -> list[Finding]:
+    """The same findings from a Prometheus server's samples at `start` and `end`."""
+    return diagnose(snapshot(prometheus, start, end, match, token, max_bytes), floor)
+
+
 def _fmt(v: float) -> str:
     return f"{v:.0f}" if float(v).is_integer() else f"{v:.4g}"
 
 
-def print_findings(findings: list[Finding], window: float) -> None:
+def print_findings(findings: list[Finding], span: str) -> None:
+    """`span`: what the findings cover ("the 10 s window", "... from Prometheus")."""
     if not findings:
-        click.echo(f"healthy: no cause scored {FLOOR} or more over the {window:g} s window "
-                   f"(not checked: {', '.join(UNSUPPORTED)}, no series for it).")
+        click.echo(f"healthy: no cause scored {FLOOR} or more over {span}.")
         return
-    t = Table(title=f"kvheat doctor: likely causes over a {window:g} s window")
+    t = Table(title=f"kvheat doctor: likely causes over {span}")
     for col in ("#", "cause", "score", "evidence", "action"):
         t.add_column(col, justify="right" if col in ("#", "score") else "left")
     for i, f in enumerate(findings, 1):
@@ -48,28 +56,64 @@ def print_findings(findings: list[Finding], window: float) -> None:
     print_uncut(t)
 
 
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
 @click.command("doctor")
-@click.argument("url")
+@click.argument("url", required=False)
 @click.option("--token", default=None, envvar="KVHEAT_METRICS_TOKEN",
               help="Bearer token of /metrics (the server's metrics_token).")
-@click.option("--window", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
-              help="Seconds between the two scrapes.")
+@click.option("--window", type=click.FloatRange(min=0.1), default=None,
+              help="Seconds between the two scrapes of URL.  [default: 10]")
 @click.option("--admin-url", default=None,
-              help="/admin/stats URL: adds the entropy regime, tenant quotas, block size.")
+              help="/admin/stats URL: adds the entropy regime, tenant quotas, block size "
+                   "(live state: not with --prometheus).")
 @click.option("--admin-token", default=None, envvar="KVHEAT_ADMIN_TOKEN",
               help="Bearer token of /admin/stats.")
+@click.option("--prometheus", default=None, metavar="URL",
+              help="Instead of URL: read kvheat's series from this Prometheus server, at "
+                   "--start and at --end.")
+@click.option("--start", default="-15m", show_default=True,
+              help="With --prometheus: the range's start (RFC 3339 with a zone, unix "
+                   "seconds, or relative to now like -15m).")
+@click.option("--end", default="now", show_default=True,
+              help="With --prometheus: the range's end (as --start, or now).")
+@click.option("--selector", default=None,
+              help='With --prometheus: label matchers of the servers to read, e.g. '
+                   'job="kvheat" or instance=~"10.0.0.5:.*" (a bare host:port means that '
+                   "instance). Default: every kvheat series, summed (the service's view).")
+@click.option("--prometheus-token", default=None, envvar="KVHEAT_PROMETHEUS_TOKEN",
+              help="Bearer token of the Prometheus API, if it needs one.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"findings": [{cause, score, evidence, action}]} (empty: healthy).')
 @click.option("--fail-on-findings", is_flag=True, help="Exit 1 when anything is found.")
 @click.option("--max-bytes", type=click.IntRange(min=1), default=MAX_BYTES, show_default=True,
-              help="Refuse a /metrics answer larger than this.")
-def doctor_command(url: str, token: str | None, window: float, admin_url: str | None,
-                   admin_token: str | None, as_json: bool, fail_on_findings: bool,
-                   max_bytes: int) -> None:
-    """Rank the likely causes of an SLO breach or a hit-rate drop on a live server, from
-    two scrapes of its /metrics URL `--window` seconds apart."""
+              help="Refuse a /metrics (or Prometheus) answer larger than this.")
+def doctor_command(url: str | None, token: str | None, window: float | None,
+                   admin_url: str | None, admin_token: str | None, prometheus: str | None,
+                   start: str, end: str, selector: str | None, prometheus_token: str | None,
+                   as_json: bool, fail_on_findings: bool, max_bytes: int) -> None:
+    """Rank the likely causes of an SLO breach or a hit-rate drop: on a live server, from
+    two scrapes of its /metrics URL `--window` seconds apart; or, with `--prometheus`, from
+    that server's samples of kvheat's series at `--start` and `--end`."""
+    if (url is None) == (prometheus is None):
+        raise click.UsageError("give a /metrics URL or --prometheus URL (one of them)")
+    if prometheus is not None and (window is not None or admin_url is not None):
+        raise click.UsageError("--window and --admin-url read a live server; with "
+                               "--prometheus the range is --start..--end")
     try:
-        findings = run_doctor(url, window, token, admin_url, admin_token, max_bytes=max_bytes)
+        if prometheus is not None:
+            now = time.time()
+            t0, t1 = parse_time(start, now), parse_time(end, now)
+            findings = run_doctor_prometheus(prometheus, t0, t1, selector, prometheus_token,
+                                             max_bytes=max_bytes)
+            span = f"{_utc(t0)}..{_utc(t1)} ({t1 - t0:g} s, from Prometheus)"
+        else:
+            assert url is not None
+            w = 10.0 if window is None else window
+            findings = run_doctor(url, w, token, admin_url, admin_token, max_bytes=max_bytes)
+            span = f"a {w:g} s window"
     except DoctorError as e:
         click.echo(f"kvheat doctor: error: {e}", err=True)
         sys.exit(2)
@@ -77,6 +121,6 @@ def doctor_command(url: str, token: str | None, window: float, admin_url: str | 
         out: dict[str, Any] = {"findings": [f.as_json() for f in findings]}
         click.echo(json.dumps(out, indent=2))
     else:
-        print_findings(findings, window)
+        print_findings(findings, span)
     if fail_on_findings and findings:
         sys.exit(1)

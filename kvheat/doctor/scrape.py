@@ -23,22 +23,38 @@ class DoctorError(Exception):
     """A scrape that cannot be used: unreachable, refused, too large or not parseable."""
 
 
+def _error_detail(e: urllib.error.HTTPError) -> str:
+    """The `error` of a JSON error answer (Prometheus' API gives one), else nothing."""
+    try:
+        body = json.loads(e.read(4096))
+    except (ValueError, OSError):
+        return ""
+    if not isinstance(body, dict) or not body.get("error"):
+        return ""
+    kind = f"{body['errorType']}: " if body.get("errorType") else ""
+    return f": {kind}{' '.join(str(body['error']).split())[:300]}"
+
+
 def fetch(url: str, token: str | None = None, max_bytes: int = MAX_BYTES,
-          timeout_s: float = 10.0) -> bytes:
-    req = urllib.request.Request(url, headers={"Accept": "text/plain"})
+          timeout_s: float = 10.0, accept: str = "text/plain", where: str | None = None) -> bytes:
+    """The answer's body, at most `max_bytes`; `where` names the URL in errors (a query URL
+    is long)."""
+    where = where or url
+    req = urllib.request.Request(url, headers={"Accept": accept})
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 (operator URL)
             body = resp.read(max_bytes + 1)
     except urllib.error.HTTPError as e:
-        raise DoctorError(f"{url}: HTTP {e.code} {e.reason}"
-                          + (" (wrong or missing token?)" if e.code in (401, 403) else "")) from None
+        raise DoctorError(f"{where}: HTTP {e.code} {e.reason}"
+                          + (" (wrong or missing token?)" if e.code in (401, 403) else "")
+                          + _error_detail(e)) from None
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise DoctorError(f"{url}: cannot read it ({getattr(e, 'reason', e)})") from None
+        raise DoctorError(f"{where}: cannot read it ({getattr(e, 'reason', e)})") from None
     if len(body) > max_bytes:
-        raise DoctorError(f"{url}: the answer is larger than {max_bytes} bytes; not a kvheat "
-                          "/metrics (or raise the bound)")
+        raise DoctorError(f"{where}: the answer is larger than {max_bytes} bytes (raise "
+                          "--max-bytes if it really is kvheat's)")
     return body
 
 
