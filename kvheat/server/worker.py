@@ -212,7 +212,8 @@ class EngineWorker:
         # response, the metrics, the arms' report and the cache's hit rate.
         cached = m.num_cached_tokens if m.admitted else 0
         if m.admitted and full is not None:  # the prompt's full blocks, as the cache keys them
-            self.recent[a.arm].add(m.arrival, full.keys[:a.prompt_tokens // eng.cache.block_size])
+            n = a.prompt_tokens // eng.cache.block_size
+            self._guard("recent-keys", lambda: self.recent[a.arm].add(m.arrival, full.keys[:n]))
         self._guard("metrics", lambda: self._record(a, eng, out, reason, cached))
         self._guard("tracing", lambda: self.tracing.request_done(
             a.handle.span, out, a.arm, reason, a.prompt_tokens, cached,
