@@ -16,6 +16,7 @@ from kvheat.doctor.replay import (
     RecentKeys,
     fetch_recent_keys,
     replay_all,
+    replay_arm,
     with_recent_keys,
 )
 from kvheat.server.config import ServerConfig
@@ -58,6 +59,19 @@ def test_recent_keys_is_bounded_and_says_only_which_blocks_are_shared() -> None:
         big.add(float(i), [i.to_bytes(4, "big") + j.to_bytes(4, "big") for j in range(64)])
     assert big.num_keys <= big.max_keys
     assert len(json.dumps(big.export())) < 1024 * 1024
+
+
+def test_no_recommendation_when_eight_times_the_pool_is_not_enough() -> None:
+    # 20 two-block prompts round-robin through 2 blocks of LRU: x8 (16 blocks) still
+    # thrashes; only the footprint (40 distinct blocks, + one prompt's copy) recovers.
+    reqs = [{"t": float(i), "blocks": [2 * (i % 20), 2 * (i % 20) + 1]} for i in range(80)]
+    rep = replay_arm("a", {"policy": "lru", "block_size": 16, "blocks": 2, "requests": reqs})
+    assert rep is not None and rep.recommended is None and rep.footprint >= 40
+    assert rep.hit_rates[16] == 0.0 and rep.unbounded == 0.75
+    assert replay_arm("a", {"policy": "lru", "block_size": 16, "blocks": 2,
+                            "requests": [{"t": "x", "blocks": [-1]}]}) is None  # malformed
+    assert replay_arm("a", {"policy": "no-such", "block_size": 16, "blocks": 2,
+                            "requests": reqs}) is None
 
 
 def test_replay_recommends_a_pool_that_removes_the_capacity_misses() -> None:

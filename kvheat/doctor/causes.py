@@ -171,7 +171,9 @@ def _replay_action(replays: list[CapacityReplay]) -> str:
         if r.recommended is None:
             parts.append(f"{now}): the replay finds no pool size up to x{FACTORS[-1]:g} that "
                          f"closes {RECOVER:.0%} of the gap from {r.current:.1%} to "
-                         f"{r.unbounded:.1%}; add a lower tier (host/disk) instead")
+                         f"{r.unbounded:.1%} (only num_blocks={r.footprint}, all the "
+                         "recent prompts' distinct blocks, gets there); add a lower tier "
+                         "(host/disk) instead")
         else:
             parts.append(f"{now}): num_blocks={r.recommended} (x{r.recommended / r.blocks:.3g}), "
                          f"replayed hit rate {r.current:.1%} -> "

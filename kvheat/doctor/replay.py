@@ -65,6 +65,7 @@ class CapacityReplay:
     hit_rates: dict[int, float]  # pool blocks -> replayed hit rate
     unbounded: float  # the hit rate of a cache that never evicts
     recommended: int | None  # the smallest pool that closes RECOVER of the gap
+    footprint: int  # a pool this large never evicts: the replay's unbounded hit rate
 
     @property
     def current(self) -> float:
@@ -142,7 +143,7 @@ def replay_arm(arm: str, record: dict[str, Any],
     gap = unbounded - rates[blocks]
     ok = [n for n in sizes if rates[n] >= rates[blocks] + RECOVER * gap]
     return CapacityReplay(arm, policy, bs, blocks, len(trace), rates, unbounded,
-                          min(ok) if ok and gap > 0 else None)
+                          min(ok) if ok and gap > 0 else None, pt.footprint_blocks())
 
 
 def replay_all(recent: dict[str, Any]) -> list[CapacityReplay]:
