@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache import hit_rate
+from .replay import FACTORS, RECOVER, CapacityReplay, replay_all
 from .scrape import Scrape
 
 FLOOR = 0.3
@@ -123,26 +124,66 @@ def capacity(s: Snapshot) -> Finding:
     cost = _ratio(cap, prompt)
     # Full weight once capacity misses are most misses and a fifth of all prompt tokens.
     score = _clamp(share / 0.5) * _clamp(cost / 0.2) * (1.0 if evicted > 0 else 0.5)
-    # Honest estimate: each capacity-miss token was cached once and evicted before its
-    # reuse; holding them all needs at least that many more tokens of KV (a lower bound:
-    # a longer window sees a longer reuse distance). Blocks: tokens / block size, where
-    # /admin/stats gives the block size; /metrics does not.
-    bs = next((a.get("block_size") for a in s.arms_admin("b").values()
-               if isinstance(a, dict) and a.get("block_size")), None)
-    need = (f"about {math.ceil(cap / bs)} more blocks of {bs} tokens" if bs
-            else f"room for about {int(cap)} more tokens of KV")
-    action = (f"Grow the KV pool (num_blocks, now {int(total)} blocks on device): {need} "
-              f"would have turned this window's {int(cap)} capacity-miss tokens into hits "
-              "(a lower bound: the capacity-miss tokens seen in the window, reused after "
-              "eviction). Or add a lower tier (host/disk) so evicted blocks are loaded, "
-              "not recomputed.")
     ev = {"kvheat_prefix_miss_tokens_total{kind=capacity} Δ": cap,
           "kvheat_prefix_miss_tokens_total Δ": all_miss,
           "kvheat_prompt_tokens_total Δ": prompt,
           "kvheat_evictions_total{tier=device} Δ": evicted,
           "kvheat_blocks{tier=device,state=free}": free,
           "kvheat_blocks{tier=device} total": total}
+    recent = (s.admin_b or {}).get("recent_keys")
+    # The replay is the expensive part: only for a finding that will be shown.
+    replays = replay_all(recent) if score >= FLOOR and isinstance(recent, dict) else []
+    if replays:
+        return Finding("capacity", score, {**ev, **_replay_evidence(replays)},
+                       _replay_action(replays))
+    # No replay (no --admin-url, or an older server): a lower bound. Each capacity-miss
+    # token was cached once and evicted before its reuse; holding them all needs at least
+    # that many more tokens of KV (a longer window sees a longer reuse distance). Blocks:
+    # tokens / block size, where /admin/stats gives the block size; /metrics does not.
+    bs = next((a.get("block_size") for a in s.arms_admin("b").values()
+               if isinstance(a, dict) and a.get("block_size")), None)
+    need = (f"about {math.ceil(cap / bs)} more blocks of {bs} tokens" if bs
+            else f"room for about {int(cap)} more tokens of KV")
+    why = ("the replay of recent traffic needs --admin-url (GET /admin/recent-keys)"
+           if s.admin_b is None else "this server gives no /admin/recent-keys to replay")
+    action = (f"Grow the KV pool (num_blocks, now {int(total)} blocks on device): {need} "
+              f"would have turned this window's {int(cap)} capacity-miss tokens into hits "
+              "(a lower bound: the capacity-miss tokens seen in the window, reused after "
+              f"eviction; {why}). Or add a lower tier (host/disk) so evicted blocks are "
+              "loaded, not recomputed.")
     return Finding("capacity", score, ev, action)
+
+
+def _replay_evidence(replays: list[CapacityReplay]) -> dict[str, float]:
+    ev: dict[str, float] = {}
+    for r in replays:
+        ev[f"replay[{r.arm}] requests"] = r.requests
+        for n, rate in r.hit_rates.items():
+            ev[f"replay[{r.arm}] hit rate @ {n} blocks"] = round(rate, 4)
+        ev[f"replay[{r.arm}] hit rate, unbounded"] = round(r.unbounded, 4)
+    return ev
+
+
+def _replay_action(replays: list[CapacityReplay]) -> str:
+    parts = []
+    for r in replays:
+        now = f"arm {r.arm!r} ({r.policy}, {r.blocks} blocks of {r.block_size} tokens"
+        if r.recommended is None:
+            parts.append(f"{now}): the replay finds no pool size up to x{FACTORS[-1]:g} that "
+                         f"closes {RECOVER:.0%} of the gap from {r.current:.1%} to "
+                         f"{r.unbounded:.1%} (only num_blocks={r.footprint}, all the "
+                         "recent prompts' distinct blocks, gets there); add a lower tier "
+                         "(host/disk) instead")
+        else:
+            parts.append(f"{now}): num_blocks={r.recommended} (x{r.recommended / r.blocks:.3g}), "
+                         f"replayed hit rate {r.current:.1%} -> "
+                         f"{r.hit_rates[r.recommended]:.1%} of {r.unbounded:.1%} unbounded")
+    return ("Grow the KV pool: " + "; ".join(parts) + ". Rule: the smallest of the pool "
+            f"x{', x'.join(f'{f:g}' for f in FACTORS)} whose hit rate, replaying the last "
+            f"{max(r.requests for r in replays)} admitted prompts through the arm's own "
+            f"policy, closes {RECOVER:.0%} of the gap between now and a cache that never "
+            "evicts. Or add a lower tier (host/disk) so evicted blocks are loaded, not "
+            "recomputed.")
 
 
 def tenant_quota(s: Snapshot) -> Finding:

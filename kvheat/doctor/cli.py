@@ -14,6 +14,7 @@ from rich.table import Table
 from ..replay.report import print_uncut
 from .causes import FLOOR, Finding, Snapshot, diagnose
 from .prometheus import parse_time, snapshot
+from .replay import with_recent_keys
 from .scrape import MAX_BYTES, DoctorError, admin_stats, scrape
 
 
@@ -28,6 +29,7 @@ def run_doctor(url: str, window: float, token: str | None = None,
     b = scrape(url, token, max_bytes)
     dt = time.monotonic() - t0
     adm_b = admin_stats(admin_url, admin_token, max_bytes) if admin_url else None
+    adm_b = with_recent_keys(adm_b, admin_url, admin_token, max_bytes)  # capacity's replay
     return diagnose(Snapshot(a, b, dt, adm_a, adm_b), floor)
 
 

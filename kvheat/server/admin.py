@@ -2,6 +2,9 @@
 
 - GET  /admin/stats                      cache, queue, tier and tenant figures per arm
 - GET  /admin/arms                       P99 TTFT and hit rate per arm (A/B report)
+- GET  /admin/recent-keys                the last admitted prompts per arm as block ids (bounded),
+                                         with the block size, pool size and policy: what
+                                         `kvheat doctor` replays to size the pool
 - POST /admin/tenants/{tenant}/flush     delete a tenant's KV from every tier (per-tier counts)
 - PUT  /admin/tenants/{tenant}/quota     set or clear a tenant's block quota, at run time
                                          (a tenant over its new quota loses its coldest blocks)
@@ -138,6 +141,24 @@ def admin_router(server: AdminHost) -> APIRouter:
     async def arms(request: Request) -> Response:
         check(request)
         return json_response({"arms": server.arm_stats.summary()})
+
+    @router.get("/recent-keys")
+    async def recent_keys(request: Request) -> Response:
+        """Which admitted prompts shared which prefix blocks, lately: ids that stand for the
+        cache's salted, chained keys within this answer (never tokens or text), bounded by
+        `RecentKeys` in prompts and blocks per arm."""
+        check(request)
+
+        def one(eng: Any) -> dict[str, Any]:
+            return {"policy": eng.config.policy, "block_size": eng.cache.block_size,
+                    "blocks": len(eng.cache.blocks)}
+
+        arms = await on_engines(one)
+        recent = await worker.acall(lambda: {a: r.export() for a, r in worker.recent.items()})
+        for arm, reqs in recent.items():
+            if arm in arms:
+                arms[arm]["requests"] = reqs
+        return json_response({"arms": arms})
 
     @router.post("/tenants/{tenant}/flush")
     async def flush(tenant: str, request: Request) -> Response:

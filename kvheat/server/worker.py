@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from ..cache.misses import MISS_KINDS, MissClassifier
+from ..doctor.replay import RecentKeys
 from ..engine import LLMEngine, SamplingParams, TokenOutput
 from .arms import ArmStats
 from .handle import Finished, RequestHandle
@@ -85,6 +86,9 @@ class EngineWorker:
         # arm -> tenant -> miss class -> tokens, isolation included (engine thread; shown
         # by the admin API only: it says which prompts other tenants sent)
         self.misses: dict[str, dict[str, dict[str, int]]] = {}
+        # arm -> the last admitted prompts as block keys (admin API only: GET
+        # /admin/recent-keys, for `kvheat doctor`'s capacity replay); engine thread
+        self.recent: dict[str, RecentKeys] = {arm: RecentKeys() for arm in self.arms}
 
     def _new_engine(self, arm: str) -> LLMEngine:
         eng = self.engine_factory(arm)
@@ -193,6 +197,8 @@ class EngineWorker:
         eng = self.engines[a.arm]
         rid = a.handle.request_id
         self.active.pop(rid, None)
+        held = eng.requests.get(rid)
+        full = held.seq.full_req if held is not None else None  # its keys, hashed already
         try:
             out = eng.release(rid)
         except Exception as e:  # not finished in the engine: a bug, but answer the client
@@ -205,6 +211,9 @@ class EngineWorker:
         # As the cache counted it at admission (0 if never admitted): one count for the
         # response, the metrics, the arms' report and the cache's hit rate.
         cached = m.num_cached_tokens if m.admitted else 0
+        if m.admitted and full is not None:  # the prompt's full blocks, as the cache keys them
+            n = a.prompt_tokens // eng.cache.block_size
+            self._guard("recent-keys", lambda: self.recent[a.arm].add(m.arrival, full.keys[:n]))
         self._guard("metrics", lambda: self._record(a, eng, out, reason, cached))
         self._guard("tracing", lambda: self.tracing.request_done(
             a.handle.span, out, a.arm, reason, a.prompt_tokens, cached,
