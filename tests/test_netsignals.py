@@ -313,3 +313,37 @@ def test_one_bpftrace_per_process_and_its_events_attributed_to_our_peers() -> No
     assert not tracer.closed  # b still reads it
     b.close()
     assert tracer.closed
+
+
+def test_bpftrace_output_parsed_bounded_and_restarted(tmp_path) -> None:
+    if os.geteuid() != 0 or not os.path.exists("/sys/kernel/tracing/events/tcp"):
+        pytest.skip("the tracer checks root and tracefs before it starts bpftrace")
+    fake = tmp_path / "fake-bpftrace"  # says what bpftrace -f json says, then exits
+    fake.write_text("#!/bin/sh\n"
+                    "echo 'WARNING: a warning on stderr'\n"
+                    "echo '{\"type\": \"attached_probes\", \"data\": {\"probes\": 4}}'\n"
+                    "echo '{\"type\": \"map\", \"data\": {\"@r\": {\"::ffff:10.9.0.1,6379,4100\": 2,"
+                    " \"bad\": 1}}}'\n"
+                    "echo '{\"type\": \"map\", \"data\": 5}'\n"
+                    "echo '[1, 2]'\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    c = NetSignalsCollector(lambda: [("10.9.0.1", 6379, "redis")], bpftrace=str(fake))
+    try:
+        assert c.feed is not None
+        tracer = c.feed.tracer
+        deadline = time.monotonic() + 10
+        while tracer.restarts < 2 and time.monotonic() < deadline:  # backoff: 1 s, 2 s
+            time.sleep(0.1)
+        assert tracer.restarts >= 2 and tracer.state == "exited"
+        assert tracer.detail == "WARNING: a warning on stderr"
+        reg = CollectorRegistry()
+        reg.register(c)
+        got = reg.get_sample_value("kvheat_net_peer_retransmits_total",
+                                   {"peer": "10.9.0.1", "role": "redis", "source": "ebpf"})
+        assert got is not None and got >= 4 and got % 2 == 0  # 2 per run, v4-mapped read
+        assert reg.get_sample_value("kvheat_net_ebpf_state", {"state": "exited"}) == 1
+        errors = reg.get_sample_value("kvheat_net_signal_errors_total", {"source": "ebpf"})
+        assert errors is not None and errors >= 4  # restarts, plus the "bad" key per run
+    finally:
+        c.close()

@@ -327,7 +327,8 @@ class RetransmitFeed:
 
 class RetransmitTracer:
     """TCP retransmits per (remote address, remote port, local port), host-wide, from one
-    long-lived bpftrace process read by a daemon thread. One per process (`shared()`),
+    long-lived bpftrace process read by a daemon thread. One per process
+    (`subscribe_shared()`),
     whatever the number of collectors: each reads it through its own RetransmitFeed,
     whose `drain()` never waits for bpftrace. The last feed closed stops it."""
 
@@ -352,8 +353,9 @@ class RetransmitTracer:
         self.dropped = 0  # lines left out by the bounds
         self.closed = False
         self.lock = threading.Lock()
-        self._feeds: weakref.WeakSet[RetransmitFeed] = weakref.WeakSet()  # a collector
-        self._stop = threading.Event()  # gone (never closed) no longer holds one
+        # Weak: a collector dropped without close() lets go of its feed.
+        self._feeds: weakref.WeakSet[RetransmitFeed] = weakref.WeakSet()
+        self._stop = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
         self._thread = threading.Thread(target=self._run, name="kvheat-bpftrace", daemon=True)
         atexit.register(self.close)
@@ -375,6 +377,7 @@ class RetransmitTracer:
     def close(self) -> None:
         """Stop reading and kill bpftrace (at exit too)."""
         self.closed = True
+        self.state = "exited"
         self._stop.set()
         proc = self._proc
         if proc is not None and proc.poll() is None:
@@ -406,8 +409,8 @@ class RetransmitTracer:
             started = time.monotonic()
             try:
                 attached = self._run_once()
-            except OSError as e:  # could not start it
-                attached, self.detail = False, str(e)
+            except Exception as e:  # could not start it, or it said something odd
+                attached, self.detail = self.state == "on", f"{type(e).__name__}: {e}"
             if self._stop.is_set():
                 break
             self.restarts += 1
@@ -451,13 +454,14 @@ class RetransmitTracer:
                     if line.strip():
                         self.detail = line.decode(errors="replace").strip()[:200]
                     continue
-                if not isinstance(msg, dict):
+                data = msg.get("data") if isinstance(msg, dict) else None
+                if not isinstance(data, dict):
                     continue
                 if msg.get("type") == "attached_probes":
                     attached = True
                     self.state = "on"
-                elif msg.get("type") == "map":
-                    self._add(msg.get("data", {}).get("@r") or {})
+                elif msg.get("type") == "map" and isinstance(data.get("@r"), dict):
+                    self._add(data["@r"])
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -470,7 +474,7 @@ class RetransmitTracer:
             try:
                 addr, dport, sport = key.rsplit(",", 2)
                 parsed.append(((_ip_text(addr), int(dport), int(sport)), int(n)))
-            except ValueError:
+            except (ValueError, TypeError, AttributeError):
                 self.dropped += 1
         with self.lock:
             for feed in self._feeds:
