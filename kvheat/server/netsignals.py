@@ -515,6 +515,7 @@ class NetSignalsCollector(Collector):
         self.feed = RetransmitTracer.subscribe_shared(bpftrace) if ebpf else None
         self.ebpf_retrans: dict[str, int] = {}  # peer -> retransmits since we started
         self._ebpf_roles: dict[str, str] = {}
+        self._ebpf_lock = threading.Lock()  # two scrapes at once must not both attribute
         self._ebpf_logged = ""
 
     def close(self) -> None:
@@ -597,15 +598,19 @@ class NetSignalsCollector(Collector):
             yield from self._collect_proc(n)
         except Exception as e:
             self._failed("proc", e)
-        yield from self._collect_ebpf(n)
+        try:
+            yield from self._collect_ebpf(n)
+        except Exception as e:
+            self._failed("ebpf", e)
         errors = CounterMetricFamily(f"{n}_signal_errors", "Scrapes where a network signal "
                                      "source could not be read (its series are left out).",
                                      labels=["source"])
-        for source, count in sorted(self.errors.items()):
-            errors.add_metric([source], count)
-        if self.feed is not None:
+        counts = dict(self.errors)
+        if self.feed is not None:  # for eBPF also bpftrace's restarts and what was dropped
             t = self.feed.tracer
-            errors.add_metric(["ebpf"], t.restarts + t.dropped + self.feed.dropped)
+            counts["ebpf"] = counts.get("ebpf", 0) + t.restarts + t.dropped + self.feed.dropped
+        for source, count in sorted(counts.items()):
+            errors.add_metric([source], count)
         yield errors
 
     def _collect_sock_diag(self, n: str) -> Iterator[Metric]:
@@ -693,18 +698,21 @@ class NetSignalsCollector(Collector):
         yield up
         if self.feed is None:
             return
-        self._attribute_ebpf()
-        retrans = CounterMetricFamily(f"{n}_peer_retransmits", "TCP retransmits to the peer "
-                                      "seen by the tcp:tcp_retransmit_skb tracepoint since "
-                                      "this process started, also those of sockets closed "
-                                      "since (which the sock_diag gauge misses).",
+        with self._ebpf_lock:
+            self._attribute_ebpf()
+            totals, roles = dict(self.ebpf_retrans), dict(self._ebpf_roles)
+        retrans = CounterMetricFamily(f"{n}_peer_retransmits", "TCP segments retransmitted "
+                                      "to the peer (the kernel's count that the sock_diag "
+                                      "gauge reads), from the tcp:tcp_retransmit_skb "
+                                      "tracepoint since the tracer started: also those of "
+                                      "sockets closed since, which the gauge misses.",
                                       labels=["peer", "role", "source"])
-        ranked = sorted(self.ebpf_retrans.items(), key=lambda kv: (
-            kv[0] == OTHER, self._ebpf_roles[kv[0]] in ("client", "peer"), -kv[1], kv[0]))
+        ranked = sorted(totals.items(), key=lambda kv: (
+            kv[0] == OTHER, roles[kv[0]] in ("client", "peer"), -kv[1], kv[0]))
         rest = sum(c for _, c in ranked[self.max_peers:])
         for ip, count in ranked[:self.max_peers]:
             if ip != OTHER:
-                retrans.add_metric([ip, self._ebpf_roles[ip], "ebpf"], count)
+                retrans.add_metric([ip, roles[ip], "ebpf"], count)
             else:
                 rest += count
         if rest:
