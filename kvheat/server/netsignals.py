@@ -11,10 +11,11 @@ Sources, each named in a `source` label:
   is marked work in progress. Every socket's tcp_info comes with it.
 - "proc": /proc/net/snmp and /proc/net/netstat counters (no per-peer detail).
 - "ebpf": the tcp:tcp_retransmit_skb tracepoint, counted per (remote address, remote
-  port, local port) by ONE long-lived `bpftrace` process (not BCC: it compiles against
-  kernel headers, which servers often lack; bpftrace's tracepoints need only tracefs).
-  It sees every retransmit, also those of sockets that closed between two scrapes, which
-  sock_diag (open sockets only) misses. On by default where it can run: `bpftrace` on
+  port, local port) by ONE long-lived `bpftrace` process per process (not BCC: it
+  compiles against kernel headers, which servers often lack; bpftrace's tracepoints need
+  only BTF and tracefs). kvheat_net_peer_retransmits_total counts the same segments as
+  sock_diag's gauge (the kernel's tcp_sock.total_retrans), also those of sockets that
+  closed between two scrapes, which sock_diag (open sockets only) misses. On by default where it can run: `bpftrace` on
   PATH, root (or CAP_BPF and CAP_PERFMON), tracefs mounted (mounted here when it is not
   and we may) and the tracepoint attaching; `ebpf=False` turns it off. Why it is off (or
   restarting) is the `state` label of kvheat_net_ebpf_state, and logged once.
