@@ -10,29 +10,51 @@ Sources, each named in a `source` label:
   with the stdlib socket module: the ABI is stable and small, and the binding in pyroute2
   is marked work in progress. Every socket's tcp_info comes with it.
 - "proc": /proc/net/snmp and /proc/net/netstat counters (no per-peer detail).
-- eBPF is not used: BCC compiles its programs against the running kernel's headers,
-  which servers (and this project's CI machines) often lack; sock_diag needs neither
-  privileges nor headers for a process's own sockets.
+- "ebpf": the tcp:tcp_retransmit_skb tracepoint, counted per (remote address, remote
+  port, local port) by ONE long-lived `bpftrace` process per process (not BCC: it
+  compiles against kernel headers, which servers often lack; bpftrace's tracepoints need
+  only BTF and tracefs). kvheat_net_peer_retransmits_total counts the same segments as
+  sock_diag's gauge (the kernel's tcp_sock.total_retrans), also those of sockets that
+  closed between two scrapes, which sock_diag (open sockets only) misses. On by default where it can run: `bpftrace` on
+  PATH, root (or CAP_BPF and CAP_PERFMON), tracefs mounted (mounted here when it is not
+  and we may) and the tracepoint attaching; `ebpf=False` turns it off. Why it is off (or
+  restarting) is the `state` label of kvheat_net_ebpf_state, and logged once.
 
 Only this process's sockets count: those whose inode is one of /proc/self/fd. TIME_WAIT
 sockets belong to no process (no inode), so they count when their local port is one of
-our listening ports or their remote end is a known upstream (Redis, a replica).
+our listening ports or their remote end is a known upstream (Redis, a replica). A kernel
+retransmit event has no owner either: it counts when its remote end is a known upstream,
+its local port one of our listening ports, or it matches a socket of ours that sock_diag
+saw open at the last scrape (a short-lived connection of ours to any other peer, opened
+and closed between scrapes, is not attributed).
 
-Everything is read at scrape time, in `collect()` (never on the engine thread), and
-bounded: the top `max_peers` peers (known upstreams first, then by retransmits, then by
-bytes) get their own `peer` label, the rest add up under peer="other". A source that
-cannot be read (no netlink, no /proc) is counted in kvheat_net_signal_errors_total and
+Everything but eBPF is read at scrape time, in `collect()` (never on the engine thread);
+bpftrace's per-second counts are read by a daemon thread, and a scrape only takes what it
+added up since the last one. All of it is bounded: the top `max_peers` peers (known
+upstreams first, then by retransmits, then by bytes) get their own `peer` label, the rest
+add up under peer="other"; bpftrace's map holds at most `EBPF_MAX_KEYS` keys, its lines
+at most `EBPF_MAX_LINE` bytes, and it is restarted with backoff when it exits. A source
+that cannot be read (no netlink, no /proc) is counted in kvheat_net_signal_errors_total and
 logged once; the other series are still reported, and /metrics never fails because of it.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import ipaddress
+import json
 import logging
 import os
+import shutil
+import signal
 import socket
 import struct
+import subprocess
+import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -215,6 +237,255 @@ def url_endpoint(url: str, default_port: int) -> tuple[str, int] | None:
     return parts.hostname, parts.port or default_port
 
 
+# ---- eBPF: tcp:tcp_retransmit_skb through one bpftrace process ---------------------------
+# Per second, the segments retransmitted by (remote address, remote port, local port),
+# then cleared: one JSON line {"type": "map", "data": {"@r": {"ADDR,DPORT,SPORT": N}}}.
+# One event is one skb, which under TSO carries several segments: the count is the growth
+# of the socket's tcp_sock.total_retrans (BTF-resolved; the kernel adds to it just before
+# the tracepoint, and it is what sock_diag's tcpi_total_retrans reads), from @last, its
+# value at the socket's previous event (forgotten when the socket closes). The
+# tracepoint's ports are in host order. END clears the maps: no final dump on exit.
+EBPF_PROGRAM = """
+tracepoint:tcp:tcp_retransmit_skb {
+  $total = (uint64)((struct tcp_sock *)args->skaddr)->total_retrans;
+  $new = $total;
+  if ($total >= @last[args->skaddr]) { $new = $total - @last[args->skaddr]; }
+  @last[args->skaddr] = $total;
+  if (args->family == 2) { @r[ntop(args->daddr), args->dport, args->sport] = sum($new); }
+  else { @r[ntop(args->daddr_v6), args->dport, args->sport] = sum($new); }
+}
+tracepoint:sock:inet_sock_set_state /args->newstate == 7 && args->protocol == 6/ {
+  delete(@last[args->skaddr]);
+}
+interval:s:1 { print(@r); clear(@r); }
+END { clear(@r); clear(@last); }
+"""
+EBPF_MAX_KEYS = 4096  # per bpftrace map (BPFTRACE_MAP_KEYS_MAX): keys beyond are lost
+EBPF_MAX_LINE = 1 << 20  # a longer line is skipped (4096 keys take ~200 KB)
+EBPF_MAX_PENDING = 4096  # (addr, dport, sport) keys waiting for a scrape; more are dropped
+EBPF_MAX_PEERS = 1024  # peers counted apart (then all add up under "other")
+EBPF_BACKOFF_S = (1.0, 300.0)  # first and longest wait before a restart
+TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+_TRACEPOINT = "events/tcp/tcp_retransmit_skb"
+_CAP_PERFMON, _CAP_BPF = 38, 39
+_PR_SET_PDEATHSIG = 1
+# Why eBPF is (not) counting: the `state` label of kvheat_net_ebpf_state.
+EBPF_STATES = ("on", "starting", "disabled", "no_bpftrace", "no_privileges", "no_tracefs",
+               "attach_failed", "exited")
+
+
+def _has_bpf_privileges() -> bool:
+    if os.geteuid() == 0:
+        return True
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return all(caps >> c & 1 for c in (_CAP_BPF, _CAP_PERFMON))
+
+
+def _tracefs() -> str | None:
+    """Where the tracepoint is, mounting tracefs first when it is not and we may."""
+    for d in TRACEFS:
+        if os.path.exists(os.path.join(d, _TRACEPOINT)):
+            return d
+    if os.geteuid() == 0 and shutil.which("mount") and os.path.isdir(TRACEFS[0]):
+        subprocess.run(["mount", "-t", "tracefs", "nodev", TRACEFS[0]],
+                       capture_output=True, timeout=10, check=False)
+        if os.path.exists(os.path.join(TRACEFS[0], _TRACEPOINT)):
+            return TRACEFS[0]
+    return None
+
+
+_libc: ctypes.CDLL | None = None  # loaded in the parent: no dlopen between fork and exec
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the thread that started it ends (the
+    reader thread; the process exiting ends it too), so no bpftrace outlives us."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class RetransmitFeed:
+    """One collector's view of the process's RetransmitTracer: what it counted since this
+    feed's last `drain()` (bounded: EBPF_MAX_PENDING keys, the rest dropped)."""
+
+    def __init__(self, tracer: RetransmitTracer) -> None:
+        self.tracer = tracer
+        self.pending: dict[tuple[str, int, int], int] = {}
+        self.dropped = 0
+
+    def drain(self) -> dict[tuple[str, int, int], int]:
+        with self.tracer.lock:
+            out, self.pending = self.pending, {}
+        return out
+
+    def close(self) -> None:
+        self.tracer.unsubscribe(self)
+
+
+class RetransmitTracer:
+    """TCP retransmits per (remote address, remote port, local port), host-wide, from one
+    long-lived bpftrace process read by a daemon thread. One per process
+    (`subscribe_shared()`),
+    whatever the number of collectors: each reads it through its own RetransmitFeed,
+    whose `drain()` never waits for bpftrace. The last feed closed stops it."""
+
+    _shared: dict[str, RetransmitTracer] = {}
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def subscribe_shared(cls, bpftrace: str = "bpftrace") -> RetransmitFeed:
+        with cls._shared_lock:
+            t = cls._shared.get(bpftrace)
+            if t is None or t.pid != os.getpid() or t.closed:  # none yet, or forked
+                t = cls._shared[bpftrace] = RetransmitTracer(bpftrace)
+            return t.subscribe()
+
+    def __init__(self, bpftrace: str = "bpftrace") -> None:
+        self.name = bpftrace
+        self.bpftrace = shutil.which(bpftrace)
+        self.pid = os.getpid()
+        self.state = "starting"
+        self.detail = ""  # what bpftrace or the check said, for the log
+        self.restarts = 0  # exits and failed attaches
+        self.dropped = 0  # lines left out by the bounds
+        self.closed = False
+        self.lock = threading.Lock()
+        # Weak: a collector dropped without close() lets go of its feed.
+        self._feeds: weakref.WeakSet[RetransmitFeed] = weakref.WeakSet()
+        self._stop = threading.Event()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._thread = threading.Thread(target=self._run, name="kvheat-bpftrace", daemon=True)
+        atexit.register(self.close)
+        self._thread.start()
+
+    def subscribe(self) -> RetransmitFeed:
+        feed = RetransmitFeed(self)
+        with self.lock:
+            self._feeds.add(feed)
+        return feed
+
+    def unsubscribe(self, feed: RetransmitFeed) -> None:
+        with self.lock:
+            self._feeds.discard(feed)
+            last = not self._feeds
+        if last:
+            self.close()
+
+    def close(self) -> None:
+        """Stop reading and kill bpftrace (at exit too)."""
+        self.closed = True
+        self.state = "exited"
+        self._stop.set()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
+        atexit.unregister(self.close)
+
+    # ---- the reader thread ------------------------------------------------------------
+    def _unavailable(self) -> str | None:
+        if self.bpftrace is None:
+            return "no_bpftrace"
+        if not _has_bpf_privileges():
+            return "no_privileges"
+        if _tracefs() is None:
+            return "no_tracefs"
+        return None
+
+    def _run(self) -> None:
+        try:
+            why = self._unavailable()
+        except (OSError, subprocess.SubprocessError) as e:
+            why, self.detail = "no_tracefs", str(e)
+        if why is not None:
+            self.state = why
+            return
+        backoff = EBPF_BACKOFF_S[0]
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                attached = self._run_once()
+            except Exception as e:  # could not start it, or it said something odd
+                attached, self.detail = self.state == "on", f"{type(e).__name__}: {e}"
+            if self._stop.is_set():
+                break
+            self.restarts += 1
+            self.state = "exited" if attached else "attach_failed"
+            log.warning("network signals: bpftrace %s (%s); restarting in %.0f s",
+                        "exited" if attached else "did not attach", self.detail or "no output",
+                        backoff)
+            if attached and time.monotonic() - started > 60:
+                backoff = EBPF_BACKOFF_S[0]  # it ran a while: a fresh failure, not a loop
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, EBPF_BACKOFF_S[1])
+
+    def _run_once(self) -> bool:
+        """Run bpftrace until it exits (or close()); True when its probes had attached."""
+        global _libc
+        assert self.bpftrace is not None
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        env = dict(os.environ, BPFTRACE_MAP_KEYS_MAX=str(EBPF_MAX_KEYS))
+        proc = self._proc = subprocess.Popen(
+            [self.bpftrace, "-f", "json", "-e", EBPF_PROGRAM], stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+            preexec_fn=_die_with_parent)
+        assert proc.stdout is not None
+        attached = False
+        try:
+            if self._stop.is_set():  # close() ran while it started
+                return False
+            while True:
+                line = proc.stdout.readline(EBPF_MAX_LINE + 1)
+                if not line:
+                    return attached
+                if len(line) > EBPF_MAX_LINE:  # skip the rest of an oversized line
+                    self.dropped += 1
+                    while line and not line.endswith(b"\n"):
+                        line = proc.stdout.readline(EBPF_MAX_LINE)
+                    continue
+                try:
+                    msg = json.loads(line)
+                except ValueError:  # a warning on stderr: keep the last for the log
+                    if line.strip():
+                        self.detail = line.decode(errors="replace").strip()[:200]
+                    continue
+                data = msg.get("data") if isinstance(msg, dict) else None
+                if not isinstance(data, dict):
+                    continue
+                if msg.get("type") == "attached_probes":
+                    attached = True
+                    self.state = "on"
+                elif msg.get("type") == "map" and isinstance(data.get("@r"), dict):
+                    self._add(data["@r"])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+    def _add(self, counts: dict[str, int]) -> None:
+        parsed: list[tuple[tuple[str, int, int], int]] = []
+        for key, n in counts.items():
+            try:
+                addr, dport, sport = key.rsplit(",", 2)
+                parsed.append(((_ip_text(addr), int(dport), int(sport)), int(n)))
+            except (ValueError, TypeError, AttributeError):
+                self.dropped += 1
+        with self.lock:
+            for feed in self._feeds:
+                for k, n in parsed:
+                    if k in feed.pending or len(feed.pending) < EBPF_MAX_PENDING:
+                        feed.pending[k] = feed.pending.get(k, 0) + n
+                    else:
+                        feed.dropped += 1
+
+
 class NetSignalsCollector(Collector):
     """A prometheus_client collector: registered on a registry, it reads the kernel's
     signals each time the registry is scraped.
@@ -222,11 +493,15 @@ class NetSignalsCollector(Collector):
     `upstreams()` gives (host, port, role) of the peers this process connects to (the
     Redis tier, the router's replicas); peers that connect to one of our listening ports
     are role "client"; anything else "peer". Host names are resolved once, when first
-    seen (an upstream's address changing under its name is not followed)."""
+    seen (an upstream's address changing under its name is not followed).
+
+    `ebpf` (default on) reads the process's RetransmitTracer, started with the first
+    collector where bpftrace can run (`bpftrace`: its name or path); `close()` leaves it."""
 
     def __init__(self, upstreams: Callable[[], Iterable[tuple[str, int, str]]] = tuple,
                  max_peers: int = DEFAULT_MAX_PEERS, prefix: str = "kvheat_net",
-                 proc_dir: str = "/proc") -> None:
+                 proc_dir: str = "/proc", ebpf: bool = True,
+                 bpftrace: str = "bpftrace") -> None:
         self.upstreams = upstreams
         self.max_peers = max_peers
         self.prefix = prefix
@@ -234,6 +509,24 @@ class NetSignalsCollector(Collector):
         self.errors: dict[str, int] = {"sock_diag": 0, "proc": 0}
         self._logged: set[str] = set()
         self._resolved: dict[str, set[str]] = {}
+        # For attributing kernel retransmit events (see the module docstring), as of the
+        # last sock_diag read: our listening ports, our sockets' (peer, peer port, port).
+        self._listen_ports: set[int] = set()
+        self._conns: set[tuple[str, int, int]] = set()
+        self.feed = RetransmitTracer.subscribe_shared(bpftrace) if ebpf else None
+        self.ebpf_retrans: dict[str, int] = {}  # peer -> retransmits since we started
+        self._ebpf_roles: dict[str, str] = {}
+        self._ebpf_lock = threading.Lock()  # two scrapes at once must not both attribute
+        self._ebpf_logged = ""
+
+    def close(self) -> None:
+        """Leave the eBPF source (bpftrace stops with its last collector)."""
+        if self.feed is not None:
+            self.feed.close()
+
+    @property
+    def ebpf_state(self) -> str:
+        return self.feed.tracer.state if self.feed is not None else "disabled"
 
     # ---- reading ----------------------------------------------------------------------
     def _failed(self, source: str, e: BaseException) -> None:
@@ -263,6 +556,9 @@ class NetSignalsCollector(Collector):
         listen_ports = {s.local_port for s in listening}
         roles = self._roles()
         peers: dict[str, PeerSample] = {}
+        self._listen_ports = listen_ports
+        self._conns = {(s.peer_ip, s.peer_port, s.local_port) for s in socks
+                       if s.inode and s.inode in mine}
         for s in socks:
             if s.state == TCP_LISTEN:
                 continue
@@ -303,10 +599,18 @@ class NetSignalsCollector(Collector):
             yield from self._collect_proc(n)
         except Exception as e:
             self._failed("proc", e)
+        try:
+            yield from self._collect_ebpf(n)
+        except Exception as e:
+            self._failed("ebpf", e)
         errors = CounterMetricFamily(f"{n}_signal_errors", "Scrapes where a network signal "
                                      "source could not be read (its series are left out).",
                                      labels=["source"])
-        for source, count in sorted(self.errors.items()):
+        counts = dict(self.errors)
+        if self.feed is not None:  # for eBPF also bpftrace's restarts and what was dropped
+            t = self.feed.tracer
+            counts["ebpf"] = counts.get("ebpf", 0) + t.restarts + t.dropped + self.feed.dropped
+        for source, count in sorted(counts.items()):
             errors.add_metric([source], count)
         yield errors
 
@@ -356,3 +660,62 @@ class NetSignalsCollector(Collector):
             c = CounterMetricFamily(f"{n}_{name}", doc, labels=["source"])
             c.add_metric(["proc"], value)
             yield c
+
+    def _attribute_ebpf(self) -> None:
+        """Add the tracer's new events to the per-peer totals, ours only."""
+        if self.feed is None:
+            return
+        events = self.feed.drain()
+        if not events:
+            return
+        roles = self._roles()
+        for (ip, dport, sport), count in events.items():
+            role = roles.get((ip, dport))
+            if role is None and sport in self._listen_ports:
+                role = "client"
+            if role is None and (ip, dport, sport) in self._conns:
+                role = "peer"
+            if role is None:
+                continue  # another process's socket (or one of ours sock_diag never saw)
+            if ip not in self.ebpf_retrans and len(self.ebpf_retrans) >= EBPF_MAX_PEERS:
+                ip = role = OTHER
+            self.ebpf_retrans[ip] = self.ebpf_retrans.get(ip, 0) + count
+            old = self._ebpf_roles.get(ip)
+            if old is None or _RANK.get(role, 2) > _RANK.get(old, 2):
+                self._ebpf_roles[ip] = role
+
+    def _collect_ebpf(self, n: str) -> Iterator[Metric]:
+        state = self.ebpf_state
+        if state not in ("on", "starting", self._ebpf_logged):
+            self._ebpf_logged = state  # once per state: why the eBPF series are missing
+            detail = self.feed.tracer.detail if self.feed is not None else ""
+            log.info("network signals: eBPF retransmit counts off (%s%s)", state,
+                     f": {detail}" if detail else "")
+        up = GaugeMetricFamily(f"{n}_ebpf_state", "1 for the eBPF source's state: on, "
+                               "starting, or why it is off (disabled, no_bpftrace, "
+                               "no_privileges, no_tracefs, attach_failed, exited).",
+                               labels=["state"])
+        up.add_metric([state], 1)
+        yield up
+        if self.feed is None:
+            return
+        with self._ebpf_lock:
+            self._attribute_ebpf()
+            totals, roles = dict(self.ebpf_retrans), dict(self._ebpf_roles)
+        retrans = CounterMetricFamily(f"{n}_peer_retransmits", "TCP segments retransmitted "
+                                      "to the peer (the kernel's count that the sock_diag "
+                                      "gauge reads), from the tcp:tcp_retransmit_skb "
+                                      "tracepoint since the tracer started: also those of "
+                                      "sockets closed since, which the gauge misses.",
+                                      labels=["peer", "role", "source"])
+        ranked = sorted(totals.items(), key=lambda kv: (
+            kv[0] == OTHER, roles[kv[0]] in ("client", "peer"), -kv[1], kv[0]))
+        rest = sum(c for _, c in ranked[self.max_peers:])
+        for ip, count in ranked[:self.max_peers]:
+            if ip != OTHER:
+                retrans.add_metric([ip, roles[ip], "ebpf"], count)
+            else:
+                rest += count
+        if rest:
+            retrans.add_metric([OTHER, OTHER, "ebpf"], rest)
+        yield retrans
