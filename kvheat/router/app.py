@@ -95,7 +95,8 @@ class KVHeatRouter:
         if config.net_signals:
             self.metrics.watch_network(lambda: [
                 (*ep, "replica") for url in list(self.replicas)
-                if (ep := url_endpoint(url, 443 if url.startswith("https") else 80))])
+                if (ep := url_endpoint(url, 443 if url.startswith("https") else 80))],
+                ebpf=config.net_signals_ebpf)
         self.cluster = ClusterEntropy()
         self._cpu = ThreadPoolExecutor(2, thread_name_prefix="kvheat-route-tok")
         self._tasks: list[asyncio.Task[Any]] = []
@@ -299,6 +300,7 @@ class KVHeatRouter:
                     await t
             await client.close()
             self.registry.close()
+            self.metrics.close()
             self.tracing.shutdown()
             self._cpu.shutdown(wait=False, cancel_futures=True)
 

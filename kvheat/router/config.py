@@ -119,6 +119,7 @@ class RouterConfig:
     require_events: bool = False
     # Per-upstream kernel TCP signals in /metrics (kvheat/server/netsignals.py).
     net_signals: bool = True
+    net_signals_ebpf: bool = True  # with net_signals: retransmits from eBPF too, where it runs
 
     def __post_init__(self) -> None:
         check_fields(self, error=RouterConfigError)

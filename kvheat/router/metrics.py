@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -28,9 +29,14 @@ class ReplicaMetrics:
     stream_errors: Counter
 
 
+if TYPE_CHECKING:
+    from ..server.netsignals import NetSignalsCollector
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.net_signals: NetSignalsCollector | None = None  # see watch_network
         self.requests = Counter("kvheat_router_requests", "Requests answered, by endpoint and "
                                 "HTTP status.", ["endpoint", "status"], registry=r)
         self.decisions = Counter("kvheat_router_decisions", "Routing decisions, by replica, "
@@ -86,12 +92,19 @@ class RouterMetrics:
         self._decisions: dict[tuple[str, str, str], Counter] = {}
         self._requests: dict[tuple[str, str], Counter] = {}
 
-    def watch_network(self, upstreams: Callable[[], Iterable[tuple[str, int, str]]]) -> None:
+    def watch_network(self, upstreams: Callable[[], Iterable[tuple[str, int, str]]],
+                      ebpf: bool = True) -> None:
         """Kernel network signals per peer (the replicas: `upstreams`), read at scrape
-        time (kvheat/server/netsignals.py)."""
+        time (kvheat/server/netsignals.py); `ebpf`: retransmits from eBPF too."""
         from ..server.netsignals import NetSignalsCollector
 
-        self.registry.register(NetSignalsCollector(upstreams))
+        self.net_signals = NetSignalsCollector(upstreams, ebpf=ebpf)
+        self.registry.register(self.net_signals)
+
+    def close(self) -> None:
+        """Stop what the metrics started (the network signals' eBPF tracer)."""
+        if self.net_signals is not None:
+            self.net_signals.close()
 
     def of(self, replica: str) -> ReplicaMetrics:
         m = self._replicas.get(replica)

@@ -131,10 +131,12 @@ class KVHeatServer:
         if self.events is not None:
             self.events.bind_worker(self.worker.call)
             self.metrics.registry.register(EventsCollector(self.events))
+        self.net_signals: NetSignalsCollector | None = None
         if config.net_signals:  # read at scrape time, never on the engine thread
             redis = url_endpoint(config.tiers.redis_url or "", 6379)
-            self.metrics.registry.register(NetSignalsCollector(
-                lambda: [(*redis, "redis")] if redis else []))
+            self.net_signals = NetSignalsCollector(
+                lambda: [(*redis, "redis")] if redis else [], ebpf=config.net_signals_ebpf)
+            self.metrics.registry.register(self.net_signals)
         self.healer: SelfHealer | None = None
         if config.self_heal != "off":
             self.healer = SelfHealer(self)
@@ -189,6 +191,8 @@ class KVHeatServer:
         if self.healer is not None:
             self.healer.stop()
         self.worker.stop()
+        if self.net_signals is not None:
+            self.net_signals.close()  # its eBPF tracer, if it started one
         for feed in self._shared.values():
             feed.close()
         if self.events is not None:

@@ -228,6 +228,9 @@ class ServerConfig:
     # Kernel network signals per peer in /metrics (kvheat/server/netsignals.py): TCP
     # retransmits, RTT, TIME_WAIT/CLOSE_WAIT sockets, listen-queue overflows.
     net_signals: bool = True
+    # With net_signals: per-peer retransmits from eBPF too (bpftrace on tcp_retransmit_skb,
+    # where it can run; kvheat_net_ebpf_state says why not), beside sock_diag and /proc.
+    net_signals_ebpf: bool = True
     # Guarded self-healing (kvheat/server/selfheal.py, docs/operations.md "Self-healing"):
     # "off"; "on": every self_heal_interval_s, score this server's own metrics as `kvheat
     # doctor` does and act (bypass a failing or slow tier, shed the lowest priority,
