@@ -11,20 +11,20 @@ test skips, and fails under CI (as conftest does for a missing redis-server)."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import NoReturn
 
 import pytest
 from conftest import unavailable
 from prometheus_client import CollectorRegistry, generate_latest
 
+from bench._lib.netns import LinkUnavailable, LossyLink
+from bench._lib.netns import lossy_link as make_lossy_link
 from kvheat.server.netsignals import (
     EBPF_STATES,
     NetSignalsCollector,
@@ -37,60 +37,16 @@ def _unavailable(why: str) -> NoReturn:
     unavailable(f"cannot build a lossy link: {why}")
 
 
-def _sh(*cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-
-
-@dataclass
-class LossyLink:
-    ns: str
-    local_ip: str
-    peer_ip: str
-    loss: str  # how the loss was applied: "netem" or "nftables"
-
-
 @pytest.fixture
 def lossy_link() -> Iterator[LossyLink]:
-    if shutil.which("ip") is None:
-        _unavailable("no `ip` command")
-    tag = os.getpid() % 10000
-    ns, host_if, ns_if = f"kvheat-t{tag}", f"kvh{tag}a", f"kvh{tag}b"
-    net = f"10.213.{tag % 250}"
-    link = LossyLink(ns, f"{net}.1", f"{net}.2", "")
     try:
-        r = _sh("ip", "netns", "add", ns)
-        if r.returncode != 0:
-            _unavailable(f"ip netns add: {r.stderr.strip()}")
-        for cmd in (["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if,
-                     "netns", ns],
-                    ["ip", "addr", "add", f"{link.local_ip}/30", "dev", host_if],
-                    ["ip", "link", "set", host_if, "up"],
-                    ["ip", "-n", ns, "addr", "add", f"{link.peer_ip}/30", "dev", ns_if],
-                    ["ip", "-n", ns, "link", "set", ns_if, "up"],
-                    ["ip", "-n", ns, "link", "set", "lo", "up"]):
-            r = _sh(*cmd)
-            if r.returncode != 0:
-                _unavailable(f"{' '.join(cmd)}: {r.stderr.strip()}")
-        # Drop 20% of what this end sends: netem on its egress, or (kernels without
-        # sch_netem) nftables on the namespace's input, which only that namespace sees.
-        if shutil.which("tc") and _sh("tc", "qdisc", "add", "dev", host_if, "root", "netem",
-                                      "loss", "20%").returncode == 0:
-            link.loss = "netem"
-        elif shutil.which("nft") and all(_sh("ip", "netns", "exec", ns, "nft", *c).returncode == 0
-                                         for c in (["add", "table", "inet", "kvloss"],
-                                                   ["add", "chain", "inet", "kvloss", "in",
-                                                    "{ type filter hook input priority 0; }"],
-                                                   ["add", "rule", "inet", "kvloss", "in",
-                                                    "meta", "l4proto", "tcp", "numgen",
-                                                    "random", "mod", "5", "==", "0",
-                                                    "drop"])):
-            link.loss = "nftables"
-        else:
-            _unavailable("neither tc netem nor nftables can drop packets here")
+        link = make_lossy_link(20, subnet=213)  # 20% of this side's packets dropped
+    except LinkUnavailable as e:
+        _unavailable(str(e))
+    try:
         yield link
     finally:
-        _sh("ip", "link", "del", host_if)  # deletes its peer too
-        _sh("ip", "netns", "del", ns)
+        link.close()
 
 
 # The server in the namespace: accept one connection, read until EOF, answer the byte

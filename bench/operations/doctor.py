@@ -69,6 +69,7 @@ if not __package__:  # run as `python bench/operations/doctor.py`: import from t
 
 from bench._lib import RESULTS
 from bench._lib.inproc import InProcessServer
+from bench._lib.netns import LinkUnavailable, lossy_link
 from bench._lib.procs import FaultProxy, Redis, free_port
 from kvheat.doctor import CAUSES, FLOOR, Snapshot, admin_stats, diagnose, scrape
 from kvheat.replay.report import print_uncut
@@ -313,46 +314,12 @@ def entropy_drift(rng: random.Random, k: Knobs) -> Scenario:
 
 def _netns_link(loss_pct: int, delay_ms: int) -> tuple[str, str, str, list[Callable[[], object]]]:
     """(namespace, host-side IP, namespace-side IP, undo): a veth pair into a new network
-    namespace that loses `loss_pct`% of the server's packets to it, as
-    tests/test_netsignals.py builds it: tc netem on the host side's egress (with the
-    delay), else (kernels without sch_netem) an nftables rule on the namespace's input
-    (no delay then)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        raise Skip("network: needs root and iproute2 to build a lossy veth link")
-    tag = (os.getpid() + random.randrange(1000)) % 10000
-    ns, host_if, ns_if = f"kvheat-d{tag}", f"kvd{tag}a", f"kvd{tag}b"
-    net = f"10.214.{tag % 250}"
-    undo: list[Callable[[], object]] = [lambda: _sh("ip", "netns", "del", ns),
-                                        lambda: _sh("ip", "link", "del", host_if)]
-    for cmd in (["ip", "netns", "add", ns],
-                ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if,
-                 "netns", ns],
-                ["ip", "addr", "add", f"{net}.1/30", "dev", host_if],
-                ["ip", "link", "set", host_if, "up"],
-                ["ip", "-n", ns, "addr", "add", f"{net}.2/30", "dev", ns_if],
-                ["ip", "-n", ns, "link", "set", ns_if, "up"],
-                ["ip", "-n", ns, "link", "set", "lo", "up"]):
-        r = _sh(*cmd)
-        if r.returncode != 0:
-            for u in reversed(undo):
-                u()
-            raise Skip(f"network: {' '.join(cmd)}: {r.stderr.strip()}")
-    netem = ["loss", f"{loss_pct}%"] + (["delay", f"{delay_ms}ms"] if delay_ms else [])
-    nft = (["add", "table", "inet", "kvloss"],
-           ["add", "chain", "inet", "kvloss", "in", "{ type filter hook input priority 0; }"],
-           ["add", "rule", "inet", "kvloss", "in", "meta", "l4proto", "tcp", "numgen", "random",
-            "mod", str(round(100 / loss_pct)), "==", "0", "drop"])
-    if not (_sh("tc", "qdisc", "add", "dev", host_if, "root", "netem", *netem).returncode == 0
-            or (shutil.which("nft") and all(
-                _sh("ip", "netns", "exec", ns, "nft", *c).returncode == 0 for c in nft))):
-        for u in reversed(undo):
-            u()
-        raise Skip("network: neither tc netem nor nftables can drop packets here")
-    return ns, f"{net}.1", f"{net}.2", list(reversed(undo))
-
-
-def _sh(*cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    namespace losing `loss_pct`% of the server's packets to it (bench/_lib/netns.py)."""
+    try:
+        link = lossy_link(loss_pct, delay_ms, subnet=214)
+    except LinkUnavailable as e:
+        raise Skip(f"network: {e}") from None
+    return link.ns, link.local_ip, link.peer_ip, [link.close]
 
 
 # The load client in the namespace: `n` completions on `c` keep-alive connections, then
