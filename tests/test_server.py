@@ -44,6 +44,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def bound_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A socket already bound to a free port, for uvicorn to listen on: a port only probed
+    free can be taken by another connection's ephemeral port before uvicorn binds it."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    return s
+
+
 @dataclass
 class Served:
     server: KVHeatServer
@@ -88,9 +97,10 @@ class Served:
 def start(cfg: ServerConfig) -> Served:
     exporter = InMemorySpanExporter()
     server = KVHeatServer(cfg, span_exporter=exporter)
-    port = _free_port()
+    sock = bound_socket()
+    port = sock.getsockname()[1]
     uv = server.uvicorn("127.0.0.1", port, "warning")  # as `kvheat serve` runs it
-    th = threading.Thread(target=uv.run, daemon=True)
+    th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.monotonic() + 30
     while not uv.started:

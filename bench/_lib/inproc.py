@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 from kvheat.server.app import KVHeatServer
 from kvheat.server.config import ServerConfig
-
-from .procs import free_port
 
 
 class InProcessServer:
@@ -20,9 +19,15 @@ class InProcessServer:
         self.server = KVHeatServer(cfg)
         if freeze_startup_heap:  # as `kvheat serve` does before serving
             self.server.freeze_startup_heap()
-        self.port = free_port()
+        # Bound here, then handed to uvicorn: a port only probed free could be taken by
+        # another connection's ephemeral port before uvicorn binds it.
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        self.port = sock.getsockname()[1]
         self.uv = self.server.uvicorn(host, self.port, "error")
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.uv.started:
