@@ -1,7 +1,8 @@
 """What the benches share: `procs` (free ports, servers, Redis), `load` (the multi-turn
 load client), `peers` (fair side-by-side runs against vLLM), `report` (the cluster
 bench's tables), `models` (test models saved as Hugging Face directories), `traces`,
-`workload` (token prompts from traces) and `vllm_replay`.
+`workload` (token prompts from traces), `vllm_replay`, `inproc` (a `kvheat serve` inside the
+bench's process) and `netns` (a lossy veth link in a network namespace).
 
 A bench run as `python bench/<area>/<name>.py` puts the repo root first on sys.path (the
 two lines under its imports), so `bench._lib` and this checkout's `kvheat` import from
