@@ -97,6 +97,8 @@ def main() -> int:
             ok &= record(repo, out, name, ["-m", "kvheat.cli", *args, "--json", str(raw)], raw)
     if not only or "vllm" in only:
         bench = repo / "bench" / "vllm" / "offload.py"
+        if not bench.exists():  # a checkout from before bench/<area>/ (issue 38)
+            bench = repo / "bench" / "vllm_offload.py"
         raw = out / "vllm.raw.json"
         ok &= record(repo, out, "vllm", [str(bench), "--limit", "2000", "--capacity", "1M,3M",
                                          "--time-scale", "0.1,1", "--traces",
