@@ -19,7 +19,9 @@ from test_server import MODEL, Served, start, stop
 from kvheat.doctor import Finding, Snapshot, parse_metrics
 from kvheat.server.cli import serve_command
 from kvheat.server.config import ConfigError, ServerConfig, TenantConfig
+from kvheat.server.selfheal import SelfHealer
 from kvheat.tiers import TierSpec
+from kvheat.tiers.hierarchy import TieredCache
 from kvheat.tiers.redis_store import RedisStore
 
 
@@ -234,14 +236,21 @@ def _slow_text(recomputed: int) -> bytes:
             f'direction="read"}} 1000\n').encode()
 
 
-def test_stale_slow_timings_are_recalibrated(tmp_path: Path) -> None:
+def _disk_healer(tmp_path: Path, num_blocks: int) -> tuple[Served, SelfHealer, TieredCache]:
+    """A server with a disk tier and a healer stepped by the test (its own interval is an
+    hour); the healer and the arm's tiers."""
     s = start(ServerConfig(**_heal_config(
-        num_blocks=24, self_heal_interval_s=3600.0,
+        num_blocks=num_blocks, self_heal_interval_s=3600.0,
         tiers=TierSpec(disk_dir=str(tmp_path / "kv"), disk_bytes=64 << 20))))
     heal = s.server.healer
     assert heal is not None
     tc = s.server.worker.engines["default"].tiers
     assert tc is not None
+    return s, heal, tc
+
+
+def test_stale_slow_timings_are_recalibrated(tmp_path: Path) -> None:
+    s, heal, tc = _disk_healer(tmp_path, num_blocks=24)
     disk = tc.tiers[0]
     try:
         # Timings left from a slow spell: 5 s a block, so every disk block is recomputed.
@@ -277,13 +286,7 @@ def test_greedy_outputs_under_self_heal_equal_a_plain_servers(tmp_path: Path) ->
         want = [_complete(plain, p, max_tokens=8).json()["choices"][0]["text"] for p in prompts]
     finally:
         stop(plain)
-    s = start(ServerConfig(**_heal_config(
-        num_blocks=16, self_heal_interval_s=3600.0,
-        tiers=TierSpec(disk_dir=str(tmp_path / "kv"), disk_bytes=64 << 20))))
-    heal = s.server.healer
-    assert heal is not None
-    tc = s.server.worker.engines["default"].tiers
-    assert tc is not None
+    s, heal, tc = _disk_healer(tmp_path, num_blocks=16)
     try:
         def answers() -> list[str]:
             return [_complete(s, p, max_tokens=8).json()["choices"][0]["text"] for p in prompts]
@@ -328,13 +331,7 @@ def test_a_tier_that_turned_slow_is_seen_before_its_model_follows(tmp_path: Path
     """The latest reads far slower than the transfer model predicts (its trimmed mean
     still the old speed, loads still chosen, so no doctor finding yet): the healer probes
     the tier at once; fast by the probe, its timings are measured again."""
-    s = start(ServerConfig(**_heal_config(
-        num_blocks=24, self_heal_interval_s=3600.0,
-        tiers=TierSpec(disk_dir=str(tmp_path / "kv"), disk_bytes=64 << 20))))
-    heal = s.server.healer
-    assert heal is not None
-    tc = s.server.worker.engines["default"].tiers
-    assert tc is not None
+    s, heal, tc = _disk_healer(tmp_path, num_blocks=24)
     model = tc.tiers[0].read_model
     try:
         for _ in range(200):

@@ -28,7 +28,7 @@ RECOVER = 0.9  # the share of the gap to an unbounded cache a recommended size m
 
 class RecentKeys:
     """The last admitted prompts of one arm, as block keys, bounded in prompts and keys.
-    O(1) per prompt kept (the keys list is the request's own, not copied)."""
+    Keeping a prompt costs no hashing: the keys are the ones its request already made."""
 
     def __init__(self, max_requests: int = MAX_REQUESTS, max_keys: int = MAX_KEYS) -> None:
         self.max_keys = max_keys
