@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from bench._lib.netns import LinkUnavailable, LossyLink
 from bench._lib.netns import lossy_link as make_lossy_link
+from kvheat.server.ebpf_retransmits import EBPF_STATES
 from kvheat.server.netsignals import (
-    EBPF_STATES,
     NetSignalsCollector,
     PeerSample,
     read_proc_counters,
