@@ -233,10 +233,10 @@ def test_kv_planted_in_redis_without_the_secret_is_never_served(llama: tuple,
     r = redis_py.Redis.from_url(redis_server.url)
     shape = e.tiers.block_shape
     g = torch.Generator().manual_seed(0)
-    for k in keys:
+    for i, k in enumerate(keys):  # both MACs: BLAKE3 and the old format's BLAKE2b
         junk = torch.randn(shape, generator=g).to(e.tiers.block_dtype)
         r.set(store.rkey(k, "tenant:victim"), encode(junk, k, store.ns("tenant:victim"),
-                                                     forged_key))
+                                                     forged_key, 2 + i % 2))
         r.set(f"kvheat:{store.model}:{store.layout}:{ns.hex()[:16]}:{k.hex()}",
               encode(junk, k, ns, forged_key))
     e.close()

@@ -10,8 +10,17 @@ import pytest
 import torch
 
 from kvheat.engine.kv_pool import DeviceKVPool
-from kvheat.tiers import DiskStore, HostStore
-from kvheat.tiers.codec import CorruptValue, decode, encode, namespace_digest, tier_key
+from kvheat.tiers import DiskStore, HostStore, codec
+from kvheat.tiers.codec import (
+    BLAKE2B_VERSION,
+    BLAKE3_VERSION,
+    CorruptValue,
+    decode,
+    encode,
+    namespace_digest,
+    tier_key,
+    value_mac_version,
+)
 from kvheat.tiers.numa import NumaNode, numa_nodes, parse_cpulist, placement
 
 torch.set_num_threads(1)
@@ -77,6 +86,126 @@ def test_codec_rejects_every_single_byte_flip() -> None:
     assert e.value.kind == "checksum"
     with pytest.raises(ValueError, match="at least 16"):
         tier_key("short")
+
+
+
+# ---- the MAC: BLAKE3 (format 3), BLAKE2b (format 2, the old values and the fallback) -----
+MACS = ["blake3", "blake2b"]
+
+
+def planted_values(t: torch.Tensor, k: bytes, ns: bytes, mac_key: bytes) -> dict[str, bytes]:
+    """Values an attacker (or a bug) could leave under the name of (k, ns), none valid for
+    a holder of `mac_key`: each format MAC'd under another tier key, a genuine value with
+    one payload byte flipped, with its version byte changed to the other MAC's, and with
+    the retired unkeyed format's version (1)."""
+    foreign = tier_key("an attacker's guess at the secret")
+    good = encode(t, k, ns, mac_key, BLAKE3_VERSION)
+    flipped = bytearray(good)
+    flipped[-1] ^= 0x01
+    other_mac = bytearray(good)
+    other_mac[4] = BLAKE2B_VERSION  # the version byte: asks for the other MAC
+    v1 = bytearray(encode(t, k, ns, mac_key, BLAKE2B_VERSION))
+    v1[4] = 1
+    return {"blake3, another key": encode(t, k, ns, foreign, BLAKE3_VERSION),
+            "blake2b (old format), another key": encode(t, k, ns, foreign, BLAKE2B_VERSION),
+            "flipped payload byte": bytes(flipped), "version byte changed": bytes(other_mac),
+            "format 1 (unkeyed checksum)": bytes(v1)}
+
+
+@pytest.mark.parametrize("version", [BLAKE3_VERSION, BLAKE2B_VERSION])
+def test_codec_each_mac_round_trips_and_rejects_planted_values(version: int) -> None:
+    t = torch.randn(4, 64).half()
+    mk = tier_key("a deployment secret")
+    ns = namespace_digest("m", "gqa", "tenant:a", mk)
+    value = encode(t, key(3), ns, mk, version)
+    assert value[4] == version  # the version byte names the MAC
+    assert same_bytes(decode(bytearray(value), key(3), ns, mk), t)
+    for what, bad in planted_values(t, key(3), ns, mk).items():
+        with pytest.raises(CorruptValue) as e:
+            decode(bytearray(bad), key(3), ns, mk)
+        assert e.value.kind == ("format" if what.startswith("format 1") else "checksum"), what
+    # The two MACs of one value differ (different functions and keys), both 16 bytes.
+    other = encode(t, key(3), ns, mk, BLAKE2B_VERSION + BLAKE3_VERSION - version)
+    assert value[12:28] != other[12:28] and len(value) == len(other)
+
+
+def test_mac_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(codec.MAC_ENV, raising=False)
+    assert value_mac_version() == BLAKE3_VERSION  # the wheel is installed here
+    assert value_mac_version("blake2b") == BLAKE2B_VERSION
+    monkeypatch.setenv(codec.MAC_ENV, "blake2b")
+    assert value_mac_version() == BLAKE2B_VERSION
+    assert HostStore(1 << 16, 1 << 12).mac == "blake2b"
+    monkeypatch.setenv(codec.MAC_ENV, "sha1")
+    with pytest.raises(ValueError, match="'blake3' or 'blake2b'"):
+        value_mac_version()
+    with pytest.raises(ValueError, match="no value format version 1"):
+        encode(torch.zeros(2), key(0), b"n" * 16, b"k" * 32, 1)
+
+
+def test_without_blake3_values_fall_back_to_blake2b(monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    """Forced fallback (the `blake3` module missing): writes BLAKE2b, still reads it and
+    the old values, refuses BLAKE3 values cleanly (a counted miss, the file deleted)."""
+    monkeypatch.delenv(codec.MAC_ENV, raising=False)
+    pool = random_pool("gqa", 3)
+    mk = tier_key("a deployment secret")
+    ns = namespace_digest("m", "gqa", None, mk)
+    v3 = encode(pool.read_block(0), key(0), ns, mk, BLAKE3_VERSION)
+    disk = DiskStore(tmp_path, 1 << 20, secret="a deployment secret")
+    assert disk.mac == "blake3"
+    assert disk.put(key(1), pool.read_block(1))  # BLAKE3, by a process that has it
+
+    monkeypatch.setattr(codec, "_blake3", None)
+    assert value_mac_version() == BLAKE2B_VERSION
+    with pytest.raises(ValueError, match="not installed"):
+        value_mac_version("blake3")
+    with pytest.raises(CorruptValue, match="blake3 module") as e:
+        decode(bytearray(v3), key(0), ns, mk)
+    assert e.value.kind == "format"
+    v2 = encode(pool.read_block(0), key(0), ns, mk)
+    assert v2[4] == BLAKE2B_VERSION
+    assert same_bytes(decode(bytearray(v2), key(0), ns, mk), pool.read_block(0))
+    fallback = DiskStore(tmp_path, 1 << 20, secret="a deployment secret")
+    assert fallback.mac == "blake2b"
+    assert fallback.rejected_on_open == 1 and fallback.stats.corrupt_format == 1
+    assert list(tmp_path.glob("*.kv")) == []  # the BLAKE3 file: deleted, not indexed
+    assert fallback.put(key(2), pool.read_block(2))
+    assert same_bytes(fallback.get(key(2)), pool.read_block(2))
+    monkeypatch.undo()
+    again = DiskStore(tmp_path, 1 << 20, secret="a deployment secret")  # blake3 back
+    assert same_bytes(again.get(key(2)), pool.read_block(2))  # reads the BLAKE2b file
+
+
+@pytest.mark.parametrize("mac", MACS)
+def test_disk_never_serves_planted_values_and_reads_the_old_format(mac: str,
+                                                                   tmp_path: Path) -> None:
+    pool = random_pool("gqa", 3)
+    disk = DiskStore(tmp_path, 1 << 22, secret="the deployment's own secret")
+    disk.mac = mac
+    ns = disk.ns("tenant:v")
+    blk = pool.read_block(0)
+    names = {}
+    for i, what in enumerate(planted_values(blk, key(0), ns, disk.mac_key)):
+        k = key(10 + i)  # each planted under the name the store looks up for its key
+        forged = planted_values(blk, k, ns, disk.mac_key)[what]
+        path = disk._path(disk._name(k, ns))
+        path.write_bytes(forged)
+        names[what] = (k, path)
+    # A value written by this deployment before BLAKE3 (format 2, BLAKE2b): still served.
+    old = disk._path(disk._name(key(1), ns))
+    old.write_bytes(encode(pool.read_block(1), key(1), ns, disk.mac_key, BLAKE2B_VERSION))
+    assert disk.put(key(2), pool.read_block(2), salt="tenant:v")
+    again = DiskStore(tmp_path, 1 << 22, secret="the deployment's own secret")
+    assert again.rejected_on_open == 1  # format 1: refused on sight
+    for what, (k, path) in names.items():
+        assert again.get(k, salt="tenant:v") is None, what
+        assert not path.exists(), what  # deleted after the failed check
+    s = again.stats
+    assert (s.corrupt_checksum, s.corrupt_format, s.hits) == (4, 1, 0)
+    assert same_bytes(again.get(key(1), salt="tenant:v"), pool.read_block(1))
+    assert same_bytes(again.get(key(2), salt="tenant:v"), pool.read_block(2))
+    assert again.stats.hits == 2
 
 
 # ---- host ---------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tiers import key, random_pool, same_bytes
+from test_tiers import MACS, key, planted_values, random_pool, same_bytes
 
+from kvheat.tiers.codec import BLAKE2B_VERSION, encode
 from kvheat.tiers.redis_store import DIRECT_MIN_BYTES, RedisStore, connect
 
 torch.set_num_threads(1)
@@ -72,6 +73,41 @@ def test_redis_namespaces_isolate_tenants_and_models(redis_server) -> None:
     a.client.set(a.rkey(key(3), "tenant:a"), a.client.get(a.rkey(key(1), "tenant:a")))
     assert a.get(key(3), salt="tenant:a") is None and a.stats.corrupt_key == 2
     assert same_bytes(a.get(key(1), salt="tenant:a"), pool.read_block(0))
+
+
+
+@pytest.mark.parametrize("mac", MACS)
+@pytest.mark.parametrize("big", [False, True], ids=["hiredis", "direct"])
+def test_redis_never_serves_planted_values_and_reads_the_old_format(redis_server, mac: str,
+                                                                    big: bool) -> None:
+    """KV planted under the store's own names (the worst case: a leaked name scheme) with
+    another tier key, a flipped byte, a changed version byte, the retired format: all
+    misses, on the redis-py path and on direct reads into output tensors alike. A value
+    this deployment wrote before BLAKE3 (format 2) is still served."""
+    def store() -> RedisStore:
+        st = RedisStore(connect(redis_server.url, timeout_s=0.2), 1 << 26, model="tiny",
+                        secret="the deployment's own secret")
+        st.mac = mac
+        return st
+
+    st = store()
+    blk = big_chunks(1, seed=4)[0] if big else random_pool("gqa", 1).read_block(0)
+    ns = st.ns("tenant:v")
+    planted = list(planted_values(blk, key(0), ns, st.mac_key))
+    keys = [key(10 + i) for i in range(len(planted))]
+    for what, k in zip(planted, keys, strict=True):
+        st.client.set(st.rkey(k, "tenant:v"), planted_values(blk, k, ns, st.mac_key)[what])
+    st.client.set(st.rkey(key(1), "tenant:v"),
+                  encode(blk, key(1), ns, st.mac_key, BLAKE2B_VERSION))
+    assert st.put(key(2), blk, salt="tenant:v")
+    fresh = store()  # a restart indexes what Redis holds, then reads it
+    assert sorted(k for k, _ in fresh.stored()) == sorted([key(1), key(2), *keys[:-1]])
+    outs = [torch.empty_like(blk) for _ in range(len(keys) + 2)]
+    got = fresh.get_many([*keys, key(1), key(2)], salt="tenant:v", outs=outs)
+    assert [g is None for g in got] == [True] * len(keys) + [False, False]
+    assert same_bytes(outs[-2], blk) and same_bytes(outs[-1], blk)
+    s = fresh.stats
+    assert (s.corrupt_checksum, s.corrupt_format, s.hits) == (4, 1, 2)
 
 
 def test_redis_corrupted_value_is_a_counted_miss(redis_server) -> None:

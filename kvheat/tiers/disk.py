@@ -192,7 +192,7 @@ class DiskStore(KVStore):
             self.stats.skipped_down += 1
             return False
         ns = self.ns(salt)
-        head, payload = encode_prefix(kv, key, ns, self.mac_key)
+        head, payload = encode_prefix(kv, key, ns, self.mac_key, self.mac_version)
         size = len(head) + len(payload)
         name = self._name(key, ns)
         others = self._others()

@@ -143,7 +143,7 @@ class RedisStore(KVStore):
         with self._lock:
             used = self._used
             for key, kv in items:
-                head, payload = encode_prefix(kv, key, ns, self.mac_key)
+                head, payload = encode_prefix(kv, key, ns, self.mac_key, self.mac_version)
                 rk = self.rkey(key, salt)
                 size = len(head) + len(payload)
                 if used - self.sizes.get(rk, 0) + size > self.capacity_bytes:

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from .codec import namespace_digest, tier_key
+from .codec import MAC_NAMES, namespace_digest, tier_key, value_mac_version
 
 log = logging.getLogger("kvheat.tiers")
 
@@ -167,10 +167,23 @@ class KVStore:
         # Keys the MAC of every value and the namespace digests (codec.tier_key): from
         # the deployment's secret, else a store's own default (`_default_key`).
         self.mac_key = tier_key(secret) or self._default_key()
+        # The format (so the MAC) values are written with: BLAKE3 where the wheel is
+        # installed, else BLAKE2b, or as KVHEAT_TIER_MAC says (`codec.value_mac_version`).
+        # Values of either are read. Set `mac` to change it (benches compare the two).
+        self.mac_version = value_mac_version()
         self.stats = StoreStats()
         self.read_model = TransferModel()
         self.write_model = TransferModel()
         self._ns_cache: dict[str | None, bytes] = {}
+
+    @property
+    def mac(self) -> str:
+        """The MAC new values get: "blake3" or "blake2b"."""
+        return MAC_NAMES[self.mac_version]
+
+    @mac.setter
+    def mac(self, choice: str) -> None:
+        self.mac_version = value_mac_version(choice)
 
     def ns(self, salt: str | bytes | None) -> bytes:
         """Namespace digest of a tenant salt (a digest passes through: entries found on
