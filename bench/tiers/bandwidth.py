@@ -1,25 +1,32 @@
 """Tier bandwidth against plain baselines, measured side by side in one run.
 
-    python bench/tiers/bandwidth.py [--json results/tiers/bandwidth.json] [--quick]
+    python bench/tiers/bandwidth.py [--json docs/results/tiers/bandwidth.json] [--quick]
+        [--only hash,host,disk,redis,cluster] [--rounds N]
 
-1. host tier put/get vs a plain `torch` copy of the same bytes (target >= 70%), with the
-   checksum on (the default) and off;
-2. disk tier read (cold: pages dropped with posix_fadvise) and write vs a plain sequential
-   read / write+fsync of the same bytes (target: read >= 50%);
-3. Redis tier GET/SET of 256-token chunks, pipelined, vs `redis-benchmark` with the same
-   value size, pipeline depth and one client (target >= 50%), on a redis-server this
-   script starts on a free loopback port;
+0. the MACs alone: keyed BLAKE3 (disk and Redis values, format 3), keyed BLAKE2b (format
+   2: the old values and the fallback without the `blake3` wheel), unkeyed xxh3-64 (the
+   host tier's check) against a plain copy of the same buffer;
+1. host tier get/put vs a plain copy of the same bytes plus the index lookup (a dict
+   lookup of the key, a precomputed view of the row): target get <= 1.2x that, with the
+   xxh3 check on (the default) and off, one block a call and 16 a call;
+2. disk tier read (cold: pages dropped with posix_fadvise; warm: page cache) and write vs
+   a plain sequential read / write+fsync of the same bytes, once per MAC (BLAKE3 and
+   BLAKE2b), all three interleaved;
+3. Redis tier GET/SET of 256-token chunks, pipelined, once per MAC, vs `redis-benchmark`
+   with the same value size, pipeline depth and one client, on a redis-server this script
+   starts on a free loopback port;
 4. Redis Cluster: three nodes on loopback, the same store through `RedisCluster`: a round
    trip of checked chunks, throughput, and a node killed (no exception, misses counted).
 
-Each pair runs interleaved (A, B, A, B, ...) and reports the best run of each side, so
-load from other processes hits both sides alike and disturbs the result least. Redis
-figures are medians (redis-benchmark reports one rate per run).
+Every comparison runs interleaved (A, B, A, B, ...) in one process, so load from other
+processes hits both sides alike. Ratios are taken per round (each side against the
+baseline run next to it) and reported as the median with the range over the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import xxhash
 
 if not __package__:  # run as `python bench/tiers/bandwidth.py`: import from the repo root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
@@ -39,9 +47,11 @@ if not __package__:  # run as `python bench/tiers/bandwidth.py`: import from the
 from bench._lib import RESULTS
 from bench._lib.procs import Redis, RedisCluster
 from kvheat.tiers import DiskStore, HostStore
+from kvheat.tiers.codec import blake3_available
 from kvheat.tiers.redis_store import RedisStore, connect
 
 torch.set_num_threads(1)
+MACS = ("blake3", "blake2b") if blake3_available() else ("blake2b",)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -50,33 +60,95 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(a: Callable[[], object], b: Callable[[], object], rounds: int) -> tuple[float, float]:
-    """Best (least disturbed) seconds of `a` and of `b` over `rounds`, run alternately:
-    on a shared machine the minimum is the run other processes slowed down least."""
-    ta, tb = [], []
+def rounds_of(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each of `fns` in every round, run one after another in each round."""
+    secs: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
-        ta.append(timed(a))
-        tb.append(timed(b))
-    return min(ta), min(tb)
+        for name, fn in fns.items():
+            secs[name].append(timed(fn))
+    return secs
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def ratios(secs: dict[str, list[float]], base: str, invert: bool = False) -> dict[str, dict]:
+    """Per round, each side's time over the baseline's (`invert`: baseline over side, a
+    share of the baseline's speed), as median and range over the rounds."""
+    out = {}
+    for name, ts in secs.items():
+        if name != base:
+            r = [(b / t if invert else t / b) for t, b in zip(ts, secs[base], strict=True)]
+            out[name] = spread(r)
+    return out
 
 
 def gbps(nbytes: int, s: float) -> float:
     return nbytes / s / 1e9
 
 
+def rng(d: dict[str, float], spec: str = ".2f", pct: bool = False) -> str:
+    if pct:
+        return f"{d['median']:.0%} ({d['min']:.0%}-{d['max']:.0%})"
+    return f"{d['median']:{spec}} ({d['min']:{spec}}-{d['max']:{spec}})"
+
+
+# ---- the MACs alone -----------------------------------------------------------------------
+def bench_hashes(rounds: int) -> list[dict]:
+    """GB/s of each check over one buffer (best of `rounds` interleaved repeats, the
+    issue's table), and of a plain copy of it."""
+    import blake3
+
+    key = os.urandom(32)
+    res = []
+    for size in (8 << 10, 64 << 10, 1 << 20):
+        src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        data = src.numpy().data
+        reps = max(1, (8 << 20) // size)
+
+        def many(fn: Callable[[], object], reps: int = reps) -> Callable[[], None]:
+            def run() -> None:
+                for _ in range(reps):
+                    fn()
+            return run
+
+        def mac2(data: memoryview = data) -> bytes:
+            return hashlib.blake2b(data, key=key, digest_size=16).digest()
+
+        def mac3(data: memoryview = data) -> bytes:
+            return bytes(blake3.blake3(data, key=key).digest(16))
+
+        def xxh(data: memoryview = data) -> int:
+            return xxhash.xxh3_64_intdigest(data)
+
+        def copy(dst: torch.Tensor = dst, src: torch.Tensor = src) -> torch.Tensor:
+            return dst.copy_(src)
+
+        fns = {"blake2b": many(mac2), "xxh3_64": many(xxh), "copy": many(copy)}
+        if blake3_available():
+            fns["blake3"] = many(mac3)
+        secs = rounds_of(fns, rounds)
+        res.append({"bytes": size, **{f"{k}_GBps": gbps(size * reps, min(v))
+                                      for k, v in secs.items()}})
+    return res
+
+
 # ---- host -------------------------------------------------------------------------------
 def bench_host(block_bytes: int, n_blocks: int, rounds: int, batch: int = 16) -> dict:
-    """Host put/get with the checksum on and off, one block per call and in batches of
-    `batch` blocks (`put_many`/`get_many`: a promoted prefix is loaded that way), and a
-    plain torch copy of the same bytes block by block, all interleaved in every round;
-    best round of each."""
+    """Host get/put with the checksum on and off, one block per call and in batches of
+    `batch` blocks (`put_many`/`get_many`: a promoted prefix is loaded that way), against
+    the plain copy of each block plus the index lookup (a dict of key -> row, the rows'
+    views built once), all interleaved in every round."""
     shape = (block_bytes // 2,)
     blocks = [torch.randn(shape).half() for _ in range(n_blocks)]
     stores = {True: HostStore(n_blocks * block_bytes, block_bytes, verify=True),
               False: HostStore(n_blocks * block_bytes, block_bytes, verify=False)}
-    plain = torch.empty((n_blocks, block_bytes // 2), dtype=torch.float16)
+    rows = list(torch.empty((n_blocks, block_bytes // 2), dtype=torch.float16).unbind(0))
     outs = [torch.empty(shape, dtype=torch.float16) for _ in range(n_blocks)]
     keys = [i.to_bytes(16, "little") for i in range(n_blocks)]
+    index = {k: i for i, k in enumerate(keys)}
     items = list(zip(keys, blocks, strict=True))
     runs = [slice(i, i + batch) for i in range(0, n_blocks, batch)]
 
@@ -103,29 +175,28 @@ def bench_host(block_bytes: int, n_blocks: int, rounds: int, batch: int = 16) ->
                 raise RuntimeError("host tier lost a block")
 
     def plain_put() -> None:
-        for i, b in enumerate(blocks):
-            plain[i].copy_(b)
+        for k, b in items:
+            rows[index[k]].copy_(b)
 
     def plain_get() -> None:
-        for i, o in enumerate(outs):
-            o.copy_(plain[i])
+        for k, o in zip(keys, outs, strict=True):
+            o.copy_(rows[index[k]])
 
-    fns = {"put": put(stores[True]), "put_nocheck": put(stores[False]), "put_batch": put_batch,
-           "plain_put": plain_put,
-           "get": get(stores[True]), "get_nocheck": get(stores[False]), "get_batch": get_batch,
-           "plain_get": plain_get}
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            best[name] = min(best[name], timed(fn))
+    puts = rounds_of({"plain_put": plain_put, "put": put(stores[True]),
+                      "put_nocheck": put(stores[False]), "put_batch": put_batch}, rounds)
+    gets = rounds_of({"plain_get": plain_get, "get": get(stores[True]),
+                      "get_nocheck": get(stores[False]), "get_batch": get_batch}, rounds)
     assert all(torch.equal(o, b) for o, b in zip(outs, blocks, strict=True))
     total = n_blocks * block_bytes
-    out: dict[str, float | int] = {"block_bytes": block_bytes, "blocks": n_blocks, "batch": batch}
-    out.update({f"{k}_GBps": gbps(total, v) for k, v in best.items()})
-    for k in ("put", "put_nocheck", "put_batch"):
-        out[f"{k}_ratio"] = best["plain_put"] / best[k]
-    for k in ("get", "get_nocheck", "get_batch"):
-        out[f"{k}_ratio"] = best["plain_get"] / best[k]
+    out: dict[str, object] = {"block_bytes": block_bytes, "blocks": n_blocks, "batch": batch,
+                              "rounds": rounds}
+    for secs in (puts, gets):
+        out.update({f"{k}_GBps": gbps(total, statistics.median(v)) for k, v in secs.items()})
+        out.update({f"{k}_us_per_block": statistics.median(v) / n_blocks * 1e6
+                    for k, v in secs.items()})
+    # Cost over the baseline's (target for get: <= 1.2), median and range of the rounds.
+    out.update({f"{k}_cost_x": v for k, v in ratios(puts, "plain_put").items()})
+    out.update({f"{k}_cost_x": v for k, v in ratios(gets, "plain_get").items()})
     return out
 
 
@@ -140,18 +211,25 @@ def drop_pages(paths: list[Path]) -> None:
 
 
 def bench_disk(block_bytes: int, n_blocks: int, rounds: int, root: Path) -> dict:
+    """One disk store per MAC and a plain folder of the same bytes: writes, cold reads and
+    warm reads, the three interleaved in every round."""
     blocks = [torch.randn(block_bytes // 2).half() for _ in range(n_blocks)]
     keys = [i.to_bytes(16, "little") for i in range(n_blocks)]
-    store_dir, plain_dir = root / "store", root / "plain"
+    plain_dir = root / "plain"
     plain_dir.mkdir(parents=True, exist_ok=True)
-    disk = DiskStore(store_dir, 4 * n_blocks * (block_bytes + 4096), fsync=True)
+    disks = {}
+    for mac in MACS:
+        disks[mac] = DiskStore(root / mac, 4 * n_blocks * (block_bytes + 4096), fsync=True)
+        disks[mac].mac = mac
     raw = [b.view(torch.uint8).numpy().tobytes() for b in blocks]
     plain_paths = [plain_dir / f"{i}.bin" for i in range(n_blocks)]
 
-    def write() -> None:
-        for k, b in zip(keys, blocks, strict=True):
-            if not disk.put(k, b):
-                raise RuntimeError("disk tier refused a block")
+    def write(disk: DiskStore) -> Callable[[], None]:
+        def run() -> None:
+            for k, b in zip(keys, blocks, strict=True):
+                if not disk.put(k, b):
+                    raise RuntimeError("disk tier refused a block")
+        return run
 
     def plain_write() -> None:
         for p, data in zip(plain_paths, raw, strict=True):
@@ -160,40 +238,42 @@ def bench_disk(block_bytes: int, n_blocks: int, rounds: int, root: Path) -> dict
                 f.flush()
                 os.fsync(f.fileno())
 
-    store_paths: list[Path] = []
+    def read(disk: DiskStore, cold: bool) -> Callable[[], None]:
+        paths = [disk._path(disk._name(k, disk.ns(None))) for k in keys]
 
-    def read() -> None:
-        for k in keys:
-            if disk.get(k) is None:
-                raise RuntimeError("disk tier lost a block")
-
-    def plain_read() -> None:
-        for p in plain_paths:
-            with open(p, "rb") as f:
-                f.read()
-
-    def cold(fn: Callable[[], None], paths_of: Callable[[], list[Path]]) -> Callable[[], None]:
         def run() -> None:
-            drop_pages(paths_of())
-            fn()
+            if cold:  # dropping pages is inside both timings alike (microseconds a file)
+                drop_pages(paths)
+            for k in keys:
+                if disk.get(k) is None:
+                    raise RuntimeError("disk tier lost a block")
+        return run
+
+    def plain_read(cold: bool) -> Callable[[], None]:
+        def run() -> None:
+            if cold:
+                drop_pages(plain_paths)
+            for p in plain_paths:
+                with open(p, "rb") as f:
+                    f.read()
         return run
 
     total = n_blocks * block_bytes
-    tw, tpw = interleaved(write, plain_write, rounds)
-    store_paths = sorted(store_dir.glob("*.kv"))
-    # Dropping pages is inside both timings alike; it costs microseconds per file.
-    tr, tpr = interleaved(cold(read, lambda: store_paths), cold(plain_read, lambda: plain_paths),
-                          rounds)
-    twr, tpwr = interleaved(read, plain_read, rounds)
-    got = disk.get(keys[0])
-    assert got is not None and torch.equal(got, blocks[0])
-    return {"block_bytes": block_bytes, "files": n_blocks,
-            "write_GBps": gbps(total, tw), "plain_write_GBps": gbps(total, tpw),
-            "write_ratio": tpw / tw,
-            "cold_read_GBps": gbps(total, tr), "plain_cold_read_GBps": gbps(total, tpr),
-            "cold_read_ratio": tpr / tr,
-            "warm_read_GBps": gbps(total, twr), "plain_warm_read_GBps": gbps(total, tpwr),
-            "warm_read_ratio": tpwr / twr}
+    res: dict[str, object] = {"block_bytes": block_bytes, "files": n_blocks, "rounds": rounds}
+    for what, base, fns in (
+            ("write", plain_write, {m: write(d) for m, d in disks.items()}),
+            ("cold_read", plain_read(True), {m: read(d, True) for m, d in disks.items()}),
+            ("warm_read", plain_read(False), {m: read(d, False) for m, d in disks.items()})):
+        secs = rounds_of({"plain": base, **fns}, rounds)
+        res[f"plain_{what}_GBps"] = gbps(total, statistics.median(secs["plain"]))
+        for mac, r in ratios(secs, "plain", invert=True).items():
+            res[f"{what}_{mac}_GBps"] = gbps(total, statistics.median(secs[mac]))
+            res[f"{what}_{mac}_share"] = r  # of the plain operation's speed
+    for disk in disks.values():
+        got = disk.get(keys[0])
+        assert got is not None and torch.equal(got, blocks[0])
+        assert disk.stats.corrupt_checksum == 0
+    return res
 
 
 # ---- redis ------------------------------------------------------------------------------
@@ -217,44 +297,61 @@ def chunk_tensor(chunk_bytes: int) -> torch.Tensor:
 
 
 def bench_redis(port: int, chunk_bytes: int, n_ops: int, pipeline: int, rounds: int) -> dict:
-    st = RedisStore(connect(f"redis://127.0.0.1:{port}/0", timeout_s=5.0), 1 << 40,
-                    model="bench", layout="gqa")
+    """SET and GET through one store per MAC, interleaved with redis-benchmark runs."""
+    stores = {}
+    for mac in MACS:
+        stores[mac] = RedisStore(connect(f"redis://127.0.0.1:{port}/0", timeout_s=5.0), 1 << 40,
+                                 model=f"bench-{mac}", layout="gqa")
+        stores[mac].mac = mac
     chunk = chunk_tensor(chunk_bytes)
-    value_bytes = st.entry_bytes(chunk, b"k" * 16)
+    value_bytes = stores[MACS[0]].entry_bytes(chunk, b"k" * 16)
     keys = [i.to_bytes(16, "little") for i in range(pipeline)]
     items = [(k, chunk) for k in keys]
     # GETs land in preallocated tensors, as a load lands in device blocks.
     outs = [torch.empty_like(chunk) for _ in keys]
     batches = max(1, n_ops // pipeline)
 
-    def ours_set() -> None:
-        for _ in range(batches):
-            if not all(st.put_many(items)):
-                raise RuntimeError("redis tier refused a chunk")
+    def ours_set(st: RedisStore) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(batches):
+                if not all(st.put_many(items)):
+                    raise RuntimeError("redis tier refused a chunk")
+        return run
 
-    def ours_get() -> None:
-        for _ in range(batches):
-            got = st.get_many(keys, outs=outs)
-            if any(g is None for g in got):
-                raise RuntimeError("redis tier lost a chunk")
+    def ours_get(st: RedisStore) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(batches):
+                got = st.get_many(keys, outs=outs)
+                if any(g is None for g in got):
+                    raise RuntimeError("redis tier lost a chunk")
+        return run
 
     ops = batches * pipeline
-    ours_set()
-    set_rps, get_rps, ref_set, ref_get = [], [], [], []
-    for _ in range(rounds):  # interleaved with redis-benchmark runs
-        set_rps.append(ops / timed(ours_set))
-        get_rps.append(ops / timed(ours_get))
+    rps: dict[str, list[float]] = {}
+    for st in stores.values():
+        ours_set(st)()
+    for _ in range(rounds):  # interleaved: each MAC's SET and GET, then redis-benchmark
+        for mac, st in stores.items():
+            rps.setdefault(f"set_{mac}", []).append(ops / timed(ours_set(st)))
+            rps.setdefault(f"get_{mac}", []).append(ops / timed(ours_get(st)))
         ref = redis_benchmark(port, value_bytes, ops, pipeline)
-        ref_set.append(ref["SET"])
-        ref_get.append(ref["GET"])
-    got = st.get(keys[0])
-    assert got is not None and torch.equal(got, chunk)
+        rps.setdefault("redis_benchmark_set", []).append(ref["SET"])
+        rps.setdefault("redis_benchmark_get", []).append(ref["GET"])
+    for st in stores.values():
+        got = st.get(keys[0])
+        assert got is not None and torch.equal(got, chunk) and st.stats.corrupt_checksum == 0
     med = statistics.median
-    st.client.flushall()
-    return {"chunk_bytes": chunk.numel() * 2, "value_bytes": value_bytes, "pipeline": pipeline,
-            "ops": ops, "set_ops": med(set_rps), "get_ops": med(get_rps),
-            "redis_benchmark_set_ops": med(ref_set), "redis_benchmark_get_ops": med(ref_get),
-            "set_ratio": med(set_rps) / med(ref_set), "get_ratio": med(get_rps) / med(ref_get)}
+    stores[MACS[0]].client.flushall()
+    res: dict[str, object] = {"chunk_bytes": chunk.numel() * 2, "value_bytes": value_bytes,
+                              "pipeline": pipeline, "ops": ops, "rounds": rounds}
+    res.update({f"{k}_ops": med(v) for k, v in rps.items()})
+    for op in ("set", "get"):
+        ref = rps[f"redis_benchmark_{op}"]
+        for mac in MACS:
+            # Per round: ours over the redis-benchmark run next to it.
+            res[f"{op}_{mac}_share"] = spread([a / b for a, b in
+                                               zip(rps[f"{op}_{mac}"], ref, strict=True)])
+    return res
 
 
 def bench_cluster(root: Path, chunk_bytes: int, n_chunks: int) -> dict:
@@ -297,41 +394,53 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=str(RESULTS / "tiers" / "bandwidth.json"))
     ap.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    ap.add_argument("--only", default="host,disk,redis,cluster",
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per comparison (11)")
+    ap.add_argument("--only", default="hash,host,disk,redis,cluster",
                     help="comma-separated parts to run")
     args = ap.parse_args()
     only = set(args.only.split(","))
-    rounds = 3 if args.quick else 11
-    res: dict[str, object] = {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    rounds = args.rounds or (3 if args.quick else 11)
+    res: dict[str, object] = {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                              "macs": list(MACS), "load_avg_start": os.getloadavg()}
     rows: list[tuple[str, str, str, str, str]] = []
 
+    if "hash" in only:
+        res["hash"] = hashes = bench_hashes(rounds)
+        for h in hashes:
+            rows.append((f"MAC alone, {h['bytes'] >> 10} KiB: BLAKE3 / BLAKE2b / xxh3-64",
+                         f"{h.get('blake3_GBps', 0):.2f} / {h['blake2b_GBps']:.2f} / "
+                         f"{h['xxh3_64_GBps']:.1f} GB/s", f"copy {h['copy_GBps']:.1f} GB/s",
+                         "-", "BLAKE3 >=3 GB/s"))
+
     res["host"] = []
-    # 64 KiB: a 16-token block of the tiny Llama; 1 MiB: its 256-token chunk; 2 MiB: a
-    # 16-token block of Llama-3-8B in bf16 (128 KiB of KV per token).
-    for block in (64 << 10, 1 << 20, 2 << 20) if "host" in only else ():
+    # 8 KiB: the replay's block (a one-layer stand-in); 64 KiB: a 16-token block of the
+    # tiny Llama; 1 MiB: its 256-token chunk; 2 MiB: a 16-token block of Llama-3-8B in bf16.
+    for block in (8 << 10, 64 << 10, 1 << 20, 2 << 20) if "host" in only else ():
         h = bench_host(block, 128 if block < (1 << 20) else 16, 4 * rounds)
         res["host"].append(h)  # type: ignore[union-attr]
-        for op in ("put", "get"):
+        for op in ("get", "put"):
             for suffix, label in (("", ""), ("_batch", f", {h['batch']} a call"),
                                   ("_nocheck", ", no checksum")):
                 rows.append((f"host {block >> 10} KiB blocks{label}: {op}",
-                             f"{h[op + suffix + '_GBps']:.2f} GB/s",
-                             f"copy {h['plain_' + op + '_GBps']:.2f} GB/s",
-                             f"{h[op + suffix + '_ratio']:.0%}", ">=70%"))
+                             f"{h[op + suffix + '_us_per_block']:.2f} us "
+                             f"({h[op + suffix + '_GBps']:.2f} GB/s)",
+                             f"copy+lookup {h['plain_' + op + '_us_per_block']:.2f} us",
+                             rng(h[op + suffix + "_cost_x"]) + "x",  # type: ignore[arg-type]
+                             "<=1.2x" if op == "get" else "-"))
 
     with tempfile.TemporaryDirectory(prefix="kvheat-bench-") as tmp:
         d = bench_disk(2 << 20, 16 if args.quick else 32, rounds, Path(tmp) / "disk") \
             if "disk" in only else None
         res["disk"] = d
-        rows += [] if d is None else [("disk 2 MiB files: cold read", f"{d['cold_read_GBps']:.2f} GB/s",
-                     f"plain read {d['plain_cold_read_GBps']:.2f} GB/s",
-                     f"{d['cold_read_ratio']:.0%}", ">=50%"),
-                    ("disk 2 MiB files: warm read", f"{d['warm_read_GBps']:.2f} GB/s",
-                     f"plain read {d['plain_warm_read_GBps']:.2f} GB/s",
-                     f"{d['warm_read_ratio']:.0%}", ">=50%"),
-                    ("disk 2 MiB files: write+fsync", f"{d['write_GBps']:.2f} GB/s",
-                     f"plain write {d['plain_write_GBps']:.2f} GB/s",
-                     f"{d['write_ratio']:.0%}", "-")]
+        for what, label, target in (("cold_read", "cold read", ">=50%"),
+                                    ("warm_read", "warm read", ">=50%"),
+                                    ("write", "write+fsync", "-")):
+            for mac in MACS if d is not None else ():
+                rows.append((f"disk 2 MiB files, {mac}: {label}",
+                             f"{d[f'{what}_{mac}_GBps']:.2f} GB/s",  # type: ignore[index]
+                             f"plain {d[f'plain_{what}_GBps']:.2f} GB/s",  # type: ignore[index]
+                             rng(d[f"{what}_{mac}_share"], pct=True),  # type: ignore[index]
+                             target))
 
         if not only & {"redis", "cluster"}:
             pass
@@ -345,13 +454,13 @@ def main() -> None:
                 for chunk in (64 << 10, 1 << 20) if "redis" in only else ():
                     r = bench_redis(port, chunk, 512 if chunk < (256 << 10) else 128, 16, rounds)
                     res["redis"].append(r)  # type: ignore[union-attr]
-                    tag = f"redis {chunk >> 10} KiB chunks, pipeline 16"
-                    rows.append((tag + ": SET", f"{r['set_ops']:.0f}/s",
-                                 f"redis-benchmark {r['redis_benchmark_set_ops']:.0f}/s",
-                                 f"{r['set_ratio']:.0%}", ">=50%"))
-                    rows.append((tag + ": GET", f"{r['get_ops']:.0f}/s",
-                                 f"redis-benchmark {r['redis_benchmark_get_ops']:.0f}/s",
-                                 f"{r['get_ratio']:.0%}", ">=50%"))
+                    for op in ("set", "get"):
+                        for mac in MACS:
+                            rows.append((f"redis {chunk >> 10} KiB chunks, pipeline 16, {mac}: "
+                                         f"{op.upper()}", f"{r[f'{op}_{mac}_ops']:.0f}/s",
+                                         f"redis-benchmark {r[f'redis_benchmark_{op}_ops']:.0f}/s",
+                                         rng(r[f"{op}_{mac}_share"], pct=True),  # type: ignore[arg-type]
+                                         ">=50%"))
             finally:
                 redis.kill()
             try:
@@ -378,6 +487,7 @@ def main() -> None:
     head = ("what", "kvheat", "baseline", "ratio", "target")
     for r in [head, tuple("-" * w for w in widths), *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    res["load_avg_end"] = os.getloadavg()
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {args.json}")

@@ -1,7 +1,8 @@
 """Replay a Mooncake trace through a small device tier with host and disk tiers below it.
 
     python bench/tiers/replay.py [--trace ../shared/traces/mooncake_conversation_part1.jsonl]
-        [--policy lru,kvheat] [--prefill-tps 20000,3e6] [--limit N] [--json results/tiers/replay.json]
+        [--policy lru,kvheat] [--prefill-tps 20000,3e6] [--mac blake3,blake2b]
+        [--repeats N] [--limit N] [--json results/tiers/replay.json]
 
 The real `KVCacheManager` runs the device pool (requests built with `make_hashed_request`
 from the trace's 512-token block ids) and a `TieredCache` moves real KV bytes between the
@@ -10,6 +11,11 @@ stand-in writes each computed block's KV (a fixed function of its key) and check
 block served from cache, so a wrong byte anywhere fails the run. Reported: token hit rate by
 tier (a prefix counts, as SPEC.md defines), the load-or-recompute decisions at each prefill
 speed, and each tier's measured latency and bandwidth.
+
+`--mac` runs every configuration once per MAC of the disk tier's values (BLAKE3, the
+format since issue 42, and BLAKE2b, the one before), interleaved (policy, speed, MAC, then
+the next), `--repeats` times over, so the two see the same machine load; the summary gives
+each configuration's median and range over the repeats.
 
 The KV payload is small (a one-layer model: `--kv-bytes-per-token`, default 16) so the
 whole trace fits the machine; the break-even prefill speed for a production-size block is
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -74,7 +82,7 @@ def unreachable(tc: TieredCache, parent_of: dict[bytes, bytes | None]) -> list[i
 
 def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens: int,
         host_tokens: int, disk_tokens: int, kv_bytes_per_token: int, limit: int | None,
-        async_io: bool) -> dict:
+        async_io: bool, mac: str | None = None) -> dict:
     trace = load_trace(trace_path, BLOCK, limit)
     head_dim = kv_bytes_per_token // 4  # fp16, K and V, one layer, one head
     pool = DeviceKVPool("gqa", 1, device_tokens // BLOCK, BLOCK, (1, head_dim), torch.float16)
@@ -86,6 +94,8 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
     with tempfile.TemporaryDirectory(prefix="kvheat-replay-") as tmp:
         host = HostStore(host_tokens // BLOCK * bb, bb)
         disk = DiskStore(Path(tmp) / "disk", disk_tokens // BLOCK * (bb + 128), fsync=False)
+        if mac is not None:
+            disk.mac = mac
         tc = TieredCache(mgr, pool, [host, disk],
                          TierSpec(policy=policy, async_io=async_io, calibrate=True),
                          prefill_tokens_per_s=prefill_tps, clock=lambda: now[0])
@@ -128,8 +138,13 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
     fits = {name: {"read_latency_us": (d["read_latency_s"] or 0) * 1e6,  # type: ignore[index]
                    "read_bandwidth_MBps": (d["read_bandwidth_Bps"] or 0) / 1e6}  # type: ignore[index]
             for name, d in tiers.items()}  # type: ignore[union-attr]
+    def block_read_us(d: dict) -> float | None:  # the fitted read of one block
+        if not d["read_bandwidth_Bps"]:
+            return None
+        return ((d["read_latency_s"] or 0) + bb / d["read_bandwidth_Bps"]) * 1e6
+
     return {
-        "policy": policy, "prefill_tps": prefill_tps, "requests": c.requests,
+        "policy": policy, "prefill_tps": prefill_tps, "mac": disk.mac, "requests": c.requests,
         "device_tokens": device_tokens, "host_tokens": host_tokens, "disk_tokens": disk_tokens,
         "block_bytes": bb, "query_tokens": c.query_tokens,
         "device_hit_rate": c.device_hit_tokens / q,
@@ -144,6 +159,9 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
         "load_failed": c.load_failed, "wrong_kv_blocks": wrong,
         "demotions": c.demotions, "demote_dropped": c.demote_dropped,
         "dropped_bottom": c.dropped_bottom, "fits": fits, "wall_s": wall,
+        # What load-or-recompute compares, per block, at the end of the run.
+        "block_read_us": {name: block_read_us(d) for name, d in tiers.items()},  # type: ignore[arg-type]
+        "block_recompute_us": BLOCK / prefill_tps * 1e6 if prefill_tps else None,
         # Lower-tier entries no prefix match can reach (an ancestor held nowhere), by tier
         # at the end, and summed over tiers every 500 requests; `orphans_dropped` is the
         # hierarchy's own cascade counter (absent before it had one).
@@ -154,6 +172,27 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
     }
 
 
+def summary(rows: list[dict]) -> list[dict]:
+    """Median and range over the repeats of each (policy, speed, MAC)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["policy"], r["prefill_tps"], r["mac"]), []).append(r)
+    out = []
+    for (policy, tps, mac), rs in groups.items():
+        d: dict[str, object] = {"policy": policy, "prefill_tps": tps, "mac": mac,
+                                "repeats": len(rs)}
+        for k in ("total_hit_rate", "device_hit_rate", "host_hit_rate", "disk_hit_rate"):
+            xs = [r[k] for r in rs]
+            d[k] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+        for tier in rs[0]["block_read_us"]:
+            xs = [r["block_read_us"][tier] for r in rs if r["block_read_us"][tier] is not None]
+            d[f"{tier}_block_read_us"] = ({"median": statistics.median(xs), "min": min(xs),
+                                          "max": max(xs)} if xs else None)
+        d["wrong_kv_blocks"] = sum(r["wrong_kv_blocks"] for r in rs)
+        out.append(d)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(TRACES /
@@ -161,6 +200,13 @@ def main() -> None:
     ap.add_argument("--policy", default="lru,kvheat")
     ap.add_argument("--prefill-tps", default="20000,3e6",
                     help="engine prefill speeds (tokens/s) to decide load-or-recompute at")
+    ap.add_argument("--mac", default=None,
+                    help="MACs of the disk tier's values to compare, e.g. blake3,blake2b "
+                         "(default: the store's own, codec.value_mac_version)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every configuration, interleaved")
+    ap.add_argument("--repeats-at", default=None,
+                    help="only these prefill speeds get --repeats runs (others one)")
     ap.add_argument("--device-tokens", type=int, default=1_000_000)
     ap.add_argument("--host-tokens", type=int, default=2_000_000)
     ap.add_argument("--disk-tokens", type=int, default=8_000_000)
@@ -174,24 +220,43 @@ def main() -> None:
     if not trace.exists():
         print(f"trace {trace} not found; nothing to replay")
         return
+    macs: list[str | None] = args.mac.split(",") if args.mac else [None]
+    speeds = [float(x) for x in args.prefill_tps.split(",")]
+    repeated = ({float(x) for x in args.repeats_at.split(",")} if args.repeats_at
+                else set(speeds))
     rows = []
-    for policy in args.policy.split(","):
-        for tps in [float(x) for x in args.prefill_tps.split(",")]:
-            r = run(trace, policy, tps, args.device_tokens, args.host_tokens, args.disk_tokens,
-                    args.kv_bytes_per_token, args.limit, args.async_io)
-            rows.append(r)
-            print(f"{policy:7s} prefill {tps:>9.0f} tok/s  device {r['device_hit_rate']:6.2%}  "
-                  f"host {r['host_hit_rate']:6.2%}  disk {r['disk_hit_rate']:6.2%}  "
-                  f"total {r['total_hit_rate']:6.2%}  (found below {r['found_below_rate']:6.2%})  "
-                  f"load/partial/recompute {r['decisions_load']}/{r['decisions_partial']}/"
-                  f"{r['decisions_recompute']}  wrong KV {r['wrong_kv_blocks']}  "
-                  f"unreachable end {r['unreachable_end']} mean {r['unreachable_mean']:.0f} "
-                  f"max {r['unreachable_max']}  orphans_dropped {r['orphans_dropped']}  "
-                  f"{r['wall_s']:.0f}s", flush=True)
-    fit = rows[0]["fits"]
-    print("measured read fits (first run):", json.dumps(fit))
+    for rep in range(args.repeats):
+        for tps in speeds:
+            if rep and tps not in repeated:
+                continue
+            for policy in args.policy.split(","):
+                for mac in macs:
+                    load = os.getloadavg()[0]
+                    r = run(trace, policy, tps, args.device_tokens, args.host_tokens,
+                            args.disk_tokens, args.kv_bytes_per_token, args.limit,
+                            args.async_io, mac)
+                    r["repeat"], r["load_avg_1m"] = rep, load
+                    rows.append(r)
+                    reads = ", ".join(f"{k} {v:.1f}" for k, v in r["block_read_us"].items()
+                                      if v is not None)
+                    print(f"{policy:7s} prefill {tps:>9.0f} tok/s  {r['mac']:7s}  "
+                          f"device {r['device_hit_rate']:6.2%}  "
+                          f"host {r['host_hit_rate']:6.2%}  disk {r['disk_hit_rate']:6.2%}  "
+                          f"total {r['total_hit_rate']:6.2%}  "
+                          f"(found below {r['found_below_rate']:6.2%})  "
+                          f"load/partial/recompute {r['decisions_load']}/"
+                          f"{r['decisions_partial']}/{r['decisions_recompute']}  "
+                          f"wrong KV {r['wrong_kv_blocks']}  block read us: {reads}  "
+                          f"unreachable end {r['unreachable_end']}  load {load:.1f}  "
+                          f"{r['wall_s']:.0f}s", flush=True)
+    summ = summary(rows)
+    for d in summ:
+        t = d["total_hit_rate"]
+        print(f"{d['policy']:7s} {d['prefill_tps']:>9.0f} tok/s  {d['mac']:7s}  total "
+              f"{t['median']:6.2%} ({t['min']:.2%}-{t['max']:.2%}) over {d['repeats']}")  # type: ignore[index]
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"trace": str(trace), "runs": rows}, indent=2) + "\n")
+    Path(args.json).write_text(json.dumps({"trace": str(trace), "summary": summ, "runs": rows},
+                                          indent=2) + "\n")
     print(f"wrote {args.json}")
 
 
