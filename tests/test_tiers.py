@@ -223,6 +223,9 @@ def test_host_round_trip_and_capacity(layout: str) -> None:
         assert same_bytes(host.get(key(b)), pool.read_block(b))
     out = torch.empty_like(pool.read_block(0))
     assert host.get(key(2), out=out) is out and same_bytes(out, pool.read_block(2))
+    for wrong in (out.float(), out.reshape(-1), out[:1]):  # dtype, shape, size
+        with pytest.raises(ValueError, match="out has"):
+            host.get(key(2), out=wrong)
     assert host.delete(key(0)) and not host.contains(key(0))
     assert host.put(key(4), pool.read_block(4))
     assert same_bytes(host.get(key(4)), pool.read_block(4))
