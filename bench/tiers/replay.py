@@ -249,15 +249,21 @@ def main() -> None:
                           f"wrong KV {r['wrong_kv_blocks']}  block read us: {reads}  "
                           f"unreachable end {r['unreachable_end']}  load {load:.1f}  "
                           f"{r['wall_s']:.0f}s", flush=True)
-    summ = summary(rows)
+                    write(args.json, trace, rows)  # after every run: a long run stopped keeps its rows
+    summ = write(args.json, trace, rows)
     for d in summ:
         t = d["total_hit_rate"]
         print(f"{d['policy']:7s} {d['prefill_tps']:>9.0f} tok/s  {d['mac']:7s}  total "
               f"{t['median']:6.2%} ({t['min']:.2%}-{t['max']:.2%}) over {d['repeats']}")  # type: ignore[index]
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"trace": str(trace), "summary": summ, "runs": rows},
-                                          indent=2) + "\n")
     print(f"wrote {args.json}")
+
+
+def write(path: str, trace: Path, rows: list[dict]) -> list[dict]:
+    summ = summary(rows)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"trace": str(trace), "summary": summ, "runs": rows},
+                                     indent=2) + "\n")
+    return summ
 
 
 if __name__ == "__main__":
