@@ -163,6 +163,8 @@ def test_without_blake3_values_fall_back_to_blake2b(monkeypatch: pytest.MonkeyPa
     with pytest.raises(CorruptValue, match="blake3 module") as e:
         decode(bytearray(v3), key(0), ns, mk)
     assert e.value.kind == "format"
+    with pytest.raises(ValueError, match="needs the blake3 module"):
+        encode(pool.read_block(0), key(0), ns, mk, BLAKE3_VERSION)
     v2 = encode(pool.read_block(0), key(0), ns, mk)
     assert v2[4] == BLAKE2B_VERSION
     assert same_bytes(decode(bytearray(v2), key(0), ns, mk), pool.read_block(0))

@@ -8,9 +8,10 @@ a shared Redis) never verifies. The format version names the MAC: 3 is keyed BLA
 (about 3-6 GB/s here, what every store writes where the `blake3` wheel is installed), 2
 keyed BLAKE2b (0.3-0.9 GB/s: the format before BLAKE3, and the fallback without the
 wheel). Both are read, so values written before the switch stay readable until they age
-out; the version byte is under the MAC, so it cannot be changed to pick the other one. Reading never trusts a value: magic, version, lengths,
-key, namespace and MAC are all checked, and any failure is a `CorruptValue` the caller
-counts as a miss. Tensors are rebuilt with `torch.frombuffer`; nothing is unpickled.
+out; the version byte is under the MAC, so it cannot be changed to pick the other one.
+Reading never trusts a value: magic, version, lengths, key, namespace and MAC are all
+checked, and any failure is a `CorruptValue` the caller counts as a miss. Tensors are
+rebuilt with `torch.frombuffer`; nothing is unpickled.
 
 The tier key comes from a secret in config or `KVHEAT_TIER_SECRET` (`tier_key`); it also
 keys the namespace digests and the names values are stored under, so neither tenant names
@@ -207,6 +208,8 @@ def encode_prefix(t: torch.Tensor, key: bytes, ns: bytes, mac_key: bytes,
     version = value_mac_version() if version is None else version
     if version not in MAC_NAMES:
         raise ValueError(f"no value format version {version}")
+    if version == BLAKE3_VERSION and _blake3 is None:
+        raise ValueError("format 3 needs the blake3 module, which is not installed")
     t = t.contiguous() if t.device.type == "cpu" else t.cpu().contiguous()
     payload = tensor_bytes(t)
     code, tail = _meta(t.dtype, tuple(t.shape), key, ns)
