@@ -20,10 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.block import Block
 from .index import UNKNOWN_OWNER, TierEntry
 from .lower import LowerTiers
-from .store import DeviceBlocks
 
 log = logging.getLogger("kvheat.tiers")
 
@@ -49,10 +47,9 @@ class Move:
 class Demoter:
     """Places demoted blocks on the lower tiers, inline or through its queue and thread."""
 
-    def __init__(self, lower: LowerTiers, device: DeviceBlocks, write_through: bool,
-                 queue_size: int, background: bool) -> None:
+    def __init__(self, lower: LowerTiers, write_through: bool, queue_size: int,
+                 background: bool) -> None:
         self.lower = lower
-        self.device = device
         self.write_through = write_through
         self.queue: queue.Queue[Move | None] = queue.Queue(queue_size)
         self.worker: threading.Thread | None = None
@@ -60,43 +57,47 @@ class Demoter:
             self.worker = threading.Thread(target=self._work, name="kvheat-demote", daemon=True)
             self.worker.start()
 
-    def on_device_evict(self, b: Block) -> None:
-        """The manager's eviction listener: `b` is about to lose its KV."""
+    def demote(self, key: bytes, salt: str | None, tokens: int, kv: torch.Tensor,
+               parent: bytes | None, owner: object, leaving_device: bool) -> bool:
+        """Put one block's KV on the lower tiers: the first one up (exclusive), or every
+        one (write-through). `kv` may view a device block: it is copied before this
+        returns. `parent`: the key before it in its prefix (None for a first block);
+        `owner`: the tenant that filled it (flushes); `leaving_device`: the device is
+        evicting it now (else the device's own answer counts, see `PrefixLinks`).
+        Returns whether a tier holds it or is taking it."""
         low = self.lower
-        if not low.stores or b.key is None:
-            return
-        salt = low.mgr.salt_of(b.tenant)
-        view = self.device.block_view(b.block_id)
-        # The device evicts leaves first, so the parent is still cached there now.
-        parent = b.parent.key if b.parent is not None else None
-        m = Move(0, b.key, salt, b.num_tokens, view, parent, b.tenant, low.flushed(b.tenant))
+        if not low.stores:
+            return False
+        m = Move(0, key, salt, tokens, kv, parent, owner, low.flushed(owner))
         if self.write_through:
             copy: torch.Tensor | None = None
             for i, st in enumerate(low.stores):
-                if b.key in low.indexes[i].entries:
+                if key in low.indexes[i].entries:
                     with low.lock:
-                        e = low.indexes[i].get(b.key)
+                        e = low.indexes[i].get(key)
                         if e is not None:
                             low.indexes[i].touch(e, low.clock())
                     continue
                 if st.inline:
-                    self.place(m.to(i, view), cascade=False)
+                    self.place(m.to(i, kv), cascade=False)
                 else:
                     if copy is None:
-                        copy = _private(view)
+                        copy = _private(kv)
                     self.enqueue(m.to(i, copy))
         else:
             first = next((i for i, st in enumerate(low.stores) if st.available()), None)
             if first is None:
                 low.counters.demote_refused += 1
             elif low.stores[first].inline:
-                self.place(m.to(first, view), cascade=True)
+                self.place(m.to(first, kv), cascade=True)
             else:
-                self.enqueue(m.to(first, _private(view)))
+                self.enqueue(m.to(first, _private(kv)))
         # Refused or dropped: the key leaves with the device block, and its children below.
         with low.lock:
-            dels = low.links.settle(b.key, leaving_device=True)
+            accepted = key in low.links.held
+            dels = low.links.settle(key, leaving_device=leaving_device)
         low.delete(dels)
+        return accepted
 
     def enqueue(self, m: Move) -> None:
         """Hand a demotion to the background thread. The item holds `key` below from now

@@ -5,10 +5,9 @@ and flushes."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..cache.manager import KVCacheManager
 from ..cache.policy import make_policy
 from ..cache.request import hit_rate
 from .counters import TierCounters
@@ -23,11 +22,12 @@ IndexListener = Callable[[str, bytes, bytes | None, int, bool], None]
 class LowerTiers:
     """`stores[i]` with `indexes[i]`, top first; `links` across them; `lock` guards both."""
 
-    def __init__(self, mgr: KVCacheManager, stores: list[KVStore], block_bytes: int,
-                 policy: str | None, clock: Callable[[], float]) -> None:
-        self.mgr = mgr
+    def __init__(self, stores: list[KVStore], block_bytes: int, block_tokens: int,
+                 policy: str, clock: Callable[[], float],
+                 known_salts: Callable[[], Iterable[str | None]] | None = None) -> None:
         self.stores = stores
         self.block_bytes = block_bytes
+        self.block_tokens = block_tokens
         self.clock = clock
         self.lock = threading.RLock()
         self.counters = TierCounters()
@@ -37,8 +37,10 @@ class LowerTiers:
         self.demotions = [0] * n
         self.evictions = [0] * n
         self.deleted = [0] * n  # entries deleted by flushes and quota cuts
+        self.load_blocks = [0] * n  # blocks loaded out of each tier into the device
         self.indexes: list[TierIndex] = []
-        self.links = PrefixLinks(self.indexes, lambda key: key in mgr.cached, self.counters)
+        # `links.on_device`: does the device hold this key now? (TierClient sets it.)
+        self.links = PrefixLinks(self.indexes, lambda key: True, self.counters)
         # Called under the lock, from the thread doing it: keep them quick (KV events
         # queue and return).
         self.listeners: list[IndexListener] = []
@@ -48,7 +50,8 @@ class LowerTiers:
         # tenant -> flushes so far: a demotion queued before a flush of its tenant is
         # dropped when its turn comes (one entry per tenant ever flushed).
         self.flushes: dict[object, int] = {}
-        name = policy or mgr.config.policy
+        self.known_salts = known_salts
+        name = policy
         for i, st in enumerate(stores):
             slot = getattr(st, "slot_bytes", None)
             if slot is not None and slot < block_bytes:
@@ -74,15 +77,14 @@ class LowerTiers:
             salt = self._salt_of_ns(st, ns)
             # An unknown namespace stays keyed by its digest (`KVStore.ns` takes it back).
             if idx.insert(key, ns if salt is UNKNOWN_OWNER else salt,  # type: ignore[arg-type]
-                          self.mgr.block_size, self.block_bytes, now, owner=UNKNOWN_OWNER):
+                          self.block_tokens, self.block_bytes, now, owner=UNKNOWN_OWNER):
                 self.links.hold(key, None)
 
     def _salt_of_ns(self, store: KVStore, ns: bytes) -> str | None | object:
-        """The salt whose namespace digest is `ns`, among tenants the manager knows."""
+        """The salt whose namespace digest is `ns`, among the salts known at start-up."""
         if ns == store.ns(None):
             return None
-        for tenant in self.mgr.known_tenants():
-            salt = self.mgr.salt_of(tenant)
+        for salt in self.known_salts() if self.known_salts is not None else ():
             if store.ns(salt) == ns:
                 return salt
         return UNKNOWN_OWNER
@@ -178,9 +180,14 @@ class LowerTiers:
         out: dict[str, object] = {}
         for i, st in enumerate(self.stores):
             d = st.describe()
+            sst = st.stats
             d.update(entries=len(self.indexes[i]), hit_tokens=self.hit_tokens[i],
                      hit_blocks=self.hit_blocks[i], demotions=self.demotions[i],
                      evictions=self.evictions[i], deleted=self.deleted[i],
-                     hit_rate=hit_rate(self.hit_tokens[i], query_tokens))
+                     hit_rate=hit_rate(self.hit_tokens[i], query_tokens),
+                     load_blocks=self.load_blocks[i],
+                     load_bytes=self.load_blocks[i] * self.block_bytes,
+                     faults=sst.corrupt_checksum + sst.corrupt_key + sst.corrupt_torn
+                     + sst.corrupt_format + sst.io_errors)
             out[f"{i}:{st.name}"] = d
         return out
