@@ -5,6 +5,7 @@ corrupt on disk or whose Redis died (the rest is recomputed, nothing raises)."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from test_tiers import random_pool, same_bytes
 
 from kvheat.cache.hashing import tenant_salt
+from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.engine.kv_pool import DeviceKVPool
 from kvheat.tiers import TierSpec
 from kvheat.tiers.client import LoadPlan, TierClient
@@ -173,3 +175,47 @@ def test_a_spec_without_tiers_finds_nothing() -> None:
     assert plan.keys == [] and tc.load(plan, [], pool) == 0
     assert tc.stats()["tiers"] == {}
     tc.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_one_admission_asks_the_device_cache_once_and_the_tiers_once(
+        llama: tuple, tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvheat's scheduler, per admission: one device-cache lookup, one tier lookup, and a
+    load when it planned one (no second match, no side channel), and the tokens unchanged."""
+    model, tok, _ = llama
+    spec = TierSpec(host_blocks=64) if tier == "host" else disk_spec(tmp_path)
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, policy="lru", tiers=spec,
+                                           scheduler=SchedulerConfig(max_num_seqs=1)))
+    rng = random.Random(5)
+    ps = [[rng.randrange(2, 1000) for _ in range(64)] for _ in range(6)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = e.generate(ps, sp)  # the first ones overflow the 12-block device into the tier
+    assert e.tiers is not None
+    e.tiers.flush()
+    calls: list[str] = []
+
+    def spy(obj: object, name: str) -> None:
+        orig = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, **k: calls.append(name) or orig(*a, **k))
+
+    spy(e.cache, "match_prefix")
+    spy(e.tiers, "lookup")
+    spy(e.tiers, "load")
+    spy(e.tiers, "prefetch")
+    per_admission: list[list[str]] = []
+    admit = e.scheduler._admit
+
+    def counted(seq, limit):  # type: ignore[no-untyped-def]
+        calls.clear()
+        n = admit(seq, limit)
+        if n:
+            per_admission.append(list(calls))
+        return n
+
+    monkeypatch.setattr(e.scheduler, "_admit", counted)
+    again = e.generate(ps[:2], sp)
+    assert [a.output_token_ids for a in again] == [f.output_token_ids for f in first[:2]]
+    assert [a.metrics.num_cached_tokens for a in again] == [63, 63]
+    assert [a.metrics.cached_by_tier.get(tier, 0) for a in again] == [63, 63]
+    assert per_admission == [["match_prefix", "lookup", "load"]] * 2
+    e.close()

@@ -22,6 +22,7 @@ from .client import TierClient
 from .cost import PrefillSpeed
 from .counters import TierCounters
 from .index import TierIndex
+from .loads import LoadPlan
 from .lower import IndexListener
 from .promotion import Promoter
 from .spec import TierSpec
@@ -78,26 +79,31 @@ class TieredCache:
     def peers(self, feed: Any) -> None:
         self.lower.peers = feed
 
-    @property
-    def last_loaded(self) -> list[tuple[str, int]]:
-        """(tier name, tokens) of each block the latest `allocate` loaded, in block order."""
-        return self.promoter.last_loaded
-
     def tier_of(self, name: str) -> int | None:
         return self.lower.tier_of(name)
 
     # ---- the scheduler's calls ----------------------------------------------------------
     def prefetch(self, req: Request) -> int:
         """Plan a waiting request's lower-tier loads and start the slow ones now; returns
-        the tokens planned. `allocate` picks the plan up; `cancel_prefetch` drops it."""
+        the tokens planned. `lookup` picks the plan up; `cancel_prefetch` drops it."""
         return self.promoter.prefetch(req)
+
+    def lookup(self, req: Request, hit_blocks: int) -> LoadPlan:
+        """What the tiers load for `req` after the device's first `hit_blocks` (a plan,
+        pinned under the request's id until `load` or `cancel_prefetch`)."""
+        return self.promoter.lookup(req, hit_blocks)
+
+    def load(self, req: Request, plan: LoadPlan) -> int:
+        """Fill `req`'s new device blocks from `plan` (`req` was just allocated with the
+        device prefix the plan follows); returns the blocks loaded, a prefix of it."""
+        return self.promoter.load(req, plan)
 
     def cancel_prefetch(self, request_id: str) -> None:
         self.promoter.cancel_prefetch(request_id)
 
     def allocate(self, req: Request, count_stats: bool = True) -> list[int]:
-        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks
-        (`count_stats`: count `req` as a whole prompt; see `Promoter.allocate`)."""
+        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks, in one
+        call (tests, replays; `count_stats`: see `Promoter.allocate`)."""
         return self.promoter.allocate(req, count_stats)
 
     def record_prompt(self, num_tokens: int, cached_by_tier: Mapping[str, int]) -> None:

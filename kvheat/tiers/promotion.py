@@ -27,9 +27,6 @@ class Promoter:
         self.device = device
         self.reads = client.reads
         self.plans: dict[str, LoadPlan] = {}  # request id -> its prefetched plan
-        # (tier name, tokens) of each block the latest `allocate` loaded, in block order:
-        # read right after it, on the same thread, to credit a request's hits to tiers.
-        self.last_loaded: list[tuple[str, int]] = []
 
     # ---- plans (called with the lock held) --------------------------------------------
     def _make_plan(self, req: Request, start: int) -> LoadPlan:
@@ -59,12 +56,12 @@ class Promoter:
         return front
 
     # ---- the scheduler's calls ----------------------------------------------------------
-    def prefetch(self, req: Request) -> int:
-        """Plan a waiting request's lower-tier loads and start the slow ones now; returns
-        the tokens planned. `allocate` picks the plan up; `cancel_prefetch` drops it."""
+    def _prepare(self, req: Request, hit: int) -> LoadPlan:
+        """The request's plan after the device's `hit` blocks: the one kept since an
+        earlier call, fitted to `hit`, or a new one; kept under the request's id (pinned,
+        its slow reads started) while it has blocks to load."""
         low = self.lower
         with low.lock:
-            hit = len(self.mgr.match_prefix(req))
             old = self.plans.pop(req.request_id, None)
             front = self._refit(req, old, hit) if old is not None else None
             if old is not None and front is not None:
@@ -76,15 +73,46 @@ class Promoter:
                 plan = None
         if plan is not None:
             self.client.start_reads(plan, front)
-            return sum(s.tokens for s in plan.steps)
+            return plan
         with low.lock:
             plan = self._make_plan(req, hit)
             if not plan.steps:
-                return 0
+                return plan
             self.plans[req.request_id] = plan
             low.counters.prefetch_plans += 1
         self.client.start_reads(plan)
-        return sum(s.tokens for s in plan.steps)
+        return plan
+
+    def prefetch(self, req: Request) -> int:
+        """Plan a waiting request's lower-tier loads and start the slow ones now; returns
+        the tokens planned. `lookup` picks the plan up; `cancel_prefetch` drops it."""
+        with self.lower.lock:
+            hit = len(self.mgr.match_prefix(req))
+        return self._prepare(req, hit).tokens
+
+    def lookup(self, req: Request, hit: int) -> LoadPlan:
+        """The blocks after the device's first `hit` that the tiers will load for `req`
+        (the plan kept since its prefetch, or a new one). It stays pinned under the
+        request's id until `load`, or `cancel_prefetch`: an admission that gets no
+        blocks now keeps it, and its reads, for the next try."""
+        plan = self._prepare(req, hit)
+        if plan.steps:
+            self.lower.counters.prefetch_used += 1
+        return plan
+
+    def load(self, req: Request, plan: LoadPlan) -> int:
+        """Fill `req`'s new device blocks (it was just allocated, sharing the device
+        prefix the plan follows) from `plan`; returns the blocks loaded, a prefix of the
+        plan. A head of the request (a chunked prefill) loads what it covers."""
+        with self.lower.lock:
+            if self.plans.get(req.request_id) is plan:
+                del self.plans[req.request_id]
+        beyond = [s for s in plan.steps if s.index >= len(req.keys)]
+        if beyond:
+            self.reads.release(beyond)
+            plan.set_steps(plan.steps[:len(plan.steps) - len(beyond)])
+        return self.client.load(plan, [req.blocks[s.index].block_id for s in plan.steps],
+                                self.device)
 
     def cancel_prefetch(self, request_id: str) -> None:
         with self.lower.lock:
@@ -99,18 +127,17 @@ class Promoter:
         return [self.plans.pop(rid) for rid in mine]
 
     def allocate(self, req: Request, count_stats: bool = True) -> list[int]:
-        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks.
-        `count_stats`: count `req` as a whole prompt, every token it got from a tier a hit
-        (`record_prompt`); an engine passes False, allocates a prompt in pieces and
-        records it once, the last token it recomputes not a hit."""
+        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks, counted
+        as cached in `req.num_cached_tokens` (a whole prompt in one call: tests, replays;
+        the engine's scheduler uses `lookup` and `load`). `count_stats`: count `req` as
+        a whole prompt, every token it got from a tier a hit (`record_prompt`)."""
         low = self.lower
-        self.last_loaded = []
         with low.lock:
             hit = self.mgr.match_prefix(req)
             plan = self.plans.pop(req.request_id, None)
             if plan is not None:
                 # Blocks the device gained meanwhile need no load; a gap it cannot fill
-                # means replanning. Added front steps are read below, in this thread.
+                # means replanning. Added front steps are read in `load`, in this thread.
                 if self._refit(req, plan, len(hit)) is None:
                     low.counters.prefetch_replanned += 1
                     plan = None
@@ -118,32 +145,20 @@ class Promoter:
                     low.counters.prefetch_used += 1
             if plan is None:
                 plan = self._make_plan(req, len(hit))
-        try:
-            table = self.mgr.allocate(req, matched=hit, count_stats=False)
-        except Exception:
-            # No blocks now: the plan, its pins and its reads (in flight or done) wait for
-            # the next try, so a block is read once however long its request waits.
             if plan.steps:
-                with low.lock:
-                    self.plans[req.request_id] = plan
-            raise
-        # A chunked prefill allocates a head of the prefetched request: load what fits.
-        beyond = [s for s in plan.steps if s.index >= len(req.keys)]
-        if beyond:
-            self.reads.release(beyond)
-            plan.set_steps(plan.steps[:len(plan.steps) - len(beyond)])
+                # Kept if no blocks are free now: the plan, its pins and its reads (in
+                # flight or done) wait for the next try, so a block is read once.
+                self.plans[req.request_id] = plan
+        table = self.mgr.allocate(req, matched=hit, count_stats=False)
         device_tokens = req.num_cached_tokens
-        n = self.client.load(plan, [req.blocks[s.index].block_id for s in plan.steps],
-                             self.device)
+        n = self.load(req, plan)
         loaded = plan.steps[:n]
-        self.last_loaded = [(s.name, s.tokens) for s in loaded]
         req.num_cached_tokens += sum(s.tokens for s in loaded)
         if count_stats:
             by_tier = {"device": device_tokens}
-            for name, n in self.last_loaded:
-                by_tier[name] = by_tier.get(name, 0) + n
-            self.record_prompt(req.num_tokens, by_tier,
-                               len(hit) + len(self.last_loaded))
+            for s in loaded:
+                by_tier[s.name] = by_tier.get(s.name, 0) + s.tokens
+            self.record_prompt(req.num_tokens, by_tier, len(hit) + n)
         return table
 
     def record_prompt(self, num_tokens: int, cached_by_tier: Mapping[str, int],
