@@ -64,7 +64,7 @@ class TierClient:
         # Without a view of the device, any key may be there: a saved block whose parent
         # the tiers do not hold is kept (its parent may be a device hit), and a key that
         # leaves the tiers takes no descendants with it (unreachable ones age out).
-        low.links.on_device = device_holds or (lambda key: True)
+        low.keys.on_device = device_holds or (lambda key: True)
         self.counters: TierCounters = low.counters
         # (tier name, key, parent key, tokens, True) when a tier takes a key and
         # (tier name, key, None, 0, False) when it loses it; called under the tiers' lock.
@@ -161,7 +161,6 @@ class TierClient:
         held)."""
         low = self.lower
         steps: list[Step] = []
-        now = low.clock()
         for i in range(start, stop):
             key = keys[i]
             found = low.find(key, salt)
@@ -173,7 +172,7 @@ class TierClient:
                     continue
             if found is None:
                 break
-            low.indexes[found[0]].pin(found[1], now)
+            low.pin(found[0], found[1])
             steps.append(Step(i, key, found[0], low.stores[found[0]].name, found[1], tokens[i]))
         return steps
 
@@ -295,14 +294,8 @@ class TierClient:
         self.reads.release(steps)
         if self.move_on_load:
             for s in done:  # the block now lives on the device only
-                if s.peer:  # another replica's: it stays there for everyone
-                    continue
-                # On the device now, so its children below stay reachable (no cascade
-                # unless the manager kept the block private).
-                with low.lock:
-                    dels = low.links.release(s.key) if low.indexes[s.tier].remove(s.key) else []
-                low.stores[s.tier].delete(s.key, plan.salt)
-                low.delete(dels)
+                if not s.peer:  # another replica's stays there for everyone
+                    low.take_out(s.tier, s.key, plan.salt)
         return len(done)
 
     def _count_plan(self, plan: LoadPlan) -> None:

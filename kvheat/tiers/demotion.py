@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .index import UNKNOWN_OWNER, TierEntry
 from .lower import LowerTiers
 
 log = logging.getLogger("kvheat.tiers")
@@ -72,11 +71,7 @@ class Demoter:
         if self.write_through:
             copy: torch.Tensor | None = None
             for i, st in enumerate(low.stores):
-                if key in low.indexes[i].entries:
-                    with low.lock:
-                        e = low.indexes[i].get(key)
-                        if e is not None:
-                            low.indexes[i].touch(e, low.clock())
+                if low.touch(i, key):  # already there: a hit
                     continue
                 if st.inline:
                     self.place(m.to(i, kv), cascade=False)
@@ -93,18 +88,13 @@ class Demoter:
             else:
                 self.enqueue(m.to(first, _private(kv)))
         # Refused or dropped: the key leaves with the device block, and its children below.
-        with low.lock:
-            accepted = key in low.links.held
-            dels = low.links.settle(key, leaving_device=leaving_device)
-        low.delete(dels)
-        return accepted
+        return low.settle(key, leaving_device)
 
     def enqueue(self, m: Move) -> None:
         """Hand a demotion to the background thread. The item holds `key` below from now
         until it is placed, so a key moving between tiers is never taken for gone."""
         low = self.lower
-        with low.lock:
-            low.links.hold(m.key, m.parent)
+        low.hold(m.key, m.parent, m.salt, m.owner)
         if self.worker is None:
             try:
                 self.place(m, cascade=not self.write_through, owned=True)
@@ -144,20 +134,10 @@ class Demoter:
         reused as soon as this returns, so anything queued is copied first. The caller
         holds the key meanwhile and settles it after (a refused key may be gone)."""
         low = self.lower
-        st, idx = low.stores[m.tier], low.indexes[m.tier]
+        st = low.stores[m.tier]
         nxt = m.tier + 1 if cascade and m.tier + 1 < len(low.stores) else None
-        with low.lock:
-            if low.flushed(m.owner) != m.gen:  # its tenant was flushed meanwhile
-                return
-            if low.links.orphan(m.parent):  # its parent left while it waited in the queue
-                low.counters.orphans_dropped += 1
-                return
-            e = idx.get(m.key)
-            if e is not None:
-                # Already there (a key names its KV): refresh it. Rewriting would hide the
-                # entry from readers while the store replaces it (a load then misses).
-                idx.touch(e, low.clock())
-                return
+        if not low.placeable(m.tier, m.key, m.parent, m.owner, m.gen):
+            return
         if not st.available():
             self._pass_down(m, nxt, owned)
             return
@@ -166,19 +146,10 @@ class Demoter:
         if not st.put(m.key, m.kv, m.salt):
             self._pass_down(m, nxt, owned)
             return
-        with low.lock:
-            # Checked again: making room above may have dropped the parent meanwhile,
-            # and a flush of its tenant may have run while it was written.
-            orphan = low.links.orphan(m.parent) or low.flushed(m.owner) != m.gen
-            if not orphan and idx.insert(m.key, m.salt, m.tokens, need, low.clock(),
-                                         low.links.children(m.key), m.owner, m.parent):
-                low.links.hold(m.key, m.parent)
-        if orphan:
-            low.counters.orphans_dropped += 1
+        # Checked again: making room above may have dropped the parent meanwhile, and a
+        # flush of its tenant may have run while it was written.
+        if not low.commit(m.tier, m.key, m.salt, m.tokens, need, m.owner, m.parent, m.gen):
             st.delete(m.key, m.salt)
-            return
-        low.demotions[m.tier] += 1
-        low.counters.demotions += 1
 
     def _pass_down(self, m: Move, nxt: int | None, owned: bool) -> None:
         """`m.tier` refused the block: the next tier gets it, if there is one."""
@@ -191,30 +162,17 @@ class Demoter:
         """Evict `tier`'s coldest entries until `need` more bytes fit (for `key`, whose
         own old entry's bytes count as free), handing them to `nxt` when it is up."""
         low = self.lower
-        st, idx = low.stores[tier], low.indexes[tier]
-        victims: list[tuple[bytes, TierEntry, bytes | None, object]] = []
-        with low.lock:
-            freed = 0
-            held = idx.sizes.get(key, 0)
-            while st.used_bytes() - held - freed + need > st.capacity_bytes:
-                v = idx.victim()
-                if v is None or v.key is None:
-                    break
-                freed += idx.sizes.get(v.key, 0)
-                owner = idx.owners.get(v.key, UNKNOWN_OWNER)
-                idx.remove(v.key)
-                # Its holding stays until it is handed down or dropped (released below).
-                victims.append((v.key, v, low.links.parent.get(v.key), owner))
-        for vkey, v, vparent, vowner in victims:
+        st = low.stores[tier]
+        for vkey, tokens, salt, parent, owner in low.evict_for(tier, key, need):
             try:
                 if nxt is not None and low.stores[nxt].available():
-                    t = st.get(vkey, v.salt)
+                    t = st.get(vkey, salt)
                     if t is not None:
-                        self.enqueue(Move(nxt, vkey, v.salt, v.num_tokens, t, vparent,
-                                          vowner, low.flushed(vowner)))
+                        self.enqueue(Move(nxt, vkey, salt, tokens, t, parent, owner,
+                                          low.flushed(owner)))
                 elif tier == len(low.stores) - 1:
                     low.counters.dropped_bottom += 1
-                st.delete(vkey, v.salt)
+                st.delete(vkey, salt)
                 low.evictions[tier] += 1
             finally:
                 low.release(vkey)

@@ -2,8 +2,9 @@
 then host, disk and Redis stores below it (docs/tiers.md).
 
 `TieredCache` wires the parts, each in its own module:
-- `lower.LowerTiers`: the stores with their indexes (`index.TierIndex`), the prefix links
-  across them (`links.PrefixLinks`), the counters and the one lock they share;
+- `client.TierClient`: the narrow interface (lookup, load, save) over `lower.LowerTiers`,
+  the stores with the one index of what they hold (`index.KeyIndex`: per key its tiers,
+  parent, salt and owner; per tier its eviction order, `index.TierIndex`);
 - `demotion.Demoter`: blocks the device evicts go down, through a queue and its thread;
 - `cost.LoadCost`: load or recompute, from measured transfers and the prefill speed;
 - `loads.Reads` and `promotion.Promoter`: prefetch plans, loader threads, and the loads
@@ -55,7 +56,7 @@ class TieredCache:
         client.move_on_load = spec.mode == "exclusive"
         self.lower = low = client.lower
         self.indexes: list[TierIndex] = low.indexes
-        self.links = low.links
+        self.keys = low.keys  # the one index of what lies below
         self.counters: TierCounters = low.counters
         self.tier_hit_blocks = low.hit_blocks
         self.tier_demotions = low.demotions

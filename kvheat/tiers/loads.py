@@ -170,7 +170,7 @@ class Reads:
         with low.lock:
             for s in steps:
                 if isinstance(s.entry, TierEntry):  # (a peer's entry is not ours to pin)
-                    low.indexes[s.tier].unpin(s.entry, now)
+                    low.unpin(s.tier, s.entry, now)
                 slot = s.result
                 if slot is None:
                     continue
