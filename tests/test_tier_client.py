@@ -96,12 +96,17 @@ def test_plan_pins_until_release_and_hand_made_plans_load(tmp_path: Path) -> Non
     idx = tc.lower.indexes[0]
     assert all(idx.entries[k].ref_cnt == 1 for k in keys)  # pinned: never evicted
     tc.release(plan)
+    tc.release(plan)  # once only: a second release unpins nothing more
     assert all(idx.entries[k].ref_cnt == 0 for k in keys) and plan.keys == []
     # A plan rebuilt from its keys (another process made it) is looked up at load time.
     want = [pool.read_block(s) for s in range(3)]
     hand = LoadPlan(SALT_A, keys=list(keys), tiers=["host"] * 3, block_tokens=pool.block_size)
     assert tc.load(hand, [5, 6, 7], pool) == 3
     assert all(same_bytes(pool.block_view(s), w) for s, w in zip([5, 6, 7], want, strict=True))
+    tc.release(hand)  # loaded: nothing left to release
+    with pytest.raises(ValueError, match="already"):
+        tc.load(hand, [5, 6, 7], pool)
+    assert all(idx.entries[k].ref_cnt == 0 for k in keys)
     with pytest.raises(ValueError, match="slots"):
         tc.load(tc.lookup(SALT_A, keys, 0), [5], pool)
     assert all(idx.entries[k].ref_cnt == 0 for k in keys)  # a refused load unpins

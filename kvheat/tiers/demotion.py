@@ -62,7 +62,7 @@ class Demoter:
         one (write-through). `kv` may view a device block: it is copied before this
         returns. `parent`: the key before it in its prefix (None for a first block);
         `owner`: the tenant that filled it (flushes); `leaving_device`: the device is
-        evicting it now (else the device's own answer counts, see `PrefixLinks`).
+        evicting it now (else the device's own answer counts, see `KeyIndex`).
         Returns whether a tier holds it or is taking it."""
         low = self.lower
         if not low.stores:
