@@ -224,3 +224,22 @@ def test_one_admission_asks_the_device_cache_once_and_the_tiers_once(
     assert [a.metrics.cached_by_tier.get(tier, 0) for a in again] == [63, 63]
     assert per_admission == [["match_prefix", "lookup", "load"]] * 2
     e.close()
+
+
+def test_a_flush_deletes_a_parent_and_the_children_it_takes_along(tmp_path: Path) -> None:
+    """The engine's tiers on a client that saved a chain parent first: flushing its tenant
+    deletes the parent, whose children go with it (neither tier nor device holds it)."""
+    from kvheat.cache import CacheConfig, KVCacheManager
+    from kvheat.tiers import TieredCache
+
+    pool = random_pool("gqa", 8)
+    mgr = KVCacheManager(CacheConfig(8, pool.block_size))
+    spec = TierSpec(host_blocks=8, calibrate=False)
+    tc = TieredCache(mgr, pool, spec.stores(pool, "tiny-test"), spec)
+    keys, parents = chain(3)
+    salt = mgr.salt_of("a")
+    assert tc.client.save(salt, keys, parents, [0, 1, 2], pool, owner="a") == 3
+    assert tc.purge_tenant("a") == {"host": 3}
+    assert not tc.keys.records and all(tc.client.holds(salt, k) is None for k in keys)
+    assert tc.tiers[0].used_bytes() == 0
+    tc.close()

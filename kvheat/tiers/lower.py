@@ -234,8 +234,8 @@ class LowerTiers:
             mine = [k for k in idx.entries if st.ns(records[k].salt) == ns
                     and (not shared or records[k].owner in (tenant, UNKNOWN_OWNER))]
             for k in mine:
-                rec = records[k]
-                if self.keys.remove(t, k) is not None:
+                rec = records.get(k)  # None: gone with an ancestor just now
+                if rec is not None and self.keys.remove(t, k) is not None:
                     dels.append((t, k, rec.salt))
                     dels += self.keys.release(k)
         return dels
