@@ -66,6 +66,9 @@ def test_saved_blocks_load_into_other_slots_byte_identical(layout: str, where: s
 
     # Another tenant's salt finds nothing, and a lookup past the device prefix starts there.
     assert tc.lookup(SALT_B, keys, 0).keys == []
+    if where == "host":  # the same key names one block: another salt's save is refused
+        assert tc.save(SALT_B, keys[:1], [None], [5], pool) == 0
+        assert tc.holds(SALT_B, keys[0]) is None and tc.holds(SALT_A, keys[0]) == "host"
     plan = tc.lookup(SALT_A, keys, 1)
     assert plan.keys == keys[1:] and len(plan.tiers) == 3 and plan.tokens == 3 * pool.block_size
     tc.release(plan)

@@ -217,8 +217,10 @@ class TierClient:
              slots: Sequence[int], device: DeviceBlocks, owner: object = _SALT) -> int:
         """Copy device blocks `slots[i]` (full blocks, keyed `keys[i]`, whose prefix's
         previous key is `parents[i]`) down to the tiers now; slow tiers may be written on
-        a background thread. Returns the blocks accepted. `owner`: the tenant whose flush
-        deletes them (default: the salt)."""
+        a background thread. Returns the blocks accepted. A key is stored once, under the
+        salt it first came with: keys must differ between salts (kvheat's do: the salt
+        seeds the first block's key). `owner`: the tenant whose flush deletes them
+        (default: the salt)."""
         if not len(keys) == len(parents) == len(slots):
             raise ValueError(f"{len(keys)} keys, {len(parents)} parents, {len(slots)} slots")
         if device.bytes_per_block != self.block_bytes:

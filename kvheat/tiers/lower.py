@@ -118,11 +118,14 @@ class LowerTiers:
         with self.lock:
             self.keys.hold(key, parent, salt, owner)
 
-    def settle(self, key: bytes, leaving_device: bool) -> bool:
-        """After a demotion of `key`: is it held below? If not, nor on the device, its
-        descendants below go (deleted here)."""
+    def settle(self, key: bytes, salt: str | None, leaving_device: bool) -> bool:
+        """After a demotion of `key`: is it held below in `salt`'s namespace? If it is held
+        nowhere, nor on the device, its descendants below go (deleted here)."""
         with self.lock:
-            held = key in self.keys
+            rec = self.keys.record(key)
+            # A key found at start-up keeps its namespace digest: that tenant's or not,
+            # a read checks it. Another salt's key of the same name is not this block.
+            held = rec is not None and (rec.salt == salt or isinstance(rec.salt, bytes))
             dels = self.keys.settle(key, leaving_device=leaving_device)
         self.delete(dels)
         return held
