@@ -227,8 +227,10 @@ class LowerTiers:
         return dels
 
     def drop_tenant(self, tenant: str | None, salt: str | None, shared: bool) -> list[Deletion]:
-        """Unindex `tenant`'s entries on every tier (lock held; in a share group only those
-        it filled, and those found at start-up). Returns what to delete from the stores."""
+        """A flush of `tenant`: counted (its demotions queued before it are dropped), and
+        its entries unindexed on every tier (lock held; in a share group only those it
+        filled, and those found at start-up). Returns what to delete from the stores."""
+        self.flushes[tenant] = self.flushed(tenant) + 1
         dels: list[Deletion] = []
         records = self.keys.records
         for t, idx in enumerate(self.indexes):
@@ -242,6 +244,13 @@ class LowerTiers:
                     dels.append((t, k, rec.salt))
                     dels += self.keys.release(k)
         return dels
+
+    def count_hit(self, name: str, tokens: int) -> None:
+        """A prompt got `tokens` from tier `name` (the engine's prompt count)."""
+        t = self.tier_of(name)
+        if t is not None:
+            self.hit_tokens[t] += tokens
+            self.hit_blocks[t] += -(-tokens // self.block_tokens)  # a partial one at most
 
     def count_deleted(self, dels: list[Deletion]) -> None:
         for t, _key, _salt in dels:
