@@ -224,7 +224,6 @@ class Scheduler:
                 if now - seq.arrival >= cfg.aging_s:
                     admit_blocked = True
                 return 0
-            self._dequeued(seq)
             emit(seq, n)
             return n
 
@@ -327,8 +326,9 @@ class Scheduler:
             if not seq.swapped_tokens:
                 self.swap_space.discard(seq.seq_id)
         self.running.remove(seq)
-        # Waiting again, for the very blocks it releases: queued before they are released,
-        # so the policy never takes them for a finished request's.
+        # Waiting again, for the very blocks it releases: queued before they are released
+        # (the cache dequeues it when `_admit` allocates it again), and released with no
+        # outcome: its turn has not ended.
         self._queued(seq)
         self._release(seq)
         seq.status = SeqStatus.WAITING
@@ -342,11 +342,13 @@ class Scheduler:
                  reason: str | None = None) -> None:
         """Free the sequence's blocks; `outcome` (with the finish `reason`) when it ended,
         None when it was preempted (it comes back: the blocks stay queued for it)."""
-        if seq.cache_req is not None:
+        req = seq.cache_req
+        if req is not None:
             if outcome is None or not self.config.cache_hints:
-                self.cache.free(seq.cache_req)
+                req.session = None  # no session: the cache calls no `on_finish`
+                self.cache.free(req)
             else:
-                self.cache.free(seq.cache_req, outcome, reason)
+                self.cache.free(req, outcome, reason)
             seq.cache_req = None
         seq.num_computed = 0
 
@@ -358,7 +360,8 @@ class Scheduler:
             self.cache.queue(self._full_request(seq))
 
     def _dequeued(self, seq: Seq) -> None:
-        """It was admitted or ended while waiting: its queued blocks are no longer owed."""
+        """It ended while waiting: its queued blocks are no longer owed (on admission the
+        cache's `allocate` dequeues it)."""
         if self.config.cache_hints and self.config.prefix_caching != "off":
             self.cache.dequeue(seq.seq_id)
 
