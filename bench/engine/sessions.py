@@ -81,13 +81,13 @@ class SessionRequest:
 @dataclass(slots=True)
 class BenchConfig:
     trace: str = str(TRACE)
-    limit: int = 2000  # trace requests, in time order
-    group: int = 8  # trace blocks per engine block
+    limit: int = 800  # trace requests, in time order
+    group: int = 16  # trace blocks per engine block
     block_size: int = 16
-    output_scale: float = 1 / 32  # answer tokens per trace answer token (512 -> 16)
-    max_output: int = 32
-    num_blocks: int = 384
-    concurrency: int = 8
+    output_scale: float = 1 / 64  # answer tokens per trace answer token
+    max_output: int = 16
+    num_blocks: int = 256
+    concurrency: int = 4
     max_batched_tokens: int = 512
     repeats: int = 3
     seed: int = 0
@@ -329,12 +329,12 @@ def print_table(report: dict[str, Any]) -> None:
 @click.command()
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False), default=str(TRACE),
               show_default=True, help="An agentic trace (Mooncake JSONL with session_id, stop).")
-@click.option("--limit", default=2000, show_default=True, help="Trace requests, in time order.")
-@click.option("--group", default=8, show_default=True,
+@click.option("--limit", default=800, show_default=True, help="Trace requests, in time order.")
+@click.option("--group", default=16, show_default=True,
               help="Consecutive 512-token trace blocks per engine block.")
-@click.option("--num-blocks", default=384, show_default=True, help="Device KV blocks (every arm).")
+@click.option("--num-blocks", default=256, show_default=True, help="Device KV blocks (every arm).")
 @click.option("--block-size", default=16, show_default=True)
-@click.option("--concurrency", default=8, show_default=True, help="Running requests at most.")
+@click.option("--concurrency", default=4, show_default=True, help="Running requests at most.")
 @click.option("--repeats", default=3, show_default=True, help="Whole runs, arm order rotated.")
 @click.option("--arms", default=",".join(DEFAULT_ARMS), show_default=True,
               help=f"From {', '.join(ARMS)}.")
