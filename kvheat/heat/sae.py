@@ -60,7 +60,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from ..cache.node import Node, PolicyRecord
 from ..cache.policy import EvictionPolicy, register_policy
@@ -127,11 +127,11 @@ class SAE(EvictionPolicy):
 
     name = "sae"
 
-    def __init__(self, params: SAEParams | None = None, **kwargs: object) -> None:
+    def __init__(self, params: SAEParams | None = None, **kwargs: Any) -> None:
         super().__init__()
         if params is not None and kwargs:
             raise TypeError("sae: give params or keyword arguments, not both")
-        self.p = params if params is not None else SAEParams(**kwargs)  # type: ignore[arg-type]
+        self.p = params if params is not None else SAEParams(**kwargs)
         self.tick = 0  # logical time: requests seen
         self.scale = 1.0  # true hits / ghost = stored value * scale
         self.ghost: dict[bytes, float] = {}  # key -> ghost score / scale
