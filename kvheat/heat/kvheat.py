@@ -21,7 +21,7 @@ from .counts import HeatClock, HeatFields, HeatRecord
 from .entropy import EntropyTracker
 from .feedback import Feedback
 from .heap import BlockHeap
-from .penalties import EXTENSION, FRESH, PINNED, Penalties
+from .penalties import EXTENSION, FLAG_BITS, FRESH, PINNED, Penalties
 from .reuse import ReuseGapEstimator
 from .sessions import CLASS_SHIFT, MAX_CLASSES, SessionBook
 
@@ -54,7 +54,7 @@ class KVHeat(EvictionPolicy):
                  extension_penalty: float = 2.67, adapt_extension: bool = True,
                  max_count: float = math.inf, entropy_sample: int = 1,
                  penalty_fade: float = 2.0, adapt_mult: bool = True,
-                 session_hints: str = "log", session_rate: bool = True,
+                 session_hints: str = "log", session_rate: bool = True, session_own: bool = True,
                  queue_hints: bool = True) -> None:
         super().__init__()
         if entropy_sample < 1:
@@ -92,6 +92,7 @@ class KVHeat(EvictionPolicy):
             raise ValueError(f"session_hints must be log, linear or off, got {session_hints!r}")
         self.session_hints = session_hints
         self.session_rate = session_rate
+        self.session_own = session_own
         self.book: SessionBook | None = None  # made at the first session hint
         self.queue_hints = queue_hints
         self.queued: dict[bytes, int] = {}  # keys queued requests need -> how many
@@ -108,7 +109,10 @@ class KVHeat(EvictionPolicy):
         if r.gen != clock.gen:
             clock.rescale(r)
         p = self.penalties
-        k = r.count * p.flag[r.flags]
+        st = r.flags
+        k = r.count * p.flag[st]
+        if st >= FLAG_BITS and type(r) is HeatRecord:  # released by a session's request
+            k *= r.own  # its own pace
         return k * p.tail if b.num_tokens < p.block_size else k
 
     def raise_key(self, b: Node, k: float) -> None:
@@ -118,6 +122,8 @@ class KVHeat(EvictionPolicy):
         p = self.penalties
         if b.num_tokens < p.block_size:
             k /= p.tail
+        if r.flags >= FLAG_BITS and type(r) is HeatRecord:
+            k /= r.own
         r.count = k / p.flag[r.flags]
 
     # -- accesses --------------------------------------------------------------------
@@ -239,18 +245,20 @@ class KVHeat(EvictionPolicy):
         book = self.book
         if book is None:
             book = self.book = SessionBook(use_rate=self.session_rate)
-            self.penalties.session = [0.0] * MAX_CLASSES
-            self.penalties.factors()
+            pen = self.penalties
+            # a row of the flag table per class, charging nothing until a class is learned
+            # (copied, not recomputed: a session without ends changes no decision)
+            pen.session = [0.0] * MAX_CLASSES
+            pen.flag = pen.flag[:FLAG_BITS] * MAX_CLASSES
         return book
 
     def on_session(self, session: str, now: float) -> None:
         if self.session_hints == "off":
             return
-        clock = self.clock
-        if now != clock.t:
-            clock.advance(now)
+        # (the clock is not advanced here: the accesses so far are the time, and a session
+        # hint alone, without ends, changes no decision)
         book = self._sessions()
-        if book.came_back(session, clock.v):
+        if book.came_back(session, float(self.clock.accesses)):
             self._session_charges()
 
     def _session_charges(self) -> None:
@@ -272,19 +280,22 @@ class KVHeat(EvictionPolicy):
         if self.session_hints == "off":
             return
         clock = self.clock
-        if now != clock.t:
-            clock.advance(now)
         book = self._sessions()
         c = book.class_of(outcome, reason)
+        own = 1.0
         if session is not None:
             if book.ended_now(session, float(clock.accesses), c):
                 self._session_charges()
+            if self.session_own:
+                own = 2.0 ** (-book.own * self.penalties.scale)
         bits = c << CLASS_SHIFT
         keep = ~(((MAX_CLASSES - 1) << CLASS_SHIFT))
         for b in blocks:
             r = cast("HeatFields | None", b.rec)
             if b.key is not None and r is not None:
                 r.flags = (r.flags & keep) | bits
+                if type(r) is HeatRecord:  # (a vLLM offload chunk is its own record)
+                    r.own = own
 
     def on_queue(self, request_id: str, keys: Sequence[bytes], session: str | None) -> None:
         if not self.queue_hints:

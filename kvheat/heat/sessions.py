@@ -81,8 +81,12 @@ class SessionBook:
         self.classes: dict[tuple[Outcome, str | None], int] = {}
         self.gaps = [GapHistogram() for _ in range(MAX_CLASSES)]  # [0]: every class pooled
         self.charge = [0.0] * MAX_CLASSES  # reuse gaps of age, per class (0: none)
-        self.ended: dict[str, tuple[float, int]] = {}
-        self.ended_old: dict[str, tuple[float, int]] = {}
+        # session -> (virtual time its last request ended, class, own residual, samples)
+        self.ended: dict[str, tuple[float, int, float, int]] = {}
+        self.ended_old: dict[str, tuple[float, int, float, int]] = {}
+        # Sessions back since their last end: (own residual, samples) until they end again.
+        self.live: dict[str, tuple[float, int]] = {}
+        self.own = 0.0  # the own charge of the session that ended last (`ended_now`)
         self.max_sessions = max_sessions
         self.returns = 0
         # Per class, decayed counts of ends and of returns (a session that comes back
@@ -110,10 +114,18 @@ class SessionBook:
             if last is None:
                 return False
         self.returns += 1
-        v_end, c = last
+        v_end, c, resid, n = last
         self.back[c] += 1.0
         self.back[0] += 1.0
         gap = v - v_end
+        # The session's own pace: the mean of log2(its gap / its class's median gap) over
+        # its returns, shrunk toward 0 by one pseudo-sample (`ended_now`).
+        m = self.gaps[c].median
+        if m is not None and gap >= 1:
+            n += 1
+            resid += (math.log2(gap) - m - resid) / n
+        if len(self.live) < self.max_sessions:
+            self.live[session] = (resid, n)
         moved = self.gaps[0].add(gap)
         moved = self.gaps[c].add(gap) or moved
         if moved:
@@ -134,8 +146,10 @@ class SessionBook:
             for i in range(MAX_CLASSES):
                 self.ends[i] *= 0.95
                 self.back[i] *= 0.95
+        resid, n = self.live.pop(session, (0.0, 0))
+        self.own = resid * n / (n + 1)
         ended = self.ended
-        ended[session] = (v, c)
+        ended[session] = (v, c, resid, n)
         if len(ended) >= self.max_sessions:
             self.ended_old, self.ended = ended, {}
         return moved
@@ -143,11 +157,12 @@ class SessionBook:
     def _charges(self) -> None:
         ref = self.gaps[0].median
         ends, back = self.ends, self.back
-        rate_all = (back[0] + 1.0) / (ends[0] + 2.0)
         for c in range(1, MAX_CLASSES):
             m = self.gaps[c].median
             ch = 0.0 if m is None or ref is None else m - ref
             if self.use_rate and ends[c] > 0:
                 # fewer of its sessions come back: its blocks are worth that much less
-                ch += math.log2(rate_all * (ends[c] + 2.0) / (back[c] + 1.0))
+                # (one class alone: the ratio is exactly 1, the charge 0)
+                ch += math.log2(((back[0] + 1.0) * (ends[c] + 2.0))
+                                / ((ends[0] + 2.0) * (back[c] + 1.0)))
             self.charge[c] = ch
