@@ -222,12 +222,15 @@ def _policy(spec: PolicySpec) -> EvictionPolicy:
 def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capacity_tokens: int,
            block_tokens: int = 512, hold: bool = False, prefill_tps: float = 20_000.0,
            decode_tps: float = 50.0, progress: Callable[[int], None] | None = None,
-           time_scale: float = 1.0) -> ReplayResult:
+           time_scale: float = 1.0, hints: bool = True) -> ReplayResult:
     """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks
     (allocated only up to the trace's `footprint_blocks`: the results are the same).
 
     `time_scale` multiplies every timestamp: the same requests in the same order, with
-    traffic `1 / time_scale` times as fast (0.1: ten times the request rate)."""
+    traffic `1 / time_scale` times as fast (0.1: ten times the request rate).
+
+    `hints`: each request carries its session to the cache (the trace's `session_id`);
+    False replays the prompts alone."""
     if not (time_scale > 0 and math.isfinite(time_scale)):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
     pt = trace if isinstance(trace, PreparedTrace) else PreparedTrace(trace, block_tokens)
@@ -258,7 +261,8 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
         if hold:
             while running and running[0][0] <= now[0]:
                 mgr.free(heapq.heappop(running)[2])
-        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant, r.session)
+        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant,
+                                      r.session if hints else None)
         if belady_next is not None and next_use is not None:
             for k, nu in zip(req.keys, belady_next[i]):
                 next_use[k] = nu
