@@ -21,8 +21,11 @@ import math
 
 from .regime import HIGH, LOW
 
-# HeatRecord.flags bits; all but PINNED clear at the block's first reuse.
+# HeatRecord.flags bits; all but PINNED clear at the block's first reuse. Bits 4-6 hold
+# the class of the session end that released the block (kvheat/heat/sessions.py), 0 when
+# no hint said.
 PINNED, ONE_OFF, EXTENSION, FRESH = 1, 2, 4, 8
+FLAG_BITS = 16
 
 
 class Penalties:
@@ -52,6 +55,9 @@ class Penalties:
         self.pin_roots = False
         self.tail = 1.0
         self.flag: list[float] = []
+        # Per session-end class, the age it charges, in reuse gaps (SessionBook); the
+        # table has a row of 16 flag combinations per class once a hint has been seen.
+        self.session: list[float] = [0.0]
         self.factors()
 
     def factors(self) -> None:
@@ -59,8 +65,8 @@ class Penalties:
         scale = self.scale
         self.tail = 2.0 ** (-self.tail_penalty * scale)
         f = []
-        for st in range(16):
-            s = 0.0
+        for st in range(FLAG_BITS * len(self.session)):
+            s = -self.session[st // FLAG_BITS]
             if st & PINNED:
                 s += self.pin_bonus
             if st & ONE_OFF:

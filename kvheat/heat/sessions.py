@@ -1,0 +1,168 @@
+"""What `kvheat` learns of sessions from the request hints (kvheat/cache/hints.py).
+
+A request's end says when its session will be back. An agent whose answer stopped on
+`tool_use` sends the tool's result seconds later; one that stopped on `end_turn` waits for
+its human, minutes or never; a cancelled request's suffix is rarely resent. A server knows
+each of these, and the session each request belongs to.
+
+`SessionBook` turns them into a *shift of the expected return time* (not an override of
+recency, docs/heat.md "Heat and sessions"): a request ends in a class (its outcome and
+finish reason, `MAX_CLASSES` - 1 of them at most, the first seen); when a session comes
+back, the gap since its last request ended, in the policy's virtual time (block accesses),
+is one sample of that class's return gap. Each class keeps a decayed histogram of the
+log2 of its gaps (quarter-octave bins, smoothed every `window` samples, as the workload's
+reuse gap in reuse.py), and its median. A block released by a request of class c is
+charged log2(median_c / median_all) reuse gaps of age: the classes' medians against the
+median return gap of all sessions, so the charges have no unit and no constant, and a
+class whose sessions come back as fast as the rest is charged nothing. Class 0 means no
+hint: its blocks are charged nothing, so without hints the policy decides as before.
+
+Sessions that never come back give no sample; a class whose sessions rarely return is
+charged by the gaps of those that do (a lower bound of its expected return time).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..cache.hints import Outcome
+
+MAX_CLASSES = 8  # class 0 (no hint) and up to 7 finish classes: 3 bits of `HeatRecord.flags`
+CLASS_SHIFT = 4  # where the class sits in `HeatRecord.flags` (bits 4-6)
+CLASS_MASK = (MAX_CLASSES - 1) << CLASS_SHIFT
+
+
+class GapHistogram:
+    """A decayed histogram of log2 gaps and its median (see reuse.py's estimator)."""
+
+    __slots__ = ("hist", "total", "pending", "median", "window", "smoothing", "bpo")
+
+    def __init__(self, window: int = 64, smoothing: float = 0.95, bins_per_octave: int = 4) -> None:
+        self.bpo = bins_per_octave
+        self.hist = [0.0] * (64 * bins_per_octave)
+        self.total = 0.0
+        self.pending = 0
+        self.window = window
+        self.smoothing = smoothing
+        self.median: float | None = None  # log2 of the median gap; None until known
+
+    def add(self, gap: float) -> bool:
+        """One gap (> 0); True when the median was recomputed (every `window` gaps, and at
+        the first `window // 4`, so a class is charged early)."""
+        i = min(len(self.hist) - 1, max(0, int(math.log2(gap) * self.bpo))) if gap >= 1 else 0
+        self.hist[i] += 1.0
+        self.total += 1.0
+        self.pending += 1
+        if self.pending < self.window and not (self.median is None and self.pending >= self.window // 4):
+            return False
+        self.median = self._median()
+        if self.pending >= self.window:
+            self.pending = 0
+            s = self.smoothing
+            self.hist = [h * s for h in self.hist]
+            self.total *= s
+        return True
+
+    def _median(self) -> float:
+        target = 0.5 * self.total
+        acc = 0.0
+        for i, h in enumerate(self.hist):
+            if h > 0 and acc + h >= target:
+                return (i + (target - acc) / h) / self.bpo
+            acc += h
+        return len(self.hist) / self.bpo
+
+
+class SessionBook:
+    """Per session: virtual time and class of its last request's end (two generations of
+    dicts, bounded like the ghost history); per class: its return gaps; the charges."""
+
+    def __init__(self, max_sessions: int = 1 << 16, use_rate: bool = True) -> None:
+        self.classes: dict[tuple[Outcome, str | None], int] = {}
+        self.gaps = [GapHistogram() for _ in range(MAX_CLASSES)]  # [0]: every class pooled
+        self.charge = [0.0] * MAX_CLASSES  # reuse gaps of age, per class (0: none)
+        # session -> (virtual time its last request ended, class, own residual, samples)
+        self.ended: dict[str, tuple[float, int, float, int]] = {}
+        self.ended_old: dict[str, tuple[float, int, float, int]] = {}
+        # Sessions back since their last end: (own residual, samples) until they end again.
+        self.live: dict[str, tuple[float, int]] = {}
+        self.own = 0.0  # the own charge of the session that ended last (`ended_now`)
+        self.max_sessions = max_sessions
+        self.returns = 0
+        # Per class, decayed counts of ends and of returns (a session that comes back
+        # counts once for the class it ended in): the share of its sessions that return.
+        self.ends = [0.0] * MAX_CLASSES
+        self.back = [0.0] * MAX_CLASSES
+        self.n_ends = 0
+        self.use_rate = use_rate
+
+    def class_of(self, outcome: Outcome, reason: str | None) -> int:
+        """The class of a request's end (1..MAX_CLASSES-1; the last one takes every class
+        beyond the first ones seen)."""
+        c = self.classes.get((outcome, reason))
+        if c is None:
+            c = min(len(self.classes) + 1, MAX_CLASSES - 1)
+            self.classes[(outcome, reason)] = c
+        return c
+
+    def came_back(self, session: str, v: float) -> bool:
+        """`session` sends a request at virtual time `v`: one gap sample of the class its
+        last request ended in. True when the charges changed."""
+        last = self.ended.pop(session, None)
+        if last is None:
+            last = self.ended_old.pop(session, None)
+            if last is None:
+                return False
+        self.returns += 1
+        v_end, c, resid, n = last
+        self.back[c] += 1.0
+        self.back[0] += 1.0
+        gap = v - v_end
+        # The session's own pace: the mean of log2(its gap / its class's median gap) over
+        # its returns, shrunk toward 0 by one pseudo-sample (`ended_now`).
+        m = self.gaps[c].median
+        if m is not None and gap >= 1:
+            n += 1
+            resid += (math.log2(gap) - m - resid) / n
+        if len(self.live) < self.max_sessions:
+            self.live[session] = (resid, n)
+        moved = self.gaps[0].add(gap)
+        moved = self.gaps[c].add(gap) or moved
+        if moved:
+            self._charges()
+        return moved
+
+    def ended_now(self, session: str, v: float, c: int) -> bool:
+        """`session`'s request ended in class `c` at virtual time `v`; True when the
+        charges changed (every 64 ends, as the returns' share moved)."""
+        self.ends[c] += 1.0
+        self.ends[0] += 1.0
+        self.n_ends += 1
+        moved = False
+        if self.n_ends % 64 == 0:
+            if self.use_rate:
+                self._charges()
+                moved = True
+            for i in range(MAX_CLASSES):
+                self.ends[i] *= 0.95
+                self.back[i] *= 0.95
+        resid, n = self.live.pop(session, (0.0, 0))
+        self.own = resid * n / (n + 1)
+        ended = self.ended
+        ended[session] = (v, c, resid, n)
+        if len(ended) >= self.max_sessions:
+            self.ended_old, self.ended = ended, {}
+        return moved
+
+    def _charges(self) -> None:
+        ref = self.gaps[0].median
+        ends, back = self.ends, self.back
+        for c in range(1, MAX_CLASSES):
+            m = self.gaps[c].median
+            ch = 0.0 if m is None or ref is None else m - ref
+            if self.use_rate and ends[c] > 0:
+                # fewer of its sessions come back: its blocks are worth that much less
+                # (one class alone: the ratio is exactly 1, the charge 0)
+                ch += math.log2(((back[0] + 1.0) * (ends[c] + 2.0))
+                                / ((ends[0] + 2.0) * (back[c] + 1.0)))
+            self.charge[c] = ch
