@@ -118,6 +118,11 @@ def _check_str(where: str, name: str, v: object) -> str | None:
     return v
 
 
+def _stop(where: str, v: object) -> str | None:
+    """A finish reason: a string, or null or "" for none recorded."""
+    return None if v == "" else _check_str(where, "stop", v)
+
+
 def parse_request(where: str, d: object, block_tokens: int) -> TraceRequest:
     """One Mooncake request (a decoded JSON line), every field type- and range-checked:
     `hash_ids` a non-empty list of block ids in [0, 2**64), `input_length` an integer
@@ -142,7 +147,7 @@ def parse_request(where: str, d: object, block_tokens: int) -> TraceRequest:
     ts = check_time(where, "timestamp", d.get("timestamp", 0))
     return TraceRequest(ts, n, out, ids, _check_str(where, "session_id", d.get("session_id")),
                         _check_str(where, "tenant", d.get("tenant")),
-                        _check_str(where, "stop", d.get("stop")))
+                        _stop(where, d.get("stop")))
 
 
 def load_trace(path: str | Path, block_tokens: int = 512, limit: int | None = None) -> list[TraceRequest]:
@@ -354,8 +359,7 @@ def _session_requests(where: str, d: dict, session: str, start: float, base: flo
             raise TraceError(f"{at}: {len(local)} blocks of {KV_TESTER_BLOCK} tokens are more "
                              f"than its {n_in} input tokens")
         n_out = check_int(at, "out", r.get("out", 0), 0, MAX_COUNT)
-        stop = r.get("stop")
-        stop = _check_str(at, "stop", stop) if stop != "" else None  # "": none recorded
+        stop = _stop(at, r.get("stop"))
         n_groups = len(local) // g
         if n_groups == 0:
             continue  # no full block at this size: nothing the cache could hold
