@@ -167,50 +167,71 @@ def test_outcomes_and_finish_reasons(served: Served) -> None:
 
 
 # ---- the kvheat policy demotes a cancelled request's own blocks --------------------------
+def _cancel_mid_stream(base: str, body: dict, after: int = 1) -> None:
+    """Stream a completion and close the connection after `after` events."""
+    with httpx.Client(base_url=base, timeout=60,
+                      headers={"Authorization": "Bearer none"}) as http, \
+            http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        n = 0
+        for line in resp.iter_lines():
+            n += line.startswith("data: ")
+            if n >= after:
+                return
+        raise AssertionError("the stream ended before the client left")
+
+
 def test_a_cancelled_requests_suffix_leaves_before_a_finished_ones() -> None:
-    """Two requests over one shared head, each with a tail of its own: F finishes, then C
-    is cancelled mid-stream by its client, so C's blocks were released last (an LRU evicts
-    F's first). With hints, the kvheat policy evicts C's own blocks first: those only the
-    cancelled request used (its prompt's tail and what it decoded)."""
-    s = start(ServerConfig(num_blocks=96, threads=1, max_num_seqs=4, policy="kvheat"))
+    """kvheat learns online what a request's end says (kvheat/heat/sessions.py): here
+    sessions whose answer was delivered come back for another turn, and those whose client
+    left never do. Then two requests over one shared head, each with a tail of its own: F
+    finishes, then C is cancelled mid-stream, so C's blocks were released last (an LRU, or
+    kvheat without hints, evicts F's first). With the hints, C's own blocks (its prompt's
+    tail and what it decoded) leave first, and F's stay."""
+    s = start(ServerConfig(num_blocks=256, threads=1, max_num_seqs=4, policy="kvheat"))
     try:
         arm = s.server.router.names[0]
+        base = {"model": MODEL, "ignore_eos": True, "temperature": 0}
+
+        def post(body: dict) -> None:
+            r = httpx.post(s.base + "/v1/completions", timeout=60, json={**base, **body},
+                           headers={"Authorization": "Bearer none"})
+            assert r.status_code == 200, r.text
+
+        for i in range(24):  # 72 request ends: the classes' charges are learned by 64
+            post({"prompt": f"{SYSTEM} Session {i} asks about rivers.", "max_tokens": 2,
+                  "user": f"back-{i}"})
+            _cancel_mid_stream(s.base, {**base, "prompt": f"{SYSTEM} Session {i} goes away.",
+                                        "max_tokens": 64, "user": f"gone-{i}"})
+            post({"prompt": f"{SYSTEM} Session {i} asks about rivers. And lakes?",
+                  "max_tokens": 2, "user": f"back-{i}"})
+        s.wait_idle()
+        # A clean pool (the policy keeps what it learned): only F's and C's blocks follow.
+        s.on_engine_thread(lambda: s.server.worker.engines[arm].flush_tenant(None))
 
         def cached() -> set[bytes]:
             return set(s.server.worker.engines[arm].cache.cached)
 
         head = SYSTEM * 2
-        hdr = {"Authorization": "Bearer none"}
-        r = httpx.post(s.base + "/v1/completions", headers=hdr, timeout=60, json={
-            "model": MODEL, "prompt": head + " Finished: tell me about the rivers of Europe.",
-            "max_tokens": 24, "ignore_eos": True, "temperature": 0, "user": "f"})
-        assert r.status_code == 200
+        post({"prompt": head + " Finished: tell me about the rivers of Europe.",
+              "max_tokens": 24, "user": "f"})
         s.wait_idle()
         after_f = s.on_engine_thread(cached)  # the head, F's tail and what F decoded
-        body = {"model": MODEL, "prompt": head + " Cancelled: tell me about the mountains.",
-                "max_tokens": 64, "stream": True, "ignore_eos": True, "temperature": 0,
-                "user": "c"}
-        with httpx.Client(base_url=s.base, timeout=60, headers=hdr) as http, \
-                http.stream("POST", "/v1/completions", json=body) as resp:
-            n = 0
-            for line in resp.iter_lines():  # until C has decoded a block or more
-                n += line.startswith("data: ")
-                if n >= 20:
-                    break
-            assert n >= 20
+        _cancel_mid_stream(s.base, {**base, "prompt": head + " Cancelled: and the mountains?",
+                                    "max_tokens": 64, "user": "c"}, after=20)
         s.wait_idle()
         c_own = s.on_engine_thread(cached) - after_f
         assert len(c_own) >= 2 and after_f
 
-        def evict() -> tuple[set[bytes], set[bytes]]:
+        def evict() -> tuple[set[bytes], set[bytes], object]:
             cache = s.server.worker.engines[arm].cache
             assert cache.num_referenced == 0
             cache.evict(len(c_own))
             left = set(cache.cached)
-            return after_f - left, c_own & left
+            return after_f - left, c_own & left, getattr(cache.policy, "stats", dict)()
 
-        f_gone, c_left = s.on_engine_thread(evict)
-        assert not f_gone, "a block of the finished request went before the cancelled one's"
+        f_gone, c_left, stats = s.on_engine_thread(evict)
+        assert not f_gone, f"a finished request's block went before the cancelled one's: {stats}"
         assert not c_left
     finally:
         stop(s)
