@@ -11,8 +11,9 @@ once and up to as many again wait in the engine's queue, so queued-block hints e
 
 What each arm's cache policy is told (`SchedulerConfig.cache_hints`):
 - hints on: the request's session, the blocks of the requests waiting in the queue, and at
-  the end FINISHED with the trace's stop reason (`tool_use`, `end_turn`; `unknown` where the
-  trace has none), as a server that knows the model's stop reason passes it;
+  the end FINISHED with the trace's finish reason (`tool_use`, `end_turn`), as a server
+  that knows the model's stop reason passes it (where the trace has none, the engine's
+  own: `length`);
 - hints off: none of it (the policy sees what it saw before hints existed).
 
 All arms run in lockstep (one engine step each in turn) on their own busy-time clocks, and
@@ -31,7 +32,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from kvheat.cache import policy_names
 from kvheat.cache.hints import Outcome
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.replay import PreparedTrace, load_trace, replay
-from kvheat.replay.traces import TraceRequest, parse_json_line, read_lines
+from kvheat.replay.traces import TraceRequest
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "agentic" / "agentic_dev.jsonl"
 
@@ -75,7 +76,7 @@ class SessionRequest:
     prompt: list[int]
     max_tokens: int  # answer tokens, as the trace's (scaled)
     session: str
-    stop: str  # the trace's stop reason ("unknown" when it has none)
+    stop: str | None  # the trace's finish reason (None where it has none)
 
 
 @dataclass(slots=True)
@@ -116,17 +117,12 @@ def grouped(trace: list[TraceRequest], group: int, block_size: int, output_scale
 def load_workload(cfg: BenchConfig, vocab_size: int, max_input: int
                   ) -> tuple[list[TraceRequest], list[SessionRequest]]:
     trace = load_trace(cfg.trace, 512, limit=cfg.limit)
-    stops = []  # the trace's stop reasons, line by line (load_trace keeps every line)
-    for lineno, line in read_lines(cfg.trace):
-        d = parse_json_line(cfg.trace, lineno, line)
-        stops.append(str(d.get("stop") or "unknown") if isinstance(d, dict) else "unknown")
-        if len(stops) >= len(trace):
-            break
     kept = grouped(trace, cfg.group, cfg.block_size, cfg.output_scale, cfg.max_output,
                    max_input)
     keep = [r for _, r in kept]
     toks: list[EngineRequest] = materialize(keep, cfg.block_size, vocab_size, cfg.seed)
-    return keep, [SessionRequest(e.prompt, e.max_tokens, e.session or f"r{i}", stops[i])
+    return keep, [SessionRequest(e.prompt, e.max_tokens, e.session or f"r{i}",
+                                 trace[i].finish_reason)
                   for (i, _), e in zip(kept, toks, strict=True)]
 
 
@@ -168,8 +164,10 @@ class ArmRun:
                 i += 1
                 continue
             del self.pending[i]
+            # One token more than the answer when the serving layer ends it (below).
+            extra = 1 if r.stop is not None else 0
             rid = self.engine.add_request(
-                r.prompt, SamplingParams(max_tokens=r.max_tokens + 1, ignore_eos=True),
+                r.prompt, SamplingParams(max_tokens=r.max_tokens + extra, ignore_eos=True),
                 session=r.session if self.arm.hints else None)
             self.live[rid] = idx
             self.busy_sessions.add(r.session)
@@ -186,7 +184,9 @@ class ArmRun:
                 if idx is None:
                     continue
                 r = self.reqs[idx]
-                if tok.index + 1 >= r.max_tokens:
+                if tok.finished:
+                    ended.append(tok.request_id)
+                elif r.stop is not None and tok.index + 1 >= r.max_tokens:
                     # The answer is complete: the serving layer knows why it stopped (the
                     # trace's reason) and ends it so, as the server does on a stop string.
                     engine.abort(tok.request_id, r.stop, Outcome.FINISHED)
@@ -221,16 +221,24 @@ def run_once(model: torch.nn.Module, reqs: list[SessionRequest], arms: list[Arm]
     return [r.result() for r in runs]
 
 
-def bounds(trace: list[TraceRequest], reqs: list[SessionRequest], cfg: BenchConfig
-           ) -> dict[str, float]:
+def bounds(reqs: list[SessionRequest], cfg: BenchConfig) -> dict[str, float]:
     """The same prompts replayed one at a time at the same memory (no running requests
-    holding blocks): Belady's bound, and the online policies without the engine."""
-    pt = PreparedTrace(prompt_trace([EngineRequest(r.prompt, r.max_tokens, r.session)
-                                     for r in reqs], cfg.block_size), cfg.block_size)
+    holding blocks, no answers cached): Belady's bound, and the policies without the
+    engine, with the replayer's hints (the session and the trace's finish reason) where the
+    arm has them."""
+    prompts = prompt_trace([EngineRequest(r.prompt, r.max_tokens, r.session) for r in reqs],
+                           cfg.block_size)
+    pt = PreparedTrace([replace(t, finish_reason=r.stop) for t, r in zip(prompts, reqs,
+                                                                          strict=True)],
+                       cfg.block_size)
     cap = cfg.num_blocks * cfg.block_size
     out = {"infinite": pt.infinite_hit_rate()}
-    for pol in ("belady", "lru", "lruk", "kvheat"):
-        out[pol] = replay(pt, pol, cap, cfg.block_size).hit_rate
+    known = policy_names()
+    for name, pol, hints in (("belady", "belady", False), ("lru", "lru", False),
+                             ("lruk", "lruk", False), ("kvheat", "kvheat", False),
+                             ("kvheat+hints", "kvheat", True), ("sae", "sae", True)):
+        if pol in known:
+            out[name] = replay(pt, pol, cap, cfg.block_size, hints=hints).hit_rate
     return out
 
 
@@ -259,7 +267,7 @@ def run_bench(cfg: BenchConfig, echo: Any = print) -> dict[str, Any]:
     # room for the longest prompt and its answer beside the others' blocks
     max_input = min(mcfg.max_position_embeddings - cfg.max_output - 1,
                     (cfg.num_blocks // 2) * cfg.block_size)
-    trace, reqs = load_workload(cfg, mcfg.vocab_size, max_input)
+    _, reqs = load_workload(cfg, mcfg.vocab_size, max_input)
     known = policy_names()
     notes = []
     arms = []
@@ -286,13 +294,13 @@ def run_bench(cfg: BenchConfig, echo: Any = print) -> dict[str, Any]:
                      "sessions": len({r.session for r in reqs}),
                      "dropped_over_max_input": cfg.limit - len(reqs), "max_input": max_input,
                      "prompt_tokens": sum(len(r.prompt) for r in reqs),
-                     "stops": {s: sum(1 for r in reqs if r.stop == s)
-                               for s in sorted({r.stop for r in reqs})}},
+                     "finish_reasons": {str(s): sum(1 for r in reqs if r.stop == s)
+                                        for s in sorted({r.stop for r in reqs}, key=str)}},
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads()},
         "rounds": rounds,
         "summary": summarize(rounds),
-        "bound": bounds(trace, reqs, cfg),
+        "bound": bounds(reqs, cfg),
         "notes": notes,
     }
 
