@@ -175,3 +175,26 @@ def test_gap_histogram_median() -> None:
     for i in range(256):
         h.add(100.0 if i % 2 else 400.0)
     assert h.median is not None and 6.6 < h.median < 8.7  # between log2 100 and log2 400
+
+
+def test_horizon_charges_follow_the_share_returning_within_the_eviction_age() -> None:
+    book = SessionBook()
+    fast = book.class_of(Outcome.FINISHED, "tool_use")
+    slow = book.class_of(Outcome.FINISHED, "end_turn")
+    v = 0.0
+    for i in range(640):  # fast sessions back after 16 accesses, slow ones after 4096
+        s, c, gap = (f"f{i}", fast, 16.0) if i % 2 else (f"s{i}", slow, 4096.0)
+        book.ended_now(s, v, c)
+        book.came_back(s, v + gap)
+        v += 1
+    book.horizon = 256.0  # a small cache: only the fast ones return in time
+    book._charges()
+    assert book.charge[slow] > book.charge[fast] + 3.0
+    book.horizon = 1e6  # a cache that holds both: both return in time, little to choose
+    book._charges()
+    assert abs(book.charge[slow] - book.charge[fast]) < 0.2
+    h = GapHistogram()
+    for g in (4.0, 16.0, 64.0, 256.0):
+        h.add(g)
+    assert h.share_within(1.0) == 0.0 and h.share_within(20.0) == 1.0  # (log2 ages)
+    assert 0.4 < h.share_within(5.0) < 0.6  # gaps up to 2^5 = 32: two of the four

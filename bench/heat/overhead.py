@@ -9,6 +9,10 @@ after round, so load from other processes falls on all of them alike; each keeps
 best round (lowest median).
 
     .venv/bin/python bench/heat/overhead.py --trace conv --json docs/results/heat/overhead.json
+
+A policy named `NAME+hints` (e.g. `kvheat+hints`) replays with the request hints (sessions,
+finish reasons: bench/heat/hinted.py) and its hint hooks timed too; the others replay
+without.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ if not __package__:  # run as `python bench/heat/overhead.py`: import from the r
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from bench._lib.traces import prepared
+from bench.heat.hinted import hinted, replay_hinted
 from kvheat.cache import make_policy
 from kvheat.replay import replay
 
 HOOKS = ("on_insert", "on_hit", "on_acquire", "on_release", "on_leaf", "victim", "on_evict",
-         "on_acquire_all", "on_release_all")
+         "on_acquire_all", "on_release_all", "on_session", "on_finish", "on_queue", "on_dequeue")
 
 
 def _calibrate(n: int = 200_000) -> float:
@@ -50,8 +55,13 @@ def _calibrate(n: int = 200_000) -> float:
 def measure(trace_name: str, policy: str, capacity_tokens: int) -> dict[str, float]:
     """Replay through the project's replayer with timed hooks; per request, hook time
     divided by the request's block accesses (its `progress` callback closes each one)."""
-    pt = prepared(trace_name)
-    pol = make_policy(policy)
+    hints = policy.endswith("+hints")
+    ht = hinted(trace_name) if hints else None
+    if trace_name == "agentic" or trace_name.startswith("draw"):  # (only hinted.py reads them)
+        pt = hinted(trace_name).prepared
+    else:
+        pt = ht.prepared if ht is not None else prepared(trace_name)
+    pol = make_policy(policy.removesuffix("+hints"))
     acc = [0]
     calls = [0]
     for name in HOOKS:
@@ -75,7 +85,10 @@ def measure(trace_name: str, policy: str, capacity_tokens: int) -> dict[str, flo
             per_access.append(max(0.0, acc[0] - calls[0] * timer_ns) / n / 1000.0)
         acc[0] = calls[0] = 0
 
-    replay(pt, lambda: pol, capacity_tokens, progress=close_request)
+    if ht is not None:
+        replay_hinted(ht, lambda: pol, capacity_tokens, progress=close_request)
+    else:
+        replay(pt, lambda: pol, capacity_tokens, progress=close_request)
     per_access.sort()
     return {"median_us": statistics.median(per_access),
             "p99_us": per_access[int(0.99 * (len(per_access) - 1))],
