@@ -133,20 +133,24 @@ def test_queued_blocks_are_kept_back_while_others_can_go() -> None:
     mgr.free(new)
     assert mgr.match_tokens([0, 1, 2, 3]) == 4  # kept
     assert mgr.match_tokens([10, 11, 12, 13]) == 0  # the next coldest went
-    # Every evictable block queued: one still goes (never OutOfBlocks)
-    for r in (new, reqs[2], reqs[3]):
-        mgr.queue(mgr.make_request("q" + r.request_id, list(r.raw and [0]) or [0]))
-    hog = [mgr.make_request(f"h{i}", [1000 + 4 * i + j for j in range(4)]) for i in range(3)]
-    for h in hog:
-        mgr.queue(mgr.make_request("q" + h.request_id, [1000 + j for j in range(4)]))
-    for i in range(4):
+    # Every cached block queued: they still go, oldest kept-back first, call after call
+    # (never OutOfBlocks while the heap is empty and blocks are kept back)
+    for r in [*reqs[2:], new]:
+        mgr.queue(mgr.make_request("P" + r.request_id, _tokens(r)))
+    assert len(pol.queued) == 4  # w's full block and the other three cached blocks
+    for i in range(6):
         now[0] += 1
         r = mgr.make_request(f"x{i}", [2000 + 4 * i + j for j in range(4)])
         mgr.allocate(r)
         mgr.free(r)
-    mgr.check_invariants()
+        mgr.check_invariants()
     mgr.dequeue("w")
-    assert not pol.queued_by.get("w")
+    assert "w" not in pol.queued_by
+
+
+def _tokens(r) -> list[int]:  # type: ignore[no-untyped-def]
+    raw = r.raw
+    return [int.from_bytes(raw[k:k + 4], "little") for k in range(0, len(raw), 4)]
 
 
 @pytest.mark.parametrize("j", [-3, 4])

@@ -373,17 +373,18 @@ class KVHeat(EvictionPolicy):
         b = self.heap.pop()
         if self.queued and b is not None and b.key in self.queued:
             # A queued request needs it: keep it back while a block no request waits for
-            # is evictable; the last resort when none is.
+            # is evictable.
             held, queued, pop = self.held, self.queued, self.heap.pop
             while b is not None and b.key in queued:
                 held.append(b)
                 b = pop()
-            if b is None:
-                while held:
-                    h = held.pop(0)
-                    if (h.key is not None and h.heap_ver != h.heap_ver and not h.ref_cnt
-                            and not h.num_children):
-                        return h
+        if b is None and self.held:  # the last resort: the blocks kept back, oldest first
+            held = self.held
+            while held:
+                h = held.pop(0)
+                if (h.key is not None and h.heap_ver != h.heap_ver and not h.ref_cnt
+                        and not h.num_children):
+                    return h
         return b
 
     def take_lazy(self, n: int, protected: Container[object]
