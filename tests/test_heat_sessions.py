@@ -140,7 +140,7 @@ def test_queued_blocks_are_kept_back_while_others_can_go() -> None:
     assert len(pol.queued) == 4  # w's full block and the other three cached blocks
     for i in range(6):
         now[0] += 1
-        r = mgr.make_request(f"x{i}", [2000 + 4 * i + j for j in range(4)])
+        r = mgr.make_request(f"x{i}", [2000 + 8 * i + j for j in range(8)])  # 2 blocks
         mgr.allocate(r)
         mgr.free(r)
         mgr.check_invariants()
