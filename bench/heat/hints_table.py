@@ -46,8 +46,8 @@ ABLATION: dict[str, tuple[dict, bool, bool, int]] = {
     "+ end class: share that returns": (
         {"session_hints": "log", "session_own": False}, True, True, 0),
     "+ session's own pace (log2 charges)": ({"session_hints": "log"}, True, True, 0),
-    "end class: returns within the eviction age": ({"session_own": False}, True, True, 0),
-    "+ session's own pace (default)": ({}, True, True, 0),
+    "end class: returns within the eviction age (default)": ({}, True, True, 0),
+    "default + session's own pace": ({"session_own": True}, True, True, 0),
     "default, sessions only (no finish reason)": ({}, True, False, 0),
     "default + queued blocks (1 waiting)": ({}, True, True, 1),
 }

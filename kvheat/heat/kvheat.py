@@ -61,7 +61,7 @@ class KVHeat(EvictionPolicy):
                  max_count: float = math.inf, entropy_sample: int = 1,
                  penalty_fade: float = 2.0, adapt_mult: bool = True,
                  session_hints: str = "horizon", session_rate: bool = True,
-                 session_own: bool = True,
+                 session_own: bool = False,
                  queue_hints: bool = True) -> None:
         super().__init__()
         if entropy_sample < 1:
