@@ -133,20 +133,24 @@ def test_queued_blocks_are_kept_back_while_others_can_go() -> None:
     mgr.free(new)
     assert mgr.match_tokens([0, 1, 2, 3]) == 4  # kept
     assert mgr.match_tokens([10, 11, 12, 13]) == 0  # the next coldest went
-    # Every evictable block queued: one still goes (never OutOfBlocks)
-    for r in (new, reqs[2], reqs[3]):
-        mgr.queue(mgr.make_request("q" + r.request_id, list(r.raw and [0]) or [0]))
-    hog = [mgr.make_request(f"h{i}", [1000 + 4 * i + j for j in range(4)]) for i in range(3)]
-    for h in hog:
-        mgr.queue(mgr.make_request("q" + h.request_id, [1000 + j for j in range(4)]))
-    for i in range(4):
+    # Every cached block queued: they still go, oldest kept-back first, call after call
+    # (never OutOfBlocks while the heap is empty and blocks are kept back)
+    for r in [*reqs[2:], new]:
+        mgr.queue(mgr.make_request("P" + r.request_id, _tokens(r)))
+    assert len(pol.queued) == 4  # w's full block and the other three cached blocks
+    for i in range(6):
         now[0] += 1
-        r = mgr.make_request(f"x{i}", [2000 + 4 * i + j for j in range(4)])
+        r = mgr.make_request(f"x{i}", [2000 + 8 * i + j for j in range(8)])  # 2 blocks
         mgr.allocate(r)
         mgr.free(r)
-    mgr.check_invariants()
+        mgr.check_invariants()
     mgr.dequeue("w")
-    assert not pol.queued_by.get("w")
+    assert "w" not in pol.queued_by
+
+
+def _tokens(r) -> list[int]:  # type: ignore[no-untyped-def]
+    raw = r.raw
+    return [int.from_bytes(raw[k:k + 4], "little") for k in range(0, len(raw), 4)]
 
 
 @pytest.mark.parametrize("j", [-3, 4])
@@ -175,3 +179,26 @@ def test_gap_histogram_median() -> None:
     for i in range(256):
         h.add(100.0 if i % 2 else 400.0)
     assert h.median is not None and 6.6 < h.median < 8.7  # between log2 100 and log2 400
+
+
+def test_horizon_charges_follow_the_share_returning_within_the_eviction_age() -> None:
+    book = SessionBook()
+    fast = book.class_of(Outcome.FINISHED, "tool_use")
+    slow = book.class_of(Outcome.FINISHED, "end_turn")
+    v = 0.0
+    for i in range(640):  # fast sessions back after 16 accesses, slow ones after 4096
+        s, c, gap = (f"f{i}", fast, 16.0) if i % 2 else (f"s{i}", slow, 4096.0)
+        book.ended_now(s, v, c)
+        book.came_back(s, v + gap)
+        v += 1
+    book.horizon = 256.0  # a small cache: only the fast ones return in time
+    book._charges()
+    assert book.charge[slow] > book.charge[fast] + 3.0
+    book.horizon = 1e6  # a cache that holds both: both return in time, little to choose
+    book._charges()
+    assert abs(book.charge[slow] - book.charge[fast]) < 0.2
+    h = GapHistogram()
+    for g in (4.0, 16.0, 64.0, 256.0):
+        h.add(g)
+    assert h.share_within(1.0) == 0.0 and h.share_within(20.0) == 1.0  # (log2 ages)
+    assert 0.4 < h.share_within(5.0) < 0.6  # gaps up to 2^5 = 32: two of the four

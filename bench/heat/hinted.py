@@ -23,6 +23,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -31,7 +32,7 @@ if not __package__:  # run as `python bench/heat/hinted.py`: import from the rep
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from bench._lib import TRACES
-from kvheat.cache import CacheConfig, KVCacheManager, Outcome
+from kvheat.cache import CacheConfig, KVCacheManager, Outcome, Request
 from kvheat.replay import PreparedTrace, load_trace, parse_tokens
 from kvheat.replay.replayer import PolicySpec, _policy, pool_blocks
 from kvheat.replay.traces import TraceRequest
@@ -123,7 +124,7 @@ def agentic_draw(seed: int, n_sessions: int = 120, subagents: bool = True,
         start = rng.uniform(0, 7200)
         remap: dict[int, int] = {}
         t_first = reqs[0][0]
-        for k, (t, n_in, n_out, ids, stop) in enumerate(reqs):
+        for t, _n_in, n_out, ids, stop in reqs:
             ts = start + (t - t_first)
             if t - t_first > 4 * 3600:
                 break
@@ -165,10 +166,12 @@ def hinted(name: str) -> HintedTrace:
 
 
 def replay_hinted(ht: HintedTrace, policy: PolicySpec, capacity_tokens: int,
-                  sessions: bool = True, reasons: bool = True, time_scale: float = 1.0
-                  ) -> dict:
+                  sessions: bool = True, reasons: bool = True, time_scale: float = 1.0,
+                  queue_depth: int = 0, progress: Callable[[int], None] | None = None) -> dict:
     """`kvheat.replay.replay` (one request at a time), passing the trace's sessions on
-    allocate and finish reasons on free where asked. Returns hit rate and counts."""
+    allocate and finish reasons on free where asked. `queue_depth` d: the next d requests
+    wait in the cache's queue (`KVCacheManager.queue`) while one is served, as in a
+    server with d requests waiting. Returns hit rate and counts."""
     pt = ht.prepared
     bt = pt.block_tokens
     num_blocks = capacity_tokens // bt
@@ -182,23 +185,38 @@ def replay_hinted(ht: HintedTrace, policy: PolicySpec, capacity_tokens: int,
     next_use = getattr(pol, "next_use", None) if pol.needs_future else None
     belady = pt.next_use if next_use is not None else None
     t0 = time.perf_counter()
-    for i, r in enumerate(pt.trace):
+    trace = pt.trace
+    waiting: dict[int, Request] = {}
+
+    def make(i: int) -> Request:
+        r = trace[i]
+        return mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant,
+                                       ht.sessions[i] if sessions else None)
+
+    for i, r in enumerate(trace):
         now[0] = r.timestamp_ms * time_scale / 1000.0
-        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant,
-                                      ht.sessions[i] if sessions else None)
+        for j in range(i + 1, min(i + 1 + queue_depth, len(trace))):
+            if j not in waiting:
+                waiting[j] = make(j)
+                mgr.queue(waiting[j])
+        req = waiting.pop(i, None) or make(i)
         if belady is not None and next_use is not None:
             for k, nu in zip(req.keys, belady[i]):
                 next_use[k] = nu
         if len(req.block_tokens) > num_blocks:
+            mgr.dequeue(req.request_id)
             mgr.record_prompt(r.input_length, 0, 0)
-            continue
-        mgr.allocate(req)
-        mgr.free(req, Outcome.FINISHED, ht.reasons[i] if reasons else None)
+        else:
+            mgr.allocate(req)
+            mgr.free(req, Outcome.FINISHED, ht.reasons[i] if reasons else None)
+        if progress is not None:
+            progress(i)
     st = mgr.stats
     return {"trace": ht.name, "policy": pol.name, "capacity_tokens": capacity_tokens,
             "hit_rate": st.hit_rate, "hit_tokens": st.hit_tokens,
             "total_tokens": st.query_tokens, "evictions": st.evicted_blocks,
             "sessions": sessions, "reasons": reasons, "time_scale": time_scale,
+            "queue_depth": queue_depth,
             "seconds": round(time.perf_counter() - t0, 2), "policy_stats": pol.stats()}
 
 

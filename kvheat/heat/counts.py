@@ -44,6 +44,12 @@ class HeatRecord(PolicyRecord):
     # The session's own pace, a factor on the key while the class bits (flags >= 16) are
     # set: only blocks a request hint released carry it (kvheat/heat/sessions.py).
     own: float = 1.0
+    # The session whose requests alone used the block (`SHARED` once two did): only a
+    # block of one session is charged for that session's end.
+    owner: object = None
+
+
+SHARED = object()  # `HeatRecord.owner` of a block two sessions used
 
 
 class HeatClock:

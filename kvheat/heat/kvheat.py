@@ -17,7 +17,7 @@ from typing import cast
 from ..cache.hints import Outcome
 from ..cache.node import Node
 from ..cache.policy import EvictionPolicy, register_policy
-from .counts import HeatClock, HeatFields, HeatRecord
+from .counts import SHARED, HeatClock, HeatFields, HeatRecord
 from .entropy import EntropyTracker
 from .feedback import Feedback
 from .heap import BlockHeap
@@ -39,6 +39,12 @@ class KVHeat(EvictionPolicy):
     is a number of half-lives. Each block's `rec` is its `HeatRecord`. Evicted keys keep
     their count for a while (the ghost history), so a prefix that comes back resumes its
     heat.
+
+    Request hints (kvheat/cache/hints.py), where a caller passes them: a request's end
+    (outcome, finish reason) charges its session's blocks the age its end class has earned
+    (`SessionBook`, sessions.py: the class's return gaps and the share of its sessions that
+    return, the session's own pace); blocks a queued request needs are held back from
+    eviction while any other block can go. Without hints, no decision changes.
     """
 
     name = "kvheat"
@@ -54,7 +60,8 @@ class KVHeat(EvictionPolicy):
                  extension_penalty: float = 2.67, adapt_extension: bool = True,
                  max_count: float = math.inf, entropy_sample: int = 1,
                  penalty_fade: float = 2.0, adapt_mult: bool = True,
-                 session_hints: str = "log", session_rate: bool = True, session_own: bool = True,
+                 session_hints: str = "horizon", session_rate: bool = True,
+                 session_own: bool = False,
                  queue_hints: bool = True) -> None:
         super().__init__()
         if entropy_sample < 1:
@@ -88,8 +95,9 @@ class KVHeat(EvictionPolicy):
         self.ghost_old: dict[bytes, Remembered] = {}
         self.ghost_limit = 0
         self.ghost_hits = 0
-        if session_hints not in ("log", "linear", "off"):
-            raise ValueError(f"session_hints must be log, linear or off, got {session_hints!r}")
+        if session_hints not in ("log", "linear", "horizon", "off"):
+            raise ValueError("session_hints must be log, linear, horizon or off, got "
+                             f"{session_hints!r}")
         self.session_hints = session_hints
         self.session_rate = session_rate
         self.session_own = session_own
@@ -187,6 +195,8 @@ class KVHeat(EvictionPolicy):
             st = 0
         if pen.pin_roots and b.depth == 0:
             st |= PINNED
+        if self.book is not None and type(r) is HeatRecord:
+            r.owner = None  # a new key: no session has used it yet
         r.gen = clock.gen
         r.last = clock.v
         r.flags = st
@@ -263,7 +273,13 @@ class KVHeat(EvictionPolicy):
 
     def _session_charges(self) -> None:
         book, pen = self._sessions(), self.penalties
-        if self.session_hints == "linear":
+        if self.session_hints == "horizon":
+            book.horizon = self.evict_age if self.evictions else None
+            if book.horizon is None:
+                return
+            book._charges()
+            pen.session[:] = book.charge
+        elif self.session_hints == "linear":
             gap = self.gaps.estimate or self.clock.half_life
             ref = book.gaps[0].median
             for c in range(1, MAX_CLASSES):
@@ -286,16 +302,29 @@ class KVHeat(EvictionPolicy):
         if session is not None:
             if book.ended_now(session, float(clock.accesses), c):
                 self._session_charges()
-            if self.session_own:
+            if self.session_own and book.reasons:
+                # the pace within finish classes, once the caller passes finish reasons
+                # (sessions alone pool every kind of wait: measured, it cost points on the
+                # conversation trace, docs/heat.md)
                 own = 2.0 ** (-book.own * self.penalties.scale)
         bits = c << CLASS_SHIFT
-        keep = ~(((MAX_CLASSES - 1) << CLASS_SHIFT))
+        keep = ~((MAX_CLASSES - 1) << CLASS_SHIFT)
         for b in blocks:
             r = cast("HeatFields | None", b.rec)
-            if b.key is not None and r is not None:
-                r.flags = (r.flags & keep) | bits
-                if type(r) is HeatRecord:  # (a vLLM offload chunk is its own record)
-                    r.own = own
+            if b.key is None or r is None:
+                continue
+            if type(r) is HeatRecord:  # (a vLLM offload chunk is its own record)
+                owner = r.owner
+                if owner is not session and session is not None:
+                    if owner is None:
+                        r.owner = owner = session
+                    elif owner is not SHARED and owner != session:
+                        r.owner = owner = SHARED
+                if owner is SHARED:  # a prefix other sessions use too: no one's end
+                    r.flags &= keep
+                    continue
+                r.own = own
+            r.flags = (r.flags & keep) | bits
 
     def on_queue(self, request_id: str, keys: Sequence[bytes], session: str | None) -> None:
         if not self.queue_hints:
@@ -344,17 +373,18 @@ class KVHeat(EvictionPolicy):
         b = self.heap.pop()
         if self.queued and b is not None and b.key in self.queued:
             # A queued request needs it: keep it back while a block no request waits for
-            # is evictable; the last resort when none is.
+            # is evictable.
             held, queued, pop = self.held, self.queued, self.heap.pop
             while b is not None and b.key in queued:
                 held.append(b)
                 b = pop()
-            if b is None:
-                while held:
-                    h = held.pop(0)
-                    if (h.key is not None and h.heap_ver != h.heap_ver and not h.ref_cnt
-                            and not h.num_children):
-                        return h
+        if b is None and self.held:  # the last resort: the blocks kept back, oldest first
+            held = self.held
+            while held:
+                h = held.pop(0)
+                if (h.key is not None and h.heap_ver != h.heap_ver and not h.ref_cnt
+                        and not h.num_children):
+                    return h
         return b
 
     def take_lazy(self, n: int, protected: Container[object]
