@@ -114,17 +114,24 @@ def run(j: tuple[str, int, str, str, bool]) -> dict:
             "wall_s": round(time.perf_counter() - t0, 2), **r.as_dict()}
 
 
-def run_all(js: list[tuple[str, int, str, str, bool]], workers: int) -> list[dict]:
+def run_all(js: list[tuple[str, int, str, str, bool]], workers: int, path: Path,
+            extra: dict) -> list[dict]:
+    """Run the jobs, merging each result into `path` as it comes (a run cut short keeps
+    what it finished)."""
     done = []
+
+    def got(r: dict) -> None:
+        done.append(r)
+        merge(path, [r], extra)
+        print(f"  {r['id']}: {100 * r['hit_rate']:.2f}%", flush=True)
+
     if workers <= 1:
         for j in js:
-            done.append(run(j))
-            print(f"  {done[-1]['id']}: {100 * done[-1]['hit_rate']:.2f}%", flush=True)
+            got(run(j))
         return done
     with ProcessPoolExecutor(workers) as ex:
         for r in ex.map(run, js, chunksize=1):
-            done.append(r)
-            print(f"  {r['id']}: {100 * r['hit_rate']:.2f}%", flush=True)
+            got(r)
     return done
 
 
@@ -254,11 +261,11 @@ def main() -> None:
     js = jobs(traces, caps, modes, a.policies.split(","), a.hint_policies.split(","), a.only)
     print(f"{len(js)} replays, {a.jobs} worker(s)", flush=True)
     t0 = time.time()
-    rows = run_all(js, a.jobs)
     extra = {"block_tokens": BLOCK, "flag_points": FLAG_POINTS,
              "raw_draw": {"offset_s": RAW_DRAW.offset_s, "span_s": RAW_DRAW.span_s,
                           "seed": RAW_DRAW.seed, "copies": RAW_DRAW.copies,
                           "heldout_seeds": [1, 2, 3]}}
+    rows = run_all(js, a.jobs, path, extra)
     if a.scale_check:
         extra |= scale_check([t for t in traces if t in TRACE_NAMES], a.jobs)
         print(f"scale check: moved {extra['scale_check']['moved'] or 'nothing'}")
