@@ -307,11 +307,9 @@ class KVHeat(EvictionPolicy):
                 # (sessions alone pool every kind of wait: measured, it cost points on the
                 # conversation trace, docs/heat.md)
                 own = 2.0 ** (-book.own * self.penalties.scale)
-        pen = self.penalties
-        if own == 1.0 and (len(pen.session) <= c or pen.session[c] == 0.0):
-            # Nothing to charge (one class alone, or a class not yet learned): the blocks
-            # keep no class (their hits and inserts cleared it), and this costs nothing
-            # per block. (Blocks that two sessions use are found only while charging.)
+        if own == 1.0 and len(book.classes) == 1:
+            # One class alone is charged exactly 0 (sessions without finish reasons): the
+            # blocks keep no class (their hits and inserts cleared it), at no cost per block.
             return
         bits = c << CLASS_SHIFT
         keep = ~((MAX_CLASSES - 1) << CLASS_SHIFT)
