@@ -307,6 +307,10 @@ class KVHeat(EvictionPolicy):
                 # (sessions alone pool every kind of wait: measured, it cost points on the
                 # conversation trace, docs/heat.md)
                 own = 2.0 ** (-book.own * self.penalties.scale)
+        if own == 1.0 and len(book.classes) == 1:
+            # One class alone is charged exactly 0 (sessions without finish reasons): the
+            # blocks keep no class (their hits and inserts cleared it), at no cost per block.
+            return
         bits = c << CLASS_SHIFT
         keep = ~((MAX_CLASSES - 1) << CLASS_SHIFT)
         for b in blocks:

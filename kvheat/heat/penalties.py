@@ -65,8 +65,8 @@ class Penalties:
         scale = self.scale
         self.tail = 2.0 ** (-self.tail_penalty * scale)
         f = []
-        for st in range(FLAG_BITS * len(self.session)):
-            s = -self.session[st // FLAG_BITS]
+        for st in range(FLAG_BITS):
+            s = 0.0
             if st & PINNED:
                 s += self.pin_bonus
             if st & ONE_OFF:
@@ -74,7 +74,13 @@ class Penalties:
             if st & EXTENSION:
                 s -= self.extension_penalty
             f.append(2.0 ** (s * scale))
-        self.flag = f
+        # A row per session-end class: the base row times the class's charge (a class
+        # charged 0 repeats the base row exactly).
+        rows = [f]
+        for charge in self.session[1:]:
+            k = 2.0 ** (-charge * scale)
+            rows.append(f if k == 1.0 else [x * k for x in f])
+        self.flag = [x for row in rows for x in row] if len(rows) > 1 else f
 
     def follow_regime(self, mode: str) -> None:
         """The entropy regime's flags: one-offs charged when high, roots pinned when low."""
