@@ -67,6 +67,9 @@ def test_hints_reach_the_policy_and_none_without_them() -> None:
     off = Recorder()
     a = replay(trace, lambda: off, 64, BT, hints=False)
     assert off.calls == []
+    own = Recorder()  # the default: the trace's own session ids only, as always
+    replay(trace, lambda: own, 64, BT)
+    assert own.calls == [("session", "x"), ("finish", "x", Outcome.FINISHED, None)]
     assert a.hit_tokens == replay(trace, "lru", 64, BT, hints=True).hit_tokens
 
 

@@ -252,7 +252,7 @@ def _policy(spec: PolicySpec) -> EvictionPolicy:
 def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capacity_tokens: int,
            block_tokens: int = 512, hold: bool = False, prefill_tps: float = 20_000.0,
            decode_tps: float = 50.0, progress: Callable[[int], None] | None = None,
-           time_scale: float = 1.0, hints: bool = False) -> ReplayResult:
+           time_scale: float = 1.0, hints: bool | None = None) -> ReplayResult:
     """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks
     (allocated only up to the trace's `footprint_blocks`: the results are the same).
 
@@ -262,9 +262,10 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
     `hints` (kvheat/cache/hints.py): each request carries its session to the cache
     (`PreparedTrace.sessions`: the trace's `session_id`, else the one derived from the
     earlier prompt it extends), ends as finished with the trace's finish reason (`stop`)
-    when it has one, and, with `hold`, a request waiting for room is queued. False (the
-    default here; `kvheat replay` passes them unless --no-hints) replays the prompts
-    alone, exactly as before hints existed."""
+    when it has one, and, with `hold`, a request waiting for room is queued (`kvheat
+    replay` does this unless --no-hints). False replays the prompts alone, exactly as
+    before hints existed. None (the default here, so every bench replays as it did)
+    passes the trace's own session ids only, as the replayer always did."""
     if not (time_scale > 0 and math.isfinite(time_scale)):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
     pt = trace if isinstance(trace, PreparedTrace) else PreparedTrace(trace, block_tokens)
@@ -289,6 +290,7 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
     classifier = MissClassifier(bt, bits=None)
     plain_keys = pt.plain_keys
     sessions = pt.sessions if hints else None
+    own_sessions = hints is None
     reqs = pt.trace
 
     def finish(i: int, req: Request) -> None:
@@ -305,8 +307,8 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
             while running and running[0][0] <= now[0]:
                 _, j, done = heapq.heappop(running)
                 finish(j, done)
-        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant,
-                                      sessions[i] if sessions is not None else None)
+        session = sessions[i] if sessions is not None else r.session if own_sessions else None
+        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant, session)
         if belady_next is not None and next_use is not None:
             for k, nu in zip(req.keys, belady_next[i]):
                 next_use[k] = nu
