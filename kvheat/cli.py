@@ -123,9 +123,35 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of hit rate against capacity here.")
 @click.option("--misses/--no-misses", default=True, help="Print the miss breakdown.")
-@click.option("--format", "fmt", type=click.Choice(["auto", "mooncake", "vllm-events", "vllm-log"]),
+@click.option("--format", "fmt", type=click.Choice(["auto", "mooncake", "vllm-events", "vllm-log",
+                                                    "kv-cache-tester"]),
               default="auto", show_default=True,
-              help="TRACE's format: Mooncake JSONL, vLLM KV events (JSON lines) or a vLLM request log.")
+              help="TRACE's format: Mooncake JSONL, vLLM KV events (JSON lines), a vLLM request "
+                   "log, or kv-cache-tester's agentic session files (TRACE a folder of "
+                   "trace_*.json, or its parent with raw/, or one file).")
+@click.option("--group", type=click.IntRange(min=1), default=None,
+              help="kv-cache-tester: 64-token blocks per block, full groups only [default: "
+                   "--block-tokens / 64, i.e. 8]; sets --block-tokens to 64 x N.")
+@click.option("--session-offset-s", type=click.FloatRange(min=0, max=1e9), default=0.0,
+              show_default=True,
+              help="kv-cache-tester: start each session at a random offset in [0, S) seconds "
+                   "(seeded by --seed; 0: all at once).")
+@click.option("--session-span-s", type=POSITIVE, default=None,
+              help="kv-cache-tester: drop requests more than S seconds into their session.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="kv-cache-tester: the seed of the session offsets and of --max-sessions.")
+@click.option("--sessions", "session_names", default=None,
+              help="kv-cache-tester: the session files to read, by stem (trace_0004,...).")
+@click.option("--max-sessions", type=click.IntRange(min=1), default=None,
+              help="kv-cache-tester: draw this many session files at random (seeded).")
+@click.option("--copies", type=click.IntRange(min=1, max=100_000), default=1, show_default=True,
+              help="kv-cache-tester: play each session file N times, each copy its own "
+                   "session (own offset, own blocks).")
+@click.option("--subagents/--no-subagents", default=True, show_default=True,
+              help="kv-cache-tester: replay nested sub-agent sessions.")
+@click.option("--hints/--no-hints", default=True, show_default=True,
+              help="Pass each request's session and finish reason to the cache (when the "
+                   "trace has them); --no-hints replays the prompts alone.")
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="Simulate a cluster: N caches of CAPACITY each behind each --router.")
 @click.option("--router", "routers", default="rr,least-load,prefix-hash,sglang-like,kvheat",
@@ -143,15 +169,19 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
            block_tokens: int, hold: bool, limit: int | None, time_scale: float,
            json_path: str | None, plot_path: str | None, misses: bool, fmt: str,
            replicas: int | None, routers: str, shared_capacity: str | None,
-           prefill_tps: float, decode_tps: float, overload_guard: bool) -> None:
+           prefill_tps: float, decode_tps: float, overload_guard: bool, group: int | None,
+           session_offset_s: float, session_span_s: float | None, seed: int,
+           session_names: str | None, max_sessions: int | None, copies: int,
+           subagents: bool, hints: bool) -> None:
     """Replay TRACE (a Mooncake JSONL file, vLLM's KV events or request log, or 'builtin'
     for the generator) through the cache, or with --replicas through a cluster of caches
     behind each routing policy.
 
     Every line of TRACE is checked (a Mooncake line: hash_ids a non-empty list of integer
     block ids in [0, 2**64), input_length an integer that fits them, output_length an
-    integer >= 0, timestamp a finite number of ms >= 0, session_id and tenant strings);
-    a bad line, like an empty trace, is an error naming the file and line."""
+    integer >= 0, timestamp a finite number of ms >= 0, session_id, tenant and stop
+    strings); a bad line, like an empty trace, is an error naming the file and line. A
+    kv-cache-tester session file is checked the same way, field by field."""
     from rich.progress import Progress
 
     from .cache import policy_names
@@ -159,6 +189,25 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
     from .replay import replay as run_replay
     from .replay.report import plot, print_misses, print_table, summarize, write_json
 
+    if fmt == "auto" and trace != "builtin" and Path(trace).is_dir():
+        fmt = "kv-cache-tester"  # a folder: of session files (a file's format is detected below)
+    tester = [o for o, n in (("--group", "group"), ("--session-offset-s", "session_offset_s"),
+                             ("--session-span-s", "session_span_s"), ("--seed", "seed"),
+                             ("--sessions", "session_names"), ("--max-sessions", "max_sessions"),
+                             ("--copies", "copies"), ("--subagents", "subagents"))
+              if _given(ctx, n)]
+    if tester and fmt != "kv-cache-tester":
+        raise click.UsageError(f"{', '.join(tester)}: only with --format kv-cache-tester")
+    if fmt == "kv-cache-tester":
+        if group is None:
+            if block_tokens % 64:
+                raise click.BadParameter("kv-cache-tester blocks are groups of 64 tokens: "
+                                         "give --group or a multiple of 64", param_hint="--block-tokens")
+            group = block_tokens // 64
+        elif _given(ctx, "block_tokens") and block_tokens != 64 * group:
+            raise click.BadParameter(f"--group {group} makes {64 * group}-token blocks, not "
+                                     f"{block_tokens}", param_hint="--block-tokens")
+        block_tokens = 64 * group
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise click.BadParameter("plots need matplotlib: pip install 'kvheat[plot]'",
                                  param_hint="--plot")
@@ -195,7 +244,16 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
         detected = fmt == "auto"
         try:
             fmt = detect_format(trace) if detected else fmt
-            if fmt == "vllm-events":
+            if fmt == "kv-cache-tester":
+                from .replay.traces import SessionDraw, load_kv_cache_tester
+
+                names = (tuple(_names(session_names, "--sessions", "session"))
+                         if session_names is not None else None)
+                reqs = load_kv_cache_tester(trace, SessionDraw(
+                    group=block_tokens // 64, offset_s=float(session_offset_s), seed=seed,
+                    span_s=session_span_s, sessions=names, max_sessions=max_sessions,
+                    subagents=subagents, copies=copies))
+            elif fmt == "vllm-events":
                 reqs = load_kv_events(trace, block_tokens)
             elif fmt == "vllm-log":
                 reqs = load_vllm_log(trace, block_tokens)
@@ -228,7 +286,8 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
         for c in caps:
             for p in pols:
                 prog.update(task, description=f"{p} @ {c:,} tokens")
-                results.append(run_replay(pt, p, c, block_tokens, hold=hold, time_scale=time_scale))
+                results.append(run_replay(pt, p, c, block_tokens, hold=hold, time_scale=time_scale,
+                                          hints=hints))
                 prog.advance(task, len(reqs))
     summary = summarize(name, block_tokens, pt.infinite_hit_rate(), results)
     print_table(summary)

@@ -9,6 +9,10 @@ after round, so load from other processes falls on all of them alike; each keeps
 best round (lowest median).
 
     .venv/bin/python bench/heat/overhead.py --trace conv --json docs/results/heat/overhead.json
+
+A policy named `NAME+hints` (e.g. `kvheat+hints`) replays with the request hints (sessions,
+finish reasons: bench/heat/hinted.py) and its hint hooks timed too; the others replay
+without.
 """
 
 from __future__ import annotations
@@ -24,23 +28,30 @@ if not __package__:  # run as `python bench/heat/overhead.py`: import from the r
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from bench._lib.traces import prepared
+from bench.heat.hinted import hinted, replay_hinted
 from kvheat.cache import make_policy
 from kvheat.replay import replay
 
 HOOKS = ("on_insert", "on_hit", "on_acquire", "on_release", "on_leaf", "victim", "on_evict",
-         "on_acquire_all", "on_release_all")
+         "on_acquire_all", "on_release_all", "on_session", "on_finish", "on_queue", "on_dequeue")
+
+
+# The timer: wall time, or with `--cpu-time` this thread's CPU time (what other processes
+# on a loaded machine do not add to).
+TIMER = [time.perf_counter_ns]
 
 
 def _calibrate(n: int = 200_000) -> float:
     acc = [0]
+    now = TIMER[0]
 
     def empty() -> None:
         return None
 
     def timed() -> None:
-        t = time.perf_counter_ns()
+        t = now()
         empty()
-        acc[0] += time.perf_counter_ns() - t
+        acc[0] += now() - t
 
     for _ in range(n):
         timed()
@@ -50,17 +61,23 @@ def _calibrate(n: int = 200_000) -> float:
 def measure(trace_name: str, policy: str, capacity_tokens: int) -> dict[str, float]:
     """Replay through the project's replayer with timed hooks; per request, hook time
     divided by the request's block accesses (its `progress` callback closes each one)."""
-    pt = prepared(trace_name)
-    pol = make_policy(policy)
+    hints = policy.endswith("+hints")
+    ht = hinted(trace_name) if hints else None
+    if trace_name == "agentic" or trace_name.startswith("draw"):  # (only hinted.py reads them)
+        pt = hinted(trace_name).prepared
+    else:
+        pt = ht.prepared if ht is not None else prepared(trace_name)
+    pol = make_policy(policy.removesuffix("+hints"))
     acc = [0]
     calls = [0]
+    now = TIMER[0]
     for name in HOOKS:
         fn = getattr(pol, name)
 
         def wrapped(*a, _fn=fn):  # type: ignore[no-untyped-def]
-            t = time.perf_counter_ns()
+            t = now()
             r = _fn(*a)
-            acc[0] += time.perf_counter_ns() - t
+            acc[0] += now() - t
             calls[0] += 1
             return r
 
@@ -75,7 +92,10 @@ def measure(trace_name: str, policy: str, capacity_tokens: int) -> dict[str, flo
             per_access.append(max(0.0, acc[0] - calls[0] * timer_ns) / n / 1000.0)
         acc[0] = calls[0] = 0
 
-    replay(pt, lambda: pol, capacity_tokens, progress=close_request)
+    if ht is not None:
+        replay_hinted(ht, lambda: pol, capacity_tokens, progress=close_request)
+    else:
+        replay(pt, lambda: pol, capacity_tokens, progress=close_request)
     per_access.sort()
     return {"median_us": statistics.median(per_access),
             "p99_us": per_access[int(0.99 * (len(per_access) - 1))],
@@ -88,8 +108,12 @@ def main() -> None:
     ap.add_argument("--policies", default="lru,arc,s3fifo,twoq,lruk,kvheat")
     ap.add_argument("--capacity", default="1M")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time hooks by this thread's CPU time (a loaded machine)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    if a.cpu_time:
+        TIMER[0] = time.thread_time_ns
     cap = int(float(a.capacity.rstrip("M")) * 1_000_000)
     rows = []
     print(f"{'policy':10s} {'median µs':>10s} {'p99 µs':>8s} {'mean µs':>8s}  (per block access, {a.trace} @ {a.capacity})")

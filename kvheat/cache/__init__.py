@@ -8,6 +8,7 @@ from . import policies  # noqa: F401  (registers the baseline policies)
 from .block import Block
 from .ghost import Ghost
 from .hashing import block_keys, chain_key, root_key, tokens_to_bytes
+from .hints import Outcome
 from .manager import KVCacheManager
 from .node import Node, NodeQueue, PolicyRecord
 from .policy import PARKED, EvictionPolicy, make_policy, policy_names, register_policy
@@ -24,7 +25,7 @@ from .request import (
 
 __all__ = [
     "PARKED", "Block", "CacheConfig", "CacheError", "CacheStats", "EvictionPolicy",
-    "Ghost", "KVCacheManager", "Node", "NodeQueue", "OutOfBlocks", "PolicyRecord",
+    "Ghost", "KVCacheManager", "Node", "NodeQueue", "OutOfBlocks", "Outcome", "PolicyRecord",
     "PromptTooLong", "Request", "UnknownRequest",
     "block_keys", "chain_key", "hit_rate", "make_policy", "policy_names", "register_policy",
     "root_key", "tokens_to_bytes",

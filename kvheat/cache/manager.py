@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from .block import Block
 from .hashing import block_keys, chain_key, root_key, tenant_salt, tokens_to_bytes, trace_block_keys
 from .hashing import scoped_root as _scoped_root
+from .hints import Outcome, check_reason, check_session
 from .policy import EvictionPolicy
 from .pool import BlockPool, check_invariants
 from .request import (
@@ -37,6 +38,7 @@ class KVCacheManager:
         self.requests: dict[str, Request] = {}
         self.pins: dict[str, Request] = {}  # pinned prefixes: holders of an extra reference
         self.tenants = TenantQuotas(self.pool)
+        self.queued: dict[str, Request] = {}  # requests waiting for admission (`queue`)
         self._roots: dict[tuple[str | None, str | None], bytes] = {}
 
     # ---- the pool, as callers read it -------------------------------------------------
@@ -132,6 +134,7 @@ class KVCacheManager:
                      scope: bytes | None = None) -> Request:
         """A request from token ids; its full blocks are hashed here, once. `scope`: see
         `scoped_root`."""
+        check_session(session)
         raw = bytearray(tokens_to_bytes(list(tokens)))
         root = self.scoped_root(tenant, lora, scope)
         keys, contents = block_keys(bytes(raw), self.block_size, root)
@@ -145,6 +148,7 @@ class KVCacheManager:
                             tenant: str | None = None, session: str | None = None) -> Request:
         """A request from a trace's block ids (each already names a prefix); the last block
         holds the remaining, possibly partial, token count and is cacheable too."""
+        check_session(session)
         bs = self.block_size
         n_blocks = len(block_ids)
         if n_blocks == 0 or num_tokens > n_blocks * bs or num_tokens <= (n_blocks - 1) * bs:
@@ -198,6 +202,10 @@ class KVCacheManager:
             if n_new > can_free:
                 raise OutOfBlocks(f"request needs {n_new} new blocks; only {can_free} are not in use")
         now = pool.clock()
+        if self.queued and req.request_id in self.queued:
+            self.dequeue(req.request_id)  # admitted
+        if req.session is not None:
+            pool.policy.on_session(req.session, now)
         hit_tokens = pool.acquire(hit, now)
         blocks = list(hit)
         if n_new:  # on OutOfBlocks (a tenant held to its quota) the pool undid it all
@@ -246,6 +254,8 @@ class KVCacheManager:
             req.block_tokens.append(0)
             new_ids.append(b.block_id)
         # Fill counts, and cache each block that became full.
+        if req.session is not None:
+            pool.policy.on_session(req.session, now)
         first = n_old // bs
         for i in range(first, n_blocks_needed):
             cnt = min(bs, n_total - i * bs)
@@ -283,14 +293,44 @@ class KVCacheManager:
         del req.keys[from_block:], req.contents[from_block:]
         return n
 
-    def free(self, req: Request | str) -> None:
-        """Release a request's blocks, tail-first, so its first block ends most recent."""
+    def free(self, req: Request | str, outcome: Outcome | str = Outcome.FINISHED,
+             finish_reason: str | None = None) -> None:
+        """Release a request's blocks, tail-first, so its first block ends most recent.
+        `outcome` (delivered or cancelled) and `finish_reason` (the model's stop reason as
+        the server knows it: "stop", "length", "tool_use", "end_turn", ...) reach the
+        policy (`on_finish`) with the request's session, when any of them is a hint."""
+        outcome = Outcome.parse(outcome)
+        finish_reason = check_reason(finish_reason)
         rid = req if isinstance(req, str) else req.request_id
         r = self.requests.pop(rid, None)
         if r is None:
             raise UnknownRequest(f"free of unknown request {rid!r}")
-        self.pool.release(r.blocks)
+        pool = self.pool
+        if r.session is not None or outcome is not Outcome.FINISHED or finish_reason is not None:
+            pool.policy.on_finish(r.blocks, r.session, outcome, finish_reason, pool.clock())
+        pool.release(r.blocks)
         r.blocks = []
+
+    # ---- the waiting queue (a hint) -----------------------------------------------------
+    def queue(self, req: Request) -> None:
+        """`req` waits for admission and will need its blocks: the policy learns their keys
+        (`on_queue`) until `dequeue` or `allocate` of the same request id. Queuing an id
+        again replaces the earlier entry."""
+        if not isinstance(req, Request):
+            raise TypeError(f"queue takes a Request, got {type(req).__name__}")
+        if req.request_id in self.queued:
+            self.dequeue(req.request_id)
+        self.queued[req.request_id] = req
+        self.pool.policy.on_queue(req.request_id, req.keys, req.session)
+
+    def dequeue(self, request_id: str) -> bool:
+        """The queued request was admitted, cancelled or dropped; returns whether it was
+        queued (dequeuing an id that is not is harmless: an engine may call it for every
+        request it admits)."""
+        if self.queued.pop(request_id, None) is None:
+            return False
+        self.pool.policy.on_dequeue(request_id)
+        return True
 
     # ---- tenants and pins ---------------------------------------------------------------
     def set_tenant_quota(self, tenant: str | None, blocks: int | None) -> int:

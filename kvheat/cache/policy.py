@@ -17,9 +17,10 @@ own `_BUILTIN_PLUGINS` (so a source checkout that was not reinstalled finds them
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
+from .hints import Outcome
 from .node import Node, NodeQueue
 
 # Where heap-ordered policies park an unevictable block they met: a marker, never filled
@@ -67,6 +68,28 @@ class EvictionPolicy:
     def on_leaf(self, b: Node) -> None:
         """`b` (refcount 0) lost its last cached child and may now be evicted."""
         self._unpark(b)
+
+    # Request hints (`kvheat.cache.hints`). The cache calls these only for a request that
+    # carries a hint (a session, a cancellation, a finish reason, a queue entry), so a
+    # policy that keeps the no-op defaults decides exactly as without hints.
+    def on_session(self, session: str, now: float) -> None:
+        """The blocks hit and inserted next (`on_hit`/`on_acquire`, `on_insert`) are a
+        request of `session`'s: called before the request's cached prefix is acquired and
+        before blocks it decodes are cached, until the next `on_session`."""
+
+    def on_finish(self, blocks: Sequence[Node], session: str | None, outcome: Outcome,
+                  reason: str | None, now: float) -> None:
+        """A request ended (`outcome`; `reason` the model's finish reason when known):
+        `blocks` are those it held, in prefix order, a block with key None being private
+        (it leaves uncached). Called before they are released (`on_release`)."""
+
+    def on_queue(self, request_id: str, keys: Sequence[bytes], session: str | None) -> None:
+        """A request waiting for admission will need the blocks of these keys (in prefix
+        order, cached or not); until `on_dequeue(request_id)`. Queuing an id again
+        replaces its keys (the cache calls `on_dequeue` first)."""
+
+    def on_dequeue(self, request_id: str) -> None:
+        """The queued request was admitted, cancelled or dropped."""
 
     def victim(self) -> Node | None:
         """Remove and return an evictable block, or None when there is none."""

@@ -30,6 +30,10 @@ class SchedulerConfig:
     # Lower tiers: a request arriving with fewer than this many ahead of it in the queue
     # starts its disk / Redis loads at once (its plan pins those entries until it runs).
     prefetch_queue_depth: int = 16
+    # Tell the cache policy what the engine knows of each request: its session, the blocks
+    # of requests waiting in the queue, and how it ended (answered or cancelled, and the
+    # finish reason). Off: the policy sees none of it (as before hints existed).
+    cache_hints: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "scheduler")

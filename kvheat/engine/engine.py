@@ -23,6 +23,7 @@ from ..cache import (
     KVCacheManager,
     make_policy,
 )
+from ..cache.hints import Outcome
 from ..tiers.spec import build_tiers
 from .config import EngineConfig
 from .kv_pool import DeviceKVPool
@@ -181,13 +182,17 @@ class LLMEngine:
                                   eos | set(params.stop_token_ids))
         return rid
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request: its blocks are freed now (full ones stay cached)."""
+    def abort(self, request_id: str, reason: str = "abort",
+              outcome: Outcome = Outcome.CANCELLED) -> None:
+        """End a request now: its blocks are freed (full ones stay cached). By default it
+        was cancelled (the client went away); a caller that ends it because the answer is
+        complete (a stop string matched) says so: `reason` "stop", `outcome` FINISHED, which
+        the cache policy sees as it sees a request the model ended."""
         r = self.requests.get(request_id)
         if r is None:
             raise KeyError(f"unknown request {request_id!r}")
         if r.seq.status is not SeqStatus.FINISHED:
-            self.scheduler.finish(r.seq, "abort")
+            self.scheduler.finish(r.seq, reason, outcome)
             r.metrics.finished = self.clock()
 
     def release(self, request_id: str) -> RequestOutput:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..cache import Block, KVCacheManager, OutOfBlocks, Request
 from ..cache.hashing import prompt_scope, tokens_to_bytes
+from ..cache.hints import Outcome
 from ..cache.misses import MissClassifier
 from .config import SchedulerConfig
 from .load_classes import load_class, share_prefill_budget
@@ -112,6 +113,7 @@ class Scheduler:
             seq.arrival = self.clock()
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        self._queued(seq)
         # Lower tiers: start loading the request's blocks from disk or Redis now, while it
         # waits, so the reads overlap the steps before its admission. Only near the head of
         # the queue: a plan pins its entries on the tiers until the request runs.
@@ -119,15 +121,20 @@ class Scheduler:
                 and len(self.waiting) <= cfg.prefetch_queue_depth:
             self.tiers.prefetch(self._full_request(seq))
 
-    def finish(self, seq: Seq, reason: str) -> None:
-        """End a sequence (done or aborted): its blocks are freed, full ones stay cached."""
+    def finish(self, seq: Seq, reason: str, outcome: Outcome | None = None) -> None:
+        """End a sequence (done or aborted): its blocks are freed, full ones stay cached.
+        `outcome`: whether its answer was delivered, for the cache policy; by default
+        CANCELLED for the engine's own "abort" and "error", else FINISHED."""
         if seq.status is SeqStatus.FINISHED:
             return
+        if outcome is None:
+            outcome = Outcome.CANCELLED if reason in ("abort", "error") else Outcome.FINISHED
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-            self._release(seq)
+            self._release(seq, outcome, reason)
         else:
             self.waiting.remove(seq)
+            self._dequeued(seq)
             if self.tiers is not None:
                 self.tiers.cancel_prefetch(seq.seq_id)  # its pins, if a plan was made
         if seq.swapped_tokens and self.swap_space is not None:
@@ -321,6 +328,10 @@ class Scheduler:
             if not seq.swapped_tokens:
                 self.swap_space.discard(seq.seq_id)
         self.running.remove(seq)
+        # Waiting again, for the very blocks it releases: queued before they are released
+        # (the cache dequeues it when `_admit` allocates it again), and released with no
+        # outcome: its turn has not ended.
+        self._queued(seq)
         self._release(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -329,11 +340,32 @@ class Scheduler:
         self.preemptions_by_tenant[seq.tenant] = self.preemptions_by_tenant.get(seq.tenant, 0) + 1
         self.waiting.append(seq)
 
-    def _release(self, seq: Seq) -> None:
-        if seq.cache_req is not None:
-            self.cache.free(seq.cache_req)
+    def _release(self, seq: Seq, outcome: Outcome | None = None,
+                 reason: str | None = None) -> None:
+        """Free the sequence's blocks; `outcome` (with the finish `reason`) when it ended,
+        None when it was preempted (it comes back: the blocks stay queued for it)."""
+        req = seq.cache_req
+        if req is not None:
+            if outcome is None or not self.config.cache_hints:
+                req.session = None  # no session: the cache calls no `on_finish`
+                self.cache.free(req)
+            else:
+                self.cache.free(req, outcome, reason)
             seq.cache_req = None
         seq.num_computed = 0
+
+    # ---- hints to the cache policy (SchedulerConfig.cache_hints) -----------------------
+    def _queued(self, seq: Seq) -> None:
+        """A waiting sequence will need its blocks: the policy keeps them (its keys are
+        hashed here once, and admission reuses them, see `_full_request`)."""
+        if self.config.cache_hints and self.config.prefix_caching != "off":
+            self.cache.queue(self._full_request(seq))
+
+    def _dequeued(self, seq: Seq) -> None:
+        """It ended while waiting: its queued blocks are no longer owed (on admission the
+        cache's `allocate` dequeues it)."""
+        if self.config.cache_hints and self.config.prefix_caching != "off":
+            self.cache.dequeue(seq.seq_id)
 
     def _full_request(self, seq: Seq) -> Request:
         """The cache's view of the whole sequence (keys of all its full blocks), hashed
@@ -341,7 +373,8 @@ class Scheduler:
         req = seq.full_req
         if req is None or req.num_tokens != len(seq.token_ids):
             req = seq.full_req = self.cache.make_request(
-                seq.seq_id, seq.token_ids, seq.tenant, seq.lora, seq.session,
+                seq.seq_id, seq.token_ids, seq.tenant, seq.lora,
+                seq.session if self.config.cache_hints else None,
                 scope=self.prompt_scope(seq.token_ids[:seq.num_prompt_tokens]))
         return req
 

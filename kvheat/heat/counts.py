@@ -41,6 +41,15 @@ class HeatRecord(PolicyRecord):
     last: float = 0.0  # virtual time of the last access
     gen: int = 0  # index of the (base, λ) `count` is relative to, in `HeatClock.gens`
     flags: int = 0  # PINNED | ONE_OFF | EXTENSION | FRESH (kvheat/heat/penalties.py)
+    # The session's own pace, a factor on the key while the class bits (flags >= 16) are
+    # set: only blocks a request hint released carry it (kvheat/heat/sessions.py).
+    own: float = 1.0
+    # The session whose requests alone used the block (`SHARED` once two did): only a
+    # block of one session is charged for that session's end.
+    owner: object = None
+
+
+SHARED = object()  # `HeatRecord.owner` of a block two sessions used
 
 
 class HeatClock:

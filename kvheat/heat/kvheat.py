@@ -11,17 +11,19 @@ below have the per-access work inlined: they are the hot path of every replay an
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 from typing import cast
 
+from ..cache.hints import Outcome
 from ..cache.node import Node
 from ..cache.policy import EvictionPolicy, register_policy
-from .counts import HeatClock, HeatFields, HeatRecord
+from .counts import SHARED, HeatClock, HeatFields, HeatRecord
 from .entropy import EntropyTracker
 from .feedback import Feedback
 from .heap import BlockHeap
-from .penalties import EXTENSION, FRESH, PINNED, Penalties
+from .penalties import EXTENSION, FLAG_BITS, FRESH, PINNED, Penalties
 from .reuse import ReuseGapEstimator
+from .sessions import CLASS_SHIFT, MAX_CLASSES, SessionBook
 
 # What the ghost history keeps of an evicted block: its record's fields, as a tuple
 # (count, generation, last access, flags).
@@ -37,6 +39,12 @@ class KVHeat(EvictionPolicy):
     is a number of half-lives. Each block's `rec` is its `HeatRecord`. Evicted keys keep
     their count for a while (the ghost history), so a prefix that comes back resumes its
     heat.
+
+    Request hints (kvheat/cache/hints.py), where a caller passes them: a request's end
+    (outcome, finish reason) charges its session's blocks the age its end class has earned
+    (`SessionBook`, sessions.py: the class's return gaps and the share of its sessions that
+    return, the session's own pace); blocks a queued request needs are held back from
+    eviction while any other block can go. Without hints, no decision changes.
     """
 
     name = "kvheat"
@@ -51,7 +59,10 @@ class KVHeat(EvictionPolicy):
                  drift_window: int = 2048, drift_threshold: float = 1.0,
                  extension_penalty: float = 2.67, adapt_extension: bool = True,
                  max_count: float = math.inf, entropy_sample: int = 1,
-                 penalty_fade: float = 2.0, adapt_mult: bool = True) -> None:
+                 penalty_fade: float = 2.0, adapt_mult: bool = True,
+                 session_hints: str = "horizon", session_rate: bool = True,
+                 session_own: bool = False,
+                 queue_hints: bool = True) -> None:
         super().__init__()
         if entropy_sample < 1:
             raise ValueError("entropy_sample must be >= 1")
@@ -84,6 +95,17 @@ class KVHeat(EvictionPolicy):
         self.ghost_old: dict[bytes, Remembered] = {}
         self.ghost_limit = 0
         self.ghost_hits = 0
+        if session_hints not in ("log", "linear", "horizon", "off"):
+            raise ValueError("session_hints must be log, linear, horizon or off, got "
+                             f"{session_hints!r}")
+        self.session_hints = session_hints
+        self.session_rate = session_rate
+        self.session_own = session_own
+        self.book: SessionBook | None = None  # made at the first session hint
+        self.queue_hints = queue_hints
+        self.queued: dict[bytes, int] = {}  # keys queued requests need -> how many
+        self.queued_by: dict[str, Sequence[bytes]] = {}
+        self.held: list[Node] = []  # victims kept back while queued
 
     # -- the key ---------------------------------------------------------------------
     def key(self, b: Node) -> float:
@@ -95,7 +117,10 @@ class KVHeat(EvictionPolicy):
         if r.gen != clock.gen:
             clock.rescale(r)
         p = self.penalties
-        k = r.count * p.flag[r.flags]
+        st = r.flags
+        k = r.count * p.flag[st]
+        if st >= FLAG_BITS and type(r) is HeatRecord:  # released by a session's request
+            k *= r.own  # its own pace
         return k * p.tail if b.num_tokens < p.block_size else k
 
     def raise_key(self, b: Node, k: float) -> None:
@@ -105,6 +130,8 @@ class KVHeat(EvictionPolicy):
         p = self.penalties
         if b.num_tokens < p.block_size:
             k /= p.tail
+        if r.flags >= FLAG_BITS and type(r) is HeatRecord:
+            k /= r.own
         r.count = k / p.flag[r.flags]
 
     # -- accesses --------------------------------------------------------------------
@@ -168,6 +195,8 @@ class KVHeat(EvictionPolicy):
             st = 0
         if pen.pin_roots and b.depth == 0:
             st |= PINNED
+        if self.book is not None and type(r) is HeatRecord:
+            r.owner = None  # a new key: no session has used it yet
         r.gen = clock.gen
         r.last = clock.v
         r.flags = st
@@ -221,6 +250,111 @@ class KVHeat(EvictionPolicy):
             r.count += clock.weight - weight
             r.last = clock.v
 
+    # -- hints (kvheat/cache/hints.py, kvheat/heat/sessions.py) ------------------------
+    def _sessions(self) -> SessionBook:
+        book = self.book
+        if book is None:
+            book = self.book = SessionBook(use_rate=self.session_rate)
+            pen = self.penalties
+            # a row of the flag table per class, charging nothing until a class is learned
+            # (copied, not recomputed: a session without ends changes no decision)
+            pen.session = [0.0] * MAX_CLASSES
+            pen.flag = pen.flag[:FLAG_BITS] * MAX_CLASSES
+        return book
+
+    def on_session(self, session: str, now: float) -> None:
+        if self.session_hints == "off":
+            return
+        # (the clock is not advanced here: the accesses so far are the time, and a session
+        # hint alone, without ends, changes no decision)
+        book = self._sessions()
+        if book.came_back(session, float(self.clock.accesses)):
+            self._session_charges()
+
+    def _session_charges(self) -> None:
+        book, pen = self._sessions(), self.penalties
+        if self.session_hints == "horizon":
+            book.horizon = self.evict_age if self.evictions else None
+            if book.horizon is None:
+                return
+            book._charges()
+            pen.session[:] = book.charge
+        elif self.session_hints == "linear":
+            gap = self.gaps.estimate or self.clock.half_life
+            ref = book.gaps[0].median
+            for c in range(1, MAX_CLASSES):
+                m = book.gaps[c].median
+                pen.session[c] = 0.0 if m is None or ref is None else (2.0 ** m - 2.0 ** ref) / gap
+        else:
+            pen.session[:] = book.charge
+        pen.factors()
+
+    def on_finish(self, blocks: Sequence[Node], session: str | None, outcome: Outcome,
+                  reason: str | None, now: float) -> None:
+        """The request's end class goes on its blocks (the flags' class bits), which the
+        release that follows pushes at their charged key."""
+        if self.session_hints == "off":
+            return
+        clock = self.clock
+        book = self._sessions()
+        c = book.class_of(outcome, reason)
+        own = 1.0
+        if session is not None:
+            if book.ended_now(session, float(clock.accesses), c):
+                self._session_charges()
+            if self.session_own and book.reasons:
+                # the pace within finish classes, once the caller passes finish reasons
+                # (sessions alone pool every kind of wait: measured, it cost points on the
+                # conversation trace, docs/heat.md)
+                own = 2.0 ** (-book.own * self.penalties.scale)
+        if own == 1.0 and len(book.classes) == 1:
+            # One class alone is charged exactly 0 (sessions without finish reasons): the
+            # blocks keep no class (their hits and inserts cleared it), at no cost per block.
+            return
+        bits = c << CLASS_SHIFT
+        keep = ~((MAX_CLASSES - 1) << CLASS_SHIFT)
+        for b in blocks:
+            r = cast("HeatFields | None", b.rec)
+            if b.key is None or r is None:
+                continue
+            if type(r) is HeatRecord:  # (a vLLM offload chunk is its own record)
+                owner = r.owner
+                if owner is not session and session is not None:
+                    if owner is None:
+                        r.owner = owner = session
+                    elif owner is not SHARED and owner != session:
+                        r.owner = owner = SHARED
+                if owner is SHARED:  # a prefix other sessions use too: no one's end
+                    r.flags &= keep
+                    continue
+                r.own = own
+            r.flags = (r.flags & keep) | bits
+
+    def on_queue(self, request_id: str, keys: Sequence[bytes], session: str | None) -> None:
+        if not self.queue_hints:
+            return
+        q = self.queued
+        for k in keys:
+            q[k] = q.get(k, 0) + 1
+        self.queued_by[request_id] = keys
+
+    def on_dequeue(self, request_id: str) -> None:
+        keys = self.queued_by.pop(request_id, None)
+        if keys is None:
+            return
+        q = self.queued
+        for k in keys:
+            n = q[k] - 1
+            if n:
+                q[k] = n
+            else:
+                del q[k]
+        if self.held:  # victims kept back for a queued request: back in the heap
+            held, self.held = self.held, []
+            back = [b for b in held if b.key is not None and b.heap_ver != b.heap_ver]
+            if back:
+                self.heap.push(back)
+
     # -- the heap --------------------------------------------------------------------
     def on_release(self, b: Node, now: float) -> None:
         self.heap.push((b,))
@@ -240,7 +374,22 @@ class KVHeat(EvictionPolicy):
             self.heap.push((b,))
 
     def victim(self) -> Node | None:
-        return self.heap.pop()
+        b = self.heap.pop()
+        if self.queued and b is not None and b.key in self.queued:
+            # A queued request needs it: keep it back while a block no request waits for
+            # is evictable.
+            held, queued, pop = self.held, self.queued, self.heap.pop
+            while b is not None and b.key in queued:
+                held.append(b)
+                b = pop()
+        if b is None and self.held:  # the last resort: the blocks kept back, oldest first
+            held = self.held
+            while held:
+                h = held.pop(0)
+                if (h.key is not None and h.heap_ver != h.heap_ver and not h.ref_cnt
+                        and not h.num_children):
+                    return h
+        return b
 
     def take_lazy(self, n: int, protected: Container[object]
                   ) -> tuple[list[Node], list[Node]]:

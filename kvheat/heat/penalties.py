@@ -21,8 +21,11 @@ import math
 
 from .regime import HIGH, LOW
 
-# HeatRecord.flags bits; all but PINNED clear at the block's first reuse.
+# HeatRecord.flags bits; all but PINNED clear at the block's first reuse. Bits 4-6 hold
+# the class of the session end that released the block (kvheat/heat/sessions.py), 0 when
+# no hint said.
 PINNED, ONE_OFF, EXTENSION, FRESH = 1, 2, 4, 8
+FLAG_BITS = 16
 
 
 class Penalties:
@@ -52,6 +55,9 @@ class Penalties:
         self.pin_roots = False
         self.tail = 1.0
         self.flag: list[float] = []
+        # Per session-end class, the age it charges, in reuse gaps (SessionBook); the
+        # table has a row of 16 flag combinations per class once a hint has been seen.
+        self.session: list[float] = [0.0]
         self.factors()
 
     def factors(self) -> None:
@@ -59,7 +65,7 @@ class Penalties:
         scale = self.scale
         self.tail = 2.0 ** (-self.tail_penalty * scale)
         f = []
-        for st in range(16):
+        for st in range(FLAG_BITS):
             s = 0.0
             if st & PINNED:
                 s += self.pin_bonus
@@ -68,7 +74,13 @@ class Penalties:
             if st & EXTENSION:
                 s -= self.extension_penalty
             f.append(2.0 ** (s * scale))
-        self.flag = f
+        # A row per session-end class: the base row times the class's charge (a class
+        # charged 0 repeats the base row exactly).
+        rows = [f]
+        for charge in self.session[1:]:
+            k = 2.0 ** (-charge * scale)
+            rows.append(f if k == 1.0 else [x * k for x in f])
+        self.flag = [x for row in rows for x in row] if len(rows) > 1 else f
 
     def follow_regime(self, mode: str) -> None:
         """The entropy regime's flags: one-offs charged when high, roots pinned when low."""

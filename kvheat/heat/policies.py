@@ -12,6 +12,7 @@
   docs/heat.md has the measurements behind every default.
 - `lruk` (lruk.py): LRU-K (K=2) with retained history, on the same heap.
 - `fused` (fused.py): sampled eviction by the fused sigmoid-gated score.
+- `sae` (sae.py): Session-Aware Eviction, vLLM PR #50422's proposal, as a baseline.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .fused import Fused
 from .kvheat import KVHeat
 from .lruk import LRUK, LRUKHistory
 from .penalties import EXTENSION, FRESH, ONE_OFF, PINNED
+from .sae import SAE, SAEParams
 
 __all__ = ["EXTENSION", "FRESH", "LRUK", "ONE_OFF", "PINNED", "Fused", "HeatRecord", "KVHeat",
-           "LRUKHistory"]
+           "LRUKHistory", "SAE", "SAEParams"]

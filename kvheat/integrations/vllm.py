@@ -40,6 +40,16 @@ chunk whose load completes stays out of the heap until a request listing it ends
 own cache keeps a running request's blocks referenced), evicted before that only when no
 other chunk is left. docs/vllm.md has the grid behind these defaults.
 
+Request hints (kvheat/cache/hints.py) come from the request's `ReqContext`, which in vLLM
+0.32 carries the client's `kv_transfer_params` and the orchestrator's `kv_hints` envelope
+(and no finish status): the session is `kv_transfer_params["kvheat_session"]`, or the
+payload's `session_id` of a `kv_hints` action of type `kvheat.session`; the outcome and
+finish reason are FINISHED and unknown unless whoever sees the request end (a KV connector's
+`request_finished`, which gets vLLM's `Request`) records them with `record_outcome`. The
+heat policy hears the session before a request's inserts and hits, and the outcome at
+`on_request_finished` before the request's chunks are released, as in kvheat's own cache;
+a request with no hint calls no hint hook (the policy decides exactly as before).
+
 The clock is kvheat's own: block accesses, with one timestamp per request event, so the
 policy reads no wall clock. This module imports vLLM; kvheat itself never does.
 """
@@ -62,11 +72,12 @@ except Exception as e:  # a broken torchvision says what to run, not a traceback
 
     raise import_error(e) from None
 
+from ..cache.hints import Outcome
 from ..cache.node import NodeQueue
 from ..heat.kvheat import KVHeat
-from .vllm_chunk import Chunk, Placement
+from .vllm_chunk import Chunk, Placement, RequestHints, record_outcome, request_hints
 
-__all__ = ["KVHeatCachePolicy"]
+__all__ = ["KVHeatCachePolicy", "RequestHints", "record_outcome", "request_hints"]
 
 
 def _tight(heat: KVHeat, evicted: int, evict_age: float) -> bool:
@@ -149,6 +160,9 @@ class KVHeatCachePolicy(CachePolicy):
         self.placement.begin(req_context)
         self._loading = False
         self._tick += 1.0
+        session = request_hints(req_context).session
+        if session is not None:  # the inserts that follow are this session's
+            self.heat.on_session(session, self._tick)
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
         c = Chunk(key, chunk)
@@ -210,6 +224,9 @@ class KVHeatCachePolicy(CachePolicy):
         present = [c for key in ordered if (c := chunks.get(key)) is not None]
         if self._pend:
             self._flush()  # before any key changes, as when they were marked
+        hints = request_hints(req_context)
+        if hints.session is not None:  # the hits that follow are this session's
+            heat.on_session(hints.session, now)
         hits: list[Chunk] = []  # counted in one call, in order with the moves between
         for c in present:
             if c.key in insertion_only_keys:
@@ -231,6 +248,9 @@ class KVHeatCachePolicy(CachePolicy):
                 hits.append(c)
         if hits:
             heat.on_hit_all(hits, now)
+        if hints.session is not None or hints.outcome is not Outcome.FINISHED \
+                or hints.reason is not None:  # how it ended, before its chunks go back
+            heat.on_finish(present, hints.session, hints.outcome, hints.reason, now)
         if not self.monotone or (self.gated and not _tight(self.heat, self.evicted, self.evict_age)):
             heat.release_all([c for c in reversed(present) if not c.ref_cnt
                               and (c.parked is not None or c.heap_ver != c.heap_ver)])

@@ -15,8 +15,63 @@ from collections.abc import Callable
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
+from ..cache.hints import Outcome, check_reason
 from ..cache.node import Node, PolicyRecord
 from ..heat.penalties import EXTENSION, FRESH
+
+# Where a vLLM request names its session: a key of its `kv_transfer_params` (the OpenAI
+# body's field, passed through by vLLM), or an action of its `kv_hints` envelope.
+SESSION_PARAM = "kvheat_session"
+SESSION_ACTION = "kvheat.session"
+MAX_SESSION_CHARS = 256
+
+
+class RequestHints:
+    """A vLLM request's hints for the heat policy, parsed once and kept in its ReqContext."""
+
+    __slots__ = ("session", "outcome", "reason")
+
+    def __init__(self, session: str | None = None) -> None:
+        self.session = session
+        self.outcome = Outcome.FINISHED
+        self.reason: str | None = None
+
+
+def _session_of(ctx: ReqContext) -> str | None:
+    """The session the request names (`SESSION_PARAM`, else a `SESSION_ACTION` action's
+    `session_id`), or None; a value that is not a string of 1-256 characters is ignored
+    (a hint, never a reason to fail the request)."""
+    found: object = None
+    params = ctx.kv_transfer_params
+    if isinstance(params, dict):
+        found = params.get(SESSION_PARAM)
+    if found is None and ctx.kv_hints is not None:
+        for action in ctx.kv_hints.actions:
+            if action.action_type == SESSION_ACTION and isinstance(action.payload, dict):
+                found = action.payload.get("session_id")
+                break
+    if isinstance(found, str) and 0 < len(found) <= MAX_SESSION_CHARS:
+        return found
+    return None
+
+
+def request_hints(ctx: ReqContext) -> RequestHints:
+    """The request's hints (parsed at its first call, then read from its context)."""
+    h = ctx.get_state(RequestHints)
+    if h is None:
+        h = RequestHints(_session_of(ctx))
+        ctx.set_state(h)
+    return h
+
+
+def record_outcome(ctx: ReqContext, outcome: Outcome | str,
+                   reason: str | None = None) -> None:
+    """How the request ended, for the policy's `on_request_finished` (vLLM 0.32 does not
+    tell a cache policy): for a connector's `request_finished`, from vLLM's `Request`
+    (an aborted request: CANCELLED; else FINISHED with its finish reason)."""
+    h = request_hints(ctx)
+    h.outcome = Outcome.parse(outcome)
+    h.reason = check_reason(reason)
 
 
 class Chunk(Node, PolicyRecord):

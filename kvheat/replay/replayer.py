@@ -18,6 +18,7 @@ from ..cache import (
     CacheConfig,
     EvictionPolicy,
     KVCacheManager,
+    Outcome,
     OutOfBlocks,
     Request,
     hit_rate,
@@ -95,6 +96,7 @@ class PreparedTrace:
             self.keys.append(ks)
             self.block_tokens_of.append([block_tokens] * (n - 1) + [r.input_length - (n - 1) * block_tokens])
         self._next_use: list[list[float]] | None = None
+        self._sessions: list[str] | None = None
         self._plain_keys: list[list[bytes]] | None = None
         self._distinct: int | None = None
 
@@ -116,6 +118,34 @@ class PreparedTrace:
             self._plain_keys = [ks if r.tenant is None else trace_block_keys(plain, r.hash_ids)[0]
                                 for r, ks in zip(self.trace, self.keys)]
         return self._plain_keys
+
+    @property
+    def sessions(self) -> list[str]:
+        """Each request's session: the trace's `session_id`, else the session of the
+        earlier request whose whole prompt (its full blocks) this one extends, the longest
+        such, else a session of its own ("prompt:<index>"). A prompt is continued once: a
+        second request extending it (another conversation on a shared system prompt, a
+        branch) opens a session of its own. A hint a server has too: the chat history's
+        own prefix names the conversation."""
+        if self._sessions is None:
+            bt = self.block_tokens
+            ends: dict[bytes, str] = {}  # key of a prompt's last full block -> its session
+            out: list[str] = []
+            for i, (r, ks, tok) in enumerate(zip(self.trace, self.keys, self.block_tokens_of)):
+                n_full = len(ks) if tok[-1] == bt else len(ks) - 1
+                s = r.session
+                if s is None:
+                    for j in range(n_full - 1, -1, -1):  # the longest earlier prompt first
+                        s = ends.pop(ks[j], None)
+                        if s is not None:
+                            break
+                    else:
+                        s = f"prompt:{i}"
+                if n_full:
+                    ends[ks[n_full - 1]] = s
+                out.append(s)
+            self._sessions = out
+        return self._sessions
 
     @property
     def next_use(self) -> list[list[float]]:
@@ -222,12 +252,20 @@ def _policy(spec: PolicySpec) -> EvictionPolicy:
 def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capacity_tokens: int,
            block_tokens: int = 512, hold: bool = False, prefill_tps: float = 20_000.0,
            decode_tps: float = 50.0, progress: Callable[[int], None] | None = None,
-           time_scale: float = 1.0) -> ReplayResult:
+           time_scale: float = 1.0, hints: bool | None = None) -> ReplayResult:
     """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks
     (allocated only up to the trace's `footprint_blocks`: the results are the same).
 
     `time_scale` multiplies every timestamp: the same requests in the same order, with
-    traffic `1 / time_scale` times as fast (0.1: ten times the request rate)."""
+    traffic `1 / time_scale` times as fast (0.1: ten times the request rate).
+
+    `hints` (kvheat/cache/hints.py): each request carries its session to the cache
+    (`PreparedTrace.sessions`: the trace's `session_id`, else the one derived from the
+    earlier prompt it extends), ends as finished with the trace's finish reason (`stop`)
+    when it has one, and, with `hold`, a request waiting for room is queued (`kvheat
+    replay` does this unless --no-hints). False replays the prompts alone, exactly as
+    before hints existed. None (the default here, so every bench replays as it did)
+    passes the trace's own session ids only, as the replayer always did."""
     if not (time_scale > 0 and math.isfinite(time_scale)):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
     pt = trace if isinstance(trace, PreparedTrace) else PreparedTrace(trace, block_tokens)
@@ -251,14 +289,26 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
     by_kind = dict.fromkeys(MISS_KINDS, 0)
     classifier = MissClassifier(bt, bits=None)
     plain_keys = pt.plain_keys
+    sessions = pt.sessions if hints else None
+    own_sessions = hints is None
+    reqs = pt.trace
+
+    def finish(i: int, req: Request) -> None:
+        if hints:
+            mgr.free(req, Outcome.FINISHED, reqs[i].finish_reason)
+        else:
+            mgr.free(req)
+
     running: list[tuple[float, int, Request]] = []
     t0 = time.perf_counter()
     for i, r in enumerate(pt.trace):
         now[0] = r.timestamp_ms * time_scale / 1000.0
         if hold:
             while running and running[0][0] <= now[0]:
-                mgr.free(heapq.heappop(running)[2])
-        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant, r.session)
+                _, j, done = heapq.heappop(running)
+                finish(j, done)
+        session = sessions[i] if sessions is not None else r.session if own_sessions else None
+        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant, session)
         if belady_next is not None and next_use is not None:
             for k, nu in zip(req.keys, belady_next[i]):
                 next_use[k] = nu
@@ -273,13 +323,16 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
                     mgr.allocate(req, matched)
                     break
                 except OutOfBlocks:  # hold mode: wait for the earliest running request
-                    mgr.free(heapq.heappop(running)[2])
+                    if hints and req.request_id not in mgr.queued:
+                        mgr.queue(req)  # waiting: the policy may keep what it will need
+                    _, j, done = heapq.heappop(running)
+                    finish(j, done)
             classifier.count(kinds, req.block_tokens, len(matched), by_kind)
             if hold:
                 dur = r.input_length / prefill_tps + r.output_length / decode_tps
                 heapq.heappush(running, (now[0] + dur, i, req))
             else:
-                mgr.free(req)
+                finish(i, req)
         if progress is not None:
             progress(i)
     for kind, n in by_kind.items():

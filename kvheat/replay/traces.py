@@ -1,4 +1,5 @@
-"""Trace requests: Mooncake-format JSONL and the built-in multi-turn workload generator.
+"""Trace requests: Mooncake-format JSONL, kv-cache-tester's agentic session files and the
+built-in multi-turn workload generator.
 
 A trace names each request's prompt as a list of block ids; an id names a whole prefix
 (block contents chained), so equal ids at equal positions mean equal prefixes.
@@ -23,6 +24,7 @@ class TraceRequest:
     hash_ids: list[int]
     session: str | None = None
     tenant: str | None = None
+    finish_reason: str | None = None  # the model's stop reason ("tool_use", "end_turn", ...)
 
 
 class TraceError(ValueError):
@@ -116,11 +118,17 @@ def _check_str(where: str, name: str, v: object) -> str | None:
     return v
 
 
+def _stop(where: str, v: object) -> str | None:
+    """A finish reason: a string, or null or "" for none recorded."""
+    return None if v == "" else _check_str(where, "stop", v)
+
+
 def parse_request(where: str, d: object, block_tokens: int) -> TraceRequest:
     """One Mooncake request (a decoded JSON line), every field type- and range-checked:
     `hash_ids` a non-empty list of block ids in [0, 2**64), `input_length` an integer
     that fits them, `output_length` an integer >= 0, `timestamp` (ms) a finite number
-    >= 0, `session_id` and `tenant` strings. Other fields are ignored."""
+    >= 0, `session_id`, `tenant` and `stop` (the finish reason) strings. Other fields are
+    ignored."""
     if not isinstance(d, dict):
         raise TraceError(f"{where}: a request is a JSON object, not {_show(d)}")
     for k in ("hash_ids", "input_length"):
@@ -138,7 +146,8 @@ def parse_request(where: str, d: object, block_tokens: int) -> TraceRequest:
     out = check_int(where, "output_length", d.get("output_length", 0), 0, MAX_COUNT)
     ts = check_time(where, "timestamp", d.get("timestamp", 0))
     return TraceRequest(ts, n, out, ids, _check_str(where, "session_id", d.get("session_id")),
-                        _check_str(where, "tenant", d.get("tenant")))
+                        _check_str(where, "tenant", d.get("tenant")),
+                        _stop(where, d.get("stop")))
 
 
 def load_trace(path: str | Path, block_tokens: int = 512, limit: int | None = None) -> list[TraceRequest]:
@@ -166,7 +175,204 @@ def save_trace(trace: list[TraceRequest], path: str | Path) -> None:
                 d["session_id"] = r.session
             if r.tenant is not None:
                 d["tenant"] = r.tenant
+            if r.finish_reason is not None:
+                d["stop"] = r.finish_reason
             f.write(json.dumps(d) + "\n")
+
+
+# ---- kv-cache-tester's agentic sessions ----------------------------------------------------
+# One JSON file per session (`trace_NNNN.json`, github.com/callanjfox/kv-cache-tester):
+# {"id", "block_size": 64, "hash_id_scope": "local", "requests": [...], ...}; each request
+# has `t` (seconds since the session's start), `type` ("n" main agent, "s" a side request,
+# "subagent": a nested session with its own `requests`, its `t` its start in the
+# parent's clock), `in` / `out` tokens, `hash_ids` (one per full 64-token block, ids local
+# to the file), `stop` (the finish reason). Bounds: a file of at most 512 MiB, sub-agents
+# nested at most 4 deep, 1M requests and 4M block ids per request.
+KV_TESTER_BLOCK = 64
+MAX_SESSION_FILE_BYTES = 512 << 20
+MAX_SUBAGENT_DEPTH = 4
+MAX_SESSION_REQUESTS = 1 << 20
+MAX_REQUEST_BLOCKS = 1 << 22
+
+
+@dataclass(slots=True)
+class SessionDraw:
+    """How `load_kv_cache_tester` turns session files into one trace.
+
+    `group`: 64-token blocks per trace block (8: 512-token blocks, as agentic_dev.jsonl);
+    full groups only, a request's input being the tokens its full groups cover.
+    `offset_s`: each session starts at a uniformly random offset in [0, offset_s) seconds
+    (seeded by `seed`; 0: all at once). `span_s`: drop requests more than this many seconds
+    after their session's start (None: keep all). `sessions`: the file stems to read (None:
+    every `trace_*.json`). `max_sessions`: draw this many of them at random (seeded).
+    `subagents`: replay nested sub-agent sessions, each its own session. `copies`: play
+    each file this many times, each copy a session of its own (own offset, own block ids:
+    as two users' sessions), to make a draw of a few files large enough to fill a cache."""
+
+    group: int = 8
+    offset_s: float = 0.0
+    seed: int = 0
+    span_s: float | None = None
+    sessions: tuple[str, ...] | None = None
+    max_sessions: int | None = None
+    subagents: bool = True
+    copies: int = 1
+
+    def __post_init__(self) -> None:
+        from ..checks import check_fields
+
+        check_fields(self, "kv-cache-tester", error=TraceError)
+        if self.group < 1:
+            raise TraceError("kv-cache-tester: group must be >= 1")
+        if self.offset_s < 0 or (self.span_s is not None and self.span_s <= 0):
+            raise TraceError("kv-cache-tester: offset_s must be >= 0 and span_s > 0")
+        if self.max_sessions is not None and self.max_sessions < 1:
+            raise TraceError("kv-cache-tester: max_sessions must be >= 1")
+        if self.copies < 1:
+            raise TraceError("kv-cache-tester: copies must be >= 1")
+
+    @property
+    def block_tokens(self) -> int:
+        return KV_TESTER_BLOCK * self.group
+
+
+def session_files(path: str | Path) -> list[Path]:
+    """The session files of a kv-cache-tester folder (its `raw/` subfolder when it has
+    one), or the one file given, in name order."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise TraceError(f"{p}: no such file or folder")
+    if (p / "raw").is_dir() and not any(p.glob("trace_*.json")):
+        p = p / "raw"
+    files = sorted(p.glob("trace_*.json"))
+    if not files:
+        raise TraceError(f"{p}: no trace_*.json session files")
+    return files
+
+
+def load_kv_cache_tester(path: str | Path, draw: SessionDraw | None = None) -> list[TraceRequest]:
+    """kv-cache-tester session files (a folder, its `raw/`, or one file) as one trace in
+    time order: each top-level session (and, with `draw.subagents`, each nested sub-agent,
+    started at its `t` in its parent's clock) is a session of its own (`session`:
+    "<file stem>" or "<file stem>/<agent_id>"), all started at `draw`'s seeded offsets.
+    Block ids are grouped `draw.group` to a block (full groups only) and renumbered, one
+    id space per file (a file's sub-agents share its ids, e.g. their system prompt; two
+    files never share a block). Every field is type- and range-checked: a bad one is a
+    `TraceError` naming the file and the request (`requests[3].requests[0]`)."""
+    draw = draw or SessionDraw()
+    import random
+
+    files = session_files(path)
+    if draw.sessions is not None:
+        by_stem = {f.stem: f for f in files}
+        missing = [s for s in draw.sessions if s not in by_stem]
+        if missing:
+            raise TraceError(f"{path}: no session file {', '.join(missing)} "
+                             f"(have {', '.join(sorted(by_stem)[:8])}...)")
+        files = [by_stem[s] for s in draw.sessions]
+    rng = random.Random(draw.seed)
+    if draw.max_sessions is not None and draw.max_sessions < len(files):
+        files = sorted(rng.sample(files, draw.max_sessions))
+    out: list[tuple[float, int, TraceRequest]] = []
+    ids: dict[tuple[int, ...], int] = {}  # (file index, group of local ids) -> block id
+    scope = 0  # one id space per file and copy
+    for f in files:
+        doc = _read_session_file(f)
+        for c in range(draw.copies):
+            start = rng.uniform(0.0, draw.offset_s) if draw.offset_s > 0 else 0.0
+            name = f.stem if draw.copies == 1 else f"{f.stem}#{c}"
+            _session_requests(str(f), doc, name, start, 0.0, scope, draw, ids, out, 0)
+            scope += 1
+    out.sort(key=lambda e: (e[0], e[1]))
+    return [r for _, _, r in out]
+
+
+def _read_session_file(f: Path) -> dict:
+    try:
+        size = f.stat().st_size
+    except OSError as e:
+        raise TraceError(f"{f}: {e.strerror or e}") from None
+    if size > MAX_SESSION_FILE_BYTES:
+        raise TraceError(f"{f}: {size:,} bytes, more than a session file may hold "
+                         f"({MAX_SESSION_FILE_BYTES:,})")
+    try:
+        text = f.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise TraceError(f"{f}: not UTF-8 text") from None
+    except OSError as e:
+        raise TraceError(f"{f}: {e.strerror or e}") from None
+    d = parse_json_line(f, 1, text)
+    if not isinstance(d, dict):
+        raise TraceError(f"{f}: a session file is a JSON object, not {_show(d)}")
+    bs = d.get("block_size", KV_TESTER_BLOCK)
+    if bs != KV_TESTER_BLOCK or type(bs) is not int:
+        raise TraceError(f"{f}: block_size must be {KV_TESTER_BLOCK}, not {_show(bs)}")
+    scope = d.get("hash_id_scope", "local")
+    if scope != "local":
+        raise TraceError(f"{f}: hash_id_scope must be \"local\", not {_show(scope)}")
+    return d
+
+
+def _session_requests(where: str, d: dict, session: str, start: float, base: float, fi: int,
+                      draw: SessionDraw, ids: dict[tuple[int, ...], int],
+                      out: list[tuple[float, int, TraceRequest]], depth: int) -> None:
+    """Append the requests of one session object (a file's top level or a sub-agent)
+    whose clock starts at `base` seconds into the top-level session, itself at `start`."""
+    reqs = d.get("requests")
+    if not isinstance(reqs, list):
+        raise TraceError(f"{where}: requests must be a list, not {_show(reqs)}")
+    if len(reqs) > MAX_SESSION_REQUESTS:
+        raise TraceError(f"{where}: {len(reqs):,} requests, more than {MAX_SESSION_REQUESTS:,}")
+    g = draw.group
+    bt = draw.block_tokens
+    for j, r in enumerate(reqs):
+        at = f"{where}: requests[{j}]"
+        if not isinstance(r, dict):
+            raise TraceError(f"{at}: a request is a JSON object, not {_show(r)}")
+        kind = r.get("type")
+        t = check_time(at, "t", r.get("t"))
+        if kind == "subagent":
+            if depth + 1 > MAX_SUBAGENT_DEPTH:
+                raise TraceError(f"{at}: sub-agents nested more than {MAX_SUBAGENT_DEPTH} deep")
+            if not draw.subagents:
+                continue
+            agent = _check_str(at, "agent_id", r.get("agent_id")) or f"sub{j}"
+            _session_requests(at, r, f"{session}/{agent}", start, base + t, fi, draw, ids,
+                              out, depth + 1)
+            continue
+        if kind not in ("n", "s"):
+            raise TraceError(f"{at}: type must be \"n\", \"s\" or \"subagent\", not {_show(kind)}")
+        when = base + t
+        if draw.span_s is not None and when > draw.span_s:
+            continue
+        raw = r.get("hash_ids")
+        if not isinstance(raw, list):
+            raise TraceError(f"{at}: hash_ids must be a list of block ids, not {_show(raw)}")
+        if len(raw) > MAX_REQUEST_BLOCKS:
+            raise TraceError(f"{at}: {len(raw):,} block ids, more than {MAX_REQUEST_BLOCKS:,}")
+        local = [check_int(at, f"hash_ids[{k}]", x, 0, BLOCK_ID_LIMIT - 1)
+                 for k, x in enumerate(raw)]
+        n_in = check_int(at, "in", r.get("in"), 0, MAX_COUNT)
+        if len(local) * KV_TESTER_BLOCK > n_in + KV_TESTER_BLOCK - 1 and local:
+            raise TraceError(f"{at}: {len(local)} blocks of {KV_TESTER_BLOCK} tokens are more "
+                             f"than its {n_in} input tokens")
+        n_out = check_int(at, "out", r.get("out", 0), 0, MAX_COUNT)
+        stop = _stop(at, r.get("stop"))
+        n_groups = len(local) // g
+        if n_groups == 0:
+            continue  # no full block at this size: nothing the cache could hold
+        hids = []
+        for k in range(n_groups):
+            key = (fi, *local[k * g:(k + 1) * g])
+            hid = ids.get(key)
+            if hid is None:
+                hid = ids[key] = len(ids)
+            hids.append(hid)
+        ts_ms = (start + when) * 1000.0
+        out.append((ts_ms, len(out), TraceRequest(ts_ms, n_groups * bt, n_out, hids, session,
+                                                  None, stop)))
 
 
 @dataclass(slots=True)

@@ -57,9 +57,10 @@ from .replicas import Replica, ReplicaRegistry
 
 log = logging.getLogger("kvheat.router")
 
-# Request headers passed to the replica (the rest are this hop's).
+# Request headers passed to the replica (the rest are this hop's); x-session-id: the
+# session hint of the replica's cache policy (kvheat/server/sessions.py).
 _HOP_HEADERS = frozenset({b"authorization", b"content-type", b"accept", b"x-request-id",
-                          b"openai-organization"})
+                          b"openai-organization", b"x-session-id"})
 _PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _KEYED = ("kvheat", "prefix-hash", "sglang-like")  # policies that read the prompt's keys

@@ -47,11 +47,13 @@ from .prompts import PromptEncoder
 from .protocol import (
     PREWARM_HEADER,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
 from .responses import Reply, collect, first_item, json_response, stream
 from .selfheal import SelfHealer
+from .sessions import SESSION_HEADER, SessionIds
 from .tracing import Tracing, end_span
 from .worker import EngineWorker, RequestTooLarge
 
@@ -82,6 +84,7 @@ class KVHeatServer:
         self._cpu = ThreadPoolExecutor(2, thread_name_prefix="kvheat-tokenize")
         self.keys: dict[str, TenantConfig] = {k: t for t in config.tenants for k in t.api_keys}
         self.tenants: dict[str, TenantConfig] = {t.name: t for t in config.tenants}
+        self.sessions = SessionIds(config.share_groups)  # the cache policy's session hints
 
         def engine_for(arm: str) -> LLMEngine:
             a = arms[arm]
@@ -303,9 +306,16 @@ class KVHeatServer:
         return params, bias
 
     # ---- generation -------------------------------------------------------------------
+    def session_of(self, request: Request, body: SamplingFields, tenant: TenantConfig | None,
+                   messages: list[ChatMessage] | None = None) -> str | None:
+        """The request's session for the cache policy (sessions.py); a bad X-Session-Id
+        header is a 400."""
+        return self.sessions.session_of(request.headers.get(SESSION_HEADER), body.user,
+                                        tenant.name if tenant else None, messages)
+
     async def generate(self, request: Request, body: SamplingFields, prompt: list[int],
                        tenant: TenantConfig | None, kind: str,
-                       max_tokens: int | None) -> Response:
+                       max_tokens: int | None, session: str | None = None) -> Response:
         params, bias = self.sampling(body, tenant, len(prompt), max_tokens)
         if self.draining:
             raise ApiError(503, "the server is shutting down; retry on another replica",
@@ -331,6 +341,7 @@ class KVHeatServer:
                                "kvheat.endpoint": kind, "kvheat.prompt_tokens": len(prompt)})
         handle = RequestHandle(asyncio.get_running_loop(), rid, arm, tenant_name, kind, span)
         handle.prewarm = request.headers.get(PREWARM_HEADER) == "1"
+        handle.session = session
         try:
             await self.worker.submit(handle, prompt, params, bias)
         except RequestTooLarge as e:
@@ -410,9 +421,10 @@ def _build_app(server: KVHeatServer) -> FastAPI:
         server.check_model(body.model)
         if body.echo:
             raise ApiError(400, "echo is not supported", param="echo")
+        session = server.session_of(request, body, tenant)
         prompt = await server.offload(server.prompts.completion, body.prompt)
         return await server.generate(request, body, prompt, tenant, "completions",
-                                     body.max_tokens)
+                                     body.max_tokens, session)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -420,9 +432,11 @@ def _build_app(server: KVHeatServer) -> FastAPI:
         server.check_model(body.model)
         if body.logprobs:
             raise ApiError(400, "logprobs are not supported", param="logprobs")
+        session = server.session_of(request, body, tenant, body.messages)
         prompt = await server.offload(server.prompts.chat, body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await server.generate(request, body, prompt, tenant, "chat", max_tokens)
+        return await server.generate(request, body, prompt, tenant, "chat", max_tokens,
+                                     session)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

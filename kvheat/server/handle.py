@@ -36,6 +36,7 @@ class RequestHandle:
         self.endpoint = endpoint
         self.span = span
         self.prewarm = False  # a router's prewarm: counted apart from clients' requests
+        self.session: str | None = None  # the cache policy's session hint (sessions.py)
         self.queue: asyncio.Queue[int | Finished] = asyncio.Queue()
         self.finished: Finished | None = None
 

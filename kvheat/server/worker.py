@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
 
+from ..cache.hints import Outcome
 from ..cache.misses import MISS_KINDS, MissClassifier
 from ..doctor.replay import RecentKeys
 from ..engine import LLMEngine, SamplingParams, TokenOutput
@@ -155,7 +156,8 @@ class EngineWorker:
         too_large = eng.scheduler.never_fits(prompt, params.max_tokens, handle.tenant)
         if too_large is not None:
             raise RequestTooLarge(too_large)
-        eng.add_request(prompt, params, tenant=handle.tenant, request_id=rid)
+        eng.add_request(prompt, params, tenant=handle.tenant, session=handle.session,
+                        request_id=rid)
         t0 = time.perf_counter()
         kinds = eng.scheduler.miss_kinds(self.classifiers[handle.arm], prompt, handle.tenant)
         t1 = time.perf_counter()
@@ -187,7 +189,9 @@ class EngineWorker:
             return  # finished meanwhile
         eng = self.engines[a.arm]
         if rid in eng.requests:
-            eng.abort(rid)
+            # A stop string matched: the answer was delivered, as when the model stops
+            # (the cache policy sees it so); else the client went away: cancelled.
+            eng.abort(rid, reason, Outcome.FINISHED if reason == "stop" else Outcome.CANCELLED)
         a.finish_override = reason
         self._complete(a)
 
