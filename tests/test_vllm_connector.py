@@ -28,6 +28,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
+from conftest import require_binary  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench._lib.models import save_tiny_model  # noqa: E402
@@ -35,8 +36,6 @@ from bench._lib.peers import vllm_env  # noqa: E402
 from bench._lib.procs import Redis, free_port, stop, wait_ready  # noqa: E402
 from kvheat.integrations.vllm_blocks import VLLMDeviceBlocks  # noqa: E402
 from kvheat.integrations.vllm_connector import ConnectorConfig, TierMirror  # noqa: E402
-
-from conftest import require_binary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 32
@@ -309,10 +308,11 @@ def _wait_metric(server: Server, name: str, at_least: float, timeout_s: float = 
 
 
 def test_outputs_identical_and_cached_tokens_rise_by_what_the_tiers_served(cluster) -> None:
-    ref = _chat(cluster.plain, seed=1)
-    for server in (cluster.shared, cluster.layered):
+    # Each its own conversations: the second would otherwise load the first's from Redis.
+    for seed, server in ((1, cluster.shared), (2, cluster.layered)):
+        ref = _chat(cluster.plain, seed=seed)
         before = _loaded_tokens(server)
-        got = _chat(server, seed=1)
+        got = _chat(server, seed=seed)
         assert [a.tokens for a in got] == [a.tokens for a in ref], server.name
         assert all(g.cached >= r.cached for g, r in zip(got, ref, strict=True)), server.name
         extra = sum(g.cached for g in got) - sum(r.cached for r in ref)

@@ -371,15 +371,20 @@ class KVHeatPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         tier_labels = [*labelnames, "tier"]
         self._tier: dict[str, Any] = {}
+        gauge: Any = self._gauge_cls  # vLLM's metric classes (typed as their union)
         for prefix, name, doc, kind in _TIER_METRICS:
-            cls = self._gauge_cls if kind == "gauge" else self._counter_cls
-            kw = {"multiprocess_mode": "mostrecent"} if kind == "gauge" else {}
-            self._tier[prefix] = cls(name=name, documentation=doc, labelnames=tier_labels, **kw)
-        self._loaded = self._counter_cls(
+            if kind == "gauge":
+                self._tier[prefix] = gauge(name=name, documentation=doc,
+                                           labelnames=tier_labels,
+                                           multiprocess_mode="mostrecent")
+            else:
+                self._tier[prefix] = self._counter_cls(name=name, documentation=doc,
+                                                       labelnames=tier_labels)
+        self._loaded: Any = self._counter_cls(
             name="kvheat_connector_blocks_loaded_total",
             documentation="Blocks loaded from kvheat's tiers into vLLM's KV pool, by tier",
             labelnames=tier_labels)
-        self._recomputed = self._counter_cls(
+        self._recomputed: Any = self._counter_cls(
             name="kvheat_connector_blocks_recomputed_total",
             documentation="Prompt blocks past the device's prefix that vLLM computed: not in "
                           "the tiers (miss) or failing their load (load_failed)",
@@ -406,12 +411,10 @@ class KVHeatPromMetrics(KVConnectorPromMetrics):
 # ---- the connector --------------------------------------------------------------------------------
 class KVHeatConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+                 kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
-        if kv_cache_config is None:
-            raise ValueError("KVHeatConnector needs vLLM's KV cache config (vLLM >= 0.32)")
         par = vllm_config.parallel_config
         if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
             raise ValueError("KVHeatConnector runs with one worker (tensor and pipeline "
