@@ -198,7 +198,7 @@ class Cluster:
     layered: Server
     redis: Redis
     disk_dir: Path
-    events: str  # the layered server's KV event socket (vLLM's ZMQ publisher)
+    events: str  # where the layered server's KV event publisher connects (ZMQ PUB)
 
 
 def _connector_arg(extra: dict) -> list[str]:
@@ -407,7 +407,7 @@ def test_kv_events_show_a_router_the_blocks_held_in_the_tiers(cluster) -> None:
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
-    sub.connect(cluster.events)
+    sub.bind(cluster.events)  # vLLM's PUB connects to a host address (binds only to *)
     index = PrefixIndex()  # `kvheat route`'s index, fed as it feeds it
     index.add_replica("vllm", foreign_hashes=True)
     media: set[tuple[str | None, str | None]] = set()
@@ -423,7 +423,7 @@ def test_kv_events_show_a_router_the_blocks_held_in_the_tiers(cluster) -> None:
                 index.apply("vllm", batch)
 
     try:
-        time.sleep(1.0)  # ZMQ's slow joiner: subscribed before the request
+        time.sleep(1.5)  # vLLM's PUB reconnects to us: subscribed before the request
         rng = random.Random(41)
         prompt = [rng.randrange(2, 1024) for _ in range(10 * BLOCK + 3)]
         _complete(cluster.layered, prompt)
