@@ -15,24 +15,26 @@ Rows (each a fresh `python -m vllm.entrypoints.openai.api_server`):
 - `kvheat-disk`: host tier of one vLLM pool's size, then a local disk tier;
 - `kvheat-redis`: host tier of one vLLM pool's size, then a real `redis-server`.
 
-Two loads per server, in this order, on prompts of their own (nothing one phase computed
-helps the other):
-- `fits`: two conversations whose whole working set fits vLLM's pool: every turn's
-  history is already on the device, so a connector can only cost (its lookups, its saves);
+Two loads, on text of their own (nothing one computed helps the other):
 - `overflow`: agentic sessions (a shared tool-definitions head, then a session's own long
   context, then turns that append a tool result and a short tool call: the shape of
   ../shared/traces/agentic, compressed: no think time between turns) and chat sessions on
-  a shared system prompt, several in flight, so one session's blocks are pushed out of
-  vLLM's pool between two of its turns; its working set (distinct tokens of every final
-  prompt) is at least `--min-overflow` times the pool (checked).
+  a shared system prompt, three in flight, so one session's blocks are pushed out of
+  vLLM's pool between two of its turns; its working set (distinct full blocks of every
+  prompt, tokenized with the model's chat template) must be at least `--min-overflow`
+  (4) times the pool. Each row runs it on a fresh server; rows interleaved (A B C D E A B
+  C D E ...), `--repeats` times; each ratio to vLLM alone is taken within one repeat.
+- `fits`: two conversations whose whole working set fits vLLM's pool, so a connector can
+  only cost (its lookups, its saves). The `--fits-rows` servers are up together and each
+  draw of the load (new text every draw) goes to each in turn, the order reversed every
+  other draw: a few percent shows through a shared machine's noise only that way.
 Histories carry fixed assistant answers, so every row sees the same prompts.
 
 Per run: TTFT mean and P99 (over all turns), wall time, prompt tokens, cached tokens
 (`prompt_tokens_details.cached_tokens`: vLLM's own prefix hits plus what a connector
-supplied) and prompt tokens computed (their difference), errors, and the connector's
-Prometheus counters when it exports any. Rows run interleaved (A B C D E A B C D E ...);
-each row's figure is the median (and range) over its repeats, each ratio to vLLM alone
-is taken within one repeat.
+supplied) and prompt tokens computed (their difference), errors, the server's CPU seconds,
+and the connector's `kvheat_*` Prometheus counters when it exports any. Each row's figure
+is the median (and range) over its runs.
 
     python bench/vllm/connector.py --json docs/results/vllm/connector.json
     python bench/vllm/connector.py --quick          # one repeat, small loads, a check
@@ -258,62 +260,107 @@ def figures(replies: list[Reply], wall: float) -> dict[str, Any]:
             "ttfts": [round(t, 4) for t in ttft]}
 
 
+@dataclass
+class Server:
+    row: str
+    proc: subprocess.Popen[bytes]
+    base: str
+    log: Path
+    redis: Redis | None
+
+    def stop(self) -> None:
+        stop(self.proc)
+        if self.redis is not None:
+            self.redis.kill()
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, tmp: Path, python: str) -> None:
         self.args, self.tmp, self.python = args, tmp, python
         self.model_dir = save_wide_model(tmp / "wide-llama", args.layers)
-        self.redis: Redis | None = None
         self.logs = tmp / "logs"
         self.logs.mkdir()
         # KV bytes of one block: K and V, every layer, 4 KV heads of 128, float32.
         self.block_bytes = 2 * args.layers * 4 * 128 * BLOCK * 4
-        shapes = QUICK if args.quick else SHAPES
-        self.loads = {phase: sessions(shape, seed) for phase, shape, seed in
-                      (("fits", shapes["fits"], 101), ("overflow", shapes["overflow"], 202))}
-        self.in_flight = {phase: shapes[phase].in_flight for phase in shapes}
-        self.working_set = {phase: working_set_blocks(self.model_dir, convs)
-                            for phase, convs in self.loads.items()}
+        self.shapes = QUICK if args.quick else SHAPES
+        self.warmup = [Conversation(0, "Warm-up. " + _words(random.Random(7), 60),
+                                    [UserTurn(_words(random.Random(8), 20), "ok")] * 2)]
+        self.working_set = {phase: working_set_blocks(self.model_dir, self.load(phase, 0))
+                            for phase in self.shapes}
 
-    def run(self, row: str, rep: int) -> dict[str, Any]:
+    def load(self, phase: str, n: int) -> list[Conversation]:
+        """The phase's conversations, draw `n` (each draw its own text)."""
+        return sessions(self.shapes[phase], (101 if phase == "fits" else 202) + 1000 * n)
+
+    def start(self, row: str, tag: str) -> Server:
         a = self.args
-        run_dir = self.tmp / f"{row}-{rep}"
+        run_dir = self.tmp / f"{row}-{tag}"
         run_dir.mkdir()
-        redis_url = None
-        if row == "kvheat-redis":
-            self.redis = Redis(run_dir / "redis").start()
-            redis_url = self.redis.url
-        pool = a.pool_blocks * self.block_bytes
-        cfg = transfer_config(row, run_dir, redis_url, pool, a.tier_mib << 20)
+        redis = Redis(run_dir / "redis").start() if row == "kvheat-redis" else None
+        cfg = transfer_config(row, run_dir, redis.url if redis else None,
+                              a.pool_blocks * self.block_bytes, a.tier_mib << 20)
         port = free_port()
-        log = self.logs / f"{row}-{rep}.log"
+        log = self.logs / f"{row}-{tag}.log"
         proc = start_server(self.python, self.model_dir, port, log, run_dir, a, cfg)
-        base = f"http://127.0.0.1:{port}"
-        out: dict[str, Any] = {"row": row, "repeat": rep}
+        return Server(row, proc, f"http://127.0.0.1:{port}", log, redis)
+
+    def ready(self, srv: Server) -> None:
+        wait_ready(srv.base, srv.proc, 900, srv.log)
+        # A fresh server's first forwards pay one-time costs (kernel selection, first
+        # allocations): two short requests on text of their own, untimed.
+        load_once(srv.base, self.warmup, 1, self.args.max_tokens, self.args.timeout)
+
+    def measure(self, srv: Server, phase: str, convs: list[Conversation], label: str
+                ) -> dict[str, Any]:
+        a = self.args
+        cpu0 = cpu_seconds(srv.proc.pid, tree=True)
+        replies, wall = load_once(srv.base, convs, self.shapes[phase].in_flight, a.max_tokens,
+                                  a.timeout)
+        f = figures(replies, wall)
+        f["server_cpu_s"] = cpu_seconds(srv.proc.pid, tree=True) - cpu0
+        print(f"  {srv.row:13s} {label:10s} {phase:8s}: wall {wall:6.2f} s  TTFT mean "
+              f"{1000 * (f['ttft_mean_s'] or 0):6.0f} ms  P99 "
+              f"{1000 * (f['ttft_p99_s'] or 0):6.0f} ms  prompt {f['prompt_tokens']:6d}"
+              f"  computed {f['computed_tokens']:6d}  errors {f['errors']}"
+              + (f"  ({f['first_error']})" if f["first_error"] else ""), flush=True)
+        return f
+
+    def overflow_run(self, row: str, rep: int) -> dict[str, Any]:
+        """One fresh server of `row`, the overflow load, the server's connector counters."""
+        srv = self.start(row, f"overflow{rep}")
         try:
             t = time.perf_counter()
-            wait_ready(base, proc, 600, log)
-            out["startup_s"] = time.perf_counter() - t
-            for phase in ("fits", "overflow"):
-                cpu0 = cpu_seconds(proc.pid, tree=True)
-                replies, wall = load_once(base, self.loads[phase], self.in_flight[phase],
-                                          a.max_tokens, a.timeout)
-                f = figures(replies, wall)
-                f["server_cpu_s"] = cpu_seconds(proc.pid, tree=True) - cpu0
-                out[phase] = f
-                print(f"  {row:13s} rep {rep} {phase:8s}: wall {wall:6.2f} s  TTFT mean "
-                      f"{1000 * (f['ttft_mean_s'] or 0):6.0f} ms  P99 "
-                      f"{1000 * (f['ttft_p99_s'] or 0):6.0f} ms  prompt {f['prompt_tokens']:6d}"
-                      f"  computed {f['computed_tokens']:6d}  errors {f['errors']}"
-                      + (f"  ({f['first_error']})" if f["first_error"] else ""), flush=True)
-            out["connector_metrics"] = connector_metrics(base)
+            self.ready(srv)
+            f = self.measure(srv, "overflow", self.load("overflow", 0), f"rep {rep}")
+            f["startup_s"] = time.perf_counter() - t
+            f["connector_metrics"] = connector_metrics(srv.base)
+            return f
         except Exception:
-            print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
+            print(srv.log.read_text(errors="replace")[-4000:], file=sys.stderr)
             raise
         finally:
-            stop(proc)
-            if self.redis is not None:
-                self.redis.kill()
-                self.redis = None
+            srv.stop()
+
+    def fits_stage(self, rows: list[str], pairs: int) -> dict[str, list[dict[str, Any]]]:
+        """Every row's server up at once; the fits load `pairs` times, each time a new draw
+        sent to each server in turn (the order reversed every other time: A B, B A, ...),
+        so the machine's load falls on all alike and a small overhead shows."""
+        servers = [self.start(row, "fits") for row in rows]
+        out: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
+        try:
+            for srv in servers:
+                self.ready(srv)
+            for n in range(pairs):
+                convs = self.load("fits", n)
+                for srv in (servers if n % 2 == 0 else servers[::-1]):
+                    out[srv.row].append(self.measure(srv, "fits", convs, f"draw {n}"))
+        except Exception:
+            for srv in servers:
+                print(srv.log.read_text(errors="replace")[-3000:], file=sys.stderr)
+            raise
+        finally:
+            for srv in servers:
+                srv.stop()
         return out
 
 
@@ -322,30 +369,26 @@ METRICS = ("ttft_mean_s", "ttft_p99_s", "wall_s", "computed_tokens")
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per phase and row: each metric's median and range over repeats, and its ratio to
-    vLLM alone within each repeat (median and range); the targets checked on medians."""
-    out: dict[str, Any] = {}
+    """Per row: each metric's median and range over its runs, and its ratio to vLLM alone
+    run by run (runs of one index were taken side by side), median and range."""
+    rows: dict[str, Any] = {}
     base = runs.get("vllm")
-    for phase in ("fits", "overflow"):
-        rows: dict[str, Any] = {}
-        for row, rs in runs.items():
-            cell: dict[str, Any] = {"errors": sum(r[phase]["errors"] for r in rs),
-                                    "prompt_tokens": rs[0][phase]["prompt_tokens"]}
-            for m in METRICS:
-                vals = [r[phase][m] for r in rs]
-                if any(v is None for v in vals):
-                    cell[m] = None
-                    continue
-                cell[m] = spread(vals)
-                if base is not None and row != "vllm":
-                    ratios = [v / b[phase][m] if b[phase][m] else float("nan")
-                              for v, b in zip(vals, base, strict=False)]
-                    cell[m + "_ratio"] = {**spread(ratios), "ratios": ratios}
-            pooled = [t for r in rs for t in r[phase]["ttfts"]]
-            cell["ttft_p99_pooled_s"] = pct(pooled, 0.99)
-            rows[row] = cell
-        out[phase] = rows
-    return out
+    for row, rs in runs.items():
+        cell: dict[str, Any] = {"runs": len(rs), "errors": sum(r["errors"] for r in rs),
+                                "prompt_tokens": rs[0]["prompt_tokens"]}
+        for m in METRICS:
+            vals = [r[m] for r in rs]
+            if any(v is None for v in vals):
+                cell[m] = None
+                continue
+            cell[m] = spread(vals)
+            if base is not None and row != "vllm":
+                ratios = [v / b[m] if b[m] else float("nan")
+                          for v, b in zip(vals, base, strict=False)]
+                cell[m + "_ratio"] = {**spread(ratios), "ratios": ratios}
+        cell["ttft_p99_pooled_s"] = pct([t for r in rs for t in r["ttfts"]], 0.99)
+        rows[row] = cell
+    return rows
 
 
 def targets(summary: dict[str, Any]) -> dict[str, Any]:
@@ -354,11 +397,11 @@ def targets(summary: dict[str, Any]) -> dict[str, Any]:
         if row == "vllm" or "wall_s_ratio" not in cell:
             continue
         p99, wall = cell["ttft_p99_s_ratio"]["median"], cell["wall_s_ratio"]["median"]
-        fits = summary["fits"][row].get("wall_s_ratio", {}).get("median")
+        fits = summary["fits"].get(row, {}).get("wall_s_ratio", {}).get("median")
         res[row] = {"p99_ratio": p99, "p99_met": p99 <= TARGET_P99,
                     "wall_ratio": wall, "wall_met": wall <= TARGET_WALL,
                     "fits_wall_ratio": fits,
-                    "fits_met": fits is not None and fits <= 1 + TARGET_FITS_OVERHEAD}
+                    "fits_met": None if fits is None else fits <= 1 + TARGET_FITS_OVERHEAD}
     return res
 
 
@@ -368,31 +411,36 @@ def _cell(d: dict[str, Any] | None, scale: float, spec: str) -> str:
     return f"{d['median'] * scale:{spec}} ({d['min'] * scale:{spec}}-{d['max'] * scale:{spec}})"
 
 
-def table(summary: dict[str, Any], phase: str) -> str:
+def table(rows: dict[str, Any]) -> str:
     lines = ["| row | TTFT mean ms | TTFT P99 ms | wall s | prompt tokens computed | "
              "P99 / vLLM | wall / vLLM | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for row, c in summary[phase].items():
+    for row, c in rows.items():
         lines.append(
             f"| {row} | {_cell(c['ttft_mean_s'], 1000, '.0f')} | "
             f"{_cell(c['ttft_p99_s'], 1000, '.0f')} | {_cell(c['wall_s'], 1, '.2f')} | "
             f"{_cell(c['computed_tokens'], 1, '.0f')} of {c['prompt_tokens']} | "
             f"{_cell(c.get('ttft_p99_s_ratio'), 1, '.2f')} | "
-            f"{_cell(c.get('wall_s_ratio'), 1, '.2f')} | {c['errors']} |")
+            f"{_cell(c.get('wall_s_ratio'), 1, '.3f')} | {c['errors']} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(ROWS), help=f"some of {', '.join(ROWS)}")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each row")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved repeats of each row on the overflow load")
+    ap.add_argument("--fits-rows", default="vllm,kvheat-host",
+                    help="the servers up together for the fits load (each ~3 GB resident)")
+    ap.add_argument("--fits-draws", type=int, default=6,
+                    help="fits loads sent to each of them in turn")
     ap.add_argument("--quick", action="store_true",
-                    help="one repeat and a smaller overflow load: a check, not a result")
+                    help="one repeat, two fits draws, a smaller overflow load: a check")
     ap.add_argument("--layers", type=int, default=2, help="layers of the wide model")
     ap.add_argument("--pool-blocks", type=int, default=32,
                     help="vLLM's own KV pool, in blocks of 32 tokens")
     ap.add_argument("--tier-mib", type=int, default=512,
-                    help="the kvheat tier (host, disk or Redis) and what it must hold: more "
-                         "than the working set")
+                    help="the kvheat tier (host, disk or Redis) behind vLLM: more than the "
+                         "working set")
     ap.add_argument("--min-overflow", type=float, default=4.0,
                     help="the overflow load's working set must be this x vLLM's pool")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens generated per turn")
@@ -403,21 +451,23 @@ def main() -> int:
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--json", default=str(RESULTS / "vllm" / "connector.json"))
     a = ap.parse_args()
-    rows = a.rows.split(",")
-    if set(rows) - set(ROWS):
-        ap.error(f"--rows: known rows are {', '.join(ROWS)}")
+    rows, fits_rows = a.rows.split(","), [r for r in a.fits_rows.split(",") if r]
+    for given in (rows, fits_rows):
+        if set(given) - set(ROWS):
+            ap.error(f"--rows / --fits-rows: known rows are {', '.join(ROWS)}")
     if a.quick:
-        a.repeats = 1
-    if a.repeats < 1 or a.layers < 1 or a.pool_blocks < 4:
-        ap.error("--repeats and --layers at least 1, --pool-blocks at least 4")
+        a.repeats, a.fits_draws = 1, 2
+    if a.repeats < 0 or a.fits_draws < 0 or a.layers < 1 or a.pool_blocks < 4:
+        ap.error("--repeats and --fits-draws at least 0, --layers 1, --pool-blocks 4")
     python = find_vllm_python(a.vllm_python)
     if python is None:
         print("no python with vLLM found (--vllm-python, $KVHEAT_VLLM_PYTHON, `make vllm`): "
               "nothing to run", file=sys.stderr)
         return 0
-    if "kvheat-redis" in rows and shutil.which("redis-server") is None:
+    if shutil.which("redis-server") is None:
         print("redis-server not found: the kvheat-redis row is left out", file=sys.stderr)
-        rows.remove("kvheat-redis")
+        rows = [r for r in rows if r != "kvheat-redis"]
+        fits_rows = [r for r in fits_rows if r != "kvheat-redis"]
     report: dict[str, Any] = {"command": " ".join(["python bench/vllm/connector.py",
                                                    *sys.argv[1:]]),
                               "config": {k: v for k, v in vars(a).items() if k != "json"},
@@ -426,7 +476,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvheat-vconn-") as td:
         b = Bench(a, Path(td), python)
         report["block_bytes"] = b.block_bytes
-        report["shapes"] = {k: vars(v) for k, v in (QUICK if a.quick else SHAPES).items()}
+        report["shapes"] = {k: vars(v) for k, v in b.shapes.items()}
         report["working_set_blocks"] = b.working_set
         report["working_set_x_pool"] = {k: v / a.pool_blocks for k, v in b.working_set.items()}
         print(f"working set: {b.working_set} blocks of {BLOCK} tokens; vLLM's pool "
@@ -437,26 +487,29 @@ def main() -> int:
         if b.working_set["fits"] > a.pool_blocks:
             raise SystemExit(f"the fits working set ({b.working_set['fits']} blocks) does "
                              "not fit vLLM's pool")
-        runs = interleaved({row: (lambda rep, row=row: b.run(row, rep)) for row in rows},
-                           a.repeats)
+        runs = {"overflow": interleaved({row: (lambda rep, row=row: b.overflow_run(row, rep))
+                                         for row in rows}, a.repeats) if a.repeats else {},
+                "fits": b.fits_stage(fits_rows, a.fits_draws) if a.fits_draws else {}}
     check_quiet(report, "end", after_own_run=True)
-    summary = summarize(runs)
+    summary = {phase: summarize(r) for phase, r in runs.items() if r}
     report["summary"] = summary
-    report["targets"] = targets(summary)
+    report["targets"] = targets(summary) if "overflow" in summary else {}
     report["runs"] = runs
     print(f"\nvLLM CPU, wide Llama (hidden 2048, {a.layers} layers, float32, 1 thread), pool "
-          f"{a.pool_blocks} blocks x {BLOCK}; median (range) over {a.repeats} interleaved "
-          f"repeats")
-    for phase in ("overflow", "fits"):
-        wsx = report["working_set_x_pool"][phase]
-        print(f"\n{phase}: working set {wsx:.1f}x vLLM's pool")
-        print(table(summary, phase))
+          f"{a.pool_blocks} blocks x {BLOCK}")
+    for phase, what in (("overflow", f"{a.repeats} interleaved repeats, a fresh server each"),
+                        ("fits", f"{a.fits_draws} draws, the servers up together, in turn")):
+        if phase in summary:
+            print(f"\n{phase}: working set {report['working_set_x_pool'][phase]:.1f}x vLLM's "
+                  f"pool; median (range) over {what}")
+            print(table(summary[phase]))
     for row, t in report["targets"].items():
+        fits = "-" if t["fits_wall_ratio"] is None else \
+            f"x{t['fits_wall_ratio']:.3f} ({'met' if t['fits_met'] else 'NOT met'})"
         print(f"{row}: P99 x{t['p99_ratio']:.2f} (target {TARGET_P99}: "
               f"{'met' if t['p99_met'] else 'NOT met'}), wall x{t['wall_ratio']:.2f} (target "
-              f"{TARGET_WALL}: {'met' if t['wall_met'] else 'NOT met'}), fits wall x"
-              f"{t['fits_wall_ratio']:.3f} (target {1 + TARGET_FITS_OVERHEAD}: "
-              f"{'met' if t['fits_met'] else 'NOT met'})")
+              f"{TARGET_WALL}: {'met' if t['wall_met'] else 'NOT met'}), fits wall {fits} "
+              f"(target {1 + TARGET_FITS_OVERHEAD})")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {a.json}")
