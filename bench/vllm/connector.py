@@ -7,34 +7,36 @@ One model on every row: a Llama of TinyLlama-1.1B's width (hidden 2048, 16 heads
 threads to core 0, its front end runs on the other), 32-token blocks, vLLM's own pool
 shrunk to `--pool-blocks` blocks (`--num-gpu-blocks-override`).
 
-Rows (each a fresh `python -m vllm.entrypoints.openai.api_server`):
+Rows (one `python -m vllm.entrypoints.openai.api_server` each, all up together: about
+3 GB resident each):
 - `vllm`: vLLM alone (prefix caching on);
 - `example`: vLLM with its `ExampleConnector` (saves every request's KV to files, loads
   only a whole earlier prompt: a growing conversation never hits it);
 - `kvheat-host`: `KVHeatConnector` with a host-memory tier larger than the working set;
-- `kvheat-disk`: host tier of one vLLM pool's size, then a local disk tier;
-- `kvheat-redis`: host tier of one vLLM pool's size, then a real `redis-server`.
+- `kvheat-disk`: a host tier the size of vLLM's own pool, then a local disk tier;
+- `kvheat-redis`: a host tier the size of vLLM's own pool, then a real `redis-server`.
 
-Two loads, on text of their own (nothing one computed helps the other):
+Two loads, each drawn several times (new text every draw: nothing one draw computed helps
+another), each draw sent to every row's server in turn, the order reversed every other
+draw (A B C D E, E D C B A, ...): the machine's load falls on all rows alike, and each
+ratio to vLLM alone is taken within one draw. A server keeps what earlier draws left in
+its caches (cold blocks of other text), as a serving vLLM does.
+- `fits` (first): two conversations whose whole working set fits vLLM's pool, so a
+  connector can only cost (its lookups, its saves);
 - `overflow`: agentic sessions (a shared tool-definitions head, then a session's own long
-  context, then turns that append a tool result and a short tool call: the shape of
+  context, then turns that each append a tool result and a short tool call: the shape of
   ../shared/traces/agentic, compressed: no think time between turns) and chat sessions on
   a shared system prompt, three in flight, so one session's blocks are pushed out of
   vLLM's pool between two of its turns; its working set (distinct full blocks of every
   prompt, tokenized with the model's chat template) must be at least `--min-overflow`
-  (4) times the pool. Each row runs it on a fresh server; rows interleaved (A B C D E A B
-  C D E ...), `--repeats` times; each ratio to vLLM alone is taken within one repeat.
-- `fits`: two conversations whose whole working set fits vLLM's pool, so a connector can
-  only cost (its lookups, its saves). The `--fits-rows` servers are up together and each
-  draw of the load (new text every draw) goes to each in turn, the order reversed every
-  other draw: a few percent shows through a shared machine's noise only that way.
+  (4) times the pool.
 Histories carry fixed assistant answers, so every row sees the same prompts.
 
 Per run: TTFT mean and P99 (over all turns), wall time, prompt tokens, cached tokens
 (`prompt_tokens_details.cached_tokens`: vLLM's own prefix hits plus what a connector
-supplied) and prompt tokens computed (their difference), errors, the server's CPU seconds,
-and the connector's `kvheat_*` Prometheus counters when it exports any. Each row's figure
-is the median (and range) over its runs.
+supplied) and prompt tokens computed (their difference), errors, the server's CPU seconds;
+at the end the connector's `kvheat_*` Prometheus counters. Each row's figure is the
+median (and range) over its draws.
 
     python bench/vllm/connector.py --json docs/results/vllm/connector.json
     python bench/vllm/connector.py --quick          # one repeat, small loads, a check
@@ -48,6 +50,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -65,7 +68,7 @@ if not __package__:  # run as `python bench/vllm/connector.py`: import from the 
 from bench._lib import RESULTS, ROOT
 from bench._lib.load import Conversation, LoadSpec, Reply, UserTurn, from_list, run_conversations
 from bench._lib.models import save_wide_model
-from bench._lib.peers import check_quiet, find_vllm_python, interleaved, spread, vllm_env
+from bench._lib.peers import check_quiet, find_vllm_python, spread, vllm_env
 from bench._lib.procs import Redis, cpu_seconds, free_port, stop, wait_ready
 from bench._lib.report import pct
 from kvheat.cache.hashing import block_keys, root_key, tokens_to_bytes
@@ -325,38 +328,30 @@ class Bench:
               + (f"  ({f['first_error']})" if f["first_error"] else ""), flush=True)
         return f
 
-    def overflow_run(self, row: str, rep: int) -> dict[str, Any]:
-        """One fresh server of `row`, the overflow load, the server's connector counters."""
-        srv = self.start(row, f"overflow{rep}")
+    def run(self, rows: list[str], draws: dict[str, int]) -> dict[str, dict[str, list[Any]]]:
+        """Every row's server up at once; each phase's load `draws[phase]` times, each
+        draw (new text) sent to each server in turn, the order reversed every other draw
+        (A B C, C B A, ...), so the machine's load falls on all rows alike. A server keeps
+        what earlier draws left in its caches (cold blocks of other text), as a serving
+        vLLM does."""
+        servers = [self.start(row, "run") for row in rows]
+        out: dict[str, dict[str, list[Any]]] = {p: {row: [] for row in rows} for p in draws}
         try:
             t = time.perf_counter()
-            self.ready(srv)
-            f = self.measure(srv, "overflow", self.load("overflow", 0), f"rep {rep}")
-            f["startup_s"] = time.perf_counter() - t
-            f["connector_metrics"] = connector_metrics(srv.base)
-            return f
-        except Exception:
-            print(srv.log.read_text(errors="replace")[-4000:], file=sys.stderr)
-            raise
-        finally:
-            srv.stop()
-
-    def fits_stage(self, rows: list[str], pairs: int) -> dict[str, list[dict[str, Any]]]:
-        """Every row's server up at once; the fits load `pairs` times, each time a new draw
-        sent to each server in turn (the order reversed every other time: A B, B A, ...),
-        so the machine's load falls on all alike and a small overhead shows."""
-        servers = [self.start(row, "fits") for row in rows]
-        out: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
-        try:
             for srv in servers:
                 self.ready(srv)
-            for n in range(pairs):
-                convs = self.load("fits", n)
-                for srv in (servers if n % 2 == 0 else servers[::-1]):
-                    out[srv.row].append(self.measure(srv, "fits", convs, f"draw {n}"))
+            print(f"{len(servers)} servers up in {time.perf_counter() - t:.0f} s", flush=True)
+            for phase, n_draws in draws.items():
+                for n in range(n_draws):
+                    convs = self.load(phase, n)
+                    for srv in (servers if n % 2 == 0 else servers[::-1]):
+                        out[phase][srv.row].append(self.measure(srv, phase, convs, f"draw {n}"))
+            for srv in servers:
+                out.setdefault("connector_metrics", {})[srv.row] = [connector_metrics(srv.base)]
         except Exception:
             for srv in servers:
-                print(srv.log.read_text(errors="replace")[-3000:], file=sys.stderr)
+                print(f"--- {srv.row}:\n" + srv.log.read_text(errors="replace")[-3000:],
+                      file=sys.stderr)
             raise
         finally:
             for srv in servers:
@@ -428,13 +423,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(ROWS), help=f"some of {', '.join(ROWS)}")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="interleaved repeats of each row on the overflow load")
-    ap.add_argument("--fits-rows", default="vllm,kvheat-host",
-                    help="the servers up together for the fits load (each ~3 GB resident)")
+                    help="draws of the overflow load, each sent to every row in turn")
     ap.add_argument("--fits-draws", type=int, default=6,
-                    help="fits loads sent to each of them in turn")
+                    help="draws of the fits load, each sent to every row in turn")
     ap.add_argument("--quick", action="store_true",
-                    help="one repeat, two fits draws, a smaller overflow load: a check")
+                    help="one overflow draw, two fits draws, a smaller overflow load: a check")
     ap.add_argument("--layers", type=int, default=2, help="layers of the wide model")
     ap.add_argument("--pool-blocks", type=int, default=32,
                     help="vLLM's own KV pool, in blocks of 32 tokens")
@@ -451,14 +444,15 @@ def main() -> int:
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--json", default=str(RESULTS / "vllm" / "connector.json"))
     a = ap.parse_args()
-    rows, fits_rows = a.rows.split(","), [r for r in a.fits_rows.split(",") if r]
-    for given in (rows, fits_rows):
-        if set(given) - set(ROWS):
-            ap.error(f"--rows / --fits-rows: known rows are {', '.join(ROWS)}")
+    # A SIGTERM unwinds like an error: the servers started so far are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rows = a.rows.split(",")
+    if set(rows) - set(ROWS) or len(set(rows)) != len(rows):
+        ap.error(f"--rows: some of {', '.join(ROWS)}, each once")
     if a.quick:
         a.repeats, a.fits_draws = 1, 2
-    if a.repeats < 0 or a.fits_draws < 0 or a.layers < 1 or a.pool_blocks < 4:
-        ap.error("--repeats and --fits-draws at least 0, --layers 1, --pool-blocks 4")
+    if a.repeats < 1 or a.fits_draws < 1 or a.layers < 1 or a.pool_blocks < 4:
+        ap.error("--repeats, --fits-draws and --layers at least 1, --pool-blocks at least 4")
     python = find_vllm_python(a.vllm_python)
     if python is None:
         print("no python with vLLM found (--vllm-python, $KVHEAT_VLLM_PYTHON, `make vllm`): "
@@ -467,7 +461,6 @@ def main() -> int:
     if shutil.which("redis-server") is None:
         print("redis-server not found: the kvheat-redis row is left out", file=sys.stderr)
         rows = [r for r in rows if r != "kvheat-redis"]
-        fits_rows = [r for r in fits_rows if r != "kvheat-redis"]
     report: dict[str, Any] = {"command": " ".join(["python bench/vllm/connector.py",
                                                    *sys.argv[1:]]),
                               "config": {k: v for k, v in vars(a).items() if k != "json"},
@@ -487,18 +480,16 @@ def main() -> int:
         if b.working_set["fits"] > a.pool_blocks:
             raise SystemExit(f"the fits working set ({b.working_set['fits']} blocks) does "
                              "not fit vLLM's pool")
-        runs = {"overflow": interleaved({row: (lambda rep, row=row: b.overflow_run(row, rep))
-                                         for row in rows}, a.repeats) if a.repeats else {},
-                "fits": b.fits_stage(fits_rows, a.fits_draws) if a.fits_draws else {}}
+        runs = b.run(rows, {"fits": a.fits_draws, "overflow": a.repeats})
     check_quiet(report, "end", after_own_run=True)
-    summary = {phase: summarize(r) for phase, r in runs.items() if r}
+    summary = {phase: summarize(runs[phase]) for phase in ("fits", "overflow")
+               if all(runs[phase].values())}
     report["summary"] = summary
     report["targets"] = targets(summary) if "overflow" in summary else {}
     report["runs"] = runs
     print(f"\nvLLM CPU, wide Llama (hidden 2048, {a.layers} layers, float32, 1 thread), pool "
           f"{a.pool_blocks} blocks x {BLOCK}")
-    for phase, what in (("overflow", f"{a.repeats} interleaved repeats, a fresh server each"),
-                        ("fits", f"{a.fits_draws} draws, the servers up together, in turn")):
+    for phase, what in (("overflow", f"{a.repeats} draws"), ("fits", f"{a.fits_draws} draws")):
         if phase in summary:
             print(f"\n{phase}: working set {report['working_set_x_pool'][phase]:.1f}x vLLM's "
                   f"pool; median (range) over {what}")
