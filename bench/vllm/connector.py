@@ -370,7 +370,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     base = runs.get("vllm")
     for row, rs in runs.items():
         cell: dict[str, Any] = {"runs": len(rs), "errors": sum(r["errors"] for r in rs),
-                                "prompt_tokens": rs[0]["prompt_tokens"]}
+                                "prompt_tokens": round(statistics.median(
+                                    r["prompt_tokens"] for r in rs))}
         for m in METRICS:
             vals = [r[m] for r in rs]
             if any(v is None for v in vals):
