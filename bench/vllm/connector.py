@@ -200,7 +200,8 @@ def start_server(python: str, model_dir: Path, port: int, log: Path, tmp: Path,
                  args: argparse.Namespace, kv_transfer: dict[str, Any] | None
                  ) -> subprocess.Popen[bytes]:
     """vLLM's OpenAI server as bench/_lib/procs.start_vllm_server starts it (float32,
-    prefix caching, cached tokens in usage, one compute thread), with vLLM's pool shrunk
+    prefix caching, cached tokens in usage, one compute thread; stats on, as the connector's
+    metrics need them), with vLLM's pool shrunk
     to `--pool-blocks` blocks of 32 tokens and the row's connector."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
@@ -210,7 +211,7 @@ def start_server(python: str, model_dir: Path, port: int, log: Path, tmp: Path,
            "--max-model-len", str((args.pool_blocks - 1) * BLOCK),
            "--max-num-seqs", str(args.max_seqs),
            "--max-num-batched-tokens", str(args.batched_tokens),
-           "--seed", "0", "--disable-log-stats"]
+           "--seed", "0"]
     if kv_transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
     env = dict(vllm_env(args.threads, tmp), PYTHONPATH=str(ROOT))
