@@ -1,29 +1,32 @@
 """vLLM replicas running kvheat's KV connector, behind each router in turn: `kvheat route`
-against sglang-router (`smg`, cache_aware) and round robin, on the same multi-turn,
-multi-tenant load with long agentic contexts.
+against sglang-router (`smg`, cache_aware) and round robin, on the same multi-turn load
+with long agentic contexts.
 
 Each replica is vLLM's CPU server (the wide Llama of bench/vllm/connector.py: hidden
-2048, `--layers` layers, float32, its compute bound to a core of its own, 32-token blocks,
-its own pool shrunk to `--pool-blocks`) with `KVHeatConnector` holding blocks in a host
-tier of its own (`--tier` host) or a host tier plus one shared `redis-server` (`--tier`
-redis), and publishing vLLM's KV events (`--kv-events-config`, a bound ZMQ PUB and replay
-socket): vLLM's own for the blocks of its pool (medium GPU), the connector's, through
-vLLM's publisher, for the blocks its tiers take or lose (medium CPU / STORAGE, locality
-LOCAL or REMOTE). `kvheat route` subscribes to them (`--replica URL,kind=vllm,events=...`)
-and counts a block in a replica's host tier as held at the local tier's efficiency (0.9 of
-its prefill saved) and one in the shared Redis tier at the shared tier's (0.5), after the
-device prefix. Its index is fed by content (the events' token ids, the root salted by the
-request's `cache_salt`): the client sends every request with its tenant's `cache_salt` (as
-`kvheat route` would set it), so vLLM's hashes, and what each router can reuse, are the
-same whichever router is in front.
+2048, `--layers` layers, float32, one compute thread bound to a core of its own, 32-token
+blocks, its own pool shrunk to `--pool-blocks`) with `KVHeatConnector` holding blocks in
+a host tier of its own (`--tier host`) or a host tier plus one shared `redis-server`
+(`--tier redis`), and publishing vLLM's KV events (`--kv-events-config`, a bound ZMQ PUB
+and replay socket): vLLM's own for the blocks of its pool (medium GPU), and the
+connector's, which vLLM publishes in the same batches, for the blocks its tiers take or
+lose (medium CPU / STORAGE, locality LOCAL or REMOTE). `kvheat route` subscribes to them
+(`--replica URL,kind=vllm,events=...,replay=...,block_size=32`), indexes them by content
+(their token ids) and counts a block in a replica's host tier as held at the local
+tier's efficiency (0.9 of its prefill saved), one in the shared Redis tier at the shared
+tier's (0.5), after the device prefix.
+
+One tenant: sglang-router drops the request's `cache_salt` on the way to vLLM (seen here:
+sessions of different tenants hit each other's blocks behind smg), so tenants salted apart
+behind `kvheat route` would share nothing that smg's replicas share; without tenants the
+replicas hash alike whichever router is in front.
 
 Rounds are interleaved (rr, sglang, kvheat, rr, ...). The replicas stay up for the whole
-run (a vLLM start costs about a minute of this machine's CPU); each round runs its own
-conversations (other seeds: no round reuses another's prompts) and a fresh router, so a
-round inherits only cold blocks of earlier rounds. Per round: hit rate (the replicas'
+run (a vLLM start costs minutes of this machine's CPU); each round runs its own
+conversations (another seed: no round reuses another's text) behind a fresh router, so a
+round inherits only cold blocks of earlier rounds. Per round: hit rate (the clients'
 usage: cached / prompt tokens, vLLM's prefix hits plus the connector's tier hits), TTFT
 P50 / P99, wall time and requests/s at the client, per-replica requests and prefill
-tokens (vLLM's /metrics).
+tokens (vLLM's /metrics), and what `kvheat route`'s index held per place at the end.
 
     python bench/cluster/vllm.py --smg /tmp/sglr/bin/smg --json docs/results/cluster/vllm.json
     python bench/cluster/vllm.py --quick                      # one round, a small load
@@ -32,6 +35,7 @@ tokens (vLLM's /metrics).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -49,19 +53,23 @@ if not __package__:  # run as `python bench/cluster/vllm.py`: import from the re
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from bench._lib import RESULTS, ROOT
-from bench._lib.load import Conversation, metric_sums
+from bench._lib.load import (
+    Conversation,
+    LoadSpec,
+    Reply,
+    from_list,
+    metric_sums,
+    run_conversations,
+)
 from bench._lib.models import save_wide_model
 from bench._lib.peers import check_quiet, find_vllm_python, spread, vllm_env
 from bench._lib.procs import Redis, free_port, stop, wait_ready, wait_until
 from bench._lib.report import Round, markdown, max_over_mean, pct, print_table, summarize
-from bench.cluster.real import run_load
 from bench.vllm.connector import BLOCK, CONNECTOR_MODULE, SECRET, Shape, sessions
-from kvheat.cache.hashing import tenant_salt
 
 MODEL = "cluster-llama"  # bench/cluster/real.py's run_load asks for this model
-TENANTS = {"acme": "sk-acme", "globex": "sk-globex", "initech": "sk-initech"}
 KINDS = ("rr", "sglang", "kvheat")
-# The load: agentic sessions (a tools head shared by the tenant's sessions, a long context
+# The load: agentic sessions (a tools head shared by all sessions, a long context
 # of their own, tool-result turns) and chat sessions; several in flight per replica.
 LOAD = Shape(agentic=6, agentic_head=50, agentic_context=80, agentic_turns=4,
              tool_result=(30, 45), chat=3, chat_system=80, chat_turns=3, question=(8, 14),
@@ -70,18 +78,23 @@ QUICK = replace(LOAD, agentic=3, agentic_turns=3, chat=1, in_flight=3)
 
 
 # ---- the load ----------------------------------------------------------------------------------
-def tenant_sessions(shape: Shape, seed: int) -> list[Conversation]:
-    """`sessions` of the connector bench, each with a tenant (round robin): its API key,
-    and its salt as `cache_salt` (what `kvheat route` sets for a vLLM replica, sent by the
-    client so that every router's replicas hash alike)."""
-    names = list(TENANTS)
-    out = []
-    for c in sessions(shape, seed):
-        t = names[c.id % len(names)]
-        c.headers = {"Authorization": f"Bearer {TENANTS[t]}"}
-        c.body = {"cache_salt": tenant_salt(t, {})}
-        out.append(c)
-    return out
+def run_load(base: str, convs: list[Conversation], in_flight: int, max_tokens: int,
+             timeout_s: float) -> tuple[list[Reply], float]:
+    """The conversations on `in_flight` workers; the replies (their `start` in seconds
+    from the load's start) and the wall time. TTFT counts a first event that only ends
+    the turn (a random-weights model may stream empty text first)."""
+    spec = LoadSpec(MODEL, max_tokens, ignore_eos=True, timeout_s=timeout_s,
+                    ttft_on_finish=True, require_done=True)
+
+    async def go() -> tuple[list[Reply], float]:
+        t0 = time.perf_counter()
+        replies = await run_conversations(base, from_list(convs), in_flight, spec)
+        wall = time.perf_counter() - t0
+        for r in replies:
+            r.start -= t0
+        return replies, wall
+
+    return asyncio.run(go())
 
 
 # ---- the processes -----------------------------------------------------------------------------
@@ -127,10 +140,10 @@ def start_replica(r: Replica, a: argparse.Namespace, python: str, model_dir: Pat
 
 
 def start_router(kind: str, port: int, replicas: list[Replica], a: argparse.Namespace,
-                 model_dir: Path, config: Path, log: Path) -> subprocess.Popen[bytes]:
+                 model_dir: Path, log: Path) -> subprocess.Popen[bytes]:
     if kind == "kvheat":
         cmd = [sys.executable, "-m", "kvheat.cli", "route", "--port", str(port), "--model",
-               str(model_dir), "--config", str(config), "--block-size", str(BLOCK),
+               str(model_dir), "--block-size", str(BLOCK),
                "--health-interval", "0.5", "--log-level", "warning"]
         for r in replicas:
             cmd += ["--replica", r.spec]
@@ -179,9 +192,6 @@ class Bench:
     def __init__(self, a: argparse.Namespace, tmp: Path, python: str) -> None:
         self.a, self.tmp, self.python = a, tmp, python
         self.model_dir = save_wide_model(tmp / "wide-llama", a.layers)
-        self.config = tmp / "tenants.toml"
-        self.config.write_text("".join(f'[[tenants]]\nname = "{n}"\napi_keys = ["{k}"]\n\n'
-                                       for n, k in TENANTS.items()))
         self.redis = Redis(tmp / "redis") if a.tier == "redis" else None
         cores = os.cpu_count() or 1
         self.replicas = [Replica(free_port(), free_port(), free_port(), i % cores)
@@ -200,7 +210,7 @@ class Bench:
     def router(self, kind: str) -> tuple[subprocess.Popen[bytes], str]:
         port = free_port()
         log = self.logs / f"router-{kind}.log"
-        proc = start_router(kind, port, self.replicas, self.a, self.model_dir, self.config, log)
+        proc = start_router(kind, port, self.replicas, self.a, self.model_dir, log)
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, proc, 120, log)
         if kind == "kvheat":  # every replica in rotation and its events subscribed
@@ -311,7 +321,7 @@ def main() -> int:
                   f"{time.perf_counter() - t:.0f} s", flush=True)
             for k in range(a.rounds):
                 for j, kind in enumerate(routers):
-                    convs = tenant_sessions(shape, 1000 + 10 * k + j)
+                    convs = sessions(shape, 1000 + 10 * k + j)
                     rd, extra = b.one_round(kind, k, convs, shape.in_flight)
                     rounds.append(rd)
                     extras.append(extra)
