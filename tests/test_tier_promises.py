@@ -43,7 +43,7 @@ def lower_entries(e: LLMEngine, tenant: str | None) -> dict[str, int]:
     out = {}
     for st, idx in zip(tc.tiers, tc.indexes, strict=True):
         ns = st.ns(salt)
-        keys = [k for k, b in idx.entries.items() if st.ns(b.salt) == ns]
+        keys = [k for k in idx.entries if st.ns(tc.keys.records[k].salt) == ns]
         assert all(st.contains(k, salt) for k in keys)
         out[st.name] = len(keys)
     return out
@@ -294,9 +294,10 @@ def test_soak_tiers_tenants_arms_and_admin_calls(llama: tuple, tmp_path: Path, s
 
     def others_below(t: str) -> set[tuple[str, bytes]]:
         tc.flush()
+        recs = tc.keys.records
         return {(st.name, k) for st, idx in zip(tc.tiers, tc.indexes, strict=True)
-                for k, b in idx.entries.items()
-                if idx.owners.get(k) != t and b.salt != e.cache.salt_of(t)}
+                for k in idx.entries
+                if recs[k].owner != t and recs[k].salt != e.cache.salt_of(t)}
 
     for _step in range(160):
         op = rng.random()

@@ -565,9 +565,14 @@ def test_replay_leaves_no_unreachable_entries(policy: str, async_io: bool,
             tc.flush()
             assert unreachable(tc, keys) == []
             below = {k for idx in tc.indexes for k in idx.entries}
-            assert set(tc.links.held) == below  # nothing in flight after flush
-            assert all(tc.links.held[k] == sum(k in idx.entries for idx in tc.indexes)
-                       for k in below)
+            recs = tc.keys.records
+            assert set(recs) == below  # nothing in flight after flush
+            assert all(recs[k].held == len(tc.keys.where(k)) for k in below)
+            # One index: each key's parent is held below or on the device, and it has the
+            # key among its children.
+            for k in below:
+                p = tc.keys.parent(k)
+                assert p is None or k in tc.keys.kids[p]
             checks += 1
     assert checks == 15 and tc.counters.dropped_bottom > 0
     assert tc.counters.worker_errors == 0

@@ -101,6 +101,29 @@ def test_device_blocks_keep_a_shared_layer_once_and_refuse_bad_input() -> None:
         VLLMDeviceBlocks(_layers((8, 2, 32, 128)), 8, 32, "mha")
 
 
+def test_device_blocks_write_back_what_a_tier_filled_in_place() -> None:
+    import threading
+
+    kv = _layers((8, 2, 32, 128))
+    dev = VLLMDeviceBlocks(kv, 8, 32, "gqa")
+    want = torch.full(dev.block_shape, 7.0)
+    other = {}
+    with dev.writing_back():
+        dev.block_view(1).copy_(want)  # a host tier's read into the tensor handed out
+        dev.block_view(2).fill_(9.0)
+        dev.write_block(2, want)  # written whole meanwhile: that wins
+        # Another thread's views (the engine saving while a loader loads) are its own.
+        t = threading.Thread(target=lambda: other.update(v=dev.block_view(3).fill_(5.0)))
+        t.start()
+        t.join()
+        first = next(iter(kv.values()))
+        assert not torch.equal(first[1], want[0])  # not yet: at the end
+    assert torch.equal(dev.block_view(1), want) and torch.equal(dev.block_view(2), want)
+    assert not torch.equal(dev.block_view(3), other["v"])
+    dev.block_view(4).fill_(1.0)  # outside: a copy, the pool untouched
+    assert not torch.equal(dev.block_view(4), torch.ones(dev.block_shape))
+
+
 # ---- the config ------------------------------------------------------------------------------------
 def test_config_reads_serve_tier_keys_with_sizes_and_types() -> None:
     cfg = ConnectorConfig.from_extra({"host_tier_size": "256MiB", "disk_tier_dir": "/tmp/x",

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..cache import Block, KVCacheManager, OutOfBlocks, Request
 from ..cache.hashing import prompt_scope, tokens_to_bytes
@@ -39,6 +39,9 @@ from ..cache.misses import MissClassifier
 from .config import SchedulerConfig
 from .load_classes import load_class, share_prefill_budget
 from .sequence import ScheduledItem, SchedulerOutput, Seq, SeqStatus
+
+if TYPE_CHECKING:
+    from ..tiers.loads import LoadPlan
 
 
 class SwapSpace(Protocol):
@@ -62,14 +65,14 @@ class LowerTiers(Protocol):
 
     def cancel_prefetch(self, request_id: str) -> None: ...
 
-    def allocate(self, req: Request, count_stats: bool = True) -> list[int]: ...
+    def lookup(self, req: Request, hit_blocks: int) -> LoadPlan:
+        """The blocks after the device's first `hit_blocks` the tiers load for `req`."""
+
+    def load(self, req: Request, plan: LoadPlan) -> int:
+        """Fill the newly allocated `req`'s blocks from `plan`; returns blocks loaded."""
 
     def record_prompt(self, num_tokens: int, cached_by_tier: Mapping[str, int]) -> None:
         """Count a prompt's hits by tier, in the tiers' counters and the cache's stats."""
-
-    @property
-    def last_loaded(self) -> list[tuple[str, int]]:
-        """(tier name, tokens) of each block the latest `allocate` loaded, in order."""
 
 
 class Scheduler:
@@ -244,33 +247,32 @@ class Scheduler:
         if seq.swapped_tokens > hit:
             start = seq.swapped_tokens  # blocks after the cached prefix come back from host
         # Lower tiers: blocks after the device prefix that host/disk/remote still hold are
-        # loaded into the new device blocks at allocation (they count as cached).
-        planned = 0
+        # loaded into the new device blocks right after allocation (they count as cached).
+        plan: LoadPlan | None = None
         if self.tiers is not None and cfg.prefix_caching == "block" and not whole \
                 and not seq.swapped_tokens:
-            planned = self.tiers.prefetch(full)
+            plan = self.tiers.lookup(full, len(match))
             # All of it below: load it all and run the last token again (its logits), its KV
             # rewritten into a block this request alone holds.
-            start = min(hit + planned, len(seq.token_ids) - 1)
+            start = min(hit + plan.tokens, len(seq.token_ids) - 1)
         elif self.tiers is not None:
             self.tiers.cancel_prefetch(seq.seq_id)  # an early plan it does not need now
         n = min(limit, len(seq.token_ids) - start)
         if n <= 0:
             return 0
         part = full.head(start + n, bs)
-        loaded: list[tuple[str, int]] = []
         try:
-            if planned and self.tiers is not None:  # a plan: only with tiers
-                self.tiers.allocate(part, count_stats=False)
-                loaded = self.tiers.last_loaded
-                start = min(part.num_cached_tokens, start)  # less if a load failed
-                n = part.num_tokens - start
-            else:
-                cache.allocate(part, matched=match, count_stats=False)
+            cache.allocate(part, matched=match, count_stats=False)
         except OutOfBlocks:
             # A lower-tier plan stays (pins and reads kept) until the request runs or ends:
             # planning again each step would read every block again.
             return 0
+        loaded: list[tuple[str, int]] = []
+        if plan is not None and plan.keys and self.tiers is not None:
+            n_loaded = self.tiers.load(part, plan)
+            loaded = [(name, plan.block_tokens) for name in plan.tiers[:n_loaded]]
+            start = min(hit + n_loaded * plan.block_tokens, start)  # less if a load failed
+            n = part.num_tokens - start
         if seq.swapped_tokens:
             assert self.swap_space is not None
             first = len(match)

@@ -9,12 +9,19 @@ them per block. `VLLMDeviceBlocks` finds that dimension per layer and gathers bl
 every layer into one `[layers, ...]` tensor for the tiers (`block_view`), and scatters
 one back (`write_block`). Layers that share one tensor (cross-layer KV sharing) are kept
 once. Needs no vLLM import: it sees tensors only.
+
+A gathered block is a copy, not a view of the pool, so a tier that reads straight into
+`block_view`'s tensor (the host tier's batched read) would fill the copy only: loads run
+inside `writing_back()`, which writes every tensor handed out meanwhile back into its
+block at the end (per thread: a loader thread's views never catch the engine's saves).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -56,6 +63,7 @@ class VLLMDeviceBlocks:
             raise ValueError("no KV cache tensors to register")
         self.block_shape = (len(self._layers), *shape)
         self.bytes_per_block = math.prod(self.block_shape) * self.dtype.itemsize
+        self._local = threading.local()  # .lent: block id -> tensor handed out, or None
 
     @property
     def num_layers(self) -> int:
@@ -71,12 +79,29 @@ class VLLMDeviceBlocks:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block {block_id} is outside vLLM's pool of {self.num_blocks}")
 
+    @contextlib.contextmanager
+    def writing_back(self) -> Iterator[None]:
+        """Within it (on this thread), each tensor `block_view` hands out is written back
+        into its block at the end, as filled by then; a `write_block` of that block
+        meanwhile supersedes it."""
+        lent: dict[int, torch.Tensor] = {}
+        self._local.lent = lent
+        try:
+            yield
+        finally:
+            self._local.lent = None
+            for block_id, data in lent.items():
+                self.write_block(block_id, data)
+
     def block_view(self, block_id: int) -> torch.Tensor:
         """Block `block_id` of every layer, copied into one contiguous tensor."""
         self._check(block_id)
         out = torch.empty(self.block_shape, dtype=self.dtype)
         for i, (t, dim, per) in enumerate(self._layers):
             out[i].copy_(t.narrow(dim, block_id * per, per))
+        lent = getattr(self._local, "lent", None)
+        if lent is not None:
+            lent[block_id] = out
         return out
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
@@ -85,6 +110,9 @@ class VLLMDeviceBlocks:
         if tuple(data.shape) != self.block_shape or data.dtype != self.dtype:
             raise ValueError(f"a block is {self.block_shape} {self.dtype}, not "
                              f"{tuple(data.shape)} {data.dtype}")
+        lent = getattr(self._local, "lent", None)
+        if lent is not None:
+            lent.pop(block_id, None)
         for i, (t, dim, per) in enumerate(self._layers):
             t.narrow(dim, block_id * per, per).copy_(data[i])
 

@@ -681,7 +681,8 @@ class KVHeatConnector(KVConnectorBase_V1):
             assert client is not None and device is not None
             plan = client.lookup(job.salt, job.keys, 0)
             if plan.keys:
-                loaded = client.load(plan, job.slots[:len(plan.keys)], device)
+                with device.writing_back():
+                    loaded = client.load(plan, job.slots[:len(plan.keys)], device)
             for tier in plan.tiers[:loaded]:
                 self._counts.add("loaded." + tier)
         except Exception:  # a tier's bug must cost a recompute, never the engine

@@ -1,5 +1,7 @@
 """KV tiers: host, disk and Redis stores below the device pool, under one policy.
 
+`client.TierClient` is the narrow interface every engine uses (lookup a `LoadPlan`, load
+it into device slots, save device blocks; kvheat's engine and the vLLM connector alike).
 `host.py`, `disk.py` and `redis_store.py` hold real KV bytes per block key behind
 `store.KVStore`; `hierarchy.TieredCache` wraps a `KVCacheManager` and the device pool
 (typed by `store.DeviceBlocks`; the engine's is `kvheat.engine.kv_pool`) and moves blocks
@@ -9,17 +11,18 @@ tiers and `spec.build_tiers` builds them.
 Redis support needs redis-py (`pip install kvheat[tiers]`).
 """
 
+from .client import LoadPlan, TierClient
 from .codec import CorruptValue, namespace_digest
 from .counters import TierCounters
 from .disk import DiskStore
 from .hierarchy import TieredCache
 from .host import HostStore
 from .index import TierIndex
-from .spec import TierSpec, build_tiers
+from .spec import TierSpec, build_tiers, store_layout
 from .store import DeviceBlocks, KVStore, StoreStats, TransferModel
 
 __all__ = [
-    "CorruptValue", "DeviceBlocks", "DiskStore", "HostStore", "KVStore",
-    "StoreStats", "TierCounters", "TierIndex", "TierSpec", "TieredCache", "TransferModel",
-    "build_tiers", "namespace_digest",
+    "CorruptValue", "DeviceBlocks", "DiskStore", "HostStore", "KVStore", "LoadPlan",
+    "StoreStats", "TierClient", "TierCounters", "TierIndex", "TierSpec", "TieredCache",
+    "TransferModel", "build_tiers", "namespace_digest", "store_layout",
 ]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .counters import TierCounters
-from .loads import Plan
+from .loads import LoadPlan
 from .store import KVStore
 
 # Engine prefill speed in tokens/s: a number or a callable reading the live figure (None
@@ -22,13 +22,11 @@ PrefillSpeed = float | Callable[[], float | None] | None
 class LoadCost:
     """The load-or-recompute cost model of a set of lower tiers, and its calibration."""
 
-    def __init__(self, stores: list[KVStore], block_bytes: int, block_shape: tuple[int, ...],
-                 block_dtype: torch.dtype, prefill_tokens_per_s: PrefillSpeed,
-                 remeasure_s: float, counters: TierCounters) -> None:
+    def __init__(self, stores: list[KVStore], block_bytes: int,
+                 prefill_tokens_per_s: PrefillSpeed, remeasure_s: float,
+                 counters: TierCounters) -> None:
         self.stores = stores
         self.block_bytes = block_bytes
-        self.block_shape = block_shape
-        self.block_dtype = block_dtype
         self.prefill_tokens_per_s = prefill_tokens_per_s  # None: always load
         # A tier judged slower than recomputing gets no reads, so its estimate would never
         # change: after this long without a read, one block is loaded anyway to measure again.
@@ -77,9 +75,9 @@ class LoadCost:
         return seconds if same else None
 
     def _probe_block(self) -> torch.Tensor:
+        """A block's worth of random bytes (the stores time bytes; the layout is moot)."""
         g = torch.Generator().manual_seed(0)
-        probe = torch.randint(0, 255, (self.block_bytes,), dtype=torch.uint8, generator=g)
-        return probe.view(self.block_dtype).view(self.block_shape)
+        return torch.randint(0, 255, (self.block_bytes,), dtype=torch.uint8, generator=g)
 
     def _time(self, st: KVStore, rounds: int) -> dict[str, float | None]:
         probe = self._probe_block()
@@ -98,7 +96,7 @@ class LoadCost:
         fit = st.read_model.fit()
         return {"latency_s": fit[0] if fit else None, "bandwidth_Bps": fit[1] if fit else None}
 
-    def decide(self, plan: Plan, wait: float) -> int:
+    def decide(self, plan: LoadPlan, wait: float) -> int:
         """How many of the plan's blocks to load: the prefix with the largest estimated
         saving over recomputing it (0 when no prefix saves time). `wait`: seconds a slow
         read waits behind the loaders' backlog, worth it only if it still beats
@@ -135,7 +133,7 @@ class LoadCost:
         plan.est_load_s, plan.est_recompute_s = best
         return best_k
 
-    def _decide_no_wait(self, plan: Plan, speed: float) -> int:
+    def _decide_no_wait(self, plan: LoadPlan, speed: float) -> int:
         """How many blocks `decide` would load with no backlog (to count the difference)."""
         per_tier = [0] * len(self.stores)
         tokens, best_k, best_gain = 0, 0, 0.0

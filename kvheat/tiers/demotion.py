@@ -20,10 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.block import Block
-from .index import UNKNOWN_OWNER, TierEntry
 from .lower import LowerTiers
-from .store import DeviceBlocks
 
 log = logging.getLogger("kvheat.tiers")
 
@@ -49,10 +46,9 @@ class Move:
 class Demoter:
     """Places demoted blocks on the lower tiers, inline or through its queue and thread."""
 
-    def __init__(self, lower: LowerTiers, device: DeviceBlocks, write_through: bool,
-                 queue_size: int, background: bool) -> None:
+    def __init__(self, lower: LowerTiers, write_through: bool, queue_size: int,
+                 background: bool) -> None:
         self.lower = lower
-        self.device = device
         self.write_through = write_through
         self.queue: queue.Queue[Move | None] = queue.Queue(queue_size)
         self.worker: threading.Thread | None = None
@@ -60,50 +56,45 @@ class Demoter:
             self.worker = threading.Thread(target=self._work, name="kvheat-demote", daemon=True)
             self.worker.start()
 
-    def on_device_evict(self, b: Block) -> None:
-        """The manager's eviction listener: `b` is about to lose its KV."""
+    def demote(self, key: bytes, salt: str | None, tokens: int, kv: torch.Tensor,
+               parent: bytes | None, owner: object, leaving_device: bool) -> bool:
+        """Put one block's KV on the lower tiers: the first one up (exclusive), or every
+        one (write-through). `kv` may view a device block: it is copied before this
+        returns. `parent`: the key before it in its prefix (None for a first block);
+        `owner`: the tenant that filled it (flushes); `leaving_device`: the device is
+        evicting it now (else the device's own answer counts, see `PrefixLinks`).
+        Returns whether a tier holds it or is taking it."""
         low = self.lower
-        if not low.stores or b.key is None:
-            return
-        salt = low.mgr.salt_of(b.tenant)
-        view = self.device.block_view(b.block_id)
-        # The device evicts leaves first, so the parent is still cached there now.
-        parent = b.parent.key if b.parent is not None else None
-        m = Move(0, b.key, salt, b.num_tokens, view, parent, b.tenant, low.flushed(b.tenant))
+        if not low.stores:
+            return False
+        m = Move(0, key, salt, tokens, kv, parent, owner, low.flushed(owner))
         if self.write_through:
             copy: torch.Tensor | None = None
             for i, st in enumerate(low.stores):
-                if b.key in low.indexes[i].entries:
-                    with low.lock:
-                        e = low.indexes[i].get(b.key)
-                        if e is not None:
-                            low.indexes[i].touch(e, low.clock())
+                if low.touch(i, key):  # already there: a hit
                     continue
                 if st.inline:
-                    self.place(m.to(i, view), cascade=False)
+                    self.place(m.to(i, kv), cascade=False)
                 else:
                     if copy is None:
-                        copy = _private(view)
+                        copy = _private(kv)
                     self.enqueue(m.to(i, copy))
         else:
             first = next((i for i, st in enumerate(low.stores) if st.available()), None)
             if first is None:
                 low.counters.demote_refused += 1
             elif low.stores[first].inline:
-                self.place(m.to(first, view), cascade=True)
+                self.place(m.to(first, kv), cascade=True)
             else:
-                self.enqueue(m.to(first, _private(view)))
+                self.enqueue(m.to(first, _private(kv)))
         # Refused or dropped: the key leaves with the device block, and its children below.
-        with low.lock:
-            dels = low.links.settle(b.key, leaving_device=True)
-        low.delete(dels)
+        return low.settle(key, leaving_device)
 
     def enqueue(self, m: Move) -> None:
         """Hand a demotion to the background thread. The item holds `key` below from now
         until it is placed, so a key moving between tiers is never taken for gone."""
         low = self.lower
-        with low.lock:
-            low.links.hold(m.key, m.parent)
+        low.hold(m.key, m.parent, m.salt, m.owner)
         if self.worker is None:
             try:
                 self.place(m, cascade=not self.write_through, owned=True)
@@ -143,20 +134,10 @@ class Demoter:
         reused as soon as this returns, so anything queued is copied first. The caller
         holds the key meanwhile and settles it after (a refused key may be gone)."""
         low = self.lower
-        st, idx = low.stores[m.tier], low.indexes[m.tier]
+        st = low.stores[m.tier]
         nxt = m.tier + 1 if cascade and m.tier + 1 < len(low.stores) else None
-        with low.lock:
-            if low.flushed(m.owner) != m.gen:  # its tenant was flushed meanwhile
-                return
-            if low.links.orphan(m.parent):  # its parent left while it waited in the queue
-                low.counters.orphans_dropped += 1
-                return
-            e = idx.get(m.key)
-            if e is not None:
-                # Already there (a key names its KV): refresh it. Rewriting would hide the
-                # entry from readers while the store replaces it (a load then misses).
-                idx.touch(e, low.clock())
-                return
+        if not low.placeable(m.tier, m.key, m.parent, m.owner, m.gen):
+            return
         if not st.available():
             self._pass_down(m, nxt, owned)
             return
@@ -165,19 +146,10 @@ class Demoter:
         if not st.put(m.key, m.kv, m.salt):
             self._pass_down(m, nxt, owned)
             return
-        with low.lock:
-            # Checked again: making room above may have dropped the parent meanwhile,
-            # and a flush of its tenant may have run while it was written.
-            orphan = low.links.orphan(m.parent) or low.flushed(m.owner) != m.gen
-            if not orphan and idx.insert(m.key, m.salt, m.tokens, need, low.clock(),
-                                         low.links.children(m.key), m.owner, m.parent):
-                low.links.hold(m.key, m.parent)
-        if orphan:
-            low.counters.orphans_dropped += 1
+        # Checked again: making room above may have dropped the parent meanwhile, and a
+        # flush of its tenant may have run while it was written.
+        if not low.commit(m.tier, m.key, m.salt, m.tokens, need, m.owner, m.parent, m.gen):
             st.delete(m.key, m.salt)
-            return
-        low.demotions[m.tier] += 1
-        low.counters.demotions += 1
 
     def _pass_down(self, m: Move, nxt: int | None, owned: bool) -> None:
         """`m.tier` refused the block: the next tier gets it, if there is one."""
@@ -190,30 +162,17 @@ class Demoter:
         """Evict `tier`'s coldest entries until `need` more bytes fit (for `key`, whose
         own old entry's bytes count as free), handing them to `nxt` when it is up."""
         low = self.lower
-        st, idx = low.stores[tier], low.indexes[tier]
-        victims: list[tuple[bytes, TierEntry, bytes | None, object]] = []
-        with low.lock:
-            freed = 0
-            held = idx.sizes.get(key, 0)
-            while st.used_bytes() - held - freed + need > st.capacity_bytes:
-                v = idx.victim()
-                if v is None or v.key is None:
-                    break
-                freed += idx.sizes.get(v.key, 0)
-                owner = idx.owners.get(v.key, UNKNOWN_OWNER)
-                idx.remove(v.key)
-                # Its holding stays until it is handed down or dropped (released below).
-                victims.append((v.key, v, low.links.parent.get(v.key), owner))
-        for vkey, v, vparent, vowner in victims:
+        st = low.stores[tier]
+        for vkey, tokens, salt, parent, owner in low.evict_for(tier, key, need):
             try:
                 if nxt is not None and low.stores[nxt].available():
-                    t = st.get(vkey, v.salt)
+                    t = st.get(vkey, salt)
                     if t is not None:
-                        self.enqueue(Move(nxt, vkey, v.salt, v.num_tokens, t, vparent,
-                                          vowner, low.flushed(vowner)))
+                        self.enqueue(Move(nxt, vkey, salt, tokens, t, parent, owner,
+                                          low.flushed(owner)))
                 elif tier == len(low.stores) - 1:
                     low.counters.dropped_bottom += 1
-                st.delete(vkey, v.salt)
+                st.delete(vkey, salt)
                 low.evictions[tier] += 1
             finally:
                 low.release(vkey)

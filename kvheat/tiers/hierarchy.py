@@ -2,8 +2,9 @@
 then host, disk and Redis stores below it (docs/tiers.md).
 
 `TieredCache` wires the parts, each in its own module:
-- `lower.LowerTiers`: the stores with their indexes (`index.TierIndex`), the prefix links
-  across them (`links.PrefixLinks`), the counters and the one lock they share;
+- `client.TierClient`: the narrow interface (lookup, load, save) over `lower.LowerTiers`,
+  the stores with the one index of what they hold (`index.KeyIndex`: per key its tiers,
+  parent, salt and owner; per tier its eviction order, `index.TierIndex`);
 - `demotion.Demoter`: blocks the device evicts go down, through a queue and its thread;
 - `cost.LoadCost`: load or recompute, from measured transfers and the prefill speed;
 - `loads.Reads` and `promotion.Promoter`: prefetch plans, loader threads, and the loads
@@ -13,18 +14,17 @@ then host, disk and Redis stores below it (docs/tiers.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
 from typing import Any
 
 from ..cache.block import Block
 from ..cache.manager import KVCacheManager, Request
 from ..cache.request import hit_rate
-from .cost import LoadCost, PrefillSpeed
+from .client import TierClient
+from .cost import PrefillSpeed
 from .counters import TierCounters
-from .demotion import Demoter
 from .index import TierIndex
-from .loads import Reads
-from .lower import IndexListener, LowerTiers
+from .loads import LoadPlan
+from .lower import IndexListener
 from .promotion import Promoter
 from .spec import TierSpec
 from .store import DeviceBlocks, KVStore
@@ -46,9 +46,17 @@ class TieredCache:
         probe = device.block_view(0)
         self.block_shape = tuple(probe.shape)
         self.block_dtype = probe.dtype
-        self.lower = low = LowerTiers(mgr, tiers, self.block_bytes, spec.policy, self.clock)
+        self.client = client = TierClient(
+            tiers, spec, block_bytes=self.block_bytes, block_tokens=mgr.block_size,
+            policy=mgr.config.policy, clock=self.clock,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            device_holds=lambda key: key in mgr.cached,
+            known_salts=lambda: [mgr.salt_of(t) for t in mgr.known_tenants()])
+        # The device's evictions come back down: a loaded block lives on the device only.
+        client.move_on_load = spec.mode == "exclusive"
+        self.lower = low = client.lower
         self.indexes: list[TierIndex] = low.indexes
-        self.links = low.links
+        self.keys = low.keys  # the one index of what lies below
         self.counters: TierCounters = low.counters
         self.tier_hit_blocks = low.hit_blocks
         self.tier_demotions = low.demotions
@@ -56,20 +64,12 @@ class TieredCache:
         # Called with (tier name, key, parent key, tokens, True) when a tier takes a key and
         # (tier name, key, None, 0, False) when it loses it.
         self.index_listeners: list[IndexListener] = low.listeners
-        slow = any(not st.inline for st in tiers)
-        background = slow if spec.async_io is None else spec.async_io
-        self.cost = LoadCost(tiers, self.block_bytes, self.block_shape, self.block_dtype,
-                             prefill_tokens_per_s, spec.remeasure_s, low.counters)
-        self.reads = Reads(low, self.cost.estimate_load_s, spec.load_workers if background else 0)
-        self.demoter = Demoter(low, device, spec.mode == "write_through", spec.queue_size,
-                               background)
-        self.promoter = Promoter(low, device, self.cost, self.reads,
-                                 exclusive=spec.mode == "exclusive")
-        mgr.evict_listeners.append(self.demoter.on_device_evict)
+        self.cost = client.cost
+        self.reads = client.reads
+        self.demoter = client.demoter
+        self.promoter = Promoter(client, mgr, device)
+        mgr.evict_listeners.append(self._on_device_evict)
         mgr.drop_listeners.append(self._on_device_drop)
-        if (slow if spec.calibrate is None else spec.calibrate) and \
-                prefill_tokens_per_s is not None:
-            self.calibrate()
 
     # Keys other replicas put in a shared tier (tiers.shared.SharedTierFeed sets itself).
     @property
@@ -80,26 +80,31 @@ class TieredCache:
     def peers(self, feed: Any) -> None:
         self.lower.peers = feed
 
-    @property
-    def last_loaded(self) -> list[tuple[str, int]]:
-        """(tier name, tokens) of each block the latest `allocate` loaded, in block order."""
-        return self.promoter.last_loaded
-
     def tier_of(self, name: str) -> int | None:
         return self.lower.tier_of(name)
 
     # ---- the scheduler's calls ----------------------------------------------------------
     def prefetch(self, req: Request) -> int:
         """Plan a waiting request's lower-tier loads and start the slow ones now; returns
-        the tokens planned. `allocate` picks the plan up; `cancel_prefetch` drops it."""
+        the tokens planned. `lookup` picks the plan up; `cancel_prefetch` drops it."""
         return self.promoter.prefetch(req)
+
+    def lookup(self, req: Request, hit_blocks: int) -> LoadPlan:
+        """What the tiers load for `req` after the device's first `hit_blocks` (a plan,
+        pinned under the request's id until `load` or `cancel_prefetch`)."""
+        return self.promoter.lookup(req, hit_blocks)
+
+    def load(self, req: Request, plan: LoadPlan) -> int:
+        """Fill `req`'s new device blocks from `plan` (`req` was just allocated with the
+        device prefix the plan follows); returns the blocks loaded, a prefix of it."""
+        return self.promoter.load(req, plan)
 
     def cancel_prefetch(self, request_id: str) -> None:
         self.promoter.cancel_prefetch(request_id)
 
     def allocate(self, req: Request, count_stats: bool = True) -> list[int]:
-        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks
-        (`count_stats`: count `req` as a whole prompt; see `Promoter.allocate`)."""
+        """`mgr.allocate` plus lower-tier hits loaded into the new device blocks, in one
+        call (tests, replays; `count_stats`: see `Promoter.allocate`)."""
         return self.promoter.allocate(req, count_stats)
 
     def record_prompt(self, num_tokens: int, cached_by_tier: Mapping[str, int]) -> None:
@@ -153,7 +158,16 @@ class TieredCache:
         """Estimated seconds until the loader threads are through the reads queued now."""
         return self.reads.backlog_s()
 
-    # ---- tenants --------------------------------------------------------------------------
+    # ---- the device's evictions and deletions ---------------------------------------------
+    def _on_device_evict(self, b: Block) -> None:
+        """The manager's eviction listener: `b` is about to lose its KV; it goes down."""
+        if not self.tiers or b.key is None:
+            return
+        # The device evicts leaves first, so the parent is still cached there now.
+        parent = b.parent.key if b.parent is not None else None
+        self.client.demote(b.key, self.mgr.salt_of(b.tenant), b.num_tokens,
+                           self.device.block_view(b.block_id), parent, b.tenant)
+
     def _on_device_drop(self, b: Block) -> None:
         """A device block deleted on purpose (flush, quota cut): its key goes from every
         tier (write-through copies included), and so do its descendants below."""
@@ -193,10 +207,9 @@ class TieredCache:
         self.demoter.flush(timeout_s)
 
     def close(self) -> None:
-        self.demoter.close()
-        self.reads.close()
-        if self.demoter.on_device_evict in self.mgr.evict_listeners:
-            self.mgr.evict_listeners.remove(self.demoter.on_device_evict)
+        self.client.close()
+        if self._on_device_evict in self.mgr.evict_listeners:
+            self.mgr.evict_listeners.remove(self._on_device_evict)
         if self._on_device_drop in self.mgr.drop_listeners:
             self.mgr.drop_listeners.remove(self._on_device_drop)
 
@@ -210,10 +223,8 @@ class TieredCache:
         c = self.counters
         q = c.query_tokens
         return {
-            **asdict(c),
+            **self.client.stats(),
             "device_hit_rate": hit_rate(c.device_hit_tokens, q),
             "total_hit_rate": hit_rate(c.device_hit_tokens + c.lower_hit_tokens, q),
             "prefill_tokens_per_s": self.prefill_speed(),
-            "queue_depth": self.demoter.queue.qsize(),
-            "tiers": self.lower.describe(c.query_tokens),
         }

@@ -1,4 +1,14 @@
-"""What one lower tier holds, ordered for eviction by the device's policy family."""
+"""The one index of what lies below the device: for each key, which tiers hold it, its
+parent, its tenant salt and the tenant that filled it (`KeyIndex`), and per tier the order
+its policy evicts in (`TierIndex`).
+
+Every entry keeps its parent key (taken from the device block's parent at demotion, or
+given to `TierClient.save`; None for a first block, and for entries found in a store at
+start-up, whose parent is unknown: they count as roots). A key that leaves the hierarchy
+for good (dropped at the bottom, a failed load, a refused or dropped demotion) while
+neither the device nor any tier holds it takes every lower-tier descendant with it: a
+prefix match ends at the first missing key, so they could never be served.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +18,26 @@ from typing import TypeGuard
 
 from ..cache.node import Node
 from ..cache.policy import EvictionPolicy
+from .counters import TierCounters
 
 # The owner of an entry found in a store at start-up: whoever filled it is unknown.
 UNKNOWN_OWNER = object()
 
+# (tier, key, salt) of a lower-tier entry to delete from its store.
+Deletion = tuple[int, bytes, "str | None"]
+
+# (tier name, key, parent key, tokens, stored): a tier took a key (True) or lost it.
+IndexListener = Callable[[str, bytes, bytes | None, int, bool], None]
+
 
 class TierEntry(Node):
-    """One key a lower tier holds, as its policy orders it (it never holds KV itself)."""
+    """One key on one lower tier, as its policy orders it (it never holds KV itself)."""
 
-    __slots__ = ("salt",)
+    __slots__ = ()
 
-    def __init__(self, key: bytes, salt: str | None, tokens: int, now: float) -> None:
+    def __init__(self, key: bytes, tokens: int, now: float) -> None:
         super().__init__()
         self.key = key
-        self.salt = salt  # the namespace it is stored in: its tenant's salt
         self.num_tokens = tokens
         self.last_access = self.inserted_at = now
 
@@ -34,13 +50,29 @@ class PeerEntry:
     num_tokens: int
 
 
+class KeyRecord:
+    """What the index knows of one key held below: its salt (the namespace it is stored
+    in; its namespace digest, bytes, for an entry found at start-up whose tenant is not
+    known: `KVStore.ns` takes either), its
+    parent key, the tenant whose request filled it (`UNKNOWN_OWNER` if found at
+    start-up), and how many holdings keep it (tier entries, moves queued or in flight)."""
+
+    __slots__ = ("salt", "parent", "owner", "held")
+
+    def __init__(self, salt: str | None, parent: bytes | None, owner: object) -> None:
+        self.salt = salt
+        self.parent = parent
+        self.owner = owner
+        self.held = 0
+
+
 class TierIndex:
     """The keys one lower tier holds, ordered for eviction by an `EvictionPolicy`.
 
     Entries are `TierEntry` nodes of the device's policy family; a pinned entry (being
     loaded) has ref_cnt > 0, so the policy never picks it. With `leaf_first`, an entry's
-    `num_children` counts its children held on lower tiers: the policy parks such an entry
-    as it parks a device parent, and `inner` keeps them for when no leaf is left."""
+    `num_children` counts its children held below: the policy parks such an entry as it
+    parks a device parent (`KeyIndex.victim` takes one when no leaf is left)."""
 
     def __init__(self, policy: EvictionPolicy, capacity_entries: int,
                  leaf_first: bool = False) -> None:
@@ -49,14 +81,6 @@ class TierIndex:
         self.leaf_first = leaf_first
         self.entries: dict[bytes, TierEntry] = {}
         self.sizes: dict[bytes, int] = {}
-        # key -> the tenant whose request filled it (`UNKNOWN_OWNER` for entries found at
-        # start-up): a flush deletes a tenant's own entries, not its share group's.
-        self.owners: dict[bytes, object] = {}
-        # Entries with children below, in the order they got their first (leaf_first only).
-        self.inner: dict[bytes, TierEntry] = {}
-        # Called with (entry, parent key, True) when a key is added and (entry, None,
-        # False) when it goes: KV events (TieredCache.index_listeners).
-        self.listener: Callable[[TierEntry, bytes | None, bool], None] | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -64,27 +88,22 @@ class TierIndex:
     def get(self, key: bytes) -> TierEntry | None:
         return self.entries.get(key)
 
-    def insert(self, key: bytes, salt: str | None, tokens: int, size: int, now: float,
-               children: int = 0, owner: object = None, parent: bytes | None = None) -> bool:
+    def insert(self, key: bytes, tokens: int, size: int, now: float, children: int = 0) -> bool:
         """Add `key` (True) or refresh it (False). `children`: its children held below."""
         b = self.entries.get(key)
         if b is not None:
             self.sizes[key] = size
             self.touch(b, now)
             return False
-        b = TierEntry(key, salt, tokens, now)
+        b = TierEntry(key, tokens, now)
         if self.leaf_first and children:
             b.num_children = children
-            self.inner[key] = b
         b.ref_cnt = 1  # as the manager does: inserted while held, then released
         self.policy.on_insert(b, now)
         b.ref_cnt = 0
         self.policy.on_release(b, now)
         self.entries[key] = b
         self.sizes[key] = size
-        self.owners[key] = owner
-        if self.listener is not None:
-            self.listener(b, parent, True)
         return True
 
     def set_children(self, key: bytes, n: int) -> None:
@@ -94,12 +113,8 @@ class TierIndex:
             return
         was = b.num_children
         b.num_children = n
-        if n and not was:
-            self.inner[key] = b
-        elif was and not n:
-            del self.inner[key]
-            if b.ref_cnt == 0:
-                self.policy.on_leaf(b)
+        if was and not n and b.ref_cnt == 0:
+            self.policy.on_leaf(b)
 
     def touch(self, b: TierEntry, now: float) -> None:
         b.last_access = now
@@ -129,29 +144,169 @@ class TierIndex:
         if b is None:
             return None
         self.sizes.pop(key, None)
-        self.owners.pop(key, None)
-        self.inner.pop(key, None)
         if b.ref_cnt == 0:
             self.policy.on_acquire(b)
         b.ref_cnt += 1
         self.policy.on_evict(b)
-        if self.listener is not None:
-            self.listener(b, None, False)
         return b
 
     def victim(self) -> TierEntry | None:
-        """The policy's choice among evictable entries (leaves, with `leaf_first`); when
-        only parents are left, the one that became a parent first."""
+        """The policy's choice among evictable entries (leaves, with `leaf_first`)."""
         while True:
             b = self.policy.victim()
             if b is None:
-                break
+                return None
             if self._holds(b):
                 return b
-        # Rare (a full tier of parents whose children sit on other tiers): the caller's
-        # removal then drops the descendants too. Pinned ones are skipped, never many.
-        return next((b for b in self.inner.values() if b.ref_cnt == 0), None)
 
     def _holds(self, b: Node) -> TypeGuard[TierEntry]:
         """Is `b` the live entry of its key (not one removed, or replaced since)?"""
         return b.key is not None and self.entries.get(b.key) is b
+
+
+class KeyIndex:
+    """Every key held below the device, all lower tiers together: its `KeyRecord`, the
+    tiers holding it (`tiers[t]`, each tier's eviction order), and its children below
+    (`kids[k]`: the held keys whose parent is k; k itself may be on the device only).
+
+    A key is held while a tier has it or a move of it is queued or in flight (`hold`).
+    Pure bookkeeping, called with the tiers' lock held: `release` and `settle` remove the
+    orphaned entries and return what to delete from the stores, which the caller does
+    after, unlocked. `on_device(key)`: does the device hold the key now?"""
+
+    def __init__(self, tiers: list[TierIndex], names: list[str],
+                 counters: TierCounters) -> None:
+        self.tiers = tiers
+        self.names = names
+        self.counters = counters  # counts `orphans_dropped`
+        self.records: dict[bytes, KeyRecord] = {}
+        # In the order each got its first child below: the bottom tier's last resort.
+        self.kids: dict[bytes, set[bytes]] = {}
+        self.on_device: Callable[[bytes], bool] = lambda key: True
+        # Called with (tier name, key, parent, tokens, True) when a tier takes a key and
+        # (tier name, key, None, 0, False) when it loses it (KV events): keep them quick.
+        self.listeners: list[IndexListener] = []
+
+    def __contains__(self, key: bytes) -> bool:
+        """Is `key` held below (on a tier, or moving to one)?"""
+        return key in self.records
+
+    def record(self, key: bytes) -> KeyRecord | None:
+        return self.records.get(key)
+
+    def parent(self, key: bytes) -> bytes | None:
+        rec = self.records.get(key)
+        return rec.parent if rec is not None else None
+
+    def where(self, key: bytes) -> list[int]:
+        """The tiers holding `key`, top first."""
+        return [t for t, idx in enumerate(self.tiers) if key in idx.entries]
+
+    # ---- a tier takes or loses a key ------------------------------------------------------
+    def add(self, tier: int, key: bytes, salt: str | None, tokens: int, size: int,
+            now: float, owner: object, parent: bytes | None) -> bool:
+        """Tier `tier` takes `key` (True), or already has it: refreshed (False)."""
+        if not self.tiers[tier].insert(key, tokens, size, now, self.children(key)):
+            return False
+        self.hold(key, parent, salt, owner)
+        for listener in self.listeners:
+            listener(self.names[tier], key, parent, tokens, True)
+        return True
+
+    def remove(self, tier: int, key: bytes) -> TierEntry | None:
+        """Tier `tier` no longer has `key`; its holding stays until `release`."""
+        e = self.tiers[tier].remove(key)
+        if e is not None:
+            for listener in self.listeners:
+                listener(self.names[tier], key, None, 0, False)
+        return e
+
+    # ---- holdings -------------------------------------------------------------------------
+    def hold(self, key: bytes, parent: bytes | None, salt: str | None, owner: object) -> None:
+        """One more holding of `key` below (a tier entry, a queued or moving copy)."""
+        rec = self.records.get(key)
+        if rec is None:
+            rec = self.records[key] = KeyRecord(salt, None, owner)
+        elif isinstance(rec.salt, bytes) and not isinstance(salt, bytes):
+            rec.salt = salt  # a key found at start-up meets its tenant
+        rec.held += 1
+        if parent is None:
+            return
+        # Also when already held: a restored root learns its parent, and a key whose parent
+        # left and came back while it was queued is linked to the parent's new life.
+        rec.parent = parent
+        kids = self.kids.get(parent)
+        if kids is None:
+            kids = self.kids[parent] = set()
+        if key not in kids:
+            kids.add(key)
+            self._mark(parent)
+
+    def release(self, key: bytes, leaving_device: bool = False) -> list[Deletion]:
+        """Drop one holding of `key`; when it was the last and the device does not hold the
+        key either (`leaving_device`: it is being evicted from there now), the key is gone
+        and its descendants below go too."""
+        rec = self.records.get(key)
+        if rec is not None:
+            rec.held -= 1
+            if rec.held > 0:
+                return []
+            del self.records[key]
+            parent = rec.parent
+            if parent is not None:
+                kids = self.kids.get(parent)
+                if kids is not None and key in kids:
+                    kids.discard(key)
+                    if not kids:
+                        del self.kids[parent]
+                    self._mark(parent)
+        return self.settle(key, leaving_device)
+
+    def settle(self, key: bytes, leaving_device: bool = False) -> list[Deletion]:
+        """If `key` is held nowhere (no tier, no queued move, not the device), remove its
+        descendants from every tier: O(descendants)."""
+        if key in self.records or (not leaving_device and self.on_device(key)):
+            return []
+        out: list[Deletion] = []
+        stack = [key]
+        while stack:
+            for c in self.kids.pop(stack.pop(), ()):
+                rec = self.records.get(c)
+                if rec is not None:
+                    for t in range(len(self.tiers)):
+                        if self.remove(t, c) is not None:
+                            out.append((t, c, rec.salt))
+                            self.counters.orphans_dropped += 1
+                            rec.held -= 1
+                    if rec.held == 0:
+                        del self.records[c]
+                # A copy still queued is dropped when placed (its parent is gone then);
+                # a key the device holds keeps its children reachable.
+                if c not in self.records and not self.on_device(c):
+                    stack.append(c)
+        return out
+
+    def orphan(self, parent: bytes | None) -> bool:
+        """Would an entry under `parent` be unreachable (the parent is held nowhere)?"""
+        return parent is not None and parent not in self.records and not self.on_device(parent)
+
+    def children(self, key: bytes) -> int:
+        return len(self.kids.get(key, ()))
+
+    def victim(self, tier: int) -> TierEntry | None:
+        """Tier `tier`'s policy choice; on a leaf-first tier where only parents are left
+        (rare: their children sit on other tiers), the one that became a parent first
+        (the caller's removal then drops its descendants too)."""
+        idx = self.tiers[tier]
+        v = idx.victim()
+        if v is not None or not idx.leaf_first:
+            return v
+        return next((e for k in self.kids if (e := idx.entries.get(k)) is not None
+                     and e.ref_cnt == 0), None)
+
+    def _mark(self, key: bytes) -> None:
+        """Tell the leaf-first tiers holding `key` how many children it has below."""
+        n = self.children(key)
+        for idx in self.tiers:
+            if idx.leaf_first:
+                idx.set_children(key, n)

@@ -19,9 +19,10 @@ log = logging.getLogger("kvheat.tiers")
 
 @dataclass(slots=True)
 class Step:
-    index: int  # block index in the request
+    index: int  # block index in the request (in the keys looked up)
     key: bytes
     tier: int
+    name: str  # the tier's name
     entry: TierEntry | PeerEntry  # a peer's only when `peer`
     tokens: int
     result: Slot | None = None  # set when a loader thread fetches it
@@ -30,15 +31,32 @@ class Step:
 
 
 @dataclass(slots=True)
-class Plan:
-    start: int  # first block index the plan covers (the device hit length when made)
-    salt: str | None
-    owner: str | None = None  # the request's tenant
-    steps: list[Step] = field(default_factory=list)
+class LoadPlan:
+    """What the tiers can supply right after the device's prefix: `keys[i]`, held by tier
+    `tiers[i]`, in prefix order from block `start`. Made by `TierClient.lookup`, which pins
+    its entries until `TierClient.load` or `release` (the client's own bookkeeping is in
+    `steps`; `keys` and `tiers` follow it)."""
+
+    salt: str | None  # the tenant salt (cache/hashing.tenant_salt) the keys live under
+    keys: list[bytes] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)
+    block_tokens: int = 0  # tokens per block
+    start: int = 0  # block index of keys[0] (the device prefix's length when made)
+    owner: object = None  # the tenant of the request it is for (flushes drop its plans)
+    steps: list[Step] = field(default_factory=list, repr=False)
     found_blocks: int = 0  # continuation blocks found on lower tiers before deciding
     found_tokens: int = 0
     est_load_s: float = 0.0
     est_recompute_s: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.keys) * self.block_tokens
+
+    def set_steps(self, steps: list[Step]) -> None:
+        self.steps = steps
+        self.keys = [s.key for s in steps]
+        self.tiers = [s.name for s in steps]
 
 
 class Slot:
@@ -107,7 +125,7 @@ class Reads:
                 i += 1
         return out
 
-    def start(self, plan: Plan, steps: list[Step] | None = None) -> None:
+    def start(self, plan: LoadPlan, steps: list[Step] | None = None) -> None:
         """Submit the plan's slow loads (not inline tiers; of `steps` when given) to the
         loader threads."""
         if self.pool is None:
@@ -152,7 +170,7 @@ class Reads:
         with low.lock:
             for s in steps:
                 if isinstance(s.entry, TierEntry):  # (a peer's entry is not ours to pin)
-                    low.indexes[s.tier].unpin(s.entry, now)
+                    low.unpin(s.tier, s.entry, now)
                 slot = s.result
                 if slot is None:
                     continue

@@ -1,33 +1,33 @@
-"""The lower tiers together: the stores below the device, each with its index, the
-prefix links across them, their counters and the one lock, shared by demotion, promotion
-and flushes."""
+"""The lower tiers together: the stores below the device, the one index of what they hold
+(`index.KeyIndex`), their counters, and the lock that guards the index. Demotion, loads
+and flushes go through the methods here; the index itself is pure bookkeeping."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..cache.manager import KVCacheManager
 from ..cache.policy import make_policy
 from ..cache.request import hit_rate
 from .counters import TierCounters
-from .index import UNKNOWN_OWNER, TierEntry, TierIndex
-from .links import Deletion, PrefixLinks
+from .index import UNKNOWN_OWNER, Deletion, IndexListener, KeyIndex, TierEntry, TierIndex
 from .store import KVStore
 
-# (tier name, key, parent key, tokens, stored): a tier took a key (True) or lost it.
-IndexListener = Callable[[str, bytes, bytes | None, int, bool], None]
+__all__ = ["Deletion", "IndexListener", "LowerTiers"]
 
 
 class LowerTiers:
-    """`stores[i]` with `indexes[i]`, top first; `links` across them; `lock` guards both."""
+    """`stores[i]`, top first, with `keys`, the index of what each holds (`indexes[i]`:
+    tier i's eviction order); `lock` guards the index. Methods not marked "lock held"
+    take the lock themselves and delete from the stores after releasing it."""
 
-    def __init__(self, mgr: KVCacheManager, stores: list[KVStore], block_bytes: int,
-                 policy: str | None, clock: Callable[[], float]) -> None:
-        self.mgr = mgr
+    def __init__(self, stores: list[KVStore], block_bytes: int, block_tokens: int,
+                 policy: str, clock: Callable[[], float],
+                 known_salts: Callable[[], Iterable[str | None]] | None = None) -> None:
         self.stores = stores
         self.block_bytes = block_bytes
+        self.block_tokens = block_tokens
         self.clock = clock
         self.lock = threading.RLock()
         self.counters = TierCounters()
@@ -37,63 +37,47 @@ class LowerTiers:
         self.demotions = [0] * n
         self.evictions = [0] * n
         self.deleted = [0] * n  # entries deleted by flushes and quota cuts
+        self.load_blocks = [0] * n  # blocks loaded out of each tier into the device
         self.indexes: list[TierIndex] = []
-        self.links = PrefixLinks(self.indexes, lambda key: key in mgr.cached, self.counters)
+        self.keys = KeyIndex(self.indexes, [st.name for st in stores], self.counters)
         # Called under the lock, from the thread doing it: keep them quick (KV events
         # queue and return).
-        self.listeners: list[IndexListener] = []
+        self.listeners: list[IndexListener] = self.keys.listeners
         # Keys other replicas put in a shared tier (tiers.shared.SharedTierFeed): found
         # after our own indexes, loaded like ours, never deleted or evicted by us.
         self.peers: Any = None
         # tenant -> flushes so far: a demotion queued before a flush of its tenant is
         # dropped when its turn comes (one entry per tenant ever flushed).
         self.flushes: dict[object, int] = {}
-        name = policy or mgr.config.policy
+        salts = list(known_salts()) if known_salts is not None else []
         for i, st in enumerate(stores):
             slot = getattr(st, "slot_bytes", None)
             if slot is not None and slot < block_bytes:
                 raise ValueError(f"{st.name} tier slots hold {slot} bytes; a device block "
                                  f"has {block_bytes}")
-            pol = make_policy(name)
+            pol = make_policy(policy)
             if pol.needs_future:  # an offline oracle cannot order a live tier
                 pol = make_policy("lru")
             # Only the bottom tier's victims leave the hierarchy (in write-through mode the
             # upper tiers' copies are on the bottom one too): there, leaves go first.
-            idx = TierIndex(pol, st.capacity_bytes // max(1, block_bytes),
-                            leaf_first=i == n - 1)
-            idx.listener = self._index_listener(st.name)
-            self.indexes.append(idx)
-            self._restore(st, idx)
+            self.indexes.append(TierIndex(pol, st.capacity_bytes // max(1, block_bytes),
+                                          leaf_first=i == n - 1))
+            self._restore(i, salts)
 
-    def _restore(self, st: KVStore, idx: TierIndex) -> None:
+    def _restore(self, tier: int, salts: list[str | None]) -> None:
         """Index the entries that survived a restart: known tenants by salt, others by
         namespace digest (still evictable). A store keeps no parent: each is a root, never
         dropped with an ancestor."""
+        st = self.stores[tier]
         now = self.clock()
+        by_ns = {st.ns(s): s for s in [None, *salts]}
         for key, ns in st.stored():
-            salt = self._salt_of_ns(st, ns)
             # An unknown namespace stays keyed by its digest (`KVStore.ns` takes it back).
-            if idx.insert(key, ns if salt is UNKNOWN_OWNER else salt,  # type: ignore[arg-type]
-                          self.mgr.block_size, self.block_bytes, now, owner=UNKNOWN_OWNER):
-                self.links.hold(key, None)
+            salt = by_ns.get(ns, ns)
+            self.keys.add(tier, key, salt, self.block_tokens,  # type: ignore[arg-type]
+                          self.block_bytes, now, UNKNOWN_OWNER, None)
 
-    def _salt_of_ns(self, store: KVStore, ns: bytes) -> str | None | object:
-        """The salt whose namespace digest is `ns`, among tenants the manager knows."""
-        if ns == store.ns(None):
-            return None
-        for tenant in self.mgr.known_tenants():
-            salt = self.mgr.salt_of(tenant)
-            if store.ns(salt) == ns:
-                return salt
-        return UNKNOWN_OWNER
-
-    def _index_listener(self, name: str) -> Callable[[TierEntry, bytes | None, bool], None]:
-        def changed(e: TierEntry, parent: bytes | None, stored: bool) -> None:
-            assert e.key is not None
-            for listener in self.listeners:
-                listener(name, e.key, parent, e.num_tokens, stored)
-        return changed
-
+    # ---- lookups (lock held) --------------------------------------------------------------
     def tier_of(self, name: str) -> int | None:
         return next((i for i, st in enumerate(self.stores) if st.name == name), None)
 
@@ -103,29 +87,122 @@ class LowerTiers:
 
     def find(self, key: bytes, salt: str | None) -> tuple[int, TierEntry] | None:
         """The first tier that is up and holds `key` in `salt`'s namespace (lock held)."""
+        rec = self.keys.record(key)
+        if rec is None:
+            return None
         for t, idx in enumerate(self.indexes):
             e = idx.get(key)
             st = self.stores[t]
-            if e is not None and st.ns(e.salt) == st.ns(salt) and st.available():
+            if e is not None and st.ns(rec.salt) == st.ns(salt) and st.available():
                 return t, e
         return None
 
+    def pin(self, tier: int, e: TierEntry) -> None:
+        """Hold `e` while it is loaded (a hit for its policy; lock held)."""
+        self.indexes[tier].pin(e, self.clock())
+
+    def unpin(self, tier: int, e: TierEntry, now: float) -> None:
+        self.indexes[tier].unpin(e, now)
+
+    def touch(self, tier: int, key: bytes) -> bool:
+        """Refresh `key` on `tier` (a hit); False when the tier does not hold it."""
+        with self.lock:
+            e = self.indexes[tier].get(key)
+            if e is not None:
+                self.indexes[tier].touch(e, self.clock())
+            return e is not None
+
+    # ---- blocks coming down (demotion) ------------------------------------------------------
+    def hold(self, key: bytes, parent: bytes | None, salt: str | None, owner: object) -> None:
+        """A copy of `key` is on its way down: it counts as held until `release`."""
+        with self.lock:
+            self.keys.hold(key, parent, salt, owner)
+
+    def settle(self, key: bytes, leaving_device: bool) -> bool:
+        """After a demotion of `key`: is it held below? If not, nor on the device, its
+        descendants below go (deleted here)."""
+        with self.lock:
+            held = key in self.keys
+            dels = self.keys.settle(key, leaving_device=leaving_device)
+        self.delete(dels)
+        return held
+
+    def placeable(self, tier: int, key: bytes, parent: bytes | None, owner: object,
+                  gen: int) -> bool:
+        """Should a block coming down be written to `tier`? Not when its tenant was
+        flushed since it left the device (`gen`: the flush count then), when its parent
+        left meanwhile (counted), or when the tier has it already (a key names its KV:
+        refreshed; rewriting would hide it from readers while the store replaces it)."""
+        with self.lock:
+            if self.flushed(owner) != gen:
+                return False
+            if self.keys.orphan(parent):
+                self.counters.orphans_dropped += 1
+                return False
+            e = self.indexes[tier].get(key)
+            if e is not None:
+                self.indexes[tier].touch(e, self.clock())
+                return False
+        return True
+
+    def commit(self, tier: int, key: bytes, salt: str | None, tokens: int, size: int,
+               owner: object, parent: bytes | None, gen: int) -> bool:
+        """Index a block just written to `tier`; False (counted) when its parent or its
+        tenant's KV left while it was written: the caller deletes it."""
+        with self.lock:
+            if self.keys.orphan(parent) or self.flushed(owner) != gen:
+                self.counters.orphans_dropped += 1
+                return False
+            self.keys.add(tier, key, salt, tokens, size, self.clock(), owner, parent)
+        self.demotions[tier] += 1
+        self.counters.demotions += 1
+        return True
+
+    def evict_for(self, tier: int, key: bytes,
+                  need: int) -> list[tuple[bytes, int, str | None, bytes | None, object]]:
+        """Unindex `tier`'s coldest entries until `need` more bytes fit (for `key`, whose
+        own old entry's bytes count as free). Returns (key, tokens, salt, parent, owner)
+        of each; it stays held until the caller hands it down or drops it (`release`)."""
+        st, idx = self.stores[tier], self.indexes[tier]
+        out: list[tuple[bytes, int, str | None, bytes | None, object]] = []
+        with self.lock:
+            freed = 0
+            held = idx.sizes.get(key, 0)
+            while st.used_bytes() - held - freed + need > st.capacity_bytes:
+                v = self.keys.victim(tier)
+                rec = self.keys.record(v.key) if v is not None and v.key is not None else None
+                if v is None or v.key is None or rec is None:
+                    break
+                freed += idx.sizes.get(v.key, 0)
+                self.keys.remove(tier, v.key)
+                out.append((v.key, v.num_tokens, rec.salt, rec.parent, rec.owner))
+        return out
+
+    # ---- entries leaving --------------------------------------------------------------------
     def delete(self, dels: list[Deletion]) -> None:
-        """Delete from the stores what the links gave up (called unlocked)."""
+        """Delete from the stores what the index gave up (called unlocked)."""
         for t, key, salt in dels:
             self.stores[t].delete(key, salt)
 
     def release(self, key: bytes) -> None:
         """Drop one holding of `key` below, deleting what leaves with it."""
         with self.lock:
-            dels = self.links.release(key)
+            dels = self.keys.release(key)
         self.delete(dels)
 
     def forget(self, tier: int, key: bytes) -> None:
-        """`tier` no longer holds `key` (loaded out of it, or found stale): unindex it;
-        its descendants go too when nothing else holds it."""
+        """`tier` no longer holds `key` (stale or corrupt): unindex it; its descendants go
+        too when nothing else holds it."""
         with self.lock:
-            dels = self.links.release(key) if self.indexes[tier].remove(key) else []
+            dels = self.keys.release(key) if self.keys.remove(tier, key) else []
+        self.delete(dels)
+
+    def take_out(self, tier: int, key: bytes, salt: str | None) -> None:
+        """`key` was loaded and lives on the device now: it leaves `tier` (its children
+        below stay reachable through the device's copy)."""
+        with self.lock:
+            dels = self.keys.release(key) if self.keys.remove(tier, key) else []
+        self.stores[tier].delete(key, salt)
         self.delete(dels)
 
     def drop_key(self, key: bytes, salt: str | None) -> list[Deletion]:
@@ -133,14 +210,15 @@ class LowerTiers:
         purpose: flush, quota cut), with its descendants. Returns what was deleted."""
         dels: list[Deletion] = []
         with self.lock:
-            for t, idx in enumerate(self.indexes):
-                e = idx.get(key)
+            rec = self.keys.record(key)
+            for t in self.keys.where(key) if rec is not None else []:
                 st = self.stores[t]
-                if e is not None and st.ns(e.salt) == st.ns(salt):
-                    idx.remove(key)
-                    dels.append((t, key, e.salt))
-                    dels += self.links.release(key, leaving_device=True)
-            dels += self.links.settle(key, leaving_device=True)
+                assert rec is not None
+                if st.ns(rec.salt) == st.ns(salt):
+                    self.keys.remove(t, key)
+                    dels.append((t, key, rec.salt))
+                    dels += self.keys.release(key, leaving_device=True)
+            dels += self.keys.settle(key, leaving_device=True)
         self.delete(dels)
         self.count_deleted(dels)
         return dels
@@ -149,27 +227,28 @@ class LowerTiers:
         """Unindex `tenant`'s entries on every tier (lock held; in a share group only those
         it filled, and those found at start-up). Returns what to delete from the stores."""
         dels: list[Deletion] = []
+        records = self.keys.records
         for t, idx in enumerate(self.indexes):
             st = self.stores[t]
             ns = st.ns(salt)
-            mine = [k for k, e in idx.entries.items() if st.ns(e.salt) == ns
-                    and (not shared or idx.owners.get(k) in (tenant, UNKNOWN_OWNER))]
+            mine = [k for k in idx.entries if st.ns(records[k].salt) == ns
+                    and (not shared or records[k].owner in (tenant, UNKNOWN_OWNER))]
             for k in mine:
-                e = idx.remove(k)
-                if e is not None:
-                    dels.append((t, k, e.salt))
-                    dels += self.links.release(k)
+                rec = records[k]
+                if self.keys.remove(t, k) is not None:
+                    dels.append((t, k, rec.salt))
+                    dels += self.keys.release(k)
         return dels
 
     def count_deleted(self, dels: list[Deletion]) -> None:
         for t, _key, _salt in dels:
             self.deleted[t] += 1
 
+    # ---- introspection ----------------------------------------------------------------------
     def entries(self) -> list[tuple[str, bytes, bytes | None, int]]:
         """(tier name, key, parent key, tokens) of every entry held below now."""
         with self.lock:
-            parents = self.links.parent
-            return [(st.name, key, parents.get(key), e.num_tokens)
+            return [(st.name, key, self.keys.parent(key), e.num_tokens)
                     for st, idx in zip(self.stores, self.indexes, strict=True)
                     for key, e in idx.entries.items()]
 
@@ -178,9 +257,14 @@ class LowerTiers:
         out: dict[str, object] = {}
         for i, st in enumerate(self.stores):
             d = st.describe()
+            sst = st.stats
             d.update(entries=len(self.indexes[i]), hit_tokens=self.hit_tokens[i],
                      hit_blocks=self.hit_blocks[i], demotions=self.demotions[i],
                      evictions=self.evictions[i], deleted=self.deleted[i],
-                     hit_rate=hit_rate(self.hit_tokens[i], query_tokens))
+                     hit_rate=hit_rate(self.hit_tokens[i], query_tokens),
+                     load_blocks=self.load_blocks[i],
+                     load_bytes=self.load_blocks[i] * self.block_bytes,
+                     faults=sst.corrupt_checksum + sst.corrupt_key + sst.corrupt_torn
+                     + sst.corrupt_format + sst.io_errors)
             out[f"{i}:{st.name}"] = d
         return out

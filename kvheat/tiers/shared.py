@@ -23,9 +23,11 @@ import struct
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any
 
+from .client import TierClient
+from .hierarchy import TieredCache
 from .index import PeerEntry
+from .redis_store import RedisStore
 
 log = logging.getLogger("kvheat.tiers")
 _REC = struct.Struct("!BIB")
@@ -59,14 +61,18 @@ def decode_announcements(data: bytes) -> tuple[bytes, list[tuple[int, bytes, int
 
 
 class SharedTierFeed:
-    def __init__(self, tiers: Any, tier_name: str = "redis", max_peer_keys: int = 1 << 20,
-                 flush_s: float = 0.01) -> None:
-        t = tiers.tier_of(tier_name)
+    def __init__(self, tiers: TierClient | TieredCache, tier_name: str = "redis",
+                 max_peer_keys: int = 1 << 20, flush_s: float = 0.01) -> None:
+        client = tiers.client if isinstance(tiers, TieredCache) else tiers
+        t = client.tier_of(tier_name)
         if t is None:
             raise ValueError(f"no {tier_name} tier to share")
-        self.tiers = tiers
+        self.tiers = client
         self.tier = t
-        self.store = tiers.tiers[t]
+        store = client.stores[t]
+        if not isinstance(store, RedisStore):
+            raise ValueError(f"the {tier_name} tier is not a Redis store")
+        self.store = store
         self.client = self.store.client
         self.channel = self.store.prefix + "shared"
         self.writer = os.urandom(8)

@@ -82,17 +82,19 @@ class TierSpec:
     def stores(self, device: DeviceBlocks, model_id: str) -> list[KVStore]:
         """The configured stores, top first, for blocks of `device` and KV of `model_id`
         (names the KV on disk and in Redis, so KV of other weights is never served)."""
+        return self.stores_for(device.bytes_per_block, model_id, store_layout(device))
+
+    def stores_for(self, block_bytes: int, model_id: str, layout: str) -> list[KVStore]:
+        """The configured stores, top first, for blocks of `block_bytes` bytes in the
+        stored format `layout` (`store_layout`) of the weights `model_id`."""
         from .disk import DiskStore
         from .host import HostStore
 
         out: list[KVStore] = []
         if self.host_blocks > 0:
-            out.append(HostStore(self.host_blocks * device.bytes_per_block,
-                                 device.bytes_per_block))
+            out.append(HostStore(self.host_blocks * block_bytes, block_bytes))
         if self.namespace:
             model_id += "/" + self.namespace
-        dtype = str(device.dtype).removeprefix("torch.")
-        layout = f"{device.layout}-b{device.block_size}-{dtype}"
         if self.disk_dir:
             out.append(DiskStore(self.disk_dir, self.disk_bytes, model=model_id,
                                  layout=layout, secret=self.secret))
@@ -103,6 +105,13 @@ class TierSpec:
                                   self.redis_bytes, model=model_id, layout=layout,
                                   secret=self.secret))
         return out
+
+
+def store_layout(device: DeviceBlocks) -> str:
+    """The name of the format `device`'s blocks are stored in ("gqa-b16-bfloat16"): part
+    of every namespace, so KV of another layout, block size or dtype is never read."""
+    dtype = str(device.dtype).removeprefix("torch.")
+    return f"{device.layout}-b{device.block_size}-{dtype}"
 
 
 def build_tiers(spec: TierSpec, mgr: KVCacheManager, device: DeviceBlocks, model_id: str,
