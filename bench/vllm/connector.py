@@ -7,8 +7,9 @@ One model on every row: a Llama of TinyLlama-1.1B's width (hidden 2048, 16 heads
 threads to core 0, its front end runs on the other), 32-token blocks, vLLM's own pool
 shrunk to `--pool-blocks` blocks (`--num-gpu-blocks-override`).
 
-Rows (one `python -m vllm.entrypoints.openai.api_server` each, all up together: about
-3 GB resident each):
+Rows (one `python -m vllm.entrypoints.openai.api_server` each, up together: about 3 GB
+resident each; when the free memory does not take them all, or `--max-servers` says so,
+the rows run in groups, each group with its own vLLM-alone server):
 - `vllm`: vLLM alone (prefix caching on);
 - `example`: vLLM with its `ExampleConnector` (saves every request's KV to files, loads
   only a whole earlier prompt: a growing conversation never hits it);
@@ -329,26 +330,41 @@ class Bench:
               + (f"  ({f['first_error']})" if f["first_error"] else ""), flush=True)
         return f
 
-    def run(self, rows: list[str], draws: dict[str, int]) -> dict[str, dict[str, list[Any]]]:
+    def run(self, rows: list[str], draws: dict[str, int], out: dict[str, Any]) -> None:
         """Every row's server up at once; each phase's load `draws[phase]` times, each
         draw (new text) sent to each server in turn, the order reversed every other draw
-        (A B C, C B A, ...), so the machine's load falls on all rows alike. A server keeps
-        what earlier draws left in its caches (cold blocks of other text), as a serving
-        vLLM does."""
-        servers = [self.start(row, "run") for row in rows]
-        out: dict[str, dict[str, list[Any]]] = {p: {row: [] for row in rows} for p in draws}
+        (A B C, C B A, ...), so the machine's load falls on all rows alike; each run's
+        ratios to the vLLM-alone run of its draw are kept with it (`vs_vllm`). A server
+        keeps what earlier draws left in its caches (cold blocks of other text), as a
+        serving vLLM does. A server that does not start is reported and left out. Adds
+        to `out[phase][row]`."""
+        servers = [self.start(row, f"group{len(out['groups'])}") for row in rows]
+        out["groups"].append(rows)
         try:
             t = time.perf_counter()
-            for srv in servers:
-                self.ready(srv)
+            for srv in list(servers):
+                try:
+                    self.ready(srv)
+                except RuntimeError as e:
+                    print(f"{srv.row} did not start, left out: {str(e)[-2000:]}",
+                          file=sys.stderr, flush=True)
+                    out["failed"].append({"row": srv.row, "error": str(e)[-2000:]})
+                    srv.stop()
+                    servers.remove(srv)
             print(f"{len(servers)} servers up in {time.perf_counter() - t:.0f} s", flush=True)
             for phase, n_draws in draws.items():
                 for n in range(n_draws):
                     convs = self.load(phase, n)
-                    for srv in (servers if n % 2 == 0 else servers[::-1]):
-                        out[phase][srv.row].append(self.measure(srv, phase, convs, f"draw {n}"))
+                    got = {srv.row: self.measure(srv, phase, convs, f"draw {n}")
+                           for srv in (servers if n % 2 == 0 else servers[::-1])}
+                    base = got.get("vllm")
+                    for row, f in got.items():
+                        if base is not None and row != "vllm":
+                            f["vs_vllm"] = {m: f[m] / base[m] if f[m] is not None and base[m]
+                                            else None for m in METRICS}
+                        out[phase].setdefault(row, []).append(f)
             for srv in servers:
-                out.setdefault("connector_metrics", {})[srv.row] = [connector_metrics(srv.base)]
+                out["connector_metrics"][srv.row] = connector_metrics(srv.base)
         except Exception:
             for srv in servers:
                 print(f"--- {srv.row}:\n" + srv.log.read_text(errors="replace")[-3000:],
@@ -357,7 +373,21 @@ class Bench:
         finally:
             for srv in servers:
                 srv.stop()
-        return out
+
+
+def groups_of(rows: list[str], max_servers: int) -> list[list[str]]:
+    """The rows in groups of at most `max_servers` servers, each with vLLM alone first
+    (every ratio is to the vLLM-alone run of its own draw, in its own group)."""
+    others = [r for r in rows if r != "vllm"]
+    size = max(1, max_servers - 1)
+    return [["vllm", *others[i:i + size]] for i in range(0, len(others), size)] or [["vllm"]]
+
+
+def mem_available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / (1 << 20)
+    return 0.0
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -365,10 +395,9 @@ METRICS = ("ttft_mean_s", "ttft_p99_s", "wall_s", "computed_tokens")
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per row: each metric's median and range over its runs, and its ratio to vLLM alone
-    run by run (runs of one index were taken side by side), median and range."""
+    """Per row: each metric's median and range over its runs, and of its ratios to vLLM
+    alone in the same draw."""
     rows: dict[str, Any] = {}
-    base = runs.get("vllm")
     for row, rs in runs.items():
         cell: dict[str, Any] = {"runs": len(rs), "errors": sum(r["errors"] for r in rs),
                                 "prompt_tokens": round(statistics.median(
@@ -379,9 +408,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 cell[m] = None
                 continue
             cell[m] = spread(vals)
-            if base is not None and row != "vllm":
-                ratios = [v / b[m] if b[m] else float("nan")
-                          for v, b in zip(vals, base, strict=False)]
+            ratios = [r["vs_vllm"][m] for r in rs if r.get("vs_vllm", {}).get(m) is not None]
+            if ratios:
                 cell[m + "_ratio"] = {**spread(ratios), "ratios": ratios}
         cell["ttft_p99_pooled_s"] = pct([t for r in rs for t in r["ttfts"]], 0.99)
         rows[row] = cell
@@ -428,6 +456,9 @@ def main() -> int:
                     help="draws of the overflow load, each sent to every row in turn")
     ap.add_argument("--fits-draws", type=int, default=6,
                     help="draws of the fits load, each sent to every row in turn")
+    ap.add_argument("--max-servers", type=int, default=0,
+                    help="servers up at once (0: as many as the free memory takes, about 3 "
+                         "GB each); more rows run in groups, each with vLLM alone")
     ap.add_argument("--quick", action="store_true",
                     help="one overflow draw, two fits draws, a smaller overflow load: a check")
     ap.add_argument("--layers", type=int, default=2, help="layers of the wide model")
@@ -482,10 +513,15 @@ def main() -> int:
         if b.working_set["fits"] > a.pool_blocks:
             raise SystemExit(f"the fits working set ({b.working_set['fits']} blocks) does "
                              "not fit vLLM's pool")
-        runs = b.run(rows, {"fits": a.fits_draws, "overflow": a.repeats})
+        runs: dict[str, Any] = {"fits": {}, "overflow": {}, "connector_metrics": {},
+                                "groups": [], "failed": []}
+        # About 3 GB resident per server: as many at once as the memory takes.
+        max_servers = a.max_servers or max(2, int((mem_available_gib() - 3) / 3.2))
+        for group in groups_of(rows, max_servers):
+            b.run(group, {"fits": a.fits_draws, "overflow": a.repeats}, runs)
     check_quiet(report, "end", after_own_run=True)
     summary = {phase: summarize(runs[phase]) for phase in ("fits", "overflow")
-               if all(runs[phase].values())}
+               if runs[phase]}
     report["summary"] = summary
     report["targets"] = targets(summary) if "overflow" in summary else {}
     report["runs"] = runs
