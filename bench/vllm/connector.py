@@ -216,6 +216,8 @@ def start_server(python: str, model_dir: Path, port: int, log: Path, tmp: Path,
     if kv_transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
     env = dict(vllm_env(args.threads, tmp), PYTHONPATH=str(ROOT))
+    if args.bind:  # every row on the same cores, but other ones than vLLM's default
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -422,7 +424,7 @@ def targets(summary: dict[str, Any]) -> dict[str, Any]:
         if row == "vllm" or "wall_s_ratio" not in cell:
             continue
         p99, wall = cell["ttft_p99_s_ratio"]["median"], cell["wall_s_ratio"]["median"]
-        fits = summary["fits"].get(row, {}).get("wall_s_ratio", {}).get("median")
+        fits = summary.get("fits", {}).get(row, {}).get("wall_s_ratio", {}).get("median")
         res[row] = {"p99_ratio": p99, "p99_met": p99 <= TARGET_P99,
                     "wall_ratio": wall, "wall_met": wall <= TARGET_WALL,
                     "fits_wall_ratio": fits,
@@ -456,6 +458,10 @@ def main() -> int:
                     help="draws of the overflow load, each sent to every row in turn")
     ap.add_argument("--fits-draws", type=int, default=6,
                     help="draws of the fits load, each sent to every row in turn")
+    ap.add_argument("--phases", default="fits,overflow", help="the loads to run, in order")
+    ap.add_argument("--bind", default=None,
+                    help="cores every row's compute threads bind to (VLLM_CPU_OMP_THREADS_BIND;"
+                         " default vLLM's: 0 .. threads-1)")
     ap.add_argument("--max-servers", type=int, default=0,
                     help="servers up at once (0: as many as the free memory takes, about 3 "
                          "GB each); more rows run in groups, each with vLLM alone")
@@ -482,6 +488,9 @@ def main() -> int:
     rows = a.rows.split(",")
     if set(rows) - set(ROWS) or len(set(rows)) != len(rows):
         ap.error(f"--rows: some of {', '.join(ROWS)}, each once")
+    phases = [p for p in a.phases.split(",") if p]
+    if not phases or set(phases) - {"fits", "overflow"}:
+        ap.error("--phases: fits, overflow or both")
     if a.quick:
         a.repeats, a.fits_draws = 1, 2
     if a.repeats < 1 or a.fits_draws < 1 or a.layers < 1 or a.pool_blocks < 4:
@@ -518,7 +527,8 @@ def main() -> int:
         # About 3 GB resident per server: as many at once as the memory takes.
         max_servers = a.max_servers or max(2, int((mem_available_gib() - 3) / 3.2))
         for group in groups_of(rows, max_servers):
-            b.run(group, {"fits": a.fits_draws, "overflow": a.repeats}, runs)
+            b.run(group, {p: {"fits": a.fits_draws, "overflow": a.repeats}[p]
+                          for p in phases}, runs)
     check_quiet(report, "end", after_own_run=True)
     summary = {phase: summarize(runs[phase]) for phase in ("fits", "overflow")
                if runs[phase]}
