@@ -66,6 +66,9 @@ def test_saved_blocks_load_into_other_slots_byte_identical(layout: str, where: s
 
     # Another tenant's salt finds nothing, and a lookup past the device prefix starts there.
     assert tc.lookup(SALT_B, keys, 0).keys == []
+    if where == "host":  # the same key names one block: another salt's save is refused
+        assert tc.save(SALT_B, keys[:1], [None], [5], pool) == 0
+        assert tc.holds(SALT_B, keys[0]) is None and tc.holds(SALT_A, keys[0]) == "host"
     plan = tc.lookup(SALT_A, keys, 1)
     assert plan.keys == keys[1:] and len(plan.tiers) == 3 and plan.tokens == 3 * pool.block_size
     tc.release(plan)
@@ -96,12 +99,17 @@ def test_plan_pins_until_release_and_hand_made_plans_load(tmp_path: Path) -> Non
     idx = tc.lower.indexes[0]
     assert all(idx.entries[k].ref_cnt == 1 for k in keys)  # pinned: never evicted
     tc.release(plan)
+    tc.release(plan)  # once only: a second release unpins nothing more
     assert all(idx.entries[k].ref_cnt == 0 for k in keys) and plan.keys == []
     # A plan rebuilt from its keys (another process made it) is looked up at load time.
     want = [pool.read_block(s) for s in range(3)]
     hand = LoadPlan(SALT_A, keys=list(keys), tiers=["host"] * 3, block_tokens=pool.block_size)
     assert tc.load(hand, [5, 6, 7], pool) == 3
     assert all(same_bytes(pool.block_view(s), w) for s, w in zip([5, 6, 7], want, strict=True))
+    tc.release(hand)  # loaded: nothing left to release
+    with pytest.raises(ValueError, match="already"):
+        tc.load(hand, [5, 6, 7], pool)
+    assert all(idx.entries[k].ref_cnt == 0 for k in keys)
     with pytest.raises(ValueError, match="slots"):
         tc.load(tc.lookup(SALT_A, keys, 0), [5], pool)
     assert all(idx.entries[k].ref_cnt == 0 for k in keys)  # a refused load unpins
@@ -219,3 +227,22 @@ def test_one_admission_asks_the_device_cache_once_and_the_tiers_once(
     assert [a.metrics.cached_by_tier.get(tier, 0) for a in again] == [63, 63]
     assert per_admission == [["match_prefix", "lookup", "load"]] * 2
     e.close()
+
+
+def test_a_flush_deletes_a_parent_and_the_children_it_takes_along(tmp_path: Path) -> None:
+    """The engine's tiers on a client that saved a chain parent first: flushing its tenant
+    deletes the parent, whose children go with it (neither tier nor device holds it)."""
+    from kvheat.cache import CacheConfig, KVCacheManager
+    from kvheat.tiers import TieredCache
+
+    pool = random_pool("gqa", 8)
+    mgr = KVCacheManager(CacheConfig(8, pool.block_size))
+    spec = TierSpec(host_blocks=8, calibrate=False)
+    tc = TieredCache(mgr, pool, spec.stores(pool, "tiny-test"), spec)
+    keys, parents = chain(3)
+    salt = mgr.salt_of("a")
+    assert tc.client.save(salt, keys, parents, [0, 1, 2], pool, owner="a") == 3
+    assert tc.purge_tenant("a") == {"host": 3}
+    assert not tc.keys.records and all(tc.client.holds(salt, k) is None for k in keys)
+    assert tc.tiers[0].used_bytes() == 0
+    tc.close()

@@ -13,6 +13,7 @@ every round:
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import random
 import subprocess
@@ -28,6 +29,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
+from conftest import require_binary  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench._lib.models import save_tiny_model  # noqa: E402
@@ -36,12 +38,11 @@ from bench._lib.procs import Redis, free_port, stop, wait_ready  # noqa: E402
 from kvheat.integrations.vllm_blocks import VLLMDeviceBlocks  # noqa: E402
 from kvheat.integrations.vllm_connector import ConnectorConfig, TierMirror  # noqa: E402
 
-from conftest import require_binary  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 32
 POOL_BLOCKS = 16
 MAX_LEN = (POOL_BLOCKS - 1) * BLOCK  # vLLM: a request must fit the pool less one block
+STEP_TOKENS = 128  # tokens per step: longer prompts are prefilled in chunks
 SECRET = "kvheat-vllm-connector-test-secret"
 
 
@@ -174,6 +175,7 @@ def test_mirror_finds_the_run_after_the_device_prefix_in_the_fastest_tier() -> N
     assert m.names == ["host", "disk", "redis"]  # load preference, whatever came first
     assert m.run(keys, 0) == ["redis", "host", "redis", "redis"]
     assert m.run(keys, 2) == ["redis", "redis"]
+    assert m.run(keys, 0, down=["redis"]) == [] and m.tier_of(keys[1], ["redis"]) == "host"
     m.apply("redis", keys[1], False)
     assert m.tier_of(keys[1]) == "host"
     m.apply("host", keys[1], False)
@@ -196,11 +198,10 @@ class Cluster:
     layered: Server
     redis: Redis
     disk_dir: Path
+    events: str  # where the layered server's KV event publisher connects (ZMQ PUB)
 
 
 def _connector_arg(extra: dict) -> list[str]:
-    import json
-
     return ["--kv-transfer-config", json.dumps({
         "kv_connector": "KVHeatConnector",
         "kv_connector_module_path": "kvheat.integrations.vllm_connector",
@@ -215,7 +216,9 @@ def _start(name: str, tmp: Path, extra: list[str]) -> Server:
            "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size",
            str(BLOCK), "--num-gpu-blocks-override", str(POOL_BLOCKS), "--max-model-len",
-           str(MAX_LEN), "--max-num-seqs", "8", "--seed", "0", *extra]
+           str(MAX_LEN), "--max-num-seqs", "8", "--seed", "0",
+           # Chunked prefill: a prompt takes several steps, each saving what it filled.
+           "--enable-chunked-prefill", "--max-num-batched-tokens", str(STEP_TOKENS), *extra]
     env = {**vllm_env(1, tmp / name), "PYTHONPATH": str(ROOT), "KVHEAT_TIER_SECRET": SECRET}
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
                             cwd=str(tmp))
@@ -229,19 +232,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     save_tiny_model(tmp / "model", seed=0)
     redis = Redis(tmp / "redis").start()
     disk_dir = tmp / "disk"
+    events = f"tcp://127.0.0.1:{free_port()}"
     common = {"redis_tier_url": redis.url, "redis_tier_size": "256MiB", "tier_secret": SECRET}
     servers = [
         _start("plain", tmp, []),
         _start("shared", tmp, _connector_arg(common)),
         # Host holds 2 blocks (each 4 layers x 32 KiB): nearly everything spills to disk.
-        _start("layered", tmp, _connector_arg({**common, "host_tier_size": 2 * 4 * 32768,
-                                               "disk_tier_dir": str(disk_dir),
-                                               "disk_tier_size": "64MiB"})),
+        _start("layered", tmp, [*_connector_arg({**common, "host_tier_size": 2 * 4 * 32768,
+                                                 "disk_tier_dir": str(disk_dir),
+                                                 "disk_tier_size": "64MiB"}),
+                                "--kv-events-config", json.dumps({
+                                    "enable_kv_cache_events": True, "publisher": "zmq",
+                                    "endpoint": events})]),
     ]
     try:
         for s in servers:
             wait_ready(s.url, s.proc, timeout_s=600, log=s.log)
-        yield Cluster(*servers, redis=redis, disk_dir=disk_dir)
+        yield Cluster(*servers, redis=redis, disk_dir=disk_dir, events=events)
     finally:
         for s in servers:
             stop(s.proc)
@@ -309,10 +316,11 @@ def _wait_metric(server: Server, name: str, at_least: float, timeout_s: float = 
 
 
 def test_outputs_identical_and_cached_tokens_rise_by_what_the_tiers_served(cluster) -> None:
-    ref = _chat(cluster.plain, seed=1)
-    for server in (cluster.shared, cluster.layered):
+    # Each its own conversations: the second would otherwise load the first's from Redis.
+    for seed, server in ((1, cluster.shared), (2, cluster.layered)):
+        ref = _chat(cluster.plain, seed=seed)
         before = _loaded_tokens(server)
-        got = _chat(server, seed=1)
+        got = _chat(server, seed=seed)
         assert [a.tokens for a in got] == [a.tokens for a in ref], server.name
         assert all(g.cached >= r.cached for g, r in zip(got, ref, strict=True)), server.name
         extra = sum(g.cached for g in got) - sum(r.cached for r in ref)
@@ -387,6 +395,70 @@ def test_one_tenants_prefix_never_loads_for_another(cluster) -> None:
     _flood(s, 13)
     again = _complete(s, prompt, tenant="acme")
     assert again.cached == 10 * BLOCK and again.tokens == a.tokens
+
+
+def test_kv_events_show_a_router_the_blocks_held_in_the_tiers(cluster) -> None:
+    import zmq
+
+    from kvheat.cache.hashing import chain_key, root_key, tokens_to_bytes
+    from kvheat.kvevents.schema import decode_batch
+    from kvheat.router.index import PrefixIndex
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.bind(cluster.events)  # vLLM's PUB connects to a host address (binds only to *)
+    index = PrefixIndex()  # `kvheat route`'s index, fed as it feeds it
+    index.add_replica("vllm", foreign_hashes=True)
+    media: set[tuple[str | None, str | None]] = set()
+
+    def drain(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if sub.poll(100):
+                _, _, payload = sub.recv_multipart()
+                batch = decode_batch(payload)
+                media.update((getattr(e, "medium", None), getattr(e, "locality", None))
+                             for e in batch.events)
+                index.apply("vllm", batch)
+
+    try:
+        time.sleep(1.5)  # vLLM's PUB reconnects to us: subscribed before the request
+        rng = random.Random(41)
+        prompt = [rng.randrange(2, 1024) for _ in range(10 * BLOCK + 3)]
+        _complete(cluster.layered, prompt)
+        drain(2.0)
+        raw = tokens_to_bytes(prompt)
+        keys, parent = [], root_key(None)
+        for i in range(10):  # the router's keys of the prompt's blocks, from its tokens
+            parent = chain_key(parent, raw[4 * BLOCK * i:4 * BLOCK * (i + 1)])
+            keys.append(parent)
+        assert index.match(keys, [BLOCK] * 10, ["vllm"])[0].device_blocks == 10
+        _flood(cluster.layered, 42)  # out of vLLM's pool; still in kvheat's tiers
+        drain(3.0)
+        m = index.match(keys, [BLOCK] * 10, ["vllm"])[0]
+        assert m.device_blocks == 0 and m.local_blocks == 10, m
+        assert ("STORAGE", "LOCAL") in media and ("GPU", None) in media
+    finally:
+        sub.close()
+
+
+def _together(server: Server, prompts: list[list[int]], max_tokens: int) -> list[Answer]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: _complete(server, p, max_tokens), prompts))
+
+
+def test_preempted_requests_resume_with_identical_outputs(cluster) -> None:
+    rng = random.Random(51)
+    # Three requests of 4 prompt blocks that each grow 5 more: 27 blocks in a pool of 16,
+    # so vLLM preempts while they decode; a resumed one looks its blocks up again.
+    prompts = [[rng.randrange(2, 1024) for _ in range(4 * BLOCK)] for _ in range(3)]
+    ref = _together(cluster.plain, prompts, 5 * BLOCK)
+    s = cluster.shared
+    before = _metric(s, "vllm:num_preemptions_total")
+    got = _together(s, prompts, 5 * BLOCK)
+    assert [a.tokens for a in got] == [a.tokens for a in ref]
+    assert _wait_metric(s, "vllm:num_preemptions_total", before + 1) > before
 
 
 def _flip_files(folder: Path) -> int:

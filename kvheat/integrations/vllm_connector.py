@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 import typing
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -90,6 +90,9 @@ log = logging.getLogger("vllm.kvheat_connector")
 # between steps; a scheduler that heard nothing from it for this long (an idle server)
 # has vLLM run one empty step before answering a lookup.
 SHARED_SYNC_S = 0.25
+# Event details kept for keys no tier holds: just saved (not yet taken) or just left
+# (moving down): more than the demotion queue holds in flight.
+LEFT_KEYS = 8192
 # How often the worker reads its tiers' counters for the metrics.
 STATS_EVERY_S = 1.0
 # Tiers in the order a load prefers them (a key may sit in two with write_through).
@@ -195,10 +198,13 @@ class KVHeatWorkerMetadata(KVConnectorWorkerMetadata):
     changes: list[tuple[str, bytes, bool]] = field(default_factory=list)
     # (request id, block index): a load failed from this block on (vLLM recomputes it).
     failed: list[tuple[str, int]] = field(default_factory=list)
+    # Tiers down now (Redis gone): the scheduler plans no loads from them meanwhile.
+    down: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVHeatWorkerMetadata)
-        return KVHeatWorkerMetadata(self.changes + other.changes, self.failed + other.failed)
+        return KVHeatWorkerMetadata(self.changes + other.changes, self.failed + other.failed,
+                                    sorted({*self.down, *other.down}))
 
 
 # ---- the scheduler's view of the tiers -----------------------------------------------------------
@@ -230,19 +236,24 @@ class TierMirror:
         else:
             self.where.pop(key, None)
 
-    def tier_of(self, key: bytes) -> str | None:
-        """The fastest tier holding `key`."""
-        mask = self.where.get(key, 0)
+    def tier_of(self, key: bytes, down: Iterable[str] = ()) -> str | None:
+        """The fastest tier holding `key`, of those not `down`."""
+        mask = self.where.get(key, 0) & ~self._mask(down)
         return self.names[(mask & -mask).bit_length() - 1] if mask else None
 
-    def run(self, keys: Sequence[bytes], start: int) -> list[str]:
-        """Tiers of the keys held contiguously from `keys[start]`."""
+    def _mask(self, tiers: Iterable[str]) -> int:
+        return sum(1 << self.names.index(t) for t in tiers if t in self.names)
+
+    def run(self, keys: Sequence[bytes], start: int, down: Iterable[str] = ()) -> list[str]:
+        """Tiers of the keys held contiguously from `keys[start]` (in tiers not `down`)."""
+        up = ~self._mask(down)
+        names = self.names
         out: list[str] = []
         for k in keys[start:]:
-            t = self.tier_of(k)
-            if t is None:
+            mask = self.where.get(k, 0) & up
+            if not mask:
                 break
-            out.append(t)
+            out.append(names[(mask & -mask).bit_length() - 1])
         return out
 
     def __contains__(self, key: bytes) -> bool:
@@ -265,6 +276,11 @@ class _Tracked:
     device_blocks: int = 0  # the device's prefix at its last lookup
     plan: list[str] = field(default_factory=list)  # tiers of the blocks found after it
     background: bool = False
+    # A load of it failed: its next loads run before the forward. (vLLM 0.32 keeps a
+    # request whose background load failed on its list of in-flight prefills, whose
+    # reservations a background load must fit beside, its own included: waiting for one
+    # again could wait forever.)
+    sync_only: bool = False
 
     def keys_upto(self, n: int) -> list[bytes]:
         hashes = self.request.block_hashes
@@ -371,15 +387,20 @@ class KVHeatPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         tier_labels = [*labelnames, "tier"]
         self._tier: dict[str, Any] = {}
+        gauge: Any = self._gauge_cls  # vLLM's metric classes (typed as their union)
         for prefix, name, doc, kind in _TIER_METRICS:
-            cls = self._gauge_cls if kind == "gauge" else self._counter_cls
-            kw = {"multiprocess_mode": "mostrecent"} if kind == "gauge" else {}
-            self._tier[prefix] = cls(name=name, documentation=doc, labelnames=tier_labels, **kw)
-        self._loaded = self._counter_cls(
+            if kind == "gauge":
+                self._tier[prefix] = gauge(name=name, documentation=doc,
+                                           labelnames=tier_labels,
+                                           multiprocess_mode="mostrecent")
+            else:
+                self._tier[prefix] = self._counter_cls(name=name, documentation=doc,
+                                                       labelnames=tier_labels)
+        self._loaded: Any = self._counter_cls(
             name="kvheat_connector_blocks_loaded_total",
             documentation="Blocks loaded from kvheat's tiers into vLLM's KV pool, by tier",
             labelnames=tier_labels)
-        self._recomputed = self._counter_cls(
+        self._recomputed: Any = self._counter_cls(
             name="kvheat_connector_blocks_recomputed_total",
             documentation="Prompt blocks past the device's prefix that vLLM computed: not in "
                           "the tiers (miss) or failing their load (load_failed)",
@@ -406,12 +427,10 @@ class KVHeatPromMetrics(KVConnectorPromMetrics):
 # ---- the connector --------------------------------------------------------------------------------
 class KVHeatConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+                 kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
-        if kv_cache_config is None:
-            raise ValueError("KVHeatConnector needs vLLM's KV cache config (vLLM >= 0.32)")
         par = vllm_config.parallel_config
         if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
             raise ValueError("KVHeatConnector runs with one worker (tensor and pipeline "
@@ -452,10 +471,14 @@ class KVHeatConnector(KVConnectorBase_V1):
         self._counts = _Counts()
         self._shared = bool(self.config.redis_tier_url) and self.config.redis_tier_shared
         self._synced_at = -float("inf")
+        self._down: list[str] = []
         ev = vllm_config.kv_events_config
         self._events_on = ev is not None and ev.enable_kv_cache_events
         self._events: list[Any] = []
-        self._info: dict[bytes, _BlockInfo] = {}
+        self._info: dict[bytes, _BlockInfo] = {}  # keys a tier holds (events on)
+        # Keys that left every tier lately: a block moving down (host to disk) leaves
+        # one tier before the next takes it, and its next event needs what it says.
+        self._left: OrderedDict[bytes, _BlockInfo] = OrderedDict()
         self._held: dict[tuple[Any, str], int] = {}  # (vLLM hash, tier) -> keys holding it
 
     def _track(self, request: Request) -> _Tracked:
@@ -489,11 +512,12 @@ class KVHeatConnector(KVConnectorBase_V1):
             return 0, False
         if self._shared and time.monotonic() - self._synced_at > SHARED_SYNC_S:
             return None, False  # one empty step brings the worker's news first
-        t.plan = self.mirror.run(t.keys_upto(stop), start)
+        t.plan = self.mirror.run(t.keys_upto(stop), start, self._down)
         if not t.plan:
             return 0, False
         auto = any(x != "host" for x in t.plan)
-        t.background = auto if self.config.async_load is None else self.config.async_load
+        t.background = not t.sync_only and (auto if self.config.async_load is None
+                                            else self.config.async_load)
         return len(t.plan) * bs, t.background
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -557,7 +581,10 @@ class KVHeatConnector(KVConnectorBase_V1):
                 job.parents.append(keys[i - 1] if i else None)
                 job.slots.append(ids[0][i])
                 if self._events_on and k not in self._info:
-                    self._info[k] = self._block_info(r, i)
+                    # Waits with the keys that left (bounded) until a tier takes it.
+                    self._left[k] = self._block_info(r, i)
+                    if len(self._left) > LEFT_KEYS:
+                        self._left.popitem(last=False)
             t.saved = full
             if job.keys:
                 meta.saves.append(job)
@@ -576,6 +603,7 @@ class KVHeatConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVHeatWorkerMetadata):
             return
         self._synced_at = time.monotonic()
+        self._down = meta.down
         for tier, key, stored in meta.changes:
             self.mirror.apply(tier, key, stored)
             if self._events_on:
@@ -584,6 +612,7 @@ class KVHeatConnector(KVConnectorBase_V1):
             t = self._tracked.get(req_id)
             if t is not None:  # its recomputed blocks are saved again
                 t.saved = min(t.saved, block)
+                t.sync_only = True
 
     def _event(self, tier: str, key: bytes, stored: bool) -> None:
         """A vLLM KV event when the first key of a vLLM block hash enters a tier, or the
@@ -591,7 +620,10 @@ class KVHeatConnector(KVConnectorBase_V1):
         in a shared tier carry no tokens here: that replica publishes them."""
         info = self._info.get(key)
         if info is None:
-            return
+            info = self._left.pop(key, None) if stored else None
+            if info is None:
+                return
+            self._info[key] = info
         medium, locality, ownership = tier_place(tier)
         ref = (info.block_hash, tier)
         if stored and tier not in info.tiers:
@@ -615,6 +647,9 @@ class KVHeatConnector(KVConnectorBase_V1):
                                                  ownership=ownership))
             if not info.tiers:
                 del self._info[key]
+                self._left[key] = info
+                if len(self._left) > LEFT_KEYS:
+                    self._left.popitem(last=False)
 
     def take_events(self) -> Iterable[Any]:
         out, self._events = self._events, []
@@ -740,7 +775,9 @@ class KVHeatConnector(KVConnectorBase_V1):
         # has been heard from (see SHARED_SYNC_S).
         changes = [self._changes.popleft() for _ in range(len(self._changes))]
         failed = [self._failed.popleft() for _ in range(len(self._failed))]
-        return KVHeatWorkerMetadata(changes, failed)
+        down = [st.name for st in self.client.stores if not st.available()] \
+            if self.client is not None else []
+        return KVHeatWorkerMetadata(changes, failed, down)
 
     # ==== metrics (both halves) ===================================================================
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

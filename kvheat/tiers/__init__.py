@@ -5,8 +5,9 @@ it into device slots, save device blocks; kvheat's engine and the vLLM connector
 `host.py`, `disk.py` and `redis_store.py` hold real KV bytes per block key behind
 `store.KVStore`; `hierarchy.TieredCache` wraps a `KVCacheManager` and the device pool
 (typed by `store.DeviceBlocks`; the engine's is `kvheat.engine.kv_pool`) and moves blocks
-between them: `demotion`, `promotion` (prefetch, loads), `cost` (load or recompute),
-`lower` and `links` (what lies below, and its prefix links). `spec.TierSpec` declares the
+on top of a `TierClient`: `demotion`, `promotion` (prefetch, loads), `cost` (load or
+recompute), `lower` and `index` (what lies below: one `KeyIndex` of each key's tiers,
+parent and tenant salt). `spec.TierSpec` declares the
 tiers and `spec.build_tiers` builds them.
 Redis support needs redis-py (`pip install kvheat[tiers]`).
 """

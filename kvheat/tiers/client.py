@@ -114,8 +114,9 @@ class TierClient:
                block_tokens: Sequence[int] | None = None, owner: object = None) -> LoadPlan:
         """The blocks `keys[start:]` that the tiers hold in `salt`'s namespace, up to the
         first one missing, cut to the prefix worth loading; pinned until `load` or
-        `release`. No I/O. `block_tokens[i]`: tokens of block i (default: full blocks);
-        `owner`: the tenant it is for (a flush of it drops the plan's loads)."""
+        `release`. No I/O (`start_reads` starts the slow reads early; else `load` does
+        them). `block_tokens[i]`: tokens of block i (default: full blocks); `owner`: the
+        tenant it is for, kept on the plan."""
         if not 0 <= start <= len(keys):
             raise ValueError(f"start {start} is outside the {len(keys)} keys")
         tokens = block_tokens if block_tokens is not None else [self.block_tokens] * len(keys)
@@ -123,9 +124,12 @@ class TierClient:
             return self.plan(keys, tokens, start, salt, owner)
 
     def release(self, plan: LoadPlan) -> None:
-        """Let go of a plan not loaded: its entries are unpinned, its reads dropped."""
-        self.reads.release(plan.steps)
-        plan.set_steps([])
+        """Let go of a plan not loaded: its entries are unpinned, its reads dropped (once:
+        a plan loaded or released already is left as it is)."""
+        if plan.pinned:
+            plan.pinned = False
+            self.reads.release(plan.steps)
+            plan.set_steps([])
 
     def holds(self, salt: str | None, key: bytes) -> str | None:
         """The name of the first tier (up) holding `key` in `salt`'s namespace, or None."""
@@ -153,6 +157,7 @@ class TierClient:
         k = self.cost.decide(plan, self.reads.backlog_s())
         self.reads.release(steps[k:])
         plan.set_steps(steps[:k])
+        plan.pinned = True
         return plan
 
     def find(self, keys: Sequence[bytes], tokens: Sequence[int], start: int, stop: int,
@@ -193,6 +198,10 @@ class TierClient:
                 tokens = [plan.block_tokens or self.block_tokens] * len(plan.keys)
                 steps = self.find(plan.keys, tokens, 0, len(plan.keys), plan.salt)
             plan.set_steps(steps)
+            plan.pinned = True
+        elif plan.steps and not plan.pinned:
+            raise ValueError("this plan was loaded or released already")
+        plan.pinned = False  # unpinned below, whatever happens
         if len(slots) < len(plan.steps):
             self.reads.release(plan.steps)
             raise ValueError(f"{len(plan.steps)} blocks to load into {len(slots)} slots")
@@ -208,8 +217,10 @@ class TierClient:
              slots: Sequence[int], device: DeviceBlocks, owner: object = _SALT) -> int:
         """Copy device blocks `slots[i]` (full blocks, keyed `keys[i]`, whose prefix's
         previous key is `parents[i]`) down to the tiers now; slow tiers may be written on
-        a background thread. Returns the blocks accepted. `owner`: the tenant whose flush
-        deletes them (default: the salt)."""
+        a background thread. Returns the blocks accepted. A key is stored once, under the
+        salt it first came with: keys must differ between salts (kvheat's do: the salt
+        seeds the first block's key). `owner`: the tenant whose flush deletes them
+        (default: the salt)."""
         if not len(keys) == len(parents) == len(slots):
             raise ValueError(f"{len(keys)} keys, {len(parents)} parents, {len(slots)} slots")
         if device.bytes_per_block != self.block_bytes:

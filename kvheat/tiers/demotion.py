@@ -62,8 +62,9 @@ class Demoter:
         one (write-through). `kv` may view a device block: it is copied before this
         returns. `parent`: the key before it in its prefix (None for a first block);
         `owner`: the tenant that filled it (flushes); `leaving_device`: the device is
-        evicting it now (else the device's own answer counts, see `PrefixLinks`).
-        Returns whether a tier holds it or is taking it."""
+        evicting it now (else the device's own answer counts, see `KeyIndex`).
+        Returns whether a tier holds it or is taking it (under `salt`: a key is stored
+        once, under the salt it came with first)."""
         low = self.lower
         if not low.stores:
             return False
@@ -88,7 +89,7 @@ class Demoter:
             else:
                 self.enqueue(m.to(first, _private(kv)))
         # Refused or dropped: the key leaves with the device block, and its children below.
-        return low.settle(key, leaving_device)
+        return low.settle(key, salt, leaving_device)
 
     def enqueue(self, m: Move) -> None:
         """Hand a demotion to the background thread. The item holds `key` below from now

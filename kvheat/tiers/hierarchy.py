@@ -185,7 +185,6 @@ class TieredCache:
         shared = tenant is not None and tenant in self.mgr.config.share_groups
         out = {st.name: 0 for st in self.tiers}
         with low.lock:
-            low.flushes[tenant] = low.flushed(tenant) + 1
             plans = self.promoter.drop_plans_of(tenant)
             dels = low.drop_tenant(tenant, salt, shared)
         for plan in plans:

@@ -44,6 +44,7 @@ class LoadPlan:
     start: int = 0  # block index of keys[0] (the device prefix's length when made)
     owner: object = None  # the tenant of the request it is for (flushes drop its plans)
     steps: list[Step] = field(default_factory=list, repr=False)
+    pinned: bool = False  # its entries are held for it (until loaded or released)
     found_blocks: int = 0  # continuation blocks found on lower tiers before deciding
     found_tokens: int = 0
     est_load_s: float = 0.0

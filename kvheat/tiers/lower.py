@@ -118,11 +118,14 @@ class LowerTiers:
         with self.lock:
             self.keys.hold(key, parent, salt, owner)
 
-    def settle(self, key: bytes, leaving_device: bool) -> bool:
-        """After a demotion of `key`: is it held below? If not, nor on the device, its
-        descendants below go (deleted here)."""
+    def settle(self, key: bytes, salt: str | None, leaving_device: bool) -> bool:
+        """After a demotion of `key`: is it held below in `salt`'s namespace? If it is held
+        nowhere, nor on the device, its descendants below go (deleted here)."""
         with self.lock:
-            held = key in self.keys
+            rec = self.keys.record(key)
+            # A key found at start-up keeps its namespace digest: that tenant's or not,
+            # a read checks it. Another salt's key of the same name is not this block.
+            held = rec is not None and (rec.salt == salt or isinstance(rec.salt, bytes))
             dels = self.keys.settle(key, leaving_device=leaving_device)
         self.delete(dels)
         return held
@@ -224,8 +227,10 @@ class LowerTiers:
         return dels
 
     def drop_tenant(self, tenant: str | None, salt: str | None, shared: bool) -> list[Deletion]:
-        """Unindex `tenant`'s entries on every tier (lock held; in a share group only those
-        it filled, and those found at start-up). Returns what to delete from the stores."""
+        """A flush of `tenant`: counted (its demotions queued before it are dropped), and
+        its entries unindexed on every tier (lock held; in a share group only those it
+        filled, and those found at start-up). Returns what to delete from the stores."""
+        self.flushes[tenant] = self.flushed(tenant) + 1
         dels: list[Deletion] = []
         records = self.keys.records
         for t, idx in enumerate(self.indexes):
@@ -234,11 +239,18 @@ class LowerTiers:
             mine = [k for k in idx.entries if st.ns(records[k].salt) == ns
                     and (not shared or records[k].owner in (tenant, UNKNOWN_OWNER))]
             for k in mine:
-                rec = records[k]
-                if self.keys.remove(t, k) is not None:
+                rec = records.get(k)  # None: gone with an ancestor just now
+                if rec is not None and self.keys.remove(t, k) is not None:
                     dels.append((t, k, rec.salt))
                     dels += self.keys.release(k)
         return dels
+
+    def count_hit(self, name: str, tokens: int) -> None:
+        """A prompt got `tokens` from tier `name` (the engine's prompt count)."""
+        t = self.tier_of(name)
+        if t is not None:
+            self.hit_tokens[t] += tokens
+            self.hit_blocks[t] += -(-tokens // self.block_tokens)  # a partial one at most
 
     def count_deleted(self, dels: list[Deletion]) -> None:
         for t, _key, _salt in dels:

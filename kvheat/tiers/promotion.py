@@ -177,10 +177,7 @@ class Promoter:
         for name, n in cached_by_tier.items():
             if name == "device" or n <= 0:
                 continue
-            t = low.tier_of(name)
-            if t is not None:
-                low.hit_tokens[t] += n
-                low.hit_blocks[t] += -(-n // bs)  # one partial block at most: the last
+            low.count_hit(name, n)
             lower += n
         c.requests += 1
         c.query_tokens += num_tokens
