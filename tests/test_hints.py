@@ -165,3 +165,24 @@ def test_policies_without_hint_hooks_decide_the_same_with_hints(policy: str) -> 
     if policy == "kvheat":
         pytest.skip("reads hints")
     assert _run(policy, hints=False) == _run(policy, hints=True)
+
+
+def test_hints_reach_the_tenant_partitions_under_a_quota() -> None:
+    """With a tenant quota the pool runs TenantPartitions: sessions and queue entries reach
+    every policy, a request's end reaches the policy that orders its blocks."""
+    m = mgr(num_blocks=32)
+    shared = m.policy
+    m.set_tenant_quota("acme", 8)
+    part = m.tenants.partitions["acme"]
+    assert isinstance(part, Recording) and part is not shared
+    r = m.make_request("a", list(range(8)), tenant="acme", session="s1")
+    m.queue(r)
+    m.allocate(r)
+    m.free(r, Outcome.CANCELLED, None)
+    log = part.log
+    assert ("queue", "a", 2, "s1") in log and ("dequeue", "a") in log
+    assert ("session", "s1") in log
+    assert ("finish", 2, "s1", Outcome.CANCELLED, None, [1, 1]) in log
+    # the shared policy heard the session, but no end of blocks it does not order
+    assert ("session", "s1") in shared.log  # type: ignore[attr-defined]
+    assert not [e for e in shared.log if e[0] == "finish"]  # type: ignore[attr-defined]

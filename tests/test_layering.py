@@ -17,7 +17,7 @@ ALLOWED: dict[str, set[str]] = {
     "kvevents": {"checks", "cache"},
     "replay": {"checks", "cache", "heat"},
     "engine": {"checks", "cache", "heat", "tiers"},
-    "integrations": {"checks", "cache", "heat", "replay"},
+    "integrations": {"checks", "cache", "heat", "tiers", "kvevents", "replay"},
     # kvheat doctor reads a server's metrics over HTTP: it imports no server code.
     "doctor": {"checks", "cache", "heat", "replay"},
     # server may use doctor's scoring (its self-healer): doctor imports no server code.

@@ -9,7 +9,10 @@ the shared policy itself, with no routing on its path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .block import Block
+from .hints import Outcome
 from .node import Node
 from .policy import EvictionPolicy, make_policy, policy_names
 from .pool import BlockPool
@@ -55,6 +58,31 @@ class TenantPartitions(EvictionPolicy):
     def forget(self, b: Node) -> None:
         self.of(b).forget(b)
 
+    # Hints: a session or a queue entry concerns whichever partitions its blocks fall in,
+    # so every policy hears it; a request's end goes to each partition with its own blocks.
+    def on_session(self, session: str, now: float) -> None:
+        for pol in self._all():
+            pol.on_session(session, now)
+
+    def on_finish(self, blocks: Sequence[Node], session: str | None, outcome: Outcome,
+                  reason: str | None, now: float) -> None:
+        by_policy: dict[EvictionPolicy, list[Node]] = {}
+        for b in blocks:
+            by_policy.setdefault(self.of(b), []).append(b)
+        for pol, own in by_policy.items():
+            pol.on_finish(own, session, outcome, reason, now)
+
+    def on_queue(self, request_id: str, keys: Sequence[bytes], session: str | None) -> None:
+        for pol in self._all():
+            pol.on_queue(request_id, keys, session)
+
+    def on_dequeue(self, request_id: str) -> None:
+        for pol in self._all():
+            pol.on_dequeue(request_id)
+
+    def _all(self) -> list[EvictionPolicy]:
+        return [self.shared, *self.partitions.values()]
+
     def victim(self) -> Node | None:
         return self._pick(None)
 
@@ -86,7 +114,7 @@ class TenantPartitions(EvictionPolicy):
     def set_cluster_entropy(self, bits: float) -> None:
         """Every policy here that reads an entropy regime gets it (the shared one and
         each partition's); others ignore it."""
-        for pol in (self.shared, *self.partitions.values()):
+        for pol in self._all():
             fn = getattr(pol, "set_cluster_entropy", None)
             if fn is not None:
                 fn(bits)

@@ -11,6 +11,7 @@ the value's type, never the value (it may be a secret).
 from __future__ import annotations
 
 import math
+import re
 import types
 import typing
 from dataclasses import fields
@@ -153,3 +154,24 @@ def _hints(cls: type) -> dict[str, Any]:
     if h is None:
         h = _HINTS[cls] = typing.get_type_hints(cls)
     return h
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_size(value: int | str, name: str, error: type[Exception] = ValueError) -> int:
+    """Bytes from an int or a string such as "64GiB", "500 MB", "1.5g"."""
+    if not isinstance(value, (int, str)) or isinstance(value, bool):
+        kind = "a boolean" if isinstance(value, bool) else f"a {type(value).__name__}"
+        raise error(f"{name} must be a size: a whole number of bytes or a string such "
+                    f"as \"64GiB\", not {kind}")
+    if isinstance(value, int):
+        if value < 0:
+            raise error(f"{name} must be >= 0")
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise error(f"{name}: cannot read {value!r} as a size (e.g. 64GiB, 500MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -64,9 +64,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..cache.hashing import chain_key, root_key, tenant_salt
 from ..cache.policy import policy_names
-from ..checks import check_value
+from ..checks import check_value, parse_size
 from ..kvevents.schema import tier_place
-from ..server.config import parse_size
 from ..tiers.client import TierClient
 from ..tiers.shared import SharedTierFeed, decode_announcements
 from ..tiers.spec import MODES, TierSpec

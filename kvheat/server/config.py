@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import check_fields, check_value
+from ..checks import parse_size as checks_parse_size
 from ..tiers.spec import TierSpec
 
 if sys.version_info >= (3, 11):
@@ -393,24 +394,9 @@ def _build(cls: type, data: Any, what: str) -> Any:
         raise ConfigError(f"bad {what}: {e}") from None
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}
-
-
 def parse_size(value: int | str, name: str) -> int:
-    """Bytes from an int or a string such as "64GiB", "500 MB", "1.5g"."""
-    if not isinstance(value, (int, str)) or isinstance(value, bool):
-        raise ConfigError(f"{name} must be a size: a whole number of bytes or a string such "
-                          f"as \"64GiB\", not {_kind(value)}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{name} must be >= 0")
-        return value
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{name}: cannot read {value!r} as a size (e.g. 64GiB, 500MB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """Bytes from an int or a string such as "64GiB" (`checks.parse_size`), as a ConfigError."""
+    return checks_parse_size(value, name, ConfigError)
 
 
 def _kind(value: Any) -> str:
