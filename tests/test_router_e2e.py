@@ -23,7 +23,7 @@ import torch
 import uvicorn
 from conftest import wait_for as poll_until
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from test_server import MODEL, SYSTEM, Served, _free_port, start, stop
+from test_server import MODEL, SYSTEM, Served, _free_port, bound_socket, start, stop
 
 from kvheat.heat import Regime
 from kvheat.router.app import KVHeatRouter
@@ -59,10 +59,11 @@ class Routed:
 def start_router(cfg: RouterConfig) -> Routed:
     exporter = InMemorySpanExporter()
     router = KVHeatRouter(cfg, span_exporter=exporter)
-    port = _free_port()
+    sock = bound_socket()  # bound before uvicorn starts: a probed port can be taken
+    port = sock.getsockname()[1]
     uv = uvicorn.Server(uvicorn.Config(router.app, host="127.0.0.1", port=port,
                                        log_level="warning"))
-    th = threading.Thread(target=uv.run, daemon=True)
+    th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.monotonic() + 30
     while not uv.started:
