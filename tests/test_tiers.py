@@ -260,6 +260,15 @@ def test_host_batches_match_single_calls_and_leave_failed_outputs_unserved() -> 
     for b in (0, 1, 3):
         assert got[b] is outs[b] and same_bytes(outs[b], pool.read_block(b))
     assert host.stats.corrupt_checksum == 1 and host.stats.hits == 3
+    # Every key held and every output matching: the batched copy, checked after it.
+    host.put(key(2), pool.block_view(2))
+    host.pool[host.entries[key(3)], 0] ^= 0x01  # corrupt the fourth
+    outs = [torch.empty_like(pool.read_block(0)) for _ in range(4)]
+    got = host.get_many([key(b) for b in range(4)], outs=outs)
+    assert [t is None for t in got] == [False, False, False, True]
+    for b in (0, 1, 2):
+        assert got[b] is outs[b] and same_bytes(outs[b], pool.read_block(b))
+    assert host.stats.corrupt_checksum == 2 and not host.contains(key(3))
     with pytest.raises(ValueError, match="output tensors"):
         host.get_many([key(0)], outs=[])
 
