@@ -184,3 +184,18 @@ def test_horizon_charges_follow_the_share_returning_within_the_eviction_age() ->
         h.add(g)
     assert h.share_within(1.0) == 0.0 and h.share_within(20.0) == 1.0  # (log2 ages)
     assert 0.4 < h.share_within(5.0) < 0.6  # gaps up to 2^5 = 32: two of the four
+
+
+def test_bench_policy_variants_are_kvheat_with_those_options() -> None:
+    from bench.heat.sessions import base_policy, policy_spec
+
+    assert policy_spec("kvheat") == "kvheat" and base_policy("kvheat[session_own=true]") == "kvheat"
+    spec = policy_spec("kvheat[session_hints=log,session_own=true]")
+    assert callable(spec)
+    pol = spec()
+    assert isinstance(pol, KVHeat) and pol.session_own is True
+    for bad in ("kvheat[session_own]", "kvheat[session_own=true", "kvheat[=1]"):
+        with pytest.raises(ValueError):
+            policy_spec(bad)
+    with pytest.raises(TypeError):
+        policy_spec("kvheat[no_such_option=1]")()

@@ -317,8 +317,13 @@ def main() -> None:
     if bad:
         ap.error(f"unknown mode {', '.join(bad)} (plain, hold<time scale>)")
     policies = ABLATION_REFERENCE + ABLATION if a.ablation else a.policies.split(",")
-    for p in policies:
-        policy_spec(p)  # a malformed variant fails here, not in a worker
+    for p in policies:  # a malformed variant or unknown option fails here, not in a worker
+        try:
+            spec = policy_spec(p)
+            if callable(spec):
+                spec()
+        except (TypeError, ValueError) as e:
+            ap.error(f"policy {p}: {e}")
     js = jobs(traces, caps, modes, policies, a.hint_policies.split(","), a.only)
     print(f"{len(js)} replays, {a.jobs} worker(s)", flush=True)
     t0 = time.time()
