@@ -1,5 +1,6 @@
-"""kvheat with request hints (kvheat/heat/sessions.py): what it learns of session ends,
-queued blocks held back, scale-freedom with hints, and nothing changed without them."""
+"""kvheat with request hints (kvheat/heat/sessions.py) through the replayer's hints
+(`replay(..., hints=True)`): what it learns of session ends, queued blocks held back,
+scale-freedom with hints (that no hints replays as before: tests/test_replay_hints.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,14 @@ import random
 
 import pytest
 
-from bench.heat.hinted import HintedTrace, derive_sessions, replay_hinted
 from kvheat.cache import CacheConfig, KVCacheManager, Outcome
 from kvheat.heat import KVHeat
 from kvheat.heat.sessions import CLASS_SHIFT, GapHistogram, SessionBook
-from kvheat.replay import PreparedTrace, generate_workload, replay
-from kvheat.replay.traces import TraceRequest, WorkloadConfig
+from kvheat.replay import PreparedTrace, replay
+from kvheat.replay.traces import TraceRequest
 
 
-def _agentic(seed: int, n_sessions: int = 40, turns: int = 30) -> HintedTrace:
+def _agentic(seed: int, n_sessions: int = 40, turns: int = 30) -> PreparedTrace:
     """Agent-like sessions: each request extends its session's previous prompt; after a
     "tool_use" the session is back within seconds, after an "end_turn" minutes later
     (or never)."""
@@ -30,31 +30,13 @@ def _agentic(seed: int, n_sessions: int = 40, turns: int = 30) -> HintedTrace:
                 ids.append(next_id)
                 next_id += 1
             stop = "tool_use" if rng.random() < 0.8 else "end_turn"
-            events.append((t, TraceRequest(t * 1000, len(ids) * 512, 10, list(ids), f"s{s}"), stop))
+            events.append((t, TraceRequest(t * 1000, len(ids) * 512, 10, list(ids), f"s{s}",
+                                           finish_reason=stop)))
             if stop == "end_turn" and rng.random() < 0.3:
                 break
             t += rng.expovariate(1 / 5) if stop == "tool_use" else rng.expovariate(1 / 300)
     events.sort(key=lambda e: e[0])
-    trace = [e[1] for e in events]
-    return HintedTrace("agentic-test", PreparedTrace(trace, 512), derive_sessions(trace, 512),
-                       [e[2] for e in events])
-
-
-def test_replay_without_hints_is_the_replayer() -> None:
-    trace = generate_workload(WorkloadConfig(num_conversations=80, seed=3))
-    ht = HintedTrace("gen", PreparedTrace(trace, 512), derive_sessions(trace, 512),
-                     [None] * len(trace))
-    bare = [TraceRequest(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids) for r in trace]
-    bare_pt = PreparedTrace(bare, 512)
-    for policy in ("lru", "kvheat", "lruk"):
-        # the generator names sessions, and the replayer passes them
-        mine = replay_hinted(ht, policy, 200_000, sessions=True, reasons=False)
-        theirs = replay(ht.prepared, policy, 200_000)
-        assert (mine["hit_tokens"], mine["evictions"]) == (theirs.hit_tokens, theirs.evictions)
-        # no hint at all: the replayer on a trace without sessions
-        mine = replay_hinted(ht, policy, 200_000, sessions=False, reasons=False)
-        theirs = replay(bare_pt, policy, 200_000)
-        assert (mine["hit_tokens"], mine["evictions"]) == (theirs.hit_tokens, theirs.evictions)
+    return PreparedTrace([e[1] for e in events], 512)
 
 
 def test_derived_sessions_follow_whole_prompts_not_a_shared_system_prompt() -> None:
@@ -63,14 +45,14 @@ def test_derived_sessions_follow_whole_prompts_not_a_shared_system_prompt() -> N
     reqs = [TraceRequest(0, 1300, 1, [0, 1, 2]), TraceRequest(1, 1300, 1, [0, 3, 4]),
             TraceRequest(2, 2000, 1, [0, 1, 5, 6]), TraceRequest(3, 2000, 1, [0, 3, 7, 8]),
             TraceRequest(4, 2500, 1, [0, 1, 5, 9, 10]), TraceRequest(5, 700, 1, [0, 11])]
-    s = derive_sessions(reqs, 512)
+    s = PreparedTrace(reqs, 512).sessions  # the replayer's sessions (`replay(hints=True)`)
     assert s[0] == s[2] == s[4] and s[1] == s[3] and len({s[0], s[1], s[5]}) == 3
 
 
 def test_slow_returning_end_class_is_charged_and_evicted_first() -> None:
-    ht = _agentic(1)
+    pt = _agentic(1)
     pol = KVHeat()
-    replay_hinted(ht, lambda: pol, 40 * 512)
+    replay(pt, lambda: pol, 40 * 512, hints=True)
     book = pol.book
     assert book is not None and book.returns > 50
     tool = book.classes[(Outcome.FINISHED, "tool_use")]
@@ -92,10 +74,10 @@ def test_slow_returning_end_class_is_charged_and_evicted_first() -> None:
 
 
 def test_hints_help_on_agent_like_sessions() -> None:
-    ht = _agentic(2, n_sessions=60)
+    pt = _agentic(2, n_sessions=60)
     cap = 120 * 512
-    plain = replay_hinted(ht, "kvheat", cap, sessions=False, reasons=False)["hit_rate"]
-    hinted = replay_hinted(ht, "kvheat", cap)["hit_rate"]
+    plain = replay(pt, "kvheat", cap, hints=False).hit_rate
+    hinted = replay(pt, "kvheat", cap, hints=True).hit_rate
     assert hinted > plain
 
 
@@ -155,7 +137,7 @@ def _tokens(r) -> list[int]:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("j", [-3, 4])
 def test_kvheat_with_hints_makes_the_same_evictions_at_every_traffic_rate(j: int) -> None:
-    ht = _agentic(3)
+    pt = _agentic(3)
 
     def log(scale: float) -> list[bytes]:
         pol = KVHeat()
@@ -167,7 +149,7 @@ def test_kvheat_with_hints_makes_the_same_evictions_at_every_traffic_rate(j: int
             orig(b)
 
         pol.on_evict = on_evict  # type: ignore[method-assign]
-        replay_hinted(ht, lambda: pol, 60 * 512, time_scale=scale)
+        replay(pt, lambda: pol, 60 * 512, time_scale=scale, hints=True)
         return evicted
 
     base = log(1.0)
@@ -202,3 +184,18 @@ def test_horizon_charges_follow_the_share_returning_within_the_eviction_age() ->
         h.add(g)
     assert h.share_within(1.0) == 0.0 and h.share_within(20.0) == 1.0  # (log2 ages)
     assert 0.4 < h.share_within(5.0) < 0.6  # gaps up to 2^5 = 32: two of the four
+
+
+def test_bench_policy_variants_are_kvheat_with_those_options() -> None:
+    from bench.heat.sessions import base_policy, policy_spec
+
+    assert policy_spec("kvheat") == "kvheat" and base_policy("kvheat[session_own=true]") == "kvheat"
+    spec = policy_spec("kvheat[session_hints=log,session_own=true]")
+    assert callable(spec)
+    pol = spec()
+    assert isinstance(pol, KVHeat) and pol.session_own is True
+    for bad in ("kvheat[session_own]", "kvheat[session_own=true", "kvheat[=1]"):
+        with pytest.raises(ValueError):
+            policy_spec(bad)
+    with pytest.raises(TypeError):
+        policy_spec("kvheat[no_such_option=1]")()

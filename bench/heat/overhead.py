@@ -10,9 +10,10 @@ best round (lowest median).
 
     .venv/bin/python bench/heat/overhead.py --trace conv --json docs/results/heat/overhead.json
 
-A policy named `NAME+hints` (e.g. `kvheat+hints`) replays with the request hints (sessions,
-finish reasons: bench/heat/hinted.py) and its hint hooks timed too; the others replay
-without.
+A policy named `NAME+hints` (e.g. `kvheat+hints`) replays with the request hints (the
+replayer's `hints=True`: sessions, finish reasons) and its hint hooks timed too; the others
+replay without. Traces: those of bench/heat/sessions.py (`conv`, `synth`, `agentic_dev`,
+`agentic_raw`, ...).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from pathlib import Path
 if not __package__:  # run as `python bench/heat/overhead.py`: import from the repo root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from bench._lib.traces import prepared
-from bench.heat.hinted import hinted, replay_hinted
+from bench.heat.sessions import trace
 from kvheat.cache import make_policy
 from kvheat.replay import replay
 
@@ -62,11 +62,7 @@ def measure(trace_name: str, policy: str, capacity_tokens: int) -> dict[str, flo
     """Replay through the project's replayer with timed hooks; per request, hook time
     divided by the request's block accesses (its `progress` callback closes each one)."""
     hints = policy.endswith("+hints")
-    ht = hinted(trace_name) if hints else None
-    if trace_name == "agentic" or trace_name.startswith("draw"):  # (only hinted.py reads them)
-        pt = hinted(trace_name).prepared
-    else:
-        pt = ht.prepared if ht is not None else prepared(trace_name)
+    pt = trace(trace_name)
     pol = make_policy(policy.removesuffix("+hints"))
     acc = [0]
     calls = [0]
@@ -92,10 +88,8 @@ def measure(trace_name: str, policy: str, capacity_tokens: int) -> dict[str, flo
             per_access.append(max(0.0, acc[0] - calls[0] * timer_ns) / n / 1000.0)
         acc[0] = calls[0] = 0
 
-    if ht is not None:
-        replay_hinted(ht, lambda: pol, capacity_tokens, progress=close_request)
-    else:
-        replay(pt, lambda: pol, capacity_tokens, progress=close_request)
+    # without hints as every bench replays (the trace's own session ids only)
+    replay(pt, lambda: pol, capacity_tokens, progress=close_request, hints=True if hints else None)
     per_access.sort()
     return {"median_us": statistics.median(per_access),
             "p99_us": per_access[int(0.99 * (len(per_access) - 1))],

@@ -1,7 +1,8 @@
 """Every policy on every shared trace, with session hints on and off: the tables of issue
 "Heat that knows sessions" (kvheat against LRU-K, vLLM's `sae` and the rest).
 
-Traces: `conv`, `synth` (the shared Mooncake traces), `gen` (the built-in generator),
+Traces: `conv`, `synth` (the shared Mooncake traces), `conv_a`/`conv_b` (the conversation
+trace's first and second half by request count), `gen` (the built-in generator),
 `agentic_dev` (traces/agentic/agentic_dev.jsonl: 120 Claude Code sessions, 512-token blocks)
 and `agentic_raw` (the raw kv-cache-tester sessions of traces/agentic/raw through
 `load_kv_cache_tester`, sub-agents included: each file played 15 times as sessions of
@@ -19,9 +20,17 @@ trace's session id, else the one derived from the earlier prompt it extends), it
 reason and outcome. Policies that read no hint (every one but those of `--hint-policies`)
 give the same figures either way: they run once and count for both.
 
+Policies: any registered name, or a kvheat variant `kvheat[option=value,...]` (its
+constructor's keyword arguments, values read as JSON, else as text: e.g.
+`kvheat[session_own=true]`, `kvheat[session_hints=log,session_rate=false]`), run with
+hints off and on like kvheat. `--ablation` runs the variants of `ABLATION` (what each of
+kvheat's hint options is worth) beside lru, lruk and belady.
+
     .venv/bin/python bench/heat/sessions.py                    # everything (long: use --jobs)
     .venv/bin/python bench/heat/sessions.py --only 'conv/*' --only '*/kvheat/*' --jobs 2
     .venv/bin/python bench/heat/sessions.py --modes plain --heldout
+    .venv/bin/python bench/heat/sessions.py --ablation --traces agentic_dev,agentic_raw_s1,agentic_raw_s2 \
+        --capacities 1M,3M --modes plain --json docs/results/heat/hints_ablation.json
 
 Job ids are `trace/capacity/mode/policy/hints` (e.g. `conv/1M/plain/kvheat/on`); `--only`
 takes shell patterns over them. Results merge into the JSON file (default
@@ -41,7 +50,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 if not __package__:  # run as `python bench/heat/sessions.py`: import from the repo root
@@ -49,7 +58,9 @@ if not __package__:  # run as `python bench/heat/sessions.py`: import from the r
 
 from bench._lib import ROOT, TRACES
 from bench._lib.traces import get_trace
+from kvheat.cache import make_policy
 from kvheat.replay import PreparedTrace, replay
+from kvheat.replay.replayer import PolicySpec
 from kvheat.replay.traces import SessionDraw, load_kv_cache_tester
 
 ONLINE = ["lru", "fifo", "lfu", "arc", "s3fifo", "twoq", "lruk", "sae", "kvheat"]
@@ -57,8 +68,22 @@ POLICIES = [*ONLINE, "belady"]
 CAPACITIES = [1_000_000, 3_000_000, 10_000_000]
 MODES = ["plain", "hold0.1", "hold1", "hold10"]
 TRACE_NAMES = ["conv", "synth", "gen", "agentic_dev", "agentic_raw"]
+HALVES = ["conv_a", "conv_b"]  # the conversation trace's halves (not in the default set)
 HELDOUT = ["agentic_raw_s1", "agentic_raw_s2", "agentic_raw_s3"]
 HINT_POLICIES = ["kvheat", "sae"]
+# kvheat's hint options, one variant each (hints off and on): the end class's charge
+# ("horizon", the default: the share of a class's sessions back within the eviction age;
+# "log"/"linear": its median return gap, with `session_rate` the share that returns at all)
+# and the session's own pace (`session_own`).
+ABLATION = [
+    "kvheat",
+    "kvheat[session_hints=log,session_rate=false]",
+    "kvheat[session_hints=log]",
+    "kvheat[session_hints=log,session_own=true]",
+    "kvheat[session_hints=linear,session_rate=false]",
+    "kvheat[session_own=true]",
+]
+ABLATION_REFERENCE = ["lru", "lruk", "belady"]
 BLOCK = 512
 FLAG_POINTS = 0.1  # a cell is flagged where kvheat is this far below the best other
 DEFAULT_JSON = ROOT / "docs" / "results" / "heat" / "sessions.json"
@@ -77,7 +102,35 @@ def trace(name: str) -> PreparedTrace:
         draw = SessionDraw(group=RAW_DRAW.group, offset_s=RAW_DRAW.offset_s,
                            span_s=RAW_DRAW.span_s, seed=seed, copies=RAW_DRAW.copies)
         return PreparedTrace(load_kv_cache_tester(TRACES / "agentic", draw), BLOCK)
+    if name in HALVES:
+        whole = get_trace("conv", BLOCK)
+        half = len(whole) // 2
+        return PreparedTrace(whole[:half] if name == "conv_a" else whole[half:], BLOCK)
     return PreparedTrace(get_trace(name, BLOCK), BLOCK)
+
+
+def base_policy(name: str) -> str:
+    """`kvheat[session_own=true]` -> `kvheat`."""
+    return name.split("[", 1)[0]
+
+
+def policy_spec(name: str) -> PolicySpec:
+    """A registered policy name, or `name[option=value,...]`: the policy made with those
+    keyword arguments (values read as JSON, else as text)."""
+    if "[" not in name:
+        return name
+    if not name.endswith("]"):
+        raise ValueError(f"bad policy variant {name!r} (use e.g. kvheat[session_own=true])")
+    kwargs: dict[str, object] = {}
+    for item in name[name.index("[") + 1:-1].split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"bad option {item!r} in {name!r} (use option=value)")
+        try:
+            kwargs[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key.strip()] = value.strip()
+    return partial(make_policy, base_policy(name), **kwargs)
 
 
 def _cap(tokens: int) -> str:
@@ -95,7 +148,8 @@ def jobs(traces: list[str], caps: list[int], modes: list[str], policies: list[st
         for cap in caps:
             for mode in modes:
                 for p in policies:
-                    for hints in ([False, True] if p in hint_policies else [False]):
+                    hinted = p in hint_policies or base_policy(p) in hint_policies
+                    for hints in ([False, True] if hinted else [False]):
                         j = (tr, cap, mode, p, hints)
                         if not only or any(fnmatch.fnmatch(job_id(*j), pat) for pat in only):
                             out.append(j)
@@ -109,9 +163,9 @@ def run(j: tuple[str, int, str, str, bool]) -> dict:
     hold = mode != "plain"
     scale = float(mode[4:]) if hold else 1.0
     t0 = time.perf_counter()
-    r = replay(pt, policy, cap, BLOCK, hold=hold, time_scale=scale, hints=hints)
+    r = replay(pt, policy_spec(policy), cap, BLOCK, hold=hold, time_scale=scale, hints=hints)
     return {"id": job_id(*j), "trace": tr, "mode": mode, "hints": hints,
-            "wall_s": round(time.perf_counter() - t0, 2), **r.as_dict()}
+            "wall_s": round(time.perf_counter() - t0, 2), **r.as_dict(), "policy": policy}
 
 
 def run_all(js: list[tuple[str, int, str, str, bool]], workers: int, path: Path,
@@ -178,7 +232,7 @@ def cells(rows: list[dict]) -> list[dict]:
         lru, bel = rates.get("lru"), rates.get("belady")
         if lru is not None and bel is not None and bel > lru:
             rec["gap_closed"] = {p: (v - lru) / (bel - lru) for p, v in rates.items()
-                                 if p in ONLINE}
+                                 if base_policy(p) in ONLINE}
         out.append(rec)
     return out
 
@@ -189,11 +243,13 @@ def print_tables(cs: list[dict]) -> None:
         groups.setdefault((c["trace"], c["mode"]), []).append(c)
     for (tr, mode), g in groups.items():
         caps = sorted({c["capacity_tokens"] for c in g})
-        pols = [p for p in POLICIES if any(p in c["rates"] for c in g)]
+        seen = sorted({p for c in g for p in c["rates"]})
+        pols = [p for p in POLICIES if p in seen] + [p for p in seen if p not in POLICIES]
+        w = max(8, *map(len, pols))
         by = {(c["capacity_tokens"], c["hints"]): c for c in g}
         cols = [(cap, h) for cap in caps for h in (False, True) if (cap, h) in by]
         print(f"\n{tr}, {mode}: hit rate % (gap closed), hints off | on")
-        print(f"{'policy':>8} " + " ".join(f"{_cap(c) + (' on' if h else ' off'):>16}"
+        print(f"{'policy':>{w}} " + " ".join(f"{_cap(c) + (' on' if h else ' off'):>16}"
                                            for c, h in cols))
         for p in pols:
             line = []
@@ -203,10 +259,10 @@ def print_tables(cs: list[dict]) -> None:
                 gc = c.get("gap_closed", {}).get(p)
                 line.append("" if v is None else f"{100 * v:6.2f}" + (
                     f" ({100 * gc:+4.0f}%)" if gc is not None else "        "))
-            print(f"{p:>8} " + " ".join(f"{x:>16}" for x in line))
+            print(f"{p:>{w}} " + " ".join(f"{x:>16}" for x in line))
         line = [f"{100 * by[col]['margin']:+.2f} vs {by[col]['best_other']}"
                 if "margin" in by[col] else "" for col in cols]
-        print(f"{'margin':>8} " + " ".join(f"{x:>16}" for x in line))
+        print(f"{'margin':>{w}} " + " ".join(f"{x:>16}" for x in line))
     flagged = [c for c in cs if c.get("flag")]
     print(f"\ncells where kvheat is more than {FLAG_POINTS} point below the best other online "
           f"policy: {len(flagged)} of {sum(1 for c in cs if 'margin' in c)}")
@@ -233,6 +289,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default=",".join(TRACE_NAMES))
     ap.add_argument("--heldout", action="store_true", help="add agentic_raw at seeds 1-3")
+    ap.add_argument("--ablation", action="store_true",
+                    help="kvheat's hint-option variants (ABLATION) beside lru, lruk, belady")
     ap.add_argument("--capacities", default="1M,3M,10M")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -258,7 +316,15 @@ def main() -> None:
     bad = [m for m in modes if m != "plain" and not (m.startswith("hold") and _num(m[4:]))]
     if bad:
         ap.error(f"unknown mode {', '.join(bad)} (plain, hold<time scale>)")
-    js = jobs(traces, caps, modes, a.policies.split(","), a.hint_policies.split(","), a.only)
+    policies = ABLATION_REFERENCE + ABLATION if a.ablation else a.policies.split(",")
+    for p in policies:  # a malformed variant or unknown option fails here, not in a worker
+        try:
+            spec = policy_spec(p)
+            if callable(spec):
+                spec()
+        except (TypeError, ValueError) as e:
+            ap.error(f"policy {p}: {e}")
+    js = jobs(traces, caps, modes, policies, a.hint_policies.split(","), a.only)
     print(f"{len(js)} replays, {a.jobs} worker(s)", flush=True)
     t0 = time.time()
     extra = {"block_tokens": BLOCK, "flag_points": FLAG_POINTS,
