@@ -12,8 +12,9 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
 
+from test_vllm_offload import _chain_request  # noqa: E402
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
 from kvheat.cache import Node, Outcome  # noqa: E402
@@ -53,23 +54,8 @@ def _setup() -> tuple[CPUOffloadingManager, RecordingHeat]:
 
 
 def _request(mgr: CPUOffloadingManager, ctx: ReqContext, keys, outcome=None) -> None:
-    mgr.on_new_request(ctx)
-    for j, k in enumerate(keys):
-        ctx.set_offload_key_position(k, (j + 1) * 16)
-    hits = 0
-    for k in keys:
-        if mgr.lookup(k, ctx) is not LookupResult.HIT:
-            break
-        hits += 1
-    if hits:
-        mgr.prepare_load(keys[:hits], ctx)
-        mgr.complete_load(keys[:hits], ctx)
-    out = mgr.prepare_store(keys[hits:], ctx)
-    assert out is not None
-    mgr.complete_store(out.keys_to_store, ctx)
-    if outcome is not None:
-        record_outcome(ctx, *outcome)
-    mgr.on_request_finished(ctx)
+    _chain_request(mgr, keys, ctx.req_id, ctx,
+                   None if outcome is None else lambda c: record_outcome(c, *outcome))
 
 
 def test_sessions_and_outcomes_reach_the_heat_policy() -> None:

@@ -4,6 +4,7 @@ CI installs it, so these run there)."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -122,9 +123,11 @@ def test_reset_cache_clears_chunks_and_ghosts() -> None:
     assert mgr.lookup(_key(3), ReqContext("q")) is LookupResult.MISS
 
 
-def _chain_request(mgr: CPUOffloadingManager, keys, name: str) -> ReqContext:
-    """One request over `keys`: load the cached prefix, store the rest, finish."""
-    ctx = ReqContext(name)
+def _chain_request(mgr: CPUOffloadingManager, keys, name: str, ctx: ReqContext | None = None,
+                   before_finish: Callable[[ReqContext], None] | None = None) -> ReqContext:
+    """One request over `keys` (context `ctx`, else a fresh one named `name`): load the
+    cached prefix, store the rest, `before_finish(ctx)`, finish."""
+    ctx = ctx if ctx is not None else ReqContext(name)
     mgr.on_new_request(ctx)
     for j, k in enumerate(keys):
         ctx.set_offload_key_position(k, (j + 1) * 16)
@@ -139,6 +142,8 @@ def _chain_request(mgr: CPUOffloadingManager, keys, name: str) -> ReqContext:
     out = mgr.prepare_store(keys[hits:], ctx)
     assert out is not None
     mgr.complete_store(out.keys_to_store, ctx)
+    if before_finish is not None:
+        before_finish(ctx)
     mgr.on_request_finished(ctx)
     return ctx
 

@@ -238,6 +238,22 @@ async def run_conversations(base: str, next_conversation: Callable[[int], Conver
     return replies
 
 
+def run_timed(base: str, convs: Sequence[Conversation], workers: int, spec: LoadSpec,
+              on_reply: Callable[[Reply], None] | None = None) -> tuple[list[Reply], float]:
+    """`run_conversations` over `convs` from a fresh event loop: the replies, their `start`
+    in seconds from the load's start, and the wall time."""
+    async def go() -> tuple[list[Reply], float]:
+        t0 = time.perf_counter()
+        replies = await run_conversations(base, from_list(convs), workers, spec,
+                                          on_reply=on_reply)
+        wall = time.perf_counter() - t0
+        for r in replies:
+            r.start -= t0
+        return replies, wall
+
+    return asyncio.run(go())
+
+
 def metric_sums(text: str, names: dict[str, str]) -> dict[str, float]:
     """Prometheus text: each metric of `names` (metric name -> key) summed over its labels."""
     out = dict.fromkeys(names.values(), 0.0)

@@ -26,7 +26,6 @@ Writes results/cluster/real.json (`--json`) and a plot (`--plot`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -54,8 +53,7 @@ from bench._lib.load import (
     LoadSpec,
     Reply,
     UserTurn,
-    from_list,
-    run_conversations,
+    run_timed,
     served,
 )
 from bench._lib.models import save_llama
@@ -130,16 +128,7 @@ def run_load(base: str, convs: list[Conversation], clients: int, max_tokens: int
         if on_progress is not None:
             on_progress(count)
 
-    async def go() -> tuple[list[Reply], float]:
-        t0 = time.perf_counter()
-        replies = await run_conversations(base, from_list(convs), clients, spec,
-                                          on_reply=progress if on_progress else None)
-        wall = time.perf_counter() - t0
-        for r in replies:
-            r.start -= t0
-        return replies, wall
-
-    return asyncio.run(go())
+    return run_timed(base, convs, clients, spec, progress if on_progress else None)
 
 
 # ---- the processes ---------------------------------------------------------------------------

@@ -35,7 +35,6 @@ tokens (vLLM's /metrics), and what `kvheat route`'s index held per place at the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -57,9 +56,8 @@ from bench._lib.load import (
     Conversation,
     LoadSpec,
     Reply,
-    from_list,
     metric_sums,
-    run_conversations,
+    run_timed,
 )
 from bench._lib.models import save_wide_model
 from bench._lib.peers import check_quiet, find_vllm_python, spread, vllm_env
@@ -85,16 +83,7 @@ def run_load(base: str, convs: list[Conversation], in_flight: int, max_tokens: i
     the turn (a random-weights model may stream empty text first)."""
     spec = LoadSpec(MODEL, max_tokens, ignore_eos=True, timeout_s=timeout_s,
                     ttft_on_finish=True, require_done=True)
-
-    async def go() -> tuple[list[Reply], float]:
-        t0 = time.perf_counter()
-        replies = await run_conversations(base, from_list(convs), in_flight, spec)
-        wall = time.perf_counter() - t0
-        for r in replies:
-            r.start -= t0
-        return replies, wall
-
-    return asyncio.run(go())
+    return run_timed(base, convs, in_flight, spec)
 
 
 # ---- the processes -----------------------------------------------------------------------------
