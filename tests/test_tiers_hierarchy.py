@@ -213,6 +213,32 @@ def test_decision_picks_the_profitable_prefix(tmp_path: Path) -> None:
     assert tc.counters.remeasure_loads == 1 and len(disk.read_model.samples) == 2
 
 
+def test_read_models_price_the_reads_loads_make(tmp_path: Path) -> None:
+    """The host tier is read in one batched call per load: its fitted latency is paid
+    once per load, not per block (disk: once per block). Calibration reads it that way,
+    with its warm-up round dropped, and blocks moved down to the disk are not timed."""
+    tc, pool = build("gqa", None, tmp_path, async_io=False, calibrate=True,
+                     prefill_tokens_per_s=1e12)  # recompute all: nothing loaded, untimed
+    host, disk = tc.tiers
+    assert host.batched_reads and not disk.batched_reads
+    assert len(host.read_model.samples) == 2 * 3  # one get_many per size and round
+    assert len(disk.read_model.samples) == 5 * 3  # one get per block
+    bb = tc.block_bytes
+    for st in (host, disk):
+        st.read_model.reset()
+        st.read_model.record(bb, 30e-6)  # 10 us latency + 20 us a block, fitted
+        st.read_model.record(4 * bb, 90e-6)
+    assert tc.estimate_load_s(0, 4) == pytest.approx(10e-6 + 4 * 20e-6)
+    assert tc.estimate_load_s(1, 4) == pytest.approx(4 * (10e-6 + 20e-6))
+    gets = host.stats.gets
+    eng = Engine(tc, pool)
+    for p in prompts(6, 4):  # 24 blocks through 8 device and 6 host slots: moves to disk
+        eng.run(p)
+    assert host.stats.gets > gets and tc.lower.evictions[0] > 0
+    assert len(host.read_model.samples) == 2  # moved out (taken), none timed
+    tc.close()
+
+
 def test_fault_corrupt_disk_file_mid_replay(tmp_path: Path) -> None:
     tc, pool = build("gqa", None, tmp_path, async_io=False, host_blocks=1)
     eng = Engine(tc, pool)

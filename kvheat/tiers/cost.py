@@ -41,7 +41,7 @@ class LoadCost:
     def estimate_load_s(self, tier: int, n_blocks: int) -> float | None:
         st = self.stores[tier]
         return st.read_model.estimate(n_blocks * self.block_bytes,
-                                      ops=1 if st.pipelined else n_blocks)
+                                      ops=1 if st.batched_reads else n_blocks)
 
     def calibrate(self, rounds: int = 3) -> dict[str, dict[str, float | None]]:
         """Time real puts and gets of probe blocks on every tier (deleted after)."""
@@ -81,20 +81,33 @@ class LoadCost:
 
     def _time(self, st: KVStore, rounds: int) -> dict[str, float | None]:
         probe = self._probe_block()
+        # One round first whose timings are dropped: a store's first calls pay one-time
+        # costs (buffers allocated, kernels dispatched for the first time) that no later
+        # load does, and with a handful of samples they would decide the first loads.
+        kept = [(m, list(m.samples)) for m in (st.read_model, st.write_model)]
+        self._round(st, probe, "warm")
+        for model, samples in kept:
+            model.replace(samples)
         for r in range(rounds):
-            for n in (1, 4):
-                keys = [f"kvheat-probe-{r}-{n}-{j}".encode() for j in range(n)]
-                stored = [k for k in keys if st.put(k, probe, "kvheat-probe")]
-                if stored:
-                    if st.pipelined:
-                        st.get_many(stored, "kvheat-probe")
-                    else:
-                        for k in stored:
-                            st.get(k, "kvheat-probe")
-                for k in stored:
-                    st.delete(k, "kvheat-probe")
+            self._round(st, probe, str(r))
         fit = st.read_model.fit()
         return {"latency_s": fit[0] if fit else None, "bandwidth_Bps": fit[1] if fit else None}
+
+    @staticmethod
+    def _round(st: KVStore, probe: torch.Tensor, tag: str) -> None:
+        """Write, read back and delete one probe block, then four."""
+        for n in (1, 4):
+            keys = [f"kvheat-probe-{tag}-{n}-{j}".encode() for j in range(n)]
+            stored = [k for k in keys if st.put(k, probe, "kvheat-probe")]
+            if stored:  # read as a load reads it (the fit prices loads)
+                if st.batched_reads:
+                    st.get_many(stored, "kvheat-probe",
+                                outs=[torch.empty_like(probe) for _ in stored])
+                else:
+                    for k in stored:
+                        st.get(k, "kvheat-probe")
+            for k in stored:
+                st.delete(k, "kvheat-probe")
 
     def decide(self, plan: LoadPlan, wait: float) -> int:
         """How many of the plan's blocks to load: the prefix with the largest estimated

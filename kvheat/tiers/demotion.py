@@ -167,7 +167,7 @@ class Demoter:
         for vkey, tokens, salt, parent, owner in low.evict_for(tier, key, need):
             try:
                 if nxt is not None and low.stores[nxt].available():
-                    t = st.get(vkey, salt)
+                    t = st.take(vkey, salt)
                     if t is not None:
                         self.enqueue(Move(nxt, vkey, salt, tokens, t, parent, owner,
                                           low.flushed(owner)))

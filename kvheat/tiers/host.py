@@ -126,6 +126,12 @@ class HostStore(KVStore):
             self.read_model.record(t.nbytes, time.perf_counter() - t0)
         return t
 
+    def take(self, key: bytes, salt: str | None = None) -> torch.Tensor | None:
+        """`KVStore.take`: a private copy of the entry, counted, not timed."""
+        ns = self.ns(salt)
+        with self._lock:
+            return self._get_locked(key, ns, None)
+
     def get_many(self, keys: Sequence[bytes], salt: str | None = None,
                  outs: Sequence[torch.Tensor | None] | None = None,
                  readonly_ok: bool = False) -> list[torch.Tensor | None]:
@@ -145,44 +151,46 @@ class HostStore(KVStore):
     def _get_batch_locked(self, keys: Sequence[bytes], ns: bytes,
                           outs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """`_get_locked` for a batch whose outputs all match their slots: the copies in one
-        `_foreach_copy_` (one dispatch instead of one per block: at 8 KiB the dispatch costs
-        as much as the copy), then each slot's checksum. Anything else goes one by one."""
-        found: list[tuple[int, torch.Tensor, _SlotView]] = []
+        `_foreach_copy_` per run (one dispatch instead of one per block: at 8 KiB the
+        dispatch costs as much as the copy), then each slot's checksum, the counters once
+        per batch. Anything else goes one by one."""
+        entries, views, slot_ns = self.entries, self._views, self._slot_ns
+        slots: list[int] = []
+        srcs: list[_SlotView] = []
         for key, out in zip(keys, outs, strict=True):
-            slot = self.entries.get(key)
-            v = None if slot is None else self._views[slot]
-            if slot is None or v is None or out is None or out.dtype is not v.dtype \
-                    or out.shape != v.shape or self._slot_ns[slot] != ns:
+            slot = entries.get(key)
+            if slot is None or out is None or slot_ns[slot] != ns:
                 break
-            found.append((slot, out, v))
-        if len(found) != len(keys) or not keys:
+            v = views[slot]
+            if v is None or out.dtype is not v.dtype or out.shape != v.shape:
+                break
+            slots.append(slot)
+            srcs.append(v)
+        if len(slots) != len(keys) or not keys:
             return [self._get_locked(k, ns, o) for k, o in zip(keys, outs, strict=True)]
+        got: list[torch.Tensor | None] = list(outs)
+        sums, verify = self._slot_sum, self.verify
+        # Runs that stay in cache (a core's L2), each checked right after its copy: one
+        # pass over memory, as in `_get_locked`.
+        per_run = max(1, _RUN_BYTES // srcs[0].nbytes)
+        failed = 0
+        for i in range(0, len(slots), per_run):
+            run = srcs[i:i + per_run]
+            torch._foreach_copy_(got[i:i + per_run], [v.tensor for v in run])  # type: ignore[arg-type]
+            if not verify:
+                continue
+            for j, v in enumerate(run, i):
+                if _hash(v.raw) != sums[slots[j]]:  # `outs[j]` holds bytes nobody may use
+                    self._count_corrupt("checksum", keys[j], "host slot changed since put")
+                    del entries[keys[j]]
+                    self.free_slots.append(slots[j])
+                    got[j] = None
+                    failed += 1
         st = self.stats
-        got: list[torch.Tensor | None] = []
-        i = 0
-        while i < len(found):
-            # Copies in runs that stay in cache, each run checked right after its copy:
-            # one pass over memory, as in `_get_locked`.
-            j, run_bytes = i, 0
-            while j < len(found) and (j == i or run_bytes + found[j][2].nbytes <= _RUN_BYTES):
-                run_bytes += found[j][2].nbytes
-                j += 1
-            run = found[i:j]
-            torch._foreach_copy_([out for _, out, _ in run], [v.tensor for _, _, v in run])
-            for key, (slot, out, v) in zip(keys[i:j], run, strict=True):
-                st.gets += 1
-                # On a mismatch `out` holds bytes nobody may use.
-                if self.verify and _hash(v.raw) != self._slot_sum[slot]:
-                    self._count_corrupt("checksum", key, "host slot changed since put")
-                    del self.entries[key]
-                    self.free_slots.append(slot)
-                    st.misses += 1
-                    got.append(None)
-                    continue
-                st.hits += 1
-                st.get_bytes += v.nbytes
-                got.append(out)
-            i = j
+        st.gets += len(keys)
+        st.hits += len(keys) - failed
+        st.misses += failed
+        st.get_bytes += sum(v.nbytes for v, t in zip(srcs, got, strict=True) if t is not None)
         return got
 
     def _put_locked(self, key: bytes, kv: torch.Tensor, ns: bytes) -> int:

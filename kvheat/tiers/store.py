@@ -86,7 +86,12 @@ class TransferModel:
 
     def reset(self) -> None:
         """Forget every sample (they describe a tier that has since changed speed)."""
+        self.replace([])
+
+    def replace(self, samples: list[tuple[int, float]]) -> None:
+        """Keep only `samples` (the window's newest, if more)."""
         self.samples.clear()
+        self.samples.extend(samples)
         self._fit = None
 
     def drift(self, recent: int = 8) -> float | None:
@@ -156,6 +161,13 @@ class KVStore:
     name = "store"
     pipelined = False  # a batch of gets costs one round trip (Redis), not one each
     inline = False  # puts and gets are memory copies, cheap enough for the caller's thread
+
+    @property
+    def batched_reads(self) -> bool:
+        """A load reads this tier's blocks in one `get_many` call (one round trip of a
+        pipelined tier, one locked copy pass of an inline one), so its read model's
+        latency is paid once per load, not once per block (`cost.LoadCost`)."""
+        return self.pipelined or self.inline
 
     def __init__(self, capacity_bytes: int, model: str = "model", layout: str = "kv",
                  secret: str | bytes | None = None) -> None:
@@ -240,16 +252,26 @@ class KVStore:
         """The verified tensor for (key, salt), copied into `out` when given; None on a
         miss, a failed check or a down tier."""
         t0 = time.perf_counter()
-        t = self._get(key, salt, out)
+        t = self._counted(self._get(key, salt, out))
+        if t is not None:
+            self.read_model.record(t.nbytes, time.perf_counter() - t0)
+        return t
+
+    def take(self, key: bytes, salt: str | None = None) -> torch.Tensor | None:
+        """An entry's verified bytes on their way down to the next tier (a private copy;
+        the caller deletes the entry after): `get`, counted but not timed. The read model
+        fits the reads a load makes into the device; a move's copy into a fresh tensor,
+        one block at a time, is not one, and its samples would price loads wrongly."""
+        return self._counted(self._get(key, salt, None))
+
+    def _counted(self, t: torch.Tensor | None) -> torch.Tensor | None:
         st = self.stats
         st.gets += 1
         if t is None:
             st.misses += 1
             return None
-        n = t.numel() * t.element_size()
-        self.read_model.record(n, time.perf_counter() - t0)
         st.hits += 1
-        st.get_bytes += n
+        st.get_bytes += t.nbytes
         return t
 
     def get_many(self, keys: Sequence[bytes], salt: str | None = None,
