@@ -83,8 +83,8 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                   shard_choices: int, ghost_factor: float,
                   admin_token: str | None, replica_admin_token: str | None,
                   otlp_endpoint: str | None, events_secret: str | None,
-                  session_secret: str | None, events_grace_s: float, require_events: bool, no_net_signals: bool,
-                  log_level: str) -> None:
+                  session_secret: str | None, events_grace_s: float, require_events: bool,
+                  no_net_signals: bool, log_level: str) -> None:
     """Route OpenAI requests to replicas by a global prefix index fed by their KV events."""
     import uvicorn
 

@@ -1,10 +1,11 @@
-"""The session hint on its way to a replica (docs/vllm.md, "Hints").
+"""The session hint on its way to a replica (docs/vllm.md, "Request hints through the
+connector and the router").
 
 A kvheat replica reads the session from the `X-Session-Id` header or the OpenAI `user`
 field itself (kvheat/server/sessions.py): the router forwards both unchanged. vLLM ignores
 the header and drops `user` before its engine, so a vLLM replica gets the session where
-its KV connector (and kvheat's offload policy) read it: `kv_transfer_params["kvheat_session"]`
-in the body, beside what the client put there. The router sends a keyed digest of it, as
+its KV connector (and kvheat's offload policy) read it, `kv_transfer_params` in the body
+(`SESSION_PARAM`), beside what the client put there. The router sends a keyed digest, as
 a kvheat server keeps it (`SessionIds`: the tenant's salt, a secret), never the string
 itself: two tenants naming the same session stay apart, and nothing the replica logs says
 what the client sent. A bad header is the 400 a kvheat server answers.
