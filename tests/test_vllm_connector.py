@@ -153,6 +153,7 @@ def test_config_reads_serve_tier_keys_with_sizes_and_types() -> None:
     ({"policy": "nope"}, "policy 'nope' is not one of"),
     ({"share_groups": ["a"]}, "share_groups must be"),
     ({"async_load": "auto"}, "async_load must be"),
+    ({"request_hints": "yes"}, "request_hints must be true or false"),
 ])
 def test_config_refuses_unknown_keys_and_wrong_types(extra, message) -> None:
     with pytest.raises(ValueError, match=message):
