@@ -1,7 +1,9 @@
-"""`kvheat route` passes the session hint on: the `X-Session-Id` header (and the `user`
-field, in the body it forwards unchanged) reach the replica's cache policy, a session's
-turns stay on one replica (cache-aware routing keeps a conversation where its prefix is),
-and a bad header is the replica's clear 400, passed through."""
+"""`kvheat route` passes the session hint on: to a kvheat replica, the `X-Session-Id` header
+(and the `user` field, in the body it forwards unchanged) reach the replica's cache policy,
+a session's turns stay on one replica (cache-aware routing keeps a conversation where its
+prefix is), and a bad header is the clear 400 a kvheat server answers. A vLLM replica gets
+the session, keyed, in the body's `kv_transfer_params` (`vllm_body` here; delivered to a
+real vLLM's KVHeatConnector in tests/test_vllm_connector.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 
 import httpx
+import msgspec
 import pytest
 from test_router_e2e import (
     ADMIN,
@@ -26,7 +29,9 @@ from test_server import MODEL, SYSTEM, Served, start, stop
 from kvheat.cache import Node, Outcome, register_policy
 from kvheat.cache import policy as policy_registry
 from kvheat.cache.policies import LRU
-from kvheat.router.config import ReplicaSpec, RouterConfig
+from kvheat.router.config import ReplicaSpec, RouterConfig, RouterConfigError
+from kvheat.router.hints import SESSION_PARAM, SessionHints, vllm_body
+from kvheat.router.proxy import RouterError
 from kvheat.server.config import ArmConfig
 
 RECORDING = "test-recording-route-hints"
@@ -108,3 +113,52 @@ def test_a_bad_session_header_is_the_replicas_400(cluster) -> None:
                    json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
                    headers={"Authorization": "Bearer sk-acme", "X-Session-Id": "a b"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id"
+
+
+# ---- the body a vLLM replica gets ----------------------------------------------------------------
+def _sent(body: dict, cache_salt: str | None, session: str | None) -> dict:
+    return msgspec.json.decode(vllm_body(body, msgspec.json.encode(body), cache_salt, session))
+
+
+def test_a_vllm_body_carries_the_session_beside_the_clients_params() -> None:
+    raw = b'{"model":"m","prompt":"hi"}'
+    body = msgspec.json.decode(raw)
+    assert vllm_body(body, raw, None, None) is raw  # nothing to add: the bytes unchanged
+    assert _sent(body, "tenant:acme", "header:ab12") == {
+        "model": "m", "prompt": "hi", "cache_salt": "tenant:acme",
+        "kv_transfer_params": {SESSION_PARAM: "header:ab12"}}
+    # The client's own parameters stay, and a session it named itself wins.
+    mine = {**body, "kv_transfer_params": {"tenant": "acme", "do_remote_decode": False}}
+    assert _sent(mine, None, "header:ab12")["kv_transfer_params"] == {
+        "tenant": "acme", "do_remote_decode": False, SESSION_PARAM: "header:ab12"}
+    named = {**body, "kv_transfer_params": {SESSION_PARAM: "theirs"}}
+    assert _sent(named, None, "header:ab12")["kv_transfer_params"] == {SESSION_PARAM: "theirs"}
+    # Not an object: left for vLLM to refuse; null: as if absent.
+    assert _sent({**body, "kv_transfer_params": ["x"]}, None, "s")["kv_transfer_params"] == ["x"]
+    assert _sent({**body, "kv_transfer_params": None}, None, "s")["kv_transfer_params"] == {
+        SESSION_PARAM: "s"}
+
+
+def test_the_session_param_is_the_one_vllm_adapters_read() -> None:
+    chunk = pytest.importorskip("kvheat.integrations.vllm_chunk")
+    assert SESSION_PARAM == chunk.SESSION_PARAM
+
+
+def test_session_digests_are_keyed_by_tenant_and_secret_and_check_the_header() -> None:
+    a = SessionHints({}, "s" * 16)
+    b = SessionHints({}, "s" * 16)
+    d = a.session_of("agent-1", None, "acme")
+    assert d is not None and "agent-1" not in d and d.startswith("header:")
+    assert d == b.session_of("agent-1", None, "acme")  # one secret: one digest
+    assert d != a.session_of("agent-1", None, "globex")
+    assert d != SessionHints({}, "t" * 16).session_of("agent-1", None, "acme")
+    assert d != SessionHints({}).session_of("agent-1", None, "acme")  # a drawn key
+    assert a.session_of(None, "u", None) == b.session_of(None, "u", None) != \
+        a.session_of("u", None, None)
+    assert a.session_of(None, None, "acme") is None  # none given: none sent
+    with pytest.raises(RouterError) as e:
+        SessionHints.check_header("a b")
+    assert e.value.status == 400 and e.value.code == "invalid_session_id"
+    SessionHints.check_header(None)
+    with pytest.raises(RouterConfigError, match="session_secret"):
+        RouterConfig(replicas=[ReplicaSpec("http://r:1")], session_secret="short")

@@ -8,6 +8,8 @@ every round:
 - `plain`: vLLM alone (the reference outputs and cached-token counts);
 - `shared`: the connector with a Redis tier only (every load comes over the network);
 - `layered`: the connector with host (2 blocks), disk and Redis tiers, on the same Redis.
+Request hints (a session in `kv_transfer_params`, a cancel) reach the layered server's tier
+policy, counted on its /metrics, directly and through `kvheat route`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from bench._lib.models import save_tiny_model  # noqa: E402
 from bench._lib.peers import vllm_env  # noqa: E402
 from bench._lib.procs import Redis, free_port, stop, wait_ready  # noqa: E402
 from kvheat.integrations.vllm_blocks import VLLMDeviceBlocks  # noqa: E402
+from kvheat.integrations.vllm_chunk import SESSION_PARAM  # noqa: E402
 from kvheat.integrations.vllm_connector import ConnectorConfig, TierMirror  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +153,7 @@ def test_config_reads_serve_tier_keys_with_sizes_and_types() -> None:
     ({"policy": "nope"}, "policy 'nope' is not one of"),
     ({"share_groups": ["a"]}, "share_groups must be"),
     ({"async_load": "auto"}, "async_load must be"),
+    ({"request_hints": "yes"}, "request_hints must be true or false"),
 ])
 def test_config_refuses_unknown_keys_and_wrong_types(extra, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -263,11 +267,12 @@ class Answer:
 
 
 def _complete(server: Server, prompt: list[int], max_tokens: int = 16,
-              tenant: str | None = None) -> Answer:
+              tenant: str | None = None, session: str | None = None) -> Answer:
     body: dict = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                   "temperature": 0.0, "return_token_ids": True, "ignore_eos": True}
-    if tenant is not None:
-        body["kv_transfer_params"] = {"tenant": tenant}
+    params = {"tenant": tenant, SESSION_PARAM: session}
+    if tenant is not None or session is not None:
+        body["kv_transfer_params"] = {k: v for k, v in params.items() if v is not None}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, f"{server.name}: {r.status_code} {r.text[:500]}"
     out = r.json()
@@ -276,15 +281,18 @@ def _complete(server: Server, prompt: list[int], max_tokens: int = 16,
 
 
 def _chat(server: Server, seed: int, n: int = 4, turns: int = 4, first: int = 120,
-          turn: int = 60, tenant: str | None = None) -> list[Answer]:
+          turn: int = 60, tenant: str | None = None, session: str | None = None
+          ) -> list[Answer]:
     """`n` conversations taking turns (round robin), each turn its transcript so far plus
-    `turn` new tokens: the transcripts overflow vLLM's 16-block pool every round."""
+    `turn` new tokens: the transcripts overflow vLLM's 16-block pool every round. With
+    `session`, conversation i names session `session`-i."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(2, 1024) for _ in range(first)] for _ in range(n)]
     out = []
     for t in range(turns):
         for i in range(n):
-            a = _complete(server, prompts[i], tenant=tenant)
+            a = _complete(server, prompts[i], tenant=tenant,
+                          session=None if session is None else f"{session}-{i}")
             out.append(a)
             if t + 1 < turns:
                 prompts[i] = prompts[i] + a.tokens + [rng.randrange(2, 1024) for _ in range(turn)]
@@ -510,3 +518,90 @@ def test_redis_killed_mid_load_changes_no_output_and_no_status(cluster) -> None:
     assert [a.tokens for a in after] == [a.tokens for a in _chat(cluster.plain, seed=33, n=2,
                                                                   turns=2)]
     assert os.path.exists(s.log)
+
+
+# ---- request hints ------------------------------------------------------------------------------
+ENDS = "kvheat_connector_hinted_ends_total"
+
+
+def test_sessions_and_ends_reach_the_tier_policy_and_change_no_output(cluster) -> None:
+    s = cluster.layered
+    before = _metric(s, ENDS, outcome="finished", session="true")
+    entries = _metric(s, "kvheat_connector_hinted_entries_total")
+    ref = _chat(cluster.plain, seed=61, n=2, turns=2)
+    got = _chat(s, seed=61, n=2, turns=2, session="conv")
+    assert [a.tokens for a in got] == [a.tokens for a in ref]  # greedy: hints change no output
+    assert _wait_metric(s, ENDS, before + 4, outcome="finished", session="true") == before + 4
+    # The policy was told of the entries the tiers hold of those requests (second turns:
+    # at least their first turns' saved blocks).
+    assert _metric(s, "kvheat_connector_hinted_entries_total") >= entries + 2 * 5
+    # Requests of no session that finished (every other test's): no hint was sent.
+    assert _metric(s, ENDS, outcome="finished", session="false") == 0
+
+
+def _leave_after_first_token(server: Server, body: dict, url: str | None = None,
+                             headers: dict[str, str] | None = None) -> None:
+    with httpx.stream("POST", (url or server.url) + "/v1/completions", timeout=300,
+                      headers=headers, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                return  # the client goes away: vLLM aborts the request
+
+
+def test_a_cancelled_request_is_told_cancelled(cluster) -> None:
+    s = cluster.layered
+    before = _metric(s, ENDS, outcome="cancelled", session="true")
+    rng = random.Random(71)
+    prompt = [rng.randrange(2, 1024) for _ in range(3 * BLOCK)]
+    _leave_after_first_token(s, {"model": "tiny", "prompt": prompt, "max_tokens": 300,
+                                 "ignore_eos": True,
+                                 "kv_transfer_params": {SESSION_PARAM: "leaver"}})
+    assert _wait_metric(s, ENDS, before + 1, outcome="cancelled", session="true") == before + 1
+
+
+def test_the_router_gives_a_vllm_replica_the_session_in_kv_transfer_params(cluster) -> None:
+    from test_router_e2e import start_router, stop_router, wait_for
+
+    from kvheat.router.config import ReplicaSpec, RouterConfig
+
+    s = cluster.layered
+    rt = start_router(RouterConfig(replicas=[ReplicaSpec(s.url, kind="vllm")],
+                                   policy="least-load", health_interval_s=0.2))
+    try:
+        assert wait_for(lambda: rt.router.replicas[s.url].healthy)
+        rng = random.Random(81)
+
+        def route(headers: dict[str, str] | None = None, **extra) -> httpx.Response:
+            return httpx.post(rt.base + "/v1/completions", timeout=300, headers=headers,
+                              json={"model": "tiny", "max_tokens": 2, "temperature": 0.0,
+                                    "prompt": [rng.randrange(2, 1024) for _ in range(40)],
+                                    **extra})
+
+        def ends() -> float:
+            return _metric(s, ENDS, outcome="finished", session="true")
+
+        n = ends()
+        # No session given: none is sent (vLLM ignores the header; the body says nothing).
+        assert route().status_code == 200
+        assert route(kv_transfer_params={"tenant": "acme"}).status_code == 200
+        # The header, the `user` field, and the header beside the client's own params.
+        assert route({"X-Session-Id": "agent-1"}).status_code == 200
+        assert route(user="user-7").status_code == 200
+        assert route({"X-Session-Id": "agent-1"},
+                     kv_transfer_params={"tenant": "acme"}).status_code == 200
+        assert _wait_metric(s, ENDS, n + 3, outcome="finished", session="true") == n + 3
+        time.sleep(1.0)
+        assert ends() == n + 3
+        assert _metric(s, ENDS, outcome="finished", session="false") == 0
+        # A bad session id: the router's 400, as a kvheat server answers it.
+        r = route({"X-Session-Id": "a b"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id"
+        # A client that leaves mid-stream through the router: cancelled, with its session.
+        c = _metric(s, ENDS, outcome="cancelled", session="true")
+        _leave_after_first_token(s, {"model": "tiny", "max_tokens": 300, "ignore_eos": True,
+                                     "prompt": [rng.randrange(2, 1024) for _ in range(40)]},
+                                 url=rt.base, headers={"X-Session-Id": "agent-2"})
+        assert _wait_metric(s, ENDS, c + 1, outcome="cancelled", session="true") == c + 1
+    finally:
+        stop_router(rt)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+from vllm.v1.request import Request, RequestStatus
 
 from ..cache.hints import Outcome, check_reason
 from ..cache.node import Node, PolicyRecord
@@ -72,6 +73,16 @@ def record_outcome(ctx: ReqContext, outcome: Outcome | str,
     h = request_hints(ctx)
     h.outcome = Outcome.parse(outcome)
     h.reason = check_reason(reason)
+
+
+def request_end(request: Request) -> tuple[Outcome, str | None]:
+    """How a finished vLLM `Request` ended, for `record_outcome`: aborted (the client went
+    away) is CANCELLED with reason "abort", as kvheat's server records a cancel; any other
+    end is FINISHED with vLLM's finish reason ("stop", "length", "error", "repetition")."""
+    if request.status == RequestStatus.FINISHED_ABORTED:
+        return Outcome.CANCELLED, "abort"
+    reason = request.get_finished_reason()
+    return Outcome.FINISHED, str(reason) if reason is not None else None
 
 
 class Chunk(Node, PolicyRecord):

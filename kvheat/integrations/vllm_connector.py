@@ -29,11 +29,22 @@ OpenAI `user` field before the engine, so it cannot key anything; a request's
 vLLM replica's requests.) Blocks the tiers take or lose go out as KV events through
 vLLM's own publisher (`--kv-events-config`), with their medium and locality, so a router
 sees them; tier hits, bytes, faults and loads against recomputes are on vLLM's /metrics.
+
+Request hints (kvheat/cache/hints.py) reach the tiers' eviction policy as they reach the
+offload adapter's (`vllm_chunk.request_hints`): the session is
+`kv_transfer_params["kvheat_session"]` (what `kvheat route` sets for a vLLM replica), the
+outcome and finish reason come from vLLM's `Request` at `request_finished`. The scheduler
+keys the session into a digest (never the client's string past it), and the hints travel
+to the worker in the step's metadata: a request's session before its first loads and
+saves (`TierClient.begin`), its end with its keys (`TierClient.finish`). A request with no
+session that was not cancelled sends nothing, so without hints every decision is as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import threading
 import time
 import typing
@@ -60,9 +71,11 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
+from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..cache.hashing import chain_key, root_key, tenant_salt
+from ..cache.hints import Outcome
 from ..cache.policy import policy_names
 from ..checks import check_value, parse_size
 from ..kvevents.schema import tier_place
@@ -70,6 +83,7 @@ from ..tiers.client import TierClient
 from ..tiers.shared import SharedTierFeed, decode_announcements
 from ..tiers.spec import MODES, TierSpec
 from .vllm_blocks import VLLMDeviceBlocks
+from .vllm_chunk import record_outcome, request_end, request_hints
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +137,9 @@ class ConnectorConfig:
     # (WAITING_FOR_REMOTE_KVS), loads from host memory before the step's forward;
     # true / false: every load one way.
     async_load: bool | None = None
+    # Pass requests' hints (session, cancelled or finished, finish reason) to the tiers'
+    # policy; false: never (every decision as without hints).
+    request_hints: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -185,10 +202,24 @@ class SaveJob:
     slots: list[int]
 
 
+@dataclass(slots=True)
+class FinishHint:
+    """A request's end, for the tiers' policy (`TierClient.finish`)."""
+
+    keys: list[bytes]  # its blocks' keys, prefix order
+    session: str | None  # the scheduler's digest of its session
+    outcome: str  # an `Outcome` value
+    reason: str | None  # vLLM's finish reason
+
+
 @dataclass
 class KVHeatConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    # Hints, applied before the step's loads and saves: sessions of requests new since
+    # the last step (in order), then the ends of requests finished since.
+    sessions: list[str] = field(default_factory=list)
+    finished: list[FinishHint] = field(default_factory=list)
 
 
 @dataclass
@@ -280,6 +311,8 @@ class _Tracked:
     # reservations a background load must fit beside, its own included: waiting for one
     # again could wait forever.)
     sync_only: bool = False
+    hints: ReqContext | None = None  # its hints' context (None: hints are off)
+    session: str | None = None  # the digest of its session
 
     def keys_upto(self, n: int) -> list[bytes]:
         hashes = self.request.block_hashes
@@ -372,6 +405,10 @@ _TIER_METRICS = (
      "Blocks written into a kvheat tier (vLLM's saves, and demotions from the tier above)",
      "counter"),
 )
+# Stats of the hints the worker passed to its tiers' policy: request ends by outcome,
+# "ended_session.<outcome>" those naming a session and "ended.<outcome>" the others (the
+# metric's session label), and "hinted_entries", the tier entries they reached.
+_ENDED = {"ended": "false", "ended_session": "true"}
 # (our stats name, the TierClient's per-tier figure)
 _TIER_STATS = (("hits", "hits"), ("hit_bytes", "get_bytes"), ("faults", "faults"),
                ("puts", "puts"))
@@ -404,6 +441,16 @@ class KVHeatPromMetrics(KVConnectorPromMetrics):
             documentation="Prompt blocks past the device's prefix that vLLM computed: not in "
                           "the tiers (miss) or failing their load (load_failed)",
             labelnames=[*labelnames, "reason"])
+        self._ended: Any = self._counter_cls(
+            name="kvheat_connector_hinted_ends_total",
+            documentation="Request ends passed to kvheat's tier policy as hints, by outcome "
+                          "and whether the request named a session (the session itself is "
+                          "never shown)",
+            labelnames=[*labelnames, "outcome", "session"])
+        self._hinted: Any = self._counter_cls(
+            name="kvheat_connector_hinted_entries_total",
+            documentation="Tier entries of ended requests that kvheat's tier policy was told of",
+            labelnames=labelnames)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = self.per_engine_labelvalues.get(engine_idx)
@@ -421,6 +468,10 @@ class KVHeatPromMetrics(KVConnectorPromMetrics):
                 self._loaded.labels(*values, tier).inc(v)
             elif name in ("miss", "load_failed") and v > 0:
                 self._recomputed.labels(*values, name).inc(v)
+            elif name in _ENDED and tier and v > 0:
+                self._ended.labels(*values, tier, _ENDED[name]).inc(v)
+            elif name == "hinted_entries" and v > 0:
+                self._hinted.labels(*values).inc(v)
 
 
 # ---- the connector --------------------------------------------------------------------------------
@@ -479,6 +530,12 @@ class KVHeatConnector(KVConnectorBase_V1):
         # one tier before the next takes it, and its next event needs what it says.
         self._left: OrderedDict[bytes, _BlockInfo] = OrderedDict()
         self._held: dict[tuple[Any, str], int] = {}  # (vLLM hash, tier) -> keys holding it
+        # Hints for the worker's next step (`KVHeatConnectorMetadata`), and the key of the
+        # session digests (this process's: the digests live no longer than the tiers'
+        # policy state does).
+        self._started: list[str] = []
+        self._finished: list[FinishHint] = []
+        self._session_key = os.urandom(32)
 
     def _track(self, request: Request) -> _Tracked:
         t = self._tracked.get(request.request_id)
@@ -486,7 +543,25 @@ class KVHeatConnector(KVConnectorBase_V1):
             salt, usable = self._salt(request)
             t = self._tracked[request.request_id] = _Tracked(request, salt, usable,
                                                               root_key(salt))
+            if usable and self.config.request_hints:
+                # The offload adapter's reading of the request's hints (vllm_chunk.py).
+                t.hints = ReqContext(request.request_id, request.kv_transfer_params,
+                                     request.kv_hints)
+                session = request_hints(t.hints).session
+                if session is not None:
+                    t.session = self._session_digest(t, session)
+                    self._started.append(t.session)
         return t
+
+    def _session_digest(self, t: _Tracked, session: str) -> str:
+        """`session` keyed by this scheduler's secret, the tenant's salt and vLLM's cache
+        salt (as kvheat's server keys its sessions: tenants naming the same session get
+        different ones), so the client's string goes no further than here."""
+        h = hashlib.blake2b(key=self._session_key, digest_size=16)
+        for part in (t.salt or "", t.request.cache_salt or "", session):
+            b = part.encode("utf-8", "surrogatepass")
+            h.update(len(b).to_bytes(8, "little") + b)  # length-prefixed: no ambiguity
+        return "vllm:" + h.hexdigest()
 
     def _salt(self, request: Request) -> tuple[str | None, bool]:
         params = request.kv_transfer_params
@@ -549,8 +624,9 @@ class KVHeatConnector(KVConnectorBase_V1):
         return out
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVHeatConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = KVHeatConnectorMetadata(loads=self._loads, sessions=self._started,
+                                       finished=self._finished)
+        self._loads, self._started, self._finished = [], [], []
         bs = self.block_size
         state = scheduler_output.kv_connector_block_state
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -656,7 +732,13 @@ class KVHeatConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._tracked.pop(request.request_id, None)
+        t = self._tracked.pop(request.request_id, None)
+        if t is not None and t.hints is not None:
+            record_outcome(t.hints, *request_end(request))
+            h = request_hints(t.hints)
+            # A session or a cancel is a hint; a plain finish tells the policy nothing new.
+            if t.session is not None or h.outcome is Outcome.CANCELLED:
+                self._finished.append(FinishHint(t.keys, t.session, h.outcome.value, h.reason))
         return False, None  # every save was copied out in its step: free the blocks now
 
     # ==== worker half =============================================================================
@@ -700,12 +782,29 @@ class KVHeatConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVHeatConnectorMetadata)
+        if meta.sessions or meta.finished:
+            self._apply_hints(meta)  # before this step's loads and saves
         for job in meta.loads:
             if job.background:
                 assert self._loaders is not None
                 self._loaders.submit(self._load_background, job)
             else:
                 self._invalid.update(self._load(job))
+
+    def _apply_hints(self, meta: KVHeatConnectorMetadata) -> None:
+        client = self.client
+        if client is None:
+            return
+        try:
+            for session in meta.sessions:
+                client.begin(session)
+            for f in meta.finished:
+                told = client.finish(f.keys, f.session, f.outcome, f.reason)
+                self._counts.add(("ended_session." if f.session is not None else "ended.")
+                                 + f.outcome)
+                self._counts.add("hinted_entries", told)
+        except Exception:  # a hint is never worth the engine
+            log.exception("KVHeatConnector: passing request hints to the tiers failed")
 
     def _load(self, job: LoadJob) -> list[int]:
         """Load `job`; the device blocks that did not load (vLLM recomputes from there)."""

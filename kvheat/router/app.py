@@ -4,7 +4,8 @@ Per request: the prompt is tokenized and keyed as the replicas' caches key it (t
 tokenizer and chat template, the tenant's salt from its API key; `keys.py`), the policy
 picks a replica from the prefix index (fed by the replicas' KV events) and their loads,
 and the request is proxied there with aiohttp, body and Authorization header unchanged (a
-vLLM replica also gets the tenant's salt as `cache_salt`; `proxy.py`). A replica that
+vLLM replica also gets the tenant's salt as `cache_salt`, and the client's session, keyed,
+in `kv_transfer_params`: `hints.py`; `proxy.py`). A replica that
 cannot be reached, or answers 5xx before sending anything, is replaced by the next choice;
 one that dies mid-stream ends the stream with an error event and [DONE], never a hang (a
 silence longer than `read_timeout_s` counts as death). Health checks take replicas out and
@@ -40,6 +41,7 @@ from ..kvevents.secret import EventSecret
 from ..server.netsignals import url_endpoint
 from ..server.tracing import Tracing, end_span
 from .config import ReplicaSpec, RouterConfig, RouterConfigError
+from .hints import SessionHints, vllm_body
 from .index import PrefixIndex
 from .keys import PromptKeys
 from .metrics import RouterMetrics
@@ -58,7 +60,8 @@ from .replicas import Replica, ReplicaRegistry
 log = logging.getLogger("kvheat.router")
 
 # Request headers passed to the replica (the rest are this hop's); x-session-id: the
-# session hint of the replica's cache policy (kvheat/server/sessions.py).
+# session hint of a kvheat replica's cache policy (kvheat/server/sessions.py; a vLLM
+# replica gets it in the body instead: hints.py).
 _HOP_HEADERS = frozenset({b"authorization", b"content-type", b"accept", b"x-request-id",
                           b"openai-organization", b"x-session-id"})
 _PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -89,6 +92,7 @@ class KVHeatRouter:
         self.metrics = RouterMetrics()
         self.tracing = Tracing(config.otlp_endpoint, span_exporter, service_name="kvheat-router")
         self.keys = PromptKeys(config, keyer)
+        self.sessions = SessionHints(config.share_groups, config.session_secret)
         self.registry = ReplicaRegistry(config, self.index, self.policy, self.metrics,
                                         self.secret)
         self.replicas: dict[str, Replica] = self.registry.replicas
@@ -148,6 +152,9 @@ class KVHeatRouter:
             raise RouterError(400, "the body must be a JSON object")
         stream = body.get("stream") is True
         user = body.get("user") if isinstance(body.get("user"), str) else None
+        session_header = headers.get("x-session-id")
+        self.sessions.check_header(session_header)
+        session, digested = None, False  # a vLLM replica's session hint, once needed
         tokens = None
         if cfg.policy in _KEYED:
             # A short prompt is keyed here (a thread hop costs more than it); a long one off
@@ -176,11 +183,17 @@ class KVHeatRouter:
                 self._record_decision(span, r, rreq, decision, t_start if attempt == 0 else t0,
                                       t1, attempt)
                 tried.add(r.name)
-                content = body_bytes
-                if r.spec.kind == "vllm" and tenant is not None:
-                    content = msgspec.json.encode({**body, "cache_salt": self.keys.salt(tenant)})
+                content, to = body_bytes, headers
+                if r.spec.kind == "vllm":
+                    if not digested:
+                        session = self.sessions.session_of(session_header, user, tenant)
+                        digested = True
+                    content = vllm_body(body, body_bytes, self.keys.salt(tenant)
+                                        if tenant is not None else None, session)
+                    if session_header is not None:  # vLLM ignores it: the digest is enough
+                        to = {k: v for k, v in headers.items() if k != "x-session-id"}
                 status = await self.forwarder.forward(send, receive, r, rreq, decision,
-                                                      _PATHS[endpoint], headers, content,
+                                                      _PATHS[endpoint], to, content,
                                                       stream, span)
                 if status is not None:
                     return status

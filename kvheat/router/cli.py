@@ -60,6 +60,10 @@ from .policy import ROUTING_POLICIES
 @click.option("--events-secret", default=None,
               help="The replicas' KV events secret (at least 16 bytes); default: the "
                    "--config file's kv_events_secret, else $KVHEAT_EVENTS_SECRET.")
+@click.option("--session-secret", envvar="KVHEAT_ROUTER_SESSION_SECRET", default=None,
+              help="Keys the session digests vLLM replicas get in kv_transfer_params (at "
+                   "least 16 bytes; routers in front of the same replicas: one); default: "
+                   "a key drawn at start.")
 @click.option("--events-grace", "events_grace_s", type=click.FloatRange(0, 3600, min_open=True),
               default=30.0, show_default=True,
               help="Seconds after a replica's first request by which its KV events must "
@@ -79,8 +83,8 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                   shard_choices: int, ghost_factor: float,
                   admin_token: str | None, replica_admin_token: str | None,
                   otlp_endpoint: str | None, events_secret: str | None,
-                  events_grace_s: float, require_events: bool, no_net_signals: bool,
-                  log_level: str) -> None:
+                  session_secret: str | None, events_grace_s: float, require_events: bool,
+                  no_net_signals: bool, log_level: str) -> None:
     """Route OpenAI requests to replicas by a global prefix index fed by their KV events."""
     import uvicorn
 
@@ -113,6 +117,7 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                            shard_choices=shard_choices, ghost_factor=ghost_factor,
                            admin_token=admin_token, replica_admin_token=replica_admin_token,
                            otlp_endpoint=otlp_endpoint, events_secret=events_secret,
+                           session_secret=session_secret,
                            events_grace_s=events_grace_s, require_events=require_events,
                            net_signals=not no_net_signals)
     except RouterConfigError as e:

@@ -120,6 +120,10 @@ class RouterConfig:
     # Per-upstream kernel TCP signals in /metrics (kvheat/server/netsignals.py).
     net_signals: bool = True
     net_signals_ebpf: bool = True  # with net_signals: retransmits from eBPF too, where it runs
+    # Keys the session digests vLLM replicas get in `kv_transfer_params` (hints.py; at
+    # least 16 bytes): routers in front of the same replicas, one. None: a key drawn at
+    # start (a router restart then starts every session afresh).
+    session_secret: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, error=RouterConfigError)
@@ -139,6 +143,7 @@ class RouterConfig:
         if self.discover is not None and not re.fullmatch(r"[^\s:]+:[0-9]+", self.discover):
             raise RouterConfigError(f"discover must be host:port, not {self.discover!r}")
         check_secret(self.events_secret, "events_secret", RouterConfigError)
+        check_secret(self.session_secret, "session_secret", RouterConfigError)
         if not 0 < self.events_grace_s <= 3600:
             raise RouterConfigError("events_grace_s must be in (0, 3600]")
         urls = [r.url for r in self.replicas]

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from ..cache.hints import Outcome, check_reason, check_session
+from ..cache.node import Node
+from ..cache.policy import EvictionPolicy
 from .cost import LoadCost, PrefillSpeed
 from .counters import TierCounters
 from .demotion import Demoter
@@ -323,6 +326,45 @@ class TierClient:
                 c.decisions_load += 1
             c.recompute_chosen_blocks += plan.found_blocks - n_load
             c.recompute_chosen_tokens += plan.found_tokens - sum(s.tokens for s in plan.steps)
+
+    # ---- request hints (kvheat/cache/hints.py) ----------------------------------------------
+    def begin(self, session: str) -> None:
+        """A request of `session` starts: each tier's policy hears it (`on_session`) before
+        the request's loads and saves, as the device cache tells its own policy."""
+        if not isinstance(check_session(session), str):
+            raise ValueError("begin needs a session")
+        low = self.lower
+        with low.lock:
+            now = low.clock()
+            for idx in low.indexes:
+                idx.policy.on_session(session, now)
+
+    def finish(self, keys: Sequence[bytes], session: str | None,
+               outcome: Outcome | str = Outcome.FINISHED, reason: str | None = None) -> int:
+        """A request whose blocks are `keys` (prefix order) ended: each tier's policy hears
+        how (`on_finish`, with the request's entries it holds) and re-files those entries
+        as the device cache re-files a request's blocks at its end (acquired before, then
+        released tail-first). A policy that takes no finish hint is left untouched: its
+        order is exactly as without the call. Returns the entries the policies were told of."""
+        outcome = Outcome.parse(outcome)
+        reason = check_reason(reason)
+        check_session(session)
+        low = self.lower
+        told = 0
+        with low.lock:
+            now = low.clock()
+            for idx in low.indexes:
+                pol = idx.policy
+                if type(pol).on_finish is EvictionPolicy.on_finish:
+                    continue  # no use for it: no re-filing either (LRU would move them)
+                entries: list[Node] = [e for k in keys if (e := idx.get(k)) is not None]
+                free = [e for e in entries if e.ref_cnt == 0]  # a pinned one: at its unpin
+                pol.on_acquire_all(free)
+                pol.on_finish(entries, session, outcome, reason, now)
+                free.reverse()
+                pol.on_release_all(free, now)
+                told += len(entries)
+        return told
 
     # ---- introspection and lifecycle ------------------------------------------------------
     def entries(self) -> list[tuple[str, bytes, bytes | None, int]]:
