@@ -139,11 +139,6 @@ def test_a_vllm_body_carries_the_session_beside_the_clients_params() -> None:
         SESSION_PARAM: "s"}
 
 
-def test_the_session_param_is_the_one_vllm_adapters_read() -> None:
-    chunk = pytest.importorskip("kvheat.integrations.vllm_chunk")
-    assert SESSION_PARAM == chunk.SESSION_PARAM
-
-
 def test_session_digests_are_keyed_by_tenant_and_secret_and_check_the_header() -> None:
     a = SessionHints({}, "s" * 16)
     b = SessionHints({}, "s" * 16)

@@ -37,8 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from bench._lib.models import save_tiny_model  # noqa: E402
 from bench._lib.peers import vllm_env  # noqa: E402
 from bench._lib.procs import Redis, free_port, stop, wait_ready  # noqa: E402
+from kvheat.cache.hints import SESSION_PARAM  # noqa: E402
 from kvheat.integrations.vllm_blocks import VLLMDeviceBlocks  # noqa: E402
-from kvheat.integrations.vllm_chunk import SESSION_PARAM  # noqa: E402
 from kvheat.integrations.vllm_connector import ConnectorConfig, TierMirror  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,6 +17,22 @@ defaults) no hint hook is called and every policy decides exactly as before.
 from __future__ import annotations
 
 import enum
+import hashlib
+
+# The key of vLLM's `kv_transfer_params` that carries a request's session to kvheat's
+# vLLM policies (the offload adapter, KVHeatConnector); `kvheat route` puts it there.
+SESSION_PARAM = "kvheat_session"
+
+
+def session_digest(key: bytes, kind: str, *parts: str) -> str:
+    """A session as a policy may hold it: `kind:` and a keyed BLAKE2b digest of `parts`
+    (length-prefixed: no two part lists collide). Keyed by a secret the client does not
+    know, so an id seen in a log or a metric says nothing of the prompt it came from."""
+    h = hashlib.blake2b(key=key, digest_size=16)
+    for part in parts:
+        b = part.encode("utf-8", "surrogatepass")
+        h.update(len(b).to_bytes(8, "little") + b)
+    return kind + ":" + h.hexdigest()
 
 
 class Outcome(enum.Enum):

@@ -16,13 +16,12 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.request import Request, RequestStatus
 
-from ..cache.hints import Outcome, check_reason
+from ..cache.hints import SESSION_PARAM, Outcome, check_reason
 from ..cache.node import Node, PolicyRecord
 from ..heat.penalties import EXTENSION, FRESH
 
 # Where a vLLM request names its session: a key of its `kv_transfer_params` (the OpenAI
 # body's field, passed through by vLLM), or an action of its `kv_hints` envelope.
-SESSION_PARAM = "kvheat_session"
 SESSION_ACTION = "kvheat.session"
 MAX_SESSION_CHARS = 256
 

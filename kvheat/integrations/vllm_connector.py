@@ -42,7 +42,6 @@ session that was not cancelled sends nothing, so without hints every decision is
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -75,7 +74,7 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..cache.hashing import chain_key, root_key, tenant_salt
-from ..cache.hints import Outcome
+from ..cache.hints import Outcome, session_digest
 from ..cache.policy import policy_names
 from ..checks import check_value, parse_size
 from ..kvevents.schema import tier_place
@@ -557,11 +556,8 @@ class KVHeatConnector(KVConnectorBase_V1):
         """`session` keyed by this scheduler's secret, the tenant's salt and vLLM's cache
         salt (as kvheat's server keys its sessions: tenants naming the same session get
         different ones), so the client's string goes no further than here."""
-        h = hashlib.blake2b(key=self._session_key, digest_size=16)
-        for part in (t.salt or "", t.request.cache_salt or "", session):
-            b = part.encode("utf-8", "surrogatepass")
-            h.update(len(b).to_bytes(8, "little") + b)  # length-prefixed: no ambiguity
-        return "vllm:" + h.hexdigest()
+        return session_digest(self._session_key, "vllm", t.salt or "",
+                              t.request.cache_salt or "", session)
 
     def _salt(self, request: Request) -> tuple[str | None, bool]:
         params = request.kv_transfer_params

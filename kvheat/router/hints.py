@@ -18,13 +18,10 @@ from typing import Any
 
 import msgspec
 
+from ..cache.hints import SESSION_PARAM
 from ..server.errors import ApiError
 from ..server.sessions import SessionIds, check_session_header
 from .proxy import RouterError
-
-# The key of `kv_transfer_params` that KVHeatConnector and kvheat's vLLM offload policy
-# read (kvheat.integrations.vllm_chunk.SESSION_PARAM; a test checks they are one).
-SESSION_PARAM = "kvheat_session"
 
 
 class SessionHints:

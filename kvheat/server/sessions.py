@@ -13,13 +13,13 @@ from. Session ids appear in no response, metric, span or log.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 from collections.abc import Mapping, Sequence
 
 from ..cache.hashing import tenant_salt
+from ..cache.hints import session_digest
 from .errors import ApiError
 from .protocol import ChatMessage
 
@@ -71,8 +71,4 @@ class SessionIds:
 
     def _digest(self, kind: str, value: str, tenant: str | None) -> str:
         salt = tenant_salt(tenant, self.share_groups) or ""
-        h = hashlib.blake2b(key=self._key, digest_size=16)
-        for part in (salt, kind, value):
-            b = part.encode("utf-8", "surrogatepass")
-            h.update(len(b).to_bytes(8, "little") + b)  # length-prefixed: no ambiguity
-        return kind + ":" + h.hexdigest()
+        return session_digest(self._key, kind, salt, kind, value)
