@@ -71,12 +71,18 @@ class KVHeat(EvictionPolicy):
             raise ValueError("half_life must be positive (block accesses)")
         if reuse_mult <= 0:
             raise ValueError("reuse_mult must be positive")
+        if admit_floor is not None and not 0 <= admit_floor <= admit_penalty:
+            raise ValueError("admit_floor must be within 0..admit_penalty half-lives (or None)")
         self.heap = BlockHeap(self.key)
         # until bound (the cache's size) and then measured, unless fixed
         self.clock = HeatClock(half_life if half_life is not None else 1024.0, max_count,
                                self.heap.rekey)
         self.penalties = Penalties(tail_penalty, admit_penalty, pin_bonus, extension_penalty,
                                    adapt_extension, penalty_fade, admit_now)
+        # The admission penalty above `admit_floor` half-lives fades with the eviction age
+        # as the extension penalty does (None: all of it stays on). `admit_now`,
+        # `regime_warmup` and `admit_floor=1.6` with `admit_penalty=3.2` are the "robust"
+        # variant of docs/heat.md ("Against LRU-K: the regime's warm-up"), off by default.
         if admit_floor is not None:
             self.penalties.admit_fade, self.penalties.admit_floor = True, admit_floor
         # The workload's reuse gap, measured on a sample of keys unless `half_life` fixes
@@ -494,8 +500,9 @@ class KVHeat(EvictionPolicy):
         out = {"half_life_accesses": self.clock.half_life, "ghost_hits": self.ghost_hits,
                "admit_penalty": pen.admit_penalty, "evict_age": self.evict_age,
                "extension_penalty": pen.extension_penalty,
-               "retunes": self.clock.retunes, "reuse_mult": fb.reuse_mult,
-               "regime_rekeys": fb.regime_rekeys}
+               "retunes": self.clock.retunes, "reuse_mult": fb.reuse_mult}
+        if fb.regime_rekeys:  # (admit_now: regime changes that re-keyed the heap)
+            out["regime_rekeys"] = fb.regime_rekeys
         if self.gaps.estimate is not None:
             out["reuse_gap_accesses"] = self.gaps.estimate
         if fb.tracker is not None:
