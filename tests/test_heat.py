@@ -490,10 +490,12 @@ def test_kvheat_equal_keys_leave_tail_first_and_a_colder_newcomer_cuts_in() -> N
 
 
 # ---- scale-free: the traffic rate changes nothing ----------------------------------------
-def _scaled_eviction_log(policy: str, trace, scale: float, capacity_blocks: int) -> list[bytes]:
+def _scaled_eviction_log(policy: str, trace, scale: float, capacity_blocks: int,
+                         **options: object) -> list[bytes]:
     """Evicted keys, in order, replaying `trace` with every timestamp multiplied by `scale`."""
     now = [0.0]
-    mgr = KVCacheManager(CacheConfig(capacity_blocks, 512), make_policy(policy), clock=lambda: now[0])
+    mgr = KVCacheManager(CacheConfig(capacity_blocks, 512), make_policy(policy, **options),
+                         clock=lambda: now[0])
     evicted: list[bytes] = []
     mgr.evict_listeners.append(lambda b: evicted.append(b.key))
     for i, r in enumerate(trace):
@@ -520,6 +522,17 @@ def test_kvheat_makes_the_same_evictions_at_every_traffic_rate(seed: int, j: int
     scaled = _scaled_eviction_log("kvheat", trace, 2.0 ** j, capacity)
     assert len(base) > 0
     assert scaled == base
+
+
+@pytest.mark.parametrize("j", [-5, 3])
+def test_kvheat_robust_variant_makes_the_same_evictions_at_every_traffic_rate(j: int) -> None:
+    # The warm-up reading counts samples (accesses), not seconds: still scale-free.
+    robust = {"admit_now": True, "regime_warmup": True, "admit_penalty": 3.2, "admit_floor": 1.6}
+    cfg = WorkloadConfig(num_conversations=120, seed=3, think_time_s=60.0, single_turn_frac=0.4)
+    trace = generate_workload(cfg)
+    base = _scaled_eviction_log("kvheat", trace, 1.0, 64, **robust)
+    assert len(base) > 0
+    assert _scaled_eviction_log("kvheat", trace, 2.0 ** j, 64, **robust) == base
 
 
 def test_reuse_gap_estimator_finds_the_period() -> None:
