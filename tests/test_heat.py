@@ -115,6 +115,53 @@ def test_lruk_history_and_regime() -> None:
     assert [r.classify(b) for b in (0.5, 4.0, 9.0)] == ["low", "mid", "high"]
 
 
+def test_regime_reads_a_warm_up_of_distinct_keys_as_high() -> None:
+    r = Regime()
+    # 150 samples can show at most log2(150) = 7.23 bits: all distinct is already high
+    assert r.classify(7.2, samples=150) == "high"
+    # repeated keys read well below their sample count's log2: the tiers as before
+    assert r.classify(3.0, samples=1000) == "mid"
+    assert r.classify(0.5, samples=1000) == "low"
+    assert r.classify(9.0, samples=1000) == "high"
+    tr = EntropyTracker(half_life=1e9)  # no decay to speak of: samples = updates
+    for k in range(200):
+        tr.update(k)
+    assert tr.samples() == pytest.approx(200, rel=1e-6)
+    assert tr.bits() == pytest.approx(math.log2(200), rel=1e-6)
+    assert r.classify(tr.bits(), tr.samples()) == "high"
+    assert r.classify(tr.bits()) == "mid"  # without the sample count, a mid reading
+
+
+def test_admit_now_charges_every_first_seen_block_by_the_current_regime() -> None:
+    from kvheat.heat.penalties import ONE_OFF, Penalties
+
+    pen = Penalties(6.67, 3.2, 4.0, 2.67, True, 2.0, admit_now=True)
+    assert not pen.follow_regime("mid")  # nothing to re-key: the flag was never charged
+    assert pen.new_flags == ONE_OFF and pen.flag[ONE_OFF] == 1.0
+    assert pen.follow_regime("high")  # every cached one-off's factor changed
+    assert pen.flag[ONE_OFF] == pytest.approx(2.0 ** -3.2)
+    assert not pen.follow_regime("high")
+    assert pen.follow_regime("mid") and pen.flag[ONE_OFF] == 1.0
+    old = Penalties(6.67, 3.2, 4.0, 2.67, True, 2.0)  # flags by the regime at insert
+    old.follow_regime("mid")
+    assert old.new_flags == 0 and old.flag[ONE_OFF] == pytest.approx(2.0 ** -3.2)
+
+
+def test_admission_penalty_above_its_floor_fades_with_the_eviction_age() -> None:
+    from kvheat.heat.penalties import Penalties
+
+    pen = Penalties(6.67, 3.2, 4.0, 2.67, True, 2.0)
+    pen.admit_fade, pen.admit_floor = True, 1.6
+    pen.update(gap=100.0, evictions=0, evict_age=0.0)
+    assert pen.admit_penalty == 0.0  # nothing evicted: nothing charged
+    pen.update(gap=100.0, evictions=10, evict_age=0.0)
+    assert pen.admit_penalty == pytest.approx(3.2)  # a short-lived cache: in full
+    pen.update(gap=100.0, evictions=10, evict_age=100.0)
+    assert pen.admit_penalty == pytest.approx(2.4)  # one reuse gap of two
+    pen.update(gap=100.0, evictions=10, evict_age=500.0)
+    assert pen.admit_penalty == pytest.approx(1.6)  # the floor stays
+
+
 # ---- tuning and drift ------------------------------------------------------------------
 def test_online_tuner_climbs_towards_the_better_value() -> None:
     # Hit probability peaks at value = 50; start far below it.
@@ -282,18 +329,28 @@ def test_kvheat_learns_extension_penalty_from_reuse() -> None:
 
 
 def test_kvheat_admission_penalty_stays_on_in_a_long_lived_cache() -> None:
-    # The extension penalty fades as the eviction age reaches penalty_fade reuse gaps; the
-    # admission penalty stays in full once the cache has evicted (none before).
-    pol = KVHeat(adapt_extension=False)
+    # The extension penalty fades as the eviction age reaches penalty_fade reuse gaps; with
+    # admit_floor the admission penalty fades down to it, the floor staying in full once
+    # the cache has evicted (none before); admit_floor=None (the default) keeps all of it on.
+    pol = KVHeat(adapt_extension=False, admit_penalty=3.2, admit_floor=1.6)
     pol.bind(100)
     pen = pol.penalties
     pen.update(10.0, 0, 0.0)
     assert pen.admit_penalty == 0.0 and pen.extension_penalty == 0.0  # nothing evicted yet
-    for age, ext in ((0.0, pen.max_extension_penalty), (10.0, pen.max_extension_penalty / 2),
-                     (1e6, 0.0)):
+    top, floor = pen.max_admit_penalty, pen.admit_floor
+    assert top == 3.2 and floor == 1.6
+    for age, ext, admit in ((0.0, pen.max_extension_penalty, top),
+                            (10.0, pen.max_extension_penalty / 2, (top + floor) / 2),
+                            (1e6, 0.0, floor)):
         pen.update(10.0, 50, age)
-        assert pen.admit_penalty == pen.max_admit_penalty
+        assert abs(pen.admit_penalty - admit) < 1e-9
         assert abs(pen.extension_penalty - ext) < 1e-9
+    with pytest.raises(ValueError, match="admit_floor"):
+        KVHeat(admit_floor=2.0)  # above the (default 1.6) admission penalty
+    kept = KVHeat(adapt_extension=False)
+    kept.bind(100)
+    kept.penalties.update(10.0, 50, 1e6)
+    assert kept.penalties.admit_penalty == kept.penalties.max_admit_penalty
 
 
 def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
@@ -433,10 +490,12 @@ def test_kvheat_equal_keys_leave_tail_first_and_a_colder_newcomer_cuts_in() -> N
 
 
 # ---- scale-free: the traffic rate changes nothing ----------------------------------------
-def _scaled_eviction_log(policy: str, trace, scale: float, capacity_blocks: int) -> list[bytes]:
+def _scaled_eviction_log(policy: str, trace, scale: float, capacity_blocks: int,
+                         **options: object) -> list[bytes]:
     """Evicted keys, in order, replaying `trace` with every timestamp multiplied by `scale`."""
     now = [0.0]
-    mgr = KVCacheManager(CacheConfig(capacity_blocks, 512), make_policy(policy), clock=lambda: now[0])
+    mgr = KVCacheManager(CacheConfig(capacity_blocks, 512), make_policy(policy, **options),
+                         clock=lambda: now[0])
     evicted: list[bytes] = []
     mgr.evict_listeners.append(lambda b: evicted.append(b.key))
     for i, r in enumerate(trace):
@@ -463,6 +522,17 @@ def test_kvheat_makes_the_same_evictions_at_every_traffic_rate(seed: int, j: int
     scaled = _scaled_eviction_log("kvheat", trace, 2.0 ** j, capacity)
     assert len(base) > 0
     assert scaled == base
+
+
+@pytest.mark.parametrize("j", [-5, 3])
+def test_kvheat_robust_variant_makes_the_same_evictions_at_every_traffic_rate(j: int) -> None:
+    # The warm-up reading counts samples (accesses), not seconds: still scale-free.
+    robust = {"admit_now": True, "regime_warmup": True, "admit_penalty": 3.2, "admit_floor": 1.6}
+    cfg = WorkloadConfig(num_conversations=120, seed=3, think_time_s=60.0, single_turn_frac=0.4)
+    trace = generate_workload(cfg)
+    base = _scaled_eviction_log("kvheat", trace, 1.0, 64, **robust)
+    assert len(base) > 0
+    assert _scaled_eviction_log("kvheat", trace, 2.0 ** j, 64, **robust) == base
 
 
 def test_reuse_gap_estimator_finds_the_period() -> None:

@@ -109,6 +109,22 @@ def trace(name: str) -> PreparedTrace:
     return PreparedTrace(get_trace(name, BLOCK), BLOCK)
 
 
+def split_policies(text: str) -> list[str]:
+    """A comma-separated list of policies, commas inside a variant's brackets kept:
+    `lru,kvheat[a=1,b=2]` -> [`lru`, `kvheat[a=1,b=2]`]."""
+    out: list[str] = []
+    depth, cur = 0, ""
+    for ch in text:
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+            continue
+        depth += (ch == "[") - (ch == "]")
+        cur += ch
+    out.append(cur)
+    return [p for p in out if p]
+
+
 def base_policy(name: str) -> str:
     """`kvheat[session_own=true]` -> `kvheat`."""
     return name.split("[", 1)[0]
@@ -316,7 +332,7 @@ def main() -> None:
     bad = [m for m in modes if m != "plain" and not (m.startswith("hold") and _num(m[4:]))]
     if bad:
         ap.error(f"unknown mode {', '.join(bad)} (plain, hold<time scale>)")
-    policies = ABLATION_REFERENCE + ABLATION if a.ablation else a.policies.split(",")
+    policies = ABLATION_REFERENCE + ABLATION if a.ablation else split_policies(a.policies)
     for p in policies:  # a malformed variant or unknown option fails here, not in a worker
         try:
             spec = policy_spec(p)
@@ -324,7 +340,7 @@ def main() -> None:
                 spec()
         except (TypeError, ValueError) as e:
             ap.error(f"policy {p}: {e}")
-    js = jobs(traces, caps, modes, policies, a.hint_policies.split(","), a.only)
+    js = jobs(traces, caps, modes, policies, split_policies(a.hint_policies), a.only)
     print(f"{len(js)} replays, {a.jobs} worker(s)", flush=True)
     t0 = time.time()
     extra = {"block_tokens": BLOCK, "flag_points": FLAG_POINTS,

@@ -150,6 +150,11 @@ class EntropyTracker:
     def bits(self) -> float:
         return self.entropy() / LN2
 
+    def samples(self) -> float:
+        """The decayed number of accesses recorded (each weighs 1 now): about their count
+        early on, the window's length (half-life / ln 2) in steady state."""
+        return self.U.s / math.exp(self.lam * (self.clock - self.base))
+
     def entropy_from_scratch(self) -> float:
         """The same quantity from all stored weights (O(n), exact sums): the reference."""
         n = len(self.slot)

@@ -31,7 +31,7 @@ class Feedback:
                  gaps: ReuseGapEstimator, half_life: float | None, reuse_mult: float,
                  regime: bool, tune: bool, drift: bool, entropy_half_life: float,
                  entropy_sample: int, drift_window: int, drift_threshold: float,
-                 adapt_mult: bool) -> None:
+                 adapt_mult: bool, regime_warmup: bool = False) -> None:
         self.clock, self.penalties, self.heap, self.gaps = clock, penalties, heap, gaps
         self.capacity = 0
         self.fixed_half_life = half_life
@@ -66,6 +66,10 @@ class Feedback:
         self.detector = (DriftDetector(drift_window, drift_threshold, drift_window // 4)
                          if drift else None)
         self.watch_keys = regime or drift  # the entropy regime / drift watch depth-1 keys
+        self.regime_rekeys = 0
+        # Read the entropy against its sample count (`Regime.classify`): a warm-up whose
+        # keys are nearly all distinct is already high.
+        self.regime_warmup = regime_warmup
         self._set_mode(MID)
 
     def bind(self, capacity_blocks: int, horizon: int) -> None:
@@ -155,7 +159,8 @@ class Feedback:
                         # cluster's reading raises this cache's, never lowers it
                         self.cluster_left -= 1
                         bits = max(bits, self.cluster_bits or 0.0)
-                    mode = self.regime.classify(bits)
+                    mode = self.regime.classify(
+                        bits, self.tracker.samples() if self.regime_warmup else math.inf)
                     if mode != self.mode:
                         self._set_mode(mode)
             if self.detector is not None and self.detector.observe(b.key):
@@ -186,4 +191,6 @@ class Feedback:
 
     def _set_mode(self, mode: str) -> None:
         self.mode = mode
-        self.penalties.follow_regime(mode if self.use_regime else MID)
+        if self.penalties.follow_regime(mode if self.use_regime else MID):
+            self.regime_rekeys += 1
+            self.heap.rekey()

@@ -62,7 +62,8 @@ class KVHeat(EvictionPolicy):
                  penalty_fade: float = 2.0, adapt_mult: bool = True,
                  session_hints: str = "horizon", session_rate: bool = True,
                  session_own: bool = False,
-                 queue_hints: bool = True) -> None:
+                 queue_hints: bool = True, admit_now: bool = False,
+                 regime_warmup: bool = False, admit_floor: float | None = None) -> None:
         super().__init__()
         if entropy_sample < 1:
             raise ValueError("entropy_sample must be >= 1")
@@ -70,12 +71,20 @@ class KVHeat(EvictionPolicy):
             raise ValueError("half_life must be positive (block accesses)")
         if reuse_mult <= 0:
             raise ValueError("reuse_mult must be positive")
+        if admit_floor is not None and not 0 <= admit_floor <= admit_penalty:
+            raise ValueError("admit_floor must be within 0..admit_penalty half-lives (or None)")
         self.heap = BlockHeap(self.key)
         # until bound (the cache's size) and then measured, unless fixed
         self.clock = HeatClock(half_life if half_life is not None else 1024.0, max_count,
                                self.heap.rekey)
         self.penalties = Penalties(tail_penalty, admit_penalty, pin_bonus, extension_penalty,
-                                   adapt_extension, penalty_fade)
+                                   adapt_extension, penalty_fade, admit_now)
+        # The admission penalty above `admit_floor` half-lives fades with the eviction age
+        # as the extension penalty does (None: all of it stays on). `admit_now`,
+        # `regime_warmup` and `admit_floor=1.6` with `admit_penalty=3.2` are the "robust"
+        # variant of docs/heat.md ("Against LRU-K: the regime's warm-up"), off by default.
+        if admit_floor is not None:
+            self.penalties.admit_fade, self.penalties.admit_floor = True, admit_floor
         # The workload's reuse gap, measured on a sample of keys unless `half_life` fixes
         # the half-life (then nothing is sampled and the estimate stays None).
         self.gaps = ReuseGapEstimator(quantile=reuse_quantile)
@@ -83,7 +92,7 @@ class KVHeat(EvictionPolicy):
         self.feedback = Feedback(
             self.clock, self.penalties, self.heap, self.gaps, half_life, reuse_mult, regime,
             tune, drift, entropy_half_life, entropy_sample, drift_window, drift_threshold,
-            adapt_mult and half_life is None and not tune)
+            adapt_mult and half_life is None and not tune, regime_warmup)
         self.evict_age = 0.0  # mean age at eviction since last access, accesses (EWMA)
         self.evictions = 0
         self.ghost_mult = ghost
@@ -492,6 +501,8 @@ class KVHeat(EvictionPolicy):
                "admit_penalty": pen.admit_penalty, "evict_age": self.evict_age,
                "extension_penalty": pen.extension_penalty,
                "retunes": self.clock.retunes, "reuse_mult": fb.reuse_mult}
+        if fb.regime_rekeys:  # (admit_now: regime changes that re-keyed the heap)
+            out["regime_rekeys"] = fb.regime_rekeys
         if self.gaps.estimate is not None:
             out["reuse_gap_accesses"] = self.gaps.estimate
         if fb.tracker is not None:

@@ -12,6 +12,11 @@ The extension penalty fades as the cache's eviction age reaches `fade` reuse gap
 cache that holds most suffix reuses anyway loses by demoting them); the admission penalty
 does not: a long-lived cache still has to choose between one-offs and the rest, which is
 where ARC's scan resistance beat it. Neither applies before the first eviction.
+Options, off by default (docs/heat.md, "Against LRU-K: the regime's warm-up"): with
+`admit_now` every first-seen block carries ONE_OFF (every root PINNED) and the regime of
+the moment decides the charge, so a block first seen during the entropy's warm-up is
+charged like the rest; with `admit_fade` the admission penalty above `admit_floor` fades
+as the extension penalty does.
 docs/heat.md has the measurements behind each default.
 """
 
@@ -33,7 +38,8 @@ class Penalties:
     `tail` for a block shorter than `block_size`), and what sets them."""
 
     def __init__(self, tail_penalty: float, admit_penalty: float, pin_bonus: float,
-                 extension_penalty: float, adapt_extension: bool, fade: float) -> None:
+                 extension_penalty: float, adapt_extension: bool, fade: float,
+                 admit_now: bool = False) -> None:
         self.tail_penalty = tail_penalty
         self.block_size = 0  # largest block seen: a smaller last block is a partial tail
         self.max_admit_penalty = admit_penalty
@@ -53,6 +59,14 @@ class Penalties:
         # The flags the regime gives: every new block's, and whether roots are pinned.
         self.new_flags = 0
         self.pin_roots = False
+        # With `admit_now` every first-seen block is flagged ONE_OFF and the regime of the
+        # moment decides whether the flag is charged (`admitting`); else only blocks
+        # first seen while the regime is high carry the flag, always charged.
+        self.admit_now = admit_now
+        self.admitting = not admit_now
+        self.pinning = not admit_now  # (likewise every root flagged PINNED)
+        self.admit_fade = False
+        self.admit_floor = 0.0
         self.tail = 1.0
         self.flag: list[float] = []
         # Per session-end class, the age it charges, in reuse gaps (SessionBook); the
@@ -67,9 +81,9 @@ class Penalties:
         f = []
         for st in range(FLAG_BITS):
             s = 0.0
-            if st & PINNED:
+            if st & PINNED and self.pinning:
                 s += self.pin_bonus
-            if st & ONE_OFF:
+            if st & ONE_OFF and self.admitting:
                 s -= self.admit_penalty
             if st & EXTENSION:
                 s -= self.extension_penalty
@@ -82,10 +96,21 @@ class Penalties:
             rows.append(f if k == 1.0 else [x * k for x in f])
         self.flag = [x for row in rows for x in row] if len(rows) > 1 else f
 
-    def follow_regime(self, mode: str) -> None:
-        """The entropy regime's flags: one-offs charged when high, roots pinned when low."""
-        self.new_flags = ONE_OFF if mode == HIGH else 0
-        self.pin_roots = mode == LOW
+    def follow_regime(self, mode: str) -> bool:
+        """The entropy regime's flags: one-offs charged when high, roots pinned when low.
+        True when the factors of blocks already cached changed (the heap needs a re-key)."""
+        if not self.admit_now:
+            self.pin_roots = mode == LOW
+            self.new_flags = ONE_OFF if mode == HIGH else 0
+            return False
+        self.pin_roots = True
+        self.new_flags = ONE_OFF
+        admitting, pinning = mode == HIGH, mode == LOW
+        if admitting == self.admitting and pinning == self.pinning:
+            return False
+        self.admitting, self.pinning = admitting, pinning
+        self.factors()
+        return True
 
     def update(self, gap: float | None, evictions: int, evict_age: float) -> None:
         """Every 64 first-seen inserts: the extension penalty ∝ how much rarer extension
@@ -103,7 +128,11 @@ class Penalties:
             fade = 0.0  # nothing evicted yet: every reuse so far was held
         elif gap and self.fade < math.inf:
             fade = max(0.0, 1.0 - evict_age / (gap * self.fade))
-        self.admit_penalty = self.max_admit_penalty if evictions else 0.0
+        if self.admit_fade:  # the part above `admit_floor` fades like the extension's
+            lo = min(self.admit_floor, self.max_admit_penalty)
+            self.admit_penalty = (lo + (self.max_admit_penalty - lo) * fade) if evictions else 0.0
+        else:
+            self.admit_penalty = self.max_admit_penalty if evictions else 0.0
         if self.adapt_extension:
             self.extension_penalty = self.max_extension_penalty * min(1.0, max(0.0, 1.0 - ratio)) * fade
         else:
