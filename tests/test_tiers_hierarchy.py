@@ -213,6 +213,28 @@ def test_decision_picks_the_profitable_prefix(tmp_path: Path) -> None:
     assert tc.counters.remeasure_loads == 1 and len(disk.read_model.samples) == 2
 
 
+def test_a_memory_tier_judged_slow_is_remeasured_on_its_whole_run(tmp_path: Path) -> None:
+    """A host fit spoilt by a slow spell: after `remeasure_s` without a read, the next plan
+    loads its whole host run (samples of the sizes loads read), the disk still one block."""
+    tc, pool = build("gqa", None, tmp_path, async_io=False, prefill_tokens_per_s=1000.0)
+    bb = tc.block_bytes
+    host, disk = tc.tiers
+    for st in (host, disk):
+        st.read_model.reset()
+        st.read_model.record(bb, 1.0)  # 1 s a block: far slower than 16 ms recompute
+    eng = Engine(tc, pool)
+    ps = prompts(6, 4)
+    for p in ps:
+        eng.run(p)
+    tc.cost.remeasure_s = 0.0
+    assert eng.run(ps[2]) == 2 * BS  # [host, host, disk, disk]: the host run, no disk
+    assert tc.counters.remeasure_loads == 1 and len(host.read_model.samples) == 2
+    assert host.read_model.samples[-1][0] == 2 * bb  # one call for both blocks
+    assert eng.run(ps[0]) == BS  # all on disk: one block
+    assert tc.counters.remeasure_loads == 2
+    tc.close()
+
+
 def test_read_models_price_the_reads_loads_make(tmp_path: Path) -> None:
     """The host tier is read in one batched call per load: its fitted latency is paid
     once per load, not per block (disk: once per block). Calibration reads it that way,

@@ -40,9 +40,11 @@ if not __package__:  # run as `python bench/tiers/replay.py`: import from the re
 
 from bench._lib import RESULTS, TRACES
 from kvheat.cache import CacheConfig, KVCacheManager, make_policy
+from kvheat.cache.request import Request
 from kvheat.engine.kv_pool import DeviceKVPool
 from kvheat.replay.traces import load_trace
 from kvheat.tiers import DiskStore, HostStore, TieredCache, TierSpec
+from kvheat.tiers.loads import LoadPlan
 
 torch.set_num_threads(1)
 BLOCK = 512
@@ -102,6 +104,18 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
         wrong = 0
         parent_of: dict[bytes, bytes | None] = {}  # the trace's own prefix tree
         samples: list[int] = []
+        computed_tokens = 0
+        load_s = [0.0]
+        promoter_load = tc.promoter.load
+
+        def timed_load(req: Request, plan: LoadPlan) -> int:  # the loads' wall time
+            t = time.perf_counter()
+            try:
+                return promoter_load(req, plan)
+            finally:
+                load_s[0] += time.perf_counter() - t
+
+        tc.promoter.load = timed_load  # type: ignore[method-assign]
         t0 = time.perf_counter()
         for i, r in enumerate(trace):
             now[0] = r.timestamp_ms / 1000.0
@@ -115,6 +129,7 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
                 samples.append(sum(unreachable(tc, parent_of)))
             tc.allocate(req)
             cached = req.num_cached_tokens
+            computed_tokens += sum(req.block_tokens) - cached
             done = 0
             for b, key, n in zip(req.blocks, req.keys, req.block_tokens, strict=True):
                 want = kv_of(key, shape, bb)
@@ -159,6 +174,10 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
         "load_failed": c.load_failed, "wrong_kv_blocks": wrong,
         "demotions": c.demotions, "demote_dropped": c.demote_dropped,
         "dropped_bottom": c.dropped_bottom, "fits": fits, "wall_s": wall,
+        # What the hits are for: time to the first token. The loads' measured wall time
+        # plus the prompt tokens left to compute at --prefill-tps.
+        "load_s": load_s[0], "computed_tokens": computed_tokens,
+        "prefill_s": load_s[0] + computed_tokens / prefill_tps if prefill_tps else None,
         # What load-or-recompute compares, per block, at the end of the run.
         "block_read_us": {name: block_read_us(d) for name, d in tiers.items()},  # type: ignore[arg-type]
         "block_recompute_us": BLOCK / prefill_tps * 1e6 if prefill_tps else None,
@@ -181,7 +200,8 @@ def summary(rows: list[dict]) -> list[dict]:
     for (policy, tps, mac), rs in groups.items():
         d: dict[str, object] = {"policy": policy, "prefill_tps": tps, "mac": mac,
                                 "repeats": len(rs)}
-        for k in ("total_hit_rate", "device_hit_rate", "host_hit_rate", "disk_hit_rate"):
+        for k in ("total_hit_rate", "device_hit_rate", "host_hit_rate", "disk_hit_rate",
+                  "prefill_s"):
             xs = [r[k] for r in rs]
             d[k] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
         for tier in rs[0]["block_read_us"]:
@@ -248,13 +268,16 @@ def main() -> None:
                           f"{r['decisions_partial']}/{r['decisions_recompute']}  "
                           f"wrong KV {r['wrong_kv_blocks']}  block read us: {reads}  "
                           f"unreachable end {r['unreachable_end']}  load {load:.1f}  "
+                          f"prefill {r['prefill_s']:.3f}s (loads {r['load_s']:.3f}s)  "
                           f"{r['wall_s']:.0f}s", flush=True)
                     write(args.json, trace, rows)  # after every run: a long run stopped keeps its rows
     summ = write(args.json, trace, rows)
     for d in summ:
         t = d["total_hit_rate"]
+        p = d["prefill_s"]
         print(f"{d['policy']:7s} {d['prefill_tps']:>9.0f} tok/s  {d['mac']:7s}  total "
-              f"{t['median']:6.2%} ({t['min']:.2%}-{t['max']:.2%}) over {d['repeats']}")  # type: ignore[index]
+              f"{t['median']:6.2%} ({t['min']:.2%}-{t['max']:.2%})  prefill "  # type: ignore[index]
+              f"{p['median']:.3f}s ({p['min']:.3f}-{p['max']:.3f}) over {d['repeats']}")  # type: ignore[index]
     print(f"wrote {args.json}")
 
 

@@ -1,7 +1,8 @@
 """Load or recompute: per tier, seconds = latency + bytes / bandwidth fitted from measured
 transfers (`store.TransferModel`); recompute seconds = tokens / the engine's measured
 prefill speed. The longest prefix with the largest saving is loaded; a tier slower than
-recompute is never used, except for one block now and then to measure it again."""
+recompute is never used, except now and then to measure it again (one block; a memory
+tier's whole leading run)."""
 
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ class LoadCost:
         per_tier = [0] * len(self.stores)
         tokens = 0
         best_k, best_gain, best = 0, 0.0, (0.0, 0.0)
-        first = best
+        points: list[tuple[float, float]] = []  # (load, recompute) of each prefix
         slow = False
         for k, s in enumerate(plan.steps, 1):
             per_tier[s.tier] += 1
@@ -132,16 +133,24 @@ class LoadCost:
                     est = self.estimate_load_s(t, n)
                     load += est if est is not None else 0.0
             recompute = tokens / speed
-            if k == 1:
-                first = (load, recompute)
+            points.append((load, recompute))
             if recompute - load > best_gain:
                 best_k, best_gain, best = k, recompute - load, (load, recompute)
         if wait and best_k < len(plan.steps) and self._decide_no_wait(plan, speed) > best_k:
             self.counters.backlog_recomputes += 1
         if best_k == 0 and plan.steps:
-            model = self.stores[plan.steps[0].tier].read_model
-            if not wait and time.monotonic() - model.last_at > self.remeasure_s:
-                best_k, best = 1, first
+            tier = plan.steps[0].tier
+            st = self.stores[tier]
+            if not wait and time.monotonic() - st.read_model.last_at > self.remeasure_s:
+                # One block, or a memory tier's whole leading run: a read of memory is
+                # never far slower than its estimate, and a batched tier's fit needs
+                # samples of the sizes loads read (one block alone only measures the
+                # latency, so a fit spoilt by a slow spell could never recover).
+                n = 1
+                if st.inline:
+                    while n < len(plan.steps) and plan.steps[n].tier == tier:
+                        n += 1
+                best_k, best = n, points[n - 1]
                 self.counters.remeasure_loads += 1
         plan.est_load_s, plan.est_recompute_s = best
         return best_k
