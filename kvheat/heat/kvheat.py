@@ -285,7 +285,7 @@ class KVHeat(EvictionPolicy):
             if self.session_hints == "off":
                 return
             book = self._sessions()
-        if book.came_back(session, float(self.clock.accesses)):
+        if book.came_back(session, self.clock.accesses):  # (an int: exact, as a float)
             self._session_charges()
 
     def _session_charges(self) -> None:
@@ -317,10 +317,12 @@ class KVHeat(EvictionPolicy):
             if self.session_hints == "off":
                 return
             book = self._sessions()
-        c = book.class_of(outcome, reason)
+        c = book.finished.get(reason) if outcome is Outcome.FINISHED else None
+        if c is None:
+            c = book.class_of(outcome, reason)
         own = 1.0
         if session is not None:
-            if book.ended_now(session, float(self.clock.accesses), c):
+            if book.ended_now(session, self.clock.accesses, c):
                 self._session_charges()
             if self.session_own and book.reasons:
                 # the pace within finish classes, once the caller passes finish reasons
