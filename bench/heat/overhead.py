@@ -24,6 +24,7 @@ replay without. Traces: those of bench/heat/sessions.py (`conv`, `synth`, `agent
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -68,6 +69,10 @@ def measure(trace_name: str, policy: str, capacity_tokens: int) -> dict[str, flo
     divided by the request's block accesses (its `progress` callback closes each one)."""
     hints = policy.endswith("+hints")
     pt = trace(trace_name)
+    # The policy replayed before this one is garbage in reference cycles (a heap's key is
+    # its policy's bound method): collected now, not by a full collection inside this
+    # one's timed hooks (which charged it to the policy that ran next).
+    gc.collect()
     pol = make_policy(policy.removesuffix("+hints"))
     acc = [0]
     calls = [0]
