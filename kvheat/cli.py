@@ -152,6 +152,10 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--hints/--no-hints", default=True, show_default=True,
               help="Pass each request's session and finish reason to the cache (when the "
                    "trace has them); --no-hints replays the prompts alone.")
+@click.option("--lookahead", type=click.IntRange(min=0, max=1_000_000), default=0,
+              show_default=True,
+              help="Queue the next N requests while each is served (the queued-blocks hint, "
+                   "as a server's waiting queue); 0 queues none.")
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="Simulate a cluster: N caches of CAPACITY each behind each --router.")
 @click.option("--router", "routers", default="rr,least-load,prefix-hash,sglang-like,kvheat",
@@ -172,7 +176,7 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
            prefill_tps: float, decode_tps: float, overload_guard: bool, group: int | None,
            session_offset_s: float, session_span_s: float | None, seed: int,
            session_names: str | None, max_sessions: int | None, copies: int,
-           subagents: bool, hints: bool) -> None:
+           subagents: bool, hints: bool, lookahead: int) -> None:
     """Replay TRACE (a Mooncake JSONL file, vLLM's KV events or request log, or 'builtin'
     for the generator) through the cache, or with --replicas through a cluster of caches
     behind each routing policy.
@@ -220,8 +224,9 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
                                 ("--overload-guard", "overload_guard")) if _given(ctx, n)]
         if extra:
             raise click.UsageError(f"{', '.join(extra)}: only with --replicas (a cluster)")
-    elif hold:
-        raise click.UsageError("--hold is not modelled with --replicas")
+    elif hold or lookahead:
+        raise click.UsageError(f"{'--hold' if hold else '--lookahead'} is not modelled with "
+                               "--replicas")
     if trace == "builtin" and fmt != "auto":
         raise click.BadParameter("the built-in workload has no file format", param_hint="--format")
     if policies is None:
@@ -287,7 +292,7 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
             for p in pols:
                 prog.update(task, description=f"{p} @ {c:,} tokens")
                 results.append(run_replay(pt, p, c, block_tokens, hold=hold, time_scale=time_scale,
-                                          hints=hints))
+                                          hints=hints, lookahead=lookahead))
                 prog.advance(task, len(reqs))
     summary = summarize(name, block_tokens, pt.infinite_hit_rate(), results)
     print_table(summary)

@@ -111,6 +111,8 @@ class KVHeat(EvictionPolicy):
         self.session_rate = session_rate
         self.session_own = session_own
         self.book: SessionBook | None = None  # made at the first session hint
+        self.session_charge: list[float] = []  # per end class, once the book is made
+        self.classed = False  # blocks carry end classes (`_classes_on`)
         self.queue_hints = queue_hints
         self.queued: dict[bytes, int] = {}  # keys queued requests need -> how many
         self.queued_by: dict[str, Sequence[bytes]] = {}
@@ -204,7 +206,7 @@ class KVHeat(EvictionPolicy):
             st = 0
         if pen.pin_roots and b.depth == 0:
             st |= PINNED
-        if self.book is not None and type(r) is HeatRecord:
+        if self.classed and type(r) is HeatRecord:
             r.owner = None  # a new key: no session has used it yet
         r.gen = clock.gen
         r.last = clock.v
@@ -260,56 +262,76 @@ class KVHeat(EvictionPolicy):
             r.last = clock.v
 
     # -- hints (kvheat/cache/hints.py, kvheat/heat/sessions.py) ------------------------
+    # Each hook runs once per request, so its cost is per request, not per block (a short
+    # request pays it over few blocks): a session hint alone is a dict pop, an end of one
+    # class (sessions without finish reasons) a dict update, and the per-block work (the
+    # class bits, the owner, a flag table with a row per class) starts at the first end
+    # of a second class (`_classes_on`).
     def _sessions(self) -> SessionBook:
         book = self.book
         if book is None:
-            book = self.book = SessionBook(use_rate=self.session_rate)
-            pen = self.penalties
-            # a row of the flag table per class, charging nothing until a class is learned
-            # (copied, not recomputed: a session without ends changes no decision)
-            pen.session = [0.0] * MAX_CLASSES
-            pen.flag = pen.flag[:FLAG_BITS] * MAX_CLASSES
+            book = self.book = SessionBook(use_rate=self.session_rate,
+                                           track_own=self.session_own)
+            # per class, the age it charges (`Penalties.session` once classes are on)
+            self.session_charge = [0.0] * MAX_CLASSES
         return book
 
+    def _classes_on(self) -> None:
+        """Blocks start carrying end classes: the flag table gets its row per class (from
+        the charges learned so far; the base row is what it was: `factors` is a function
+        of the penalties' state alone), and a new key's owner is reset from now on
+        (`on_insert`; no owner was set before)."""
+        self.classed = True
+        pen = self.penalties
+        pen.session = self.session_charge
+        pen.factors()
+
     def on_session(self, session: str, now: float) -> None:
-        if self.session_hints == "off":
-            return
         # (the clock is not advanced here: the accesses so far are the time, and a session
         # hint alone, without ends, changes no decision)
-        book = self._sessions()
-        if book.came_back(session, float(self.clock.accesses)):
+        book = self.book
+        if book is None:
+            if self.session_hints == "off":
+                return
+            book = self._sessions()
+        if book.came_back(session, self.clock.accesses):  # (an int: exact, as a float)
             self._session_charges()
 
     def _session_charges(self) -> None:
-        book, pen = self._sessions(), self.penalties
+        book = self._sessions()
+        charge = self.session_charge
         if self.session_hints == "horizon":
             book.horizon = self.evict_age if self.evictions else None
             if book.horizon is None:
                 return
             book._charges()
-            pen.session[:] = book.charge
+            charge[:] = book.charge
         elif self.session_hints == "linear":
             gap = self.gaps.estimate or self.clock.half_life
             ref = book.gaps[0].median
             for c in range(1, MAX_CLASSES):
                 m = book.gaps[c].median
-                pen.session[c] = 0.0 if m is None or ref is None else (2.0 ** m - 2.0 ** ref) / gap
+                charge[c] = 0.0 if m is None or ref is None else (2.0 ** m - 2.0 ** ref) / gap
         else:
-            pen.session[:] = book.charge
-        pen.factors()
+            charge[:] = book.charge
+        if self.classed:  # (before, no block has a class: the rows are read by none)
+            self.penalties.factors()
 
     def on_finish(self, blocks: Sequence[Node], session: str | None, outcome: Outcome,
                   reason: str | None, now: float) -> None:
         """The request's end class goes on its blocks (the flags' class bits), which the
         release that follows pushes at their charged key."""
-        if self.session_hints == "off":
-            return
-        clock = self.clock
-        book = self._sessions()
-        c = book.class_of(outcome, reason)
+        book = self.book
+        if book is None:
+            if self.session_hints == "off":
+                return
+            book = self._sessions()
+        c = book.finished.get(reason) if outcome is Outcome.FINISHED else None
+        if c is None:
+            c = book.class_of(outcome, reason)
         own = 1.0
         if session is not None:
-            if book.ended_now(session, float(clock.accesses), c):
+            if book.ended_now(session, self.clock.accesses, c):
                 self._session_charges()
             if self.session_own and book.reasons:
                 # the pace within finish classes, once the caller passes finish reasons
@@ -320,24 +342,34 @@ class KVHeat(EvictionPolicy):
             # One class alone is charged exactly 0 (sessions without finish reasons): the
             # blocks keep no class (their hits and inserts cleared it), at no cost per block.
             return
+        if not self.classed:
+            self._classes_on()
         bits = c << CLASS_SHIFT
         keep = ~((MAX_CLASSES - 1) << CLASS_SHIFT)
-        for b in blocks:
-            r = cast("HeatFields | None", b.rec)
-            if b.key is None or r is None:
+        paced = self.session_own  # (else every `own` is 1.0, as each record's)
+        for b in blocks:  # every block of the request: the loop is kept lean
+            r = b.rec
+            if r is None or b.key is None:
                 continue
-            if type(r) is HeatRecord:  # (a vLLM offload chunk is its own record)
+            if type(r) is HeatRecord:
                 owner = r.owner
                 if owner is not session and session is not None:
                     if owner is None:
-                        r.owner = owner = session
-                    elif owner is not SHARED and owner != session:
-                        r.owner = owner = SHARED
-                if owner is SHARED:  # a prefix other sessions use too: no one's end
+                        r.owner = session
+                    elif owner is SHARED or owner != session:
+                        # a prefix other sessions use too: no one's end
+                        r.owner = SHARED
+                        r.flags &= keep
+                        continue
+                elif owner is SHARED:  # (no session: only the shared are told apart)
                     r.flags &= keep
                     continue
-                r.own = own
-            r.flags = (r.flags & keep) | bits
+                if paced:
+                    r.own = own
+                r.flags = (r.flags & keep) | bits
+            else:  # a vLLM offload chunk is its own record: no owner, no pace
+                f = cast(HeatFields, r)
+                f.flags = (f.flags & keep) | bits
 
     def on_queue(self, request_id: str, keys: Sequence[bytes], session: str | None) -> None:
         if not self.queue_hints:
@@ -360,7 +392,9 @@ class KVHeat(EvictionPolicy):
                 del q[k]
         if self.held:  # victims kept back for a queued request: back in the heap
             held, self.held = self.held, []
-            back = [b for b in held if b.key is not None and b.heap_ver != b.heap_ver]
+            # those still cached and out of the heap (`BlockHeap.pop` set their heap_ver to
+            # NaN; a release since pushed them back in, with a live one)
+            back = [b for b in held if b.key is not None and math.isnan(b.heap_ver)]
             if back:
                 self.heap.push(back)
 

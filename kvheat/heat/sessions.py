@@ -57,10 +57,17 @@ class GapHistogram:
         self.smoothing = smoothing
         self.median: float | None = None  # log2 of the median gap; None until known
 
+    def bin_of(self, gap: float) -> int:
+        """The bin of a gap (> 0)."""
+        return min(len(self.hist) - 1, max(0, int(math.log2(gap) * self.bpo))) if gap >= 1 else 0
+
     def add(self, gap: float) -> bool:
         """One gap (> 0); True when the median was recomputed (every `window` gaps, and at
         the first `window // 4`, so a class is charged early)."""
-        i = min(len(self.hist) - 1, max(0, int(math.log2(gap) * self.bpo))) if gap >= 1 else 0
+        return self.add_bin(self.bin_of(gap))
+
+    def add_bin(self, i: int) -> bool:
+        """`add` of a gap already binned (`bin_of`: histograms of one shape share it)."""
         self.hist[i] += 1.0
         self.total += 1.0
         self.pending += 1
@@ -101,8 +108,13 @@ class SessionBook:
     """Per session: virtual time and class of its last request's end (two generations of
     dicts, bounded like the ghost history); per class: its return gaps; the charges."""
 
-    def __init__(self, max_sessions: int = 1 << 16, use_rate: bool = True) -> None:
+    def __init__(self, max_sessions: int = 1 << 16, use_rate: bool = True,
+                 track_own: bool = True) -> None:
         self.classes: dict[tuple[Outcome, str | None], int] = {}
+        # The same classes by finish reason, one dict per outcome, the finished one at hand:
+        # the per-request lookup hashes a string, not an enum member (a Python call).
+        self.by_reason: dict[Outcome, dict[str | None, int]] = {o: {} for o in Outcome}
+        self.finished = self.by_reason[Outcome.FINISHED]
         self.gaps = [GapHistogram() for _ in range(MAX_CLASSES)]  # [0]: every class pooled
         self.charge = [0.0] * MAX_CLASSES  # reuse gaps of age, per class (0: none)
         # session -> (virtual time its last request ended, class, own residual, samples)
@@ -123,41 +135,53 @@ class SessionBook:
         self.back = [0.0] * MAX_CLASSES
         self.n_ends = 0
         self.use_rate = use_rate
+        # The session's own pace (`own`, `live`, the residuals) is kept only for a caller
+        # that reads it (KVHeat's session_own): it changes no charge.
+        self.track_own = track_own
 
     def class_of(self, outcome: Outcome, reason: str | None) -> int:
         """The class of a request's end (1..MAX_CLASSES-1; the last one takes every class
         beyond the first ones seen)."""
-        if reason is not None:
-            self.reasons = True
-        c = self.classes.get((outcome, reason))
+        by_reason = self.finished if outcome is Outcome.FINISHED else self.by_reason[outcome]
+        c = by_reason.get(reason)
         if c is None:
+            if reason is not None:
+                self.reasons = True
             c = min(len(self.classes) + 1, MAX_CLASSES - 1)
-            self.classes[(outcome, reason)] = c
+            self.classes[(outcome, reason)] = by_reason[reason] = c
         return c
 
     def came_back(self, session: str, v: float) -> bool:
         """`session` sends a request at virtual time `v`: one gap sample of the class its
         last request ended in. True when the charges changed."""
+        # (runs at every request of a session: kept to a dict pop unless it came back)
         last = self.ended.pop(session, None)
         if last is None:
+            if not self.ended_old:
+                return False
             last = self.ended_old.pop(session, None)
             if last is None:
                 return False
         self.returns += 1
         v_end, c, resid, n = last
-        self.back[c] += 1.0
-        self.back[0] += 1.0
+        back = self.back
+        back[c] += 1.0
+        back[0] += 1.0
         gap = v - v_end
-        # The session's own pace: the mean of log2(its gap / its class's median gap) over
-        # its returns, shrunk toward 0 by one pseudo-sample (`ended_now`).
-        m = self.gaps[c].median
-        if m is not None and gap >= 1:
-            n += 1
-            resid += (math.log2(gap) - m - resid) / n
-        if len(self.live) < self.max_sessions:
-            self.live[session] = (resid, n)
-        moved = self.gaps[0].add(gap)
-        moved = self.gaps[c].add(gap) or moved
+        gaps = self.gaps
+        if self.track_own:
+            # The session's own pace: the mean of log2(its gap / its class's median gap)
+            # over its returns, shrunk toward 0 by one pseudo-sample (`ended_now`).
+            m = gaps[c].median
+            if m is not None and gap >= 1:
+                n += 1
+                resid += (math.log2(gap) - m - resid) / n
+            if len(self.live) < self.max_sessions:
+                self.live[session] = (resid, n)
+        pooled = gaps[0]
+        i = pooled.bin_of(gap)
+        moved = pooled.add_bin(i)
+        moved = gaps[c].add_bin(i) or moved
         if moved:
             self._charges()
         return moved
@@ -165,21 +189,26 @@ class SessionBook:
     def ended_now(self, session: str, v: float, c: int) -> bool:
         """`session`'s request ended in class `c` at virtual time `v`; True when the
         charges changed (every 64 ends, as the returns' share moved)."""
-        self.ends[c] += 1.0
-        self.ends[0] += 1.0
-        self.n_ends += 1
+        ends = self.ends
+        ends[c] += 1.0
+        ends[0] += 1.0
+        self.n_ends = n_ends = self.n_ends + 1
         moved = False
-        if self.n_ends % 64 == 0:
+        if not n_ends & 63:  # every 64 ends
             if self.use_rate:
                 self._charges()
                 moved = True
+            back = self.back
             for i in range(MAX_CLASSES):
-                self.ends[i] *= 0.95
-                self.back[i] *= 0.95
-        resid, n = self.live.pop(session, (0.0, 0))
-        self.own = resid * n / (n + 1)
+                ends[i] *= 0.95
+                back[i] *= 0.95
         ended = self.ended
-        ended[session] = (v, c, resid, n)
+        if self.track_own:
+            resid, n = self.live.pop(session, (0.0, 0))
+            self.own = resid * n / (n + 1)
+            ended[session] = (v, c, resid, n)
+        else:
+            ended[session] = (v, c, 0.0, 0)
         if len(ended) >= self.max_sessions:
             self.ended_old, self.ended = ended, {}
         return moved

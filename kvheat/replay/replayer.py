@@ -252,7 +252,8 @@ def _policy(spec: PolicySpec) -> EvictionPolicy:
 def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capacity_tokens: int,
            block_tokens: int = 512, hold: bool = False, prefill_tps: float = 20_000.0,
            decode_tps: float = 50.0, progress: Callable[[int], None] | None = None,
-           time_scale: float = 1.0, hints: bool | None = None) -> ReplayResult:
+           time_scale: float = 1.0, hints: bool | None = None,
+           lookahead: int = 0) -> ReplayResult:
     """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks
     (allocated only up to the trace's `footprint_blocks`: the results are the same).
 
@@ -265,9 +266,15 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
     when it has one, and, with `hold`, a request waiting for room is queued (`kvheat
     replay` does this unless --no-hints). False replays the prompts alone, exactly as
     before hints existed. None (the default here, so every bench replays as it did)
-    passes the trace's own session ids only, as the replayer always did."""
+    passes the trace's own session ids only, as the replayer always did.
+
+    `lookahead` N > 0: the next N requests wait in the cache's queue (`KVCacheManager.queue`,
+    the queued-blocks hint) while each request is served, as a server's waiting queue would
+    hold them; each leaves it when its turn comes (`allocate`). 0 (the default) queues none."""
     if not (time_scale > 0 and math.isfinite(time_scale)):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
+    if type(lookahead) is not int or lookahead < 0:
+        raise ValueError(f"lookahead must be an integer >= 0 (requests), got {lookahead!r}")
     pt = trace if isinstance(trace, PreparedTrace) else PreparedTrace(trace, block_tokens)
     bt = pt.block_tokens
     num_blocks = capacity_tokens // bt
@@ -299,6 +306,12 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
         else:
             mgr.free(req)
 
+    def make(i: int) -> Request:
+        r = reqs[i]
+        session = sessions[i] if sessions is not None else r.session if own_sessions else None
+        return mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant, session)
+
+    ahead: dict[int, Request] = {}  # requests queued by the lookahead, by index
     running: list[tuple[float, int, Request]] = []
     t0 = time.perf_counter()
     for i, r in enumerate(pt.trace):
@@ -307,8 +320,14 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
             while running and running[0][0] <= now[0]:
                 _, j, done = heapq.heappop(running)
                 finish(j, done)
-        session = sessions[i] if sessions is not None else r.session if own_sessions else None
-        req = mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant, session)
+        req = ahead.pop(i, None) if lookahead else None
+        if req is None:
+            req = make(i)
+        for j in range(i + 1, min(i + 1 + lookahead, len(reqs))):
+            if j not in ahead:  # next in line: queued until its turn (a longer one never fits)
+                q = ahead[j] = make(j)
+                if len(q.block_tokens) <= num_blocks:
+                    mgr.queue(q)
         if belady_next is not None and next_use is not None:
             for k, nu in zip(req.keys, belady_next[i]):
                 next_use[k] = nu
