@@ -429,7 +429,8 @@ class KVHeat(EvictionPolicy):
             held = self.held
             while held:
                 h = held.pop(0)
-                if (h.key is not None and h.heap_ver != h.heap_ver and not h.ref_cnt
+                # (popped from the heap, so heap_ver NaN: not pushed back since)
+                if (h.key is not None and math.isnan(h.heap_ver) and not h.ref_cnt
                         and not h.num_children):
                     return h
         return b
