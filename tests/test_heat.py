@@ -331,8 +331,9 @@ def test_kvheat_learns_extension_penalty_from_reuse() -> None:
 def test_kvheat_admission_penalty_stays_on_in_a_long_lived_cache() -> None:
     # The extension penalty fades as the eviction age reaches penalty_fade reuse gaps; with
     # admit_floor the admission penalty fades down to it, the floor staying in full once
-    # the cache has evicted (none before); admit_floor=None (the default) keeps all of it on.
-    pol = KVHeat(adapt_extension=False, admit_penalty=3.2, admit_floor=1.6)
+    # the cache has evicted (none before); admit_floor=None (the previous default), or a floor
+    # at or above the penalty, keeps all of it on. The default is 3.2 fading to 1.6.
+    pol = KVHeat(adapt_extension=False)
     pol.bind(100)
     pen = pol.penalties
     pen.update(10.0, 0, 0.0)
@@ -346,11 +347,12 @@ def test_kvheat_admission_penalty_stays_on_in_a_long_lived_cache() -> None:
         assert abs(pen.admit_penalty - admit) < 1e-9
         assert abs(pen.extension_penalty - ext) < 1e-9
     with pytest.raises(ValueError, match="admit_floor"):
-        KVHeat(admit_floor=2.0)  # above the (default 1.6) admission penalty
-    kept = KVHeat(adapt_extension=False)
-    kept.bind(100)
-    kept.penalties.update(10.0, 50, 1e6)
-    assert kept.penalties.admit_penalty == kept.penalties.max_admit_penalty
+        KVHeat(admit_floor=-0.5)
+    for kept in (KVHeat(adapt_extension=False, admit_penalty=1.6, admit_floor=None),
+                 KVHeat(adapt_extension=False, admit_penalty=0.8)):  # (floor 1.6 above it)
+        kept.bind(100)
+        kept.penalties.update(10.0, 50, 1e6)
+        assert kept.penalties.admit_penalty == kept.penalties.max_admit_penalty
 
 
 def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
