@@ -382,7 +382,7 @@ def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
     mgr.set_cluster_entropy(9.0)
     assert pol.stats()["cluster_entropy_bits"] == 9.0
     last = serve(3)[-1]  # a first-seen block under a depth-1 key: charged now
-    assert pol.mode == "high" and last.rec.flags & ONE_OFF
+    assert pol.mode == "high" and last.rec.flags & ONE_OFF and pol.penalties.admitting
     for _ in range(62):
         serve(3)
     assert pol.mode == "high"
@@ -393,7 +393,8 @@ def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
     assert own > 1.0
     mgr.set_cluster_entropy(0.5)  # lower than its own (a router just started): no effect
     serve(1)
-    assert pol.mode == "mid" and not pol.penalties.pin_roots
+    # (admit_now, the default: every root carries the flag, the regime decides its charge)
+    assert pol.mode == "mid" and not pol.penalties.pinning and not pol.penalties.admitting
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(ValueError):
             pol.set_cluster_entropy(bad)
@@ -765,3 +766,21 @@ def test_kvheat_bulk_hits_count_as_one_at_a_time() -> None:
         [(r.rec.count, r.rec.flags, r.rec.gen, r.rec.last) for r in b2]
     assert (one.clock.accesses, one.half_life, one.tracker.bits()) == \
         (bulk.clock.accesses, bulk.half_life, bulk.tracker.bits())
+
+
+@pytest.mark.parametrize("floor", ["None", "null"])
+def test_kvheat_previous_default_is_one_spelling_away(floor: str) -> None:
+    # The default charges early one-timers like later ones (docs/heat.md, "The regime's
+    # warm-up"); the previous default stays an option line away, in the benches' spelling.
+    from bench.heat.sessions import policy_spec
+
+    now = KVHeat()
+    assert now.penalties.admit_now and now.feedback.regime_warmup
+    assert now.penalties.max_admit_penalty == 3.2 and now.penalties.admit_floor == 1.6
+    spec = policy_spec("kvheat[admit_now=false,regime_warmup=false,admit_penalty=1.6,"
+                       f"admit_floor={floor}]")
+    assert callable(spec)
+    old = spec()
+    assert isinstance(old, KVHeat)
+    assert not old.penalties.admit_now and not old.feedback.regime_warmup
+    assert old.penalties.max_admit_penalty == 1.6 and not old.penalties.admit_fade
