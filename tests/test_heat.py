@@ -331,8 +331,9 @@ def test_kvheat_learns_extension_penalty_from_reuse() -> None:
 def test_kvheat_admission_penalty_stays_on_in_a_long_lived_cache() -> None:
     # The extension penalty fades as the eviction age reaches penalty_fade reuse gaps; with
     # admit_floor the admission penalty fades down to it, the floor staying in full once
-    # the cache has evicted (none before); admit_floor=None (the default) keeps all of it on.
-    pol = KVHeat(adapt_extension=False, admit_penalty=3.2, admit_floor=1.6)
+    # the cache has evicted (none before); admit_floor=None (the previous default), or a floor
+    # at or above the penalty, keeps all of it on. The default is 3.2 fading to 1.6.
+    pol = KVHeat(adapt_extension=False)
     pol.bind(100)
     pen = pol.penalties
     pen.update(10.0, 0, 0.0)
@@ -346,11 +347,12 @@ def test_kvheat_admission_penalty_stays_on_in_a_long_lived_cache() -> None:
         assert abs(pen.admit_penalty - admit) < 1e-9
         assert abs(pen.extension_penalty - ext) < 1e-9
     with pytest.raises(ValueError, match="admit_floor"):
-        KVHeat(admit_floor=2.0)  # above the (default 1.6) admission penalty
-    kept = KVHeat(adapt_extension=False)
-    kept.bind(100)
-    kept.penalties.update(10.0, 50, 1e6)
-    assert kept.penalties.admit_penalty == kept.penalties.max_admit_penalty
+        KVHeat(admit_floor=-0.5)
+    for kept in (KVHeat(adapt_extension=False, admit_penalty=1.6, admit_floor=None),
+                 KVHeat(adapt_extension=False, admit_penalty=0.8)):  # (floor 1.6 above it)
+        kept.bind(100)
+        kept.penalties.update(10.0, 50, 1e6)
+        assert kept.penalties.admit_penalty == kept.penalties.max_admit_penalty
 
 
 def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
@@ -380,7 +382,7 @@ def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
     mgr.set_cluster_entropy(9.0)
     assert pol.stats()["cluster_entropy_bits"] == 9.0
     last = serve(3)[-1]  # a first-seen block under a depth-1 key: charged now
-    assert pol.mode == "high" and last.rec.flags & ONE_OFF
+    assert pol.mode == "high" and last.rec.flags & ONE_OFF and pol.penalties.admitting
     for _ in range(62):
         serve(3)
     assert pol.mode == "high"
@@ -391,7 +393,8 @@ def test_cluster_entropy_sets_the_regime_for_one_window() -> None:
     assert own > 1.0
     mgr.set_cluster_entropy(0.5)  # lower than its own (a router just started): no effect
     serve(1)
-    assert pol.mode == "mid" and not pol.penalties.pin_roots
+    # (admit_now, the default: every root carries the flag, the regime decides its charge)
+    assert pol.mode == "mid" and not pol.penalties.pinning and not pol.penalties.admitting
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(ValueError):
             pol.set_cluster_entropy(bad)
@@ -763,3 +766,21 @@ def test_kvheat_bulk_hits_count_as_one_at_a_time() -> None:
         [(r.rec.count, r.rec.flags, r.rec.gen, r.rec.last) for r in b2]
     assert (one.clock.accesses, one.half_life, one.tracker.bits()) == \
         (bulk.clock.accesses, bulk.half_life, bulk.tracker.bits())
+
+
+@pytest.mark.parametrize("floor", ["None", "null"])
+def test_kvheat_previous_default_is_one_spelling_away(floor: str) -> None:
+    # The default charges early one-timers like later ones (docs/heat.md, "The regime's
+    # warm-up"); the previous default stays an option line away, in the benches' spelling.
+    from bench.heat.sessions import policy_spec
+
+    now = KVHeat()
+    assert now.penalties.admit_now and now.feedback.regime_warmup
+    assert now.penalties.max_admit_penalty == 3.2 and now.penalties.admit_floor == 1.6
+    spec = policy_spec("kvheat[admit_now=false,regime_warmup=false,admit_penalty=1.6,"
+                       f"admit_floor={floor}]")
+    assert callable(spec)
+    old = spec()
+    assert isinstance(old, KVHeat)
+    assert not old.penalties.admit_now and not old.feedback.regime_warmup
+    assert old.penalties.max_admit_penalty == 1.6 and not old.penalties.admit_fade

@@ -290,7 +290,11 @@ def test_hold_keeps_a_loaded_chunk_until_its_request_ends(monkeypatch) -> None:
             assert all(pol.get(k).parked is None and pol.get(k).heap_ver == pol.get(k).heap_ver
                        for k in cold)
             assert pol.fallbacks == 0
-    assert kept[False] == set(hot)  # the reuse in flight is lost
+    # The reuse in flight loses its tail, the hot chain its tail too (the cold root outranks
+    # it, pinned): the regime reads low on these few
+    # keys and pins every root by the regime of the moment (admit_now, the default; the
+    # previous default pinned only roots first seen while low, and kept set(hot) here).
+    assert kept[False] == {cold[0], hot[0]}
     assert kept[True] == set(cold)
 
 

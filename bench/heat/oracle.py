@@ -37,7 +37,10 @@ class OracleAdmission(KVHeat):
     needs_future = True
 
     def __init__(self, dead_penalty: float = 16.0) -> None:
-        super().__init__(admit_penalty=dead_penalty, penalty_fade=math.inf)
+        # The bit is charged whatever the regime and from the first request (admit_now off,
+        # no warm-up, no floor: the previous default's admission, as oracle.json measured).
+        super().__init__(admit_penalty=dead_penalty, penalty_fade=math.inf, admit_now=False,
+                         regime_warmup=False, admit_floor=None)
         self.next_use: dict[bytes, float] = {}
 
     def on_insert(self, b: Block, now: float) -> None:

@@ -132,7 +132,8 @@ def base_policy(name: str) -> str:
 
 def policy_spec(name: str) -> PolicySpec:
     """A registered policy name, or `name[option=value,...]`: the policy made with those
-    keyword arguments (values read as JSON, else as text)."""
+    keyword arguments (values read as JSON, `None` as null, else as text): kvheat's previous
+    default is `kvheat[admit_now=false,regime_warmup=false,admit_penalty=1.6,admit_floor=None]`."""
     if "[" not in name:
         return name
     if not name.endswith("]"):
@@ -142,6 +143,9 @@ def policy_spec(name: str) -> PolicySpec:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"bad option {item!r} in {name!r} (use option=value)")
+        if value.strip() == "None":
+            kwargs[key.strip()] = None
+            continue
         try:
             kwargs[key.strip()] = json.loads(value)
         except json.JSONDecodeError:

@@ -54,7 +54,7 @@ class KVHeat(EvictionPolicy):
     # measurements behind each, at every time scale and capacity.
     def __init__(self, half_life: float | None = None, reuse_mult: float = 1.0,
                  reuse_quantile: float = 0.5, ghost: float = 8.0, tail_penalty: float = 6.67,
-                 regime: bool = True, admit_penalty: float = 1.6, pin_bonus: float = 4.0,
+                 regime: bool = True, admit_penalty: float = 3.2, pin_bonus: float = 4.0,
                  tune: bool = False, drift: bool = False, entropy_half_life: float = 1024.0,
                  drift_window: int = 2048, drift_threshold: float = 1.0,
                  extension_penalty: float = 2.67, adapt_extension: bool = True,
@@ -62,8 +62,8 @@ class KVHeat(EvictionPolicy):
                  penalty_fade: float = 2.0, adapt_mult: bool = True,
                  session_hints: str = "horizon", session_rate: bool = True,
                  session_own: bool = False,
-                 queue_hints: bool = True, admit_now: bool = False,
-                 regime_warmup: bool = False, admit_floor: float | None = None) -> None:
+                 queue_hints: bool = True, admit_now: bool = True,
+                 regime_warmup: bool = True, admit_floor: float | None = 1.6) -> None:
         super().__init__()
         if entropy_sample < 1:
             raise ValueError("entropy_sample must be >= 1")
@@ -71,8 +71,10 @@ class KVHeat(EvictionPolicy):
             raise ValueError("half_life must be positive (block accesses)")
         if reuse_mult <= 0:
             raise ValueError("reuse_mult must be positive")
-        if admit_floor is not None and not 0 <= admit_floor <= admit_penalty:
-            raise ValueError("admit_floor must be within 0..admit_penalty half-lives (or None)")
+        # (a floor at or above admit_penalty keeps all of it on, as None does: so
+        # `admit_penalty=0.8` alone is the default with a lighter charge, not an error)
+        if admit_floor is not None and not admit_floor >= 0:
+            raise ValueError(f"admit_floor must be >= 0 half-lives (or None), got {admit_floor!r}")
         self.heap = BlockHeap(self.key)
         # until bound (the cache's size) and then measured, unless fixed
         self.clock = HeatClock(half_life if half_life is not None else 1024.0, max_count,
@@ -81,8 +83,9 @@ class KVHeat(EvictionPolicy):
                                    adapt_extension, penalty_fade, admit_now)
         # The admission penalty above `admit_floor` half-lives fades with the eviction age
         # as the extension penalty does (None: all of it stays on). `admit_now`,
-        # `regime_warmup` and `admit_floor=1.6` with `admit_penalty=3.2` are the "robust"
-        # variant of docs/heat.md ("Against LRU-K: the regime's warm-up"), off by default.
+        # `regime_warmup` and 3.2 fading to 1.6 are docs/heat.md's "The regime's warm-up":
+        # early one-timers charged like later ones. The previous default is
+        # `admit_now=False, regime_warmup=False, admit_penalty=1.6, admit_floor=None`.
         if admit_floor is not None:
             self.penalties.admit_fade, self.penalties.admit_floor = True, admit_floor
         # The workload's reuse gap, measured on a sample of keys unless `half_life` fixes

@@ -12,11 +12,12 @@ The extension penalty fades as the cache's eviction age reaches `fade` reuse gap
 cache that holds most suffix reuses anyway loses by demoting them); the admission penalty
 does not: a long-lived cache still has to choose between one-offs and the rest, which is
 where ARC's scan resistance beat it. Neither applies before the first eviction.
-Options, off by default (docs/heat.md, "Against LRU-K: the regime's warm-up"): with
-`admit_now` every first-seen block carries ONE_OFF (every root PINNED) and the regime of
-the moment decides the charge, so a block first seen during the entropy's warm-up is
-charged like the rest; with `admit_fade` the admission penalty above `admit_floor` fades
-as the extension penalty does.
+KVHeat's defaults (docs/heat.md, "The regime's warm-up"; this class's own keyword
+defaults are KVHeat's previous ones): with `admit_now` every first-seen block carries
+ONE_OFF (every root PINNED) and the regime of the moment decides the charge, so a block
+first seen during the entropy's warm-up is charged like the rest; with `admit_fade` the
+admission penalty above `admit_floor` fades as the extension penalty does (KVHeat: 3.2
+half-lives fading to 1.6).
 docs/heat.md has the measurements behind each default.
 """
 
