@@ -4,6 +4,7 @@ Cluster. Both skip when the binary is missing, and fail under CI (which installs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("KVHEAT_TIER_SECRET", "kvheat-tests-tier-secret")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -38,7 +39,7 @@ class RedisServer:
     def __init__(self, binary: str, workdir: Path) -> None:
         self.binary = binary
         self.workdir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.extra: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -105,7 +106,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def _cluster_port() -> int:
     """A free port whose cluster bus port (+10000) is free too."""
     for _ in range(200):
-        p = _free_port()
+        p = free_port()
         if p + 10000 > 65535:
             continue
         try:
@@ -181,3 +182,26 @@ def wait_for(cond, timeout_s: float = 5.0, poll_s: float = 0.01) -> bool:
             return True
         time.sleep(poll_s)
     return cond()
+
+
+@contextlib.contextmanager
+def vllm_events_index(kv) -> Iterator[tuple]:
+    """vLLM's own `ZmqEventPublisher` (module `kv`: vllm.distributed.kv_events) feeding a
+    router `PrefixIndex` through a subscriber of replica "v" (vLLM's foreign hashes), synced
+    and joined: yields (publisher, index)."""
+    from kvheat.kvevents import KVEventSubscriber
+    from kvheat.router.index import PrefixIndex
+
+    port, rport = free_port(), free_port()
+    pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}")
+    ix = PrefixIndex()
+    ix.add_replica("v", foreign_hashes=True)
+    sub = KVEventSubscriber("v", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}",
+                            ix.apply, ix.clear_replica)
+    try:
+        assert sub.wait_synced(10)
+        time.sleep(0.5)  # the SUB socket joins before the first batch
+        yield pub, ix
+    finally:
+        sub.close()
+        pub.shutdown()

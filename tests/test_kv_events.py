@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 import zmq
-from conftest import wait_for
+from conftest import vllm_events_index, wait_for
 from test_tiers_hierarchy import build, make_pool, prompts
 
 from kvheat.cache import CacheConfig, KVCacheManager, OutOfBlocks
@@ -305,19 +305,9 @@ def test_vllms_own_publisher_feeds_the_router_index() -> None:
     kvheat computes for that tenant's tokens (vLLM's hashes are its own)."""
     kv = pytest.importorskip("vllm.distributed.kv_events")
     from kvheat.cache.hashing import block_keys, root_key
-    from kvheat.router.index import PrefixIndex
 
-    port, rport = _free_port(), _free_port()
-    pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}",
-                               replay_endpoint=f"tcp://*:{rport}")
-    ix = PrefixIndex()
-    ix.add_replica("v", foreign_hashes=True)
-    sub = KVEventSubscriber("v", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}",
-                            ix.apply, ix.clear_replica)
-    try:
-        assert sub.wait_synced(10)
+    with vllm_events_index(kv) as (pub, ix):
         toks = list(range(100, 164))
-        time.sleep(0.5)  # the SUB socket joins before the first batch
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[
             kv.BlockStored(block_hashes=[b"h1", b"h2"], parent_block_hash=None,
                            token_ids=toks[:32], block_size=16, lora_id=None, medium="GPU",
@@ -330,14 +320,3 @@ def test_vllms_own_publisher_feeds_the_router_index() -> None:
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[
             kv.BlockRemoved(block_hashes=[b"h3"], medium="GPU")]))
         assert wait_for(lambda: ix.match(want, [16] * 4, ["v"])[0].device_blocks == 2)
-    finally:
-        sub.close()
-        pub.shutdown()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

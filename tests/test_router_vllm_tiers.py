@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import wait_for
+from conftest import vllm_events_index, wait_for
 
 from kvheat.cache.hashing import block_keys, root_key
-from kvheat.kvevents import BlockRemoved, BlockStored, KVEventBatch, KVEventSubscriber
+from kvheat.kvevents import BlockRemoved, BlockStored, KVEventBatch
 from kvheat.kvevents.schema import tier_place
 from kvheat.router.index import PrefixIndex
 from kvheat.router.policy import KVHeatRouting, KVHeatRoutingConfig, ReplicaState, RouteRequest
@@ -107,22 +107,7 @@ def test_connector_events_reach_the_index_through_vllms_own_publisher() -> None:
     batch: its pool's stores, then the connector's tier events, as the scheduler joins
     them (`kv_cache_manager.take_events()` + `connector.take_events()`)."""
     kv = pytest.importorskip("vllm.distributed.kv_events")
-    import socket
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    port, rport = free_port(), free_port()
-    pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}")
-    ix = PrefixIndex()
-    ix.add_replica("v", foreign_hashes=True)
-    sub = KVEventSubscriber("v", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}",
-                            ix.apply, ix.clear_replica)
-    try:
-        assert sub.wait_synced(10)
-        time.sleep(0.5)  # the SUB socket joins before the first batch
+    with vllm_events_index(kv) as (pub, ix):
         medium, locality, ownership = tier_place("host")
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[
             kv.BlockStored(block_hashes=[b"h1", b"h2"], parent_block_hash=None,
@@ -139,6 +124,3 @@ def test_connector_events_reach_the_index_through_vllms_own_publisher() -> None:
         assert wait_for(lambda: ix.match(ks, [BS] * 2, ["v"])[0].local_blocks == 1)
         m = ix.match(ks, [BS] * 2, ["v"])[0]
         assert (m.device_blocks, m.local_blocks) == (1, 1)
-    finally:
-        sub.close()
-        pub.shutdown()

@@ -48,6 +48,26 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str = "the cond
 
 
 # ---- servers ---------------------------------------------------------------------------------
+def wait_router_healthy(base: str, replicas: int, timeout_s: float = 60) -> None:
+    """Wait until `kvheat route` at `base` has every one of `replicas` in rotation (healthy,
+    its events subscribed)."""
+    def healthy() -> int:
+        try:
+            return int(httpx.get(base + "/health", timeout=2).json().get("healthy_replicas", 0))
+        except (httpx.HTTPError, ValueError):
+            return 0
+    wait_until(lambda: healthy() == replicas, timeout_s, "every replica healthy")
+
+
+def smg_command(smg: str, kind: str, port: int, urls: list[str]) -> list[str]:
+    """sglang-router's `smg launch` in front of `urls`: round robin for kind "rr", else its
+    cache-aware policy."""
+    policy = "round_robin" if kind == "rr" else "cache_aware"
+    return [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+            "--policy", policy, "--health-check-interval-secs", "1",
+            "--prometheus-port", str(free_port()), "--log-level", "warn"]
+
+
 def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 120,
                log: Path | None = None) -> None:
     """Until `url`/health answers 200; fails at once when `proc` exits (with the end of

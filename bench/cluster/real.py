@@ -57,7 +57,15 @@ from bench._lib.load import (
     served,
 )
 from bench._lib.models import save_llama
-from bench._lib.procs import RedisCluster, cpu_seconds, free_port, stop, wait_ready, wait_until
+from bench._lib.procs import (
+    RedisCluster,
+    cpu_seconds,
+    free_port,
+    smg_command,
+    stop,
+    wait_ready,
+    wait_router_healthy,
+)
 from bench._lib.report import Round, markdown, max_over_mean, pct, plot, print_table, summarize
 
 MODEL = "cluster-llama"
@@ -175,10 +183,7 @@ def start_router(kind: str, port: int, replicas: list[Replica], args: argparse.N
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                    KVHEAT_REPLICA_ADMIN_TOKEN=REPLICA_ADMIN, KVHEAT_EVENTS_SECRET=SECRET)
     else:
-        policy = "round_robin" if kind == "rr" else "cache_aware"
-        cmd = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-               *urls, "--policy", policy, "--health-check-interval-secs", "1",
-               "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        cmd = smg_command(args.smg, kind, port, urls)
         env = dict(os.environ)
     return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
 
@@ -229,8 +234,7 @@ class Bench:
             print((self.log / f"router-{kind}.log").read_text()[-3000:], file=sys.stderr)
             raise
         if kind.startswith("kvheat"):  # every replica in rotation and subscribed
-            wait_until(lambda: _healthy_count(base) == len(self.replicas), 60,
-                       "every replica healthy")
+            wait_router_healthy(base, len(self.replicas))
         time.sleep(1.0)
         return proc, base
 
@@ -362,13 +366,6 @@ class Bench:
         for r in self.replicas:
             stop(r.proc)
         self.redis.stop()
-
-
-def _healthy_count(base: str) -> int:
-    try:
-        return int(httpx.get(base + "/health", timeout=2).json().get("healthy_replicas", 0))
-    except (httpx.HTTPError, ValueError):
-        return 0
 
 
 def main() -> int:

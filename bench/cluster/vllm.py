@@ -61,7 +61,7 @@ from bench._lib.load import (
 )
 from bench._lib.models import save_wide_model
 from bench._lib.peers import check_quiet, find_vllm_python, spread, vllm_env
-from bench._lib.procs import Redis, free_port, stop, wait_ready, wait_until
+from bench._lib.procs import Redis, free_port, smg_command, stop, wait_ready, wait_router_healthy
 from bench._lib.report import Round, markdown, max_over_mean, pct, print_table, summarize
 from bench.vllm.connector import BLOCK, CONNECTOR_MODULE, SECRET, Shape, sessions
 
@@ -138,11 +138,7 @@ def start_router(kind: str, port: int, replicas: list[Replica], a: argparse.Name
             cmd += ["--replica", r.spec]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     else:
-        policy = "round_robin" if kind == "rr" else "cache_aware"
-        cmd = [a.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-               *[r.url for r in replicas], "--policy", policy,
-               "--health-check-interval-secs", "1", "--prometheus-port", str(free_port()),
-               "--log-level", "warn"]
+        cmd = smg_command(a.smg, kind, port, [r.url for r in replicas])
         env = dict(os.environ)
     return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
 
@@ -203,7 +199,7 @@ class Bench:
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, proc, 120, log)
         if kind == "kvheat":  # every replica in rotation and its events subscribed
-            wait_until(lambda: _healthy(base) == len(self.replicas), 60, "replicas healthy")
+            wait_router_healthy(base, len(self.replicas))
         time.sleep(1.0)
         return proc, base
 
@@ -246,13 +242,6 @@ class Bench:
             stop(r.proc)
         if self.redis is not None:
             self.redis.kill()
-
-
-def _healthy(base: str) -> int:
-    try:
-        return int(httpx.get(base + "/health", timeout=2).json().get("healthy_replicas", 0))
-    except (httpx.HTTPError, ValueError):
-        return 0
 
 
 def main() -> int:
