@@ -4,13 +4,16 @@ layouts, namespaces, integrity checks and restarts."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from kvheat.engine.kv_pool import DeviceKVPool
-from kvheat.tiers import DiskStore, HostStore, codec
+from kvheat.tiers import DiskStore, HostStore, codec, side_check
+from kvheat.tiers import host as host_module
 from kvheat.tiers.codec import (
     BLAKE2B_VERSION,
     BLAKE3_VERSION,
@@ -271,6 +274,53 @@ def test_host_batches_match_single_calls_and_leave_failed_outputs_unserved() -> 
     assert host.stats.corrupt_checksum == 2 and not host.contains(key(3))
     with pytest.raises(ValueError, match="output tensors"):
         host.get_many([key(0)], outs=[])
+    # A batch checks its outputs as single calls do: a wrong dtype or shape is the caller's
+    # ValueError, a strided output of the right shape is filled (copied, not moved by
+    # address), and so is a strided single get.
+    good = torch.empty_like(pool.read_block(0))
+    for wrong in (good.float(), good.reshape(-1), good[:1]):
+        with pytest.raises(ValueError, match="out has"):
+            host.get_many([key(0), key(1)], outs=[good, wrong])
+    wide = torch.zeros((*good.shape, 2), dtype=good.dtype)
+    strided = wide[..., 1]
+    assert not strided.is_contiguous()
+    got = host.get_many([key(0), key(1)], outs=[good, strided])
+    assert same_bytes(got[0], pool.read_block(0)) and same_bytes(got[1], pool.read_block(1))
+    assert host.get(key(2), out=wide[..., 0]) is not None
+    assert same_bytes(wide[..., 0], pool.read_block(2))
+
+
+def test_host_large_reads_are_checked_beside_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads of 512 KiB and more are hashed on the side thread while they are copied: a
+    corrupt slot is still a counted miss, in a batch and alone, and the rest is served."""
+    checker = side_check.SideChecker(cpus=lambda: 2)
+    monkeypatch.setattr(host_module, "CHECKER", checker)
+    blocks = [torch.randn(128 << 10).half() for _ in range(4)]  # 256 KiB each
+    host = HostStore(4 * blocks[0].nbytes, blocks[0].nbytes)
+    for i, b in enumerate(blocks):
+        assert host.put(key(i), b)
+    assert checker.worth_it(4 * blocks[0].nbytes) and not checker.worth_it(blocks[0].nbytes)
+    host.pool[host.entries[key(2)], 7] ^= 0x10
+    outs = [torch.empty_like(b) for b in blocks]
+    got = host.get_many([key(i) for i in range(4)], outs=outs)
+    assert [t is None for t in got] == [False, False, True, False]
+    assert all(torch.equal(outs[i], blocks[i]) for i in (0, 1, 3))
+    assert host.stats.corrupt_checksum == 1 and not host.contains(key(2))
+    assert any(t.name == "kvheat-side-check" for t in threading.enumerate())
+    # One large block alone goes the same way.
+    big = torch.randn(512 << 10).half()  # 1 MiB
+    alone = HostStore(big.nbytes, big.nbytes)
+    assert alone.put(key(9), big)
+    assert torch.equal(alone.get(key(9), out=torch.empty_like(big)), big)
+    alone.pool[0, 3] ^= 0x01
+    assert alone.get(key(9), out=torch.empty_like(big)) is None
+    assert alone.stats.corrupt_checksum == 1
+    # One core: nothing is sent; a check the thread never answers is done inline.
+    assert not side_check.SideChecker(cpus=lambda: 1).worth_it(8 << 20)
+    monkeypatch.setattr(side_check, "_WAIT_S", 0.01)
+    raw = big.numpy().data
+    lost = side_check.SideCheck([raw, raw], [0, xxhash.xxh3_64_intdigest(raw)])
+    assert lost.result() == [0]
 
 
 # ---- NUMA placement -----------------------------------------------------------------------

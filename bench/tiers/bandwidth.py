@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -46,6 +47,7 @@ if not __package__:  # run as `python bench/tiers/bandwidth.py`: import from the
 
 from bench._lib import RESULTS
 from bench._lib.procs import Redis, RedisCluster
+from kvheat.engine.kv_pool import DeviceKVPool
 from kvheat.tiers import DiskStore, HostStore
 from kvheat.tiers.codec import blake3_available
 from kvheat.tiers.redis_store import RedisStore, connect
@@ -201,6 +203,44 @@ def bench_host(block_bytes: int, n_blocks: int, rounds: int, batch: int = 16) ->
     # Cost over the baseline's (target for get: <= 1.2), median and range of the rounds.
     out.update({f"{k}_cost_x": v for k, v in ratios(puts, "plain_put").items()})
     out.update({f"{k}_cost_x": v for k, v in ratios(gets, "plain_get").items()})
+    return out
+
+
+def bench_host_load(layers: int, block_tokens: int, width: int, rounds: int, batch: int = 32,
+                    device_bytes: int = 32 << 20) -> dict:
+    """A load's host read as the engine makes it: `get_many` of `batch` random slots of a
+    host pool twice the device's, into random blocks of a GQA device pool (strided views,
+    K and V apart), both pools larger than the caches, against a plain `copy_` of each
+    slot into the same blocks plus the index lookup. The same random draw for both sides
+    in every round."""
+    probe = DeviceKVPool("gqa", layers, 1, block_tokens, (1, width), torch.float16)
+    n_device = max(batch, device_bytes // probe.bytes_per_block)
+    pool = DeviceKVPool("gqa", layers, n_device, block_tokens, (1, width), torch.float16)
+    bb = pool.bytes_per_block
+    host = HostStore(2 * n_device * bb, bb)
+    keys = [i.to_bytes(16, "little") for i in range(2 * n_device)]
+    for i, k in enumerate(keys):
+        host.put(k, pool.block_view(i % n_device))
+    rows = {k: host._views[s].tensor for k, s in host.entries.items()}  # type: ignore[union-attr]
+    draw = random.Random(0)
+    secs: dict[str, list[float]] = {"plain_get": [], "get_batch": []}
+    for _ in range(rounds):
+        ks = draw.sample(keys, batch)
+        for name in secs:
+            outs = [pool.block_view(b) for b in draw.sample(range(n_device), batch)]
+            t0 = time.perf_counter()
+            if name == "plain_get":
+                for k, o in zip(ks, outs, strict=True):
+                    o.copy_(rows[k])
+            elif any(t is None for t in host.get_many(ks, outs=outs)):
+                raise RuntimeError("host tier lost a block")
+            secs[name].append(time.perf_counter() - t0)
+    out: dict[str, object] = {"block_bytes": bb, "layers": layers, "batch": batch,
+                              "device_blocks": n_device, "host_slots": 2 * n_device,
+                              "rounds": rounds}
+    out.update({f"{k}_us_per_block": statistics.median(v) / batch * 1e6
+                for k, v in secs.items()})
+    out.update({f"{k}_cost_x": v for k, v in ratios(secs, "plain_get").items()})
     return out
 
 
@@ -432,6 +472,18 @@ def main() -> None:
                              f"copy+lookup {h['plain_' + op + '_us_per_block']:.2f} us",
                              rng(h[op + suffix + "_cost_x"]) + "x",  # type: ignore[arg-type]
                              "<=1.2x" if op == "get" else "-"))
+
+    # A load's read, as `TieredCache` makes it: 8 KiB, the replay's one-layer block of 512
+    # tokens; 64 KiB, a 16-token block of 16 layers; 2 MiB, a 512-token block of 16 layers.
+    res["host_load"] = []
+    for layers, tokens, width in ((1, 512, 4), (16, 16, 64), (16, 512, 64)) if "host" in only \
+            else ():
+        h = bench_host_load(layers, tokens, width, 40 * rounds)
+        res["host_load"].append(h)  # type: ignore[union-attr]
+        rows.append((f"host load, {h['block_bytes'] >> 10} KiB blocks, {h['batch']} a call "
+                     "into pool blocks", f"{h['get_batch_us_per_block']:.2f} us",
+                     f"copy+lookup {h['plain_get_us_per_block']:.2f} us",
+                     rng(h["get_batch_cost_x"]) + "x", "<=1.2x"))  # type: ignore[arg-type]
 
     with tempfile.TemporaryDirectory(prefix="kvheat-bench-") as tmp:
         d = bench_disk(2 << 20, 16 if args.quick else 32, rounds, Path(tmp) / "disk") \

@@ -305,11 +305,15 @@ class TierClient:
         if not failed:
             c.est_load_s += plan.est_load_s
             c.est_recompute_saved_s += plan.est_recompute_s
+        if self.move_on_load:  # the blocks now live on the device only
+            for tier in range(len(low.stores)):
+                # (another replica's block stays there for everyone)
+                moved = [s.key for s in done if s.tier == tier and not s.peer]
+                if moved:
+                    low.take_out(tier, moved, plan.salt)
+        # Unpinned after the move: an entry taken out is not handed back to its policy's
+        # eviction order only to be pulled out of it again.
         self.reads.release(steps)
-        if self.move_on_load:
-            for s in done:  # the block now lives on the device only
-                if not s.peer:  # another replica's stays there for everyone
-                    low.take_out(s.tier, s.key, plan.salt)
         return len(done)
 
     def _count_plan(self, plan: LoadPlan) -> None:

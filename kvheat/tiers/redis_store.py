@@ -303,12 +303,18 @@ class RedisStore(KVStore):
         return bool(self._call(lambda: self.client.exists(rk), 0))
 
     def delete(self, key: bytes, salt: str | None = None) -> bool:
-        rk = self.rkey(key, salt)
-        self._forget(rk)
-        n = self._call(lambda: self.client.delete(rk), 0)
-        if n:
-            self.stats.deletes += 1
-        return bool(n)
+        return self.delete_many((key,), salt) == 1
+
+    def delete_many(self, keys: Sequence[bytes], salt: str | None = None) -> int:
+        """One DEL for the batch (a cluster client splits it by slot)."""
+        if not keys:
+            return 0
+        rks = [self.rkey(k, salt) for k in keys]
+        for rk in rks:
+            self._forget(rk)
+        n = self._call(lambda: self.client.delete(*rks), 0)
+        self.stats.deletes += n
+        return int(n)
 
     def stored(self) -> Iterable[tuple[bytes, bytes]]:
         """Entries of this model and layout already in Redis (from another process or an

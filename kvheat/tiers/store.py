@@ -297,6 +297,11 @@ class KVStore:
     def delete(self, key: bytes, salt: str | None = None) -> bool:
         raise NotImplementedError
 
+    def delete_many(self, keys: Sequence[bytes], salt: str | None = None) -> int:
+        """`delete` for each key (stores that can batch override); returns how many were
+        there."""
+        return sum(self.delete(k, salt) for k in keys)
+
     def stored(self) -> Iterable[tuple[bytes, bytes]]:
         """(key, namespace digest) of every stored entry (for rebuilding an index)."""
         raise NotImplementedError
