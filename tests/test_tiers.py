@@ -291,11 +291,11 @@ def test_host_batches_match_single_calls_and_leave_failed_outputs_unserved() -> 
 
 
 def test_host_large_reads_are_checked_beside_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Reads of 512 KiB and more are hashed on the side thread while they are copied: a
+    """Reads of 4 MiB and more are hashed on the side thread while they are copied: a
     corrupt slot is still a counted miss, in a batch and alone, and the rest is served."""
     checker = side_check.SideChecker(cpus=lambda: 2)
     monkeypatch.setattr(host_module, "CHECKER", checker)
-    blocks = [torch.randn(128 << 10).half() for _ in range(4)]  # 256 KiB each
+    blocks = [torch.randn(512 << 10).half() for _ in range(4)]  # 1 MiB each
     host = HostStore(4 * blocks[0].nbytes, blocks[0].nbytes)
     for i, b in enumerate(blocks):
         assert host.put(key(i), b)
@@ -308,7 +308,7 @@ def test_host_large_reads_are_checked_beside_the_copy(monkeypatch: pytest.Monkey
     assert host.stats.corrupt_checksum == 1 and not host.contains(key(2))
     assert any(t.name == "kvheat-side-check" for t in threading.enumerate())
     # One large block alone goes the same way.
-    big = torch.randn(512 << 10).half()  # 1 MiB
+    big = torch.randn(2 << 20).half()  # 4 MiB
     alone = HostStore(big.nbytes, big.nbytes)
     assert alone.put(key(9), big)
     assert torch.equal(alone.get(key(9), out=torch.empty_like(big)), big)

@@ -3,8 +3,8 @@
 A host-tier read is a copy out of a slot and an xxh3 pass over it. From about 1 MiB a copy
 no longer leaves the slot in cache, so the check reads it again: about 20% of the copy.
 xxhash releases the GIL, so on a second core the check runs while the caller copies
-(`bench/tiers/bandwidth.py`, "host load" rows); a handoff costs some 10-20 us, so only
-large reads are sent (`worth_it`). Results are used only after both are done: the caller
+(`bench/tiers/bandwidth.py`, "host load" rows). Waking the thread costs 50-200 us here, as
+much as copying 1-2 MiB, so only reads of several MiB are sent (`worth_it`). Results are used only after both are done: the caller
 holds its store's lock throughout, so the slots cannot change under the check.
 """
 
@@ -18,8 +18,9 @@ from collections.abc import Callable, Sequence
 import xxhash
 
 _hash = xxhash.xxh3_64_intdigest
-# Below this many bytes a handoff to the thread costs more than the check it takes over.
-MIN_BYTES = 512 << 10
+# Below this many bytes the thread's wake-up costs more than the check it takes over (a
+# copy of 4 MiB takes about 400 us here, its check 70 us, a wake-up 50-200 us).
+MIN_BYTES = 4 << 20
 # A check not answered by then (a thread stopped at interpreter exit) is done inline.
 _WAIT_S = 5.0
 
