@@ -2,7 +2,7 @@
 
     python bench/tiers/replay.py [--trace ../shared/traces/mooncake_conversation_part1.jsonl]
         [--policy lru,kvheat] [--prefill-tps 20000,3e6] [--mac blake3,blake2b]
-        [--repeats N] [--limit N] [--json results/tiers/replay.json]
+        [--repeats N] [--limit N] [--json docs/results/tiers/replay_ab.json]
 
 The real `KVCacheManager` runs the device pool (requests built with `make_hashed_request`
 from the trace's 512-token block ids) and a `TieredCache` moves real KV bytes between the
