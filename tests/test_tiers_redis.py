@@ -225,6 +225,10 @@ def test_redis_cluster_round_trip_and_node_loss(redis_cluster) -> None:
     got = st.get_many(keys, salt="tenant:a")
     assert all(same_bytes(g, b) for g, b in zip(got, blocks, strict=True))
     assert st.get(key(3), salt="tenant:b") is None
+    # A batch of deletes over keys on several nodes: one call, split by slot.
+    assert st.delete_many(keys[6:] + [key(99)], salt="tenant:a") == 2
+    assert st.get_many(keys[6:], salt="tenant:a") == [None, None]
+    assert st.put_many(list(zip(keys[6:], blocks[6:], strict=True)), salt="tenant:a") == [True] * 2
     victim = next(n for n in redis_cluster if n.port in nodes_used)
     victim.stop()
     after = st.get_many(keys, salt="tenant:a")  # no exception

@@ -3,9 +3,10 @@
 A host-tier read is a copy out of a slot and an xxh3 pass over it. From about 1 MiB a copy
 no longer leaves the slot in cache, so the check reads it again: about 20% of the copy.
 xxhash releases the GIL, so on a second core the check runs while the caller copies
-(`bench/tiers/bandwidth.py`, "host load" rows). Waking the thread costs 50-200 us here, as
-much as copying 1-2 MiB, so only reads of several MiB are sent (`worth_it`). Results are used only after both are done: the caller
-holds its store's lock throughout, so the slots cannot change under the check.
+(`bench/tiers/bandwidth.py`, host rows of 16 a call). Waking the thread costs 50-200 us
+here, as much as copying 1-2 MiB, so only reads of several MiB are sent (`worth_it`).
+Results are used only after both are done: the caller holds its store's lock throughout,
+so the slots cannot change under the check.
 """
 
 from __future__ import annotations
