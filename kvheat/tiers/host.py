@@ -1,7 +1,7 @@
 """Host tier: a preallocated byte pool cut into fixed, cache-line-aligned slots (pinned when
 CUDA is present, so device<->host copies can run asynchronously), placed on NUMA nodes
-(`numa.py`). Puts and gets are `torch` copies into and out of a slot; nothing is allocated
-per block. Every get re-checks the slot's xxh3-64 checksum taken at put time, so a stray
+(`numa.py`). Puts and gets are copies into and out of a slot (`torch` copies; a memmove by
+address for a small contiguous CPU block); nothing is allocated per block. Every get re-checks the slot's xxh3-64 checksum taken at put time, so a stray
 write into the pool is a counted miss: right after each copy while the slot is in cache,
 or, for reads of 4 MiB and more, on a thread beside the copy (`side_check.py`).
 
