@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: bench test lint install vllm clean
 
-$(STAMP): pyproject.toml
+# setup.py builds the host tier's C kernel (kvheat/tiers/_csrc): an edit there reinstalls.
+$(STAMP): pyproject.toml setup.py $(wildcard kvheat/tiers/_csrc/*.c kvheat/tiers/_csrc/*.h)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"

@@ -205,3 +205,35 @@ def vllm_events_index(kv) -> Iterator[tuple]:
     finally:
         sub.close()
         pub.shutdown()
+
+
+@pytest.fixture(params=["avx2", "portable", "torch"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way the host tier copies and checks a block: the C kernel `_copyhash` with AVX2
+    and without it, or torch and xxhash (a build without the extension)."""
+    return use_copy_path(str(request.param), request, monkeypatch)
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def copy_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each of `_copyhash`'s kernels."""
+    return use_copy_path(str(request.param), request, monkeypatch)
+
+
+def use_copy_path(name: str, request: pytest.FixtureRequest,
+                  monkeypatch: pytest.MonkeyPatch) -> str:
+    from kvheat.tiers import host
+
+    ext = host._copyhash
+    if name == "torch":
+        monkeypatch.setattr(host, "_copyhash", None)
+        return name
+    if ext is None:
+        unavailable("kvheat.tiers._copyhash is not built (setup.py needs a C compiler)")
+    before = ext.kernel()
+    try:
+        ext.use_kernel(name)
+    except ValueError:  # no AVX2 here
+        pytest.skip(f"no {name} kernel on this CPU")
+    request.addfinalizer(lambda: ext.use_kernel(before))
+    return name

@@ -215,7 +215,7 @@ def test_disk_never_serves_planted_values_and_reads_the_old_format(mac: str,
 
 # ---- host ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
-def test_host_round_trip_and_capacity(layout: str) -> None:
+def test_host_round_trip_and_capacity(layout: str, copy_path: str) -> None:
     pool = random_pool(layout, 6)
     host = HostStore(4 * pool.bytes_per_block, pool.bytes_per_block)
     data_ptr = host.pool.data_ptr()
@@ -238,7 +238,7 @@ def test_host_round_trip_and_capacity(layout: str) -> None:
     assert host.get(key(99)) is None and host.stats.misses == 1
 
 
-def test_host_detects_corrupted_slot_and_foreign_namespace() -> None:
+def test_host_detects_corrupted_slot_and_foreign_namespace(copy_path: str) -> None:
     pool = random_pool("gqa")
     host = HostStore(2 * pool.bytes_per_block, pool.bytes_per_block)
     host.put(key(1), pool.read_block(1), salt="tenant:a")
@@ -251,7 +251,8 @@ def test_host_detects_corrupted_slot_and_foreign_namespace() -> None:
     assert len(host.free_slots) == 2
 
 
-def test_host_batches_match_single_calls_and_leave_failed_outputs_unserved() -> None:
+def test_host_batches_match_single_calls_and_leave_failed_outputs_unserved(
+        copy_path: str) -> None:
     pool = random_pool("gqa", 6)
     host = HostStore(4 * pool.bytes_per_block, pool.bytes_per_block)
     assert host.put_many([(key(b), pool.block_view(b)) for b in range(5)]) == [True] * 4 + [False]
@@ -288,11 +289,23 @@ def test_host_batches_match_single_calls_and_leave_failed_outputs_unserved() -> 
     assert same_bytes(got[0], pool.read_block(0)) and same_bytes(got[1], pool.read_block(1))
     assert host.get(key(2), out=wide[..., 0]) is not None
     assert same_bytes(wide[..., 0], pool.read_block(2))
+    # A load: straight into the (strided) blocks of a device pool, K and V of each layer
+    # apart; a corrupt slot among them is a miss and the rest are served.
+    into = random_pool("gqa", 6, seed=1)
+    assert not into.block_view(0).is_contiguous()
+    host.pool[host.entries[key(1)], 3] ^= 0x04
+    got = host.get_many([key(b) for b in (0, 1, 2)], outs=[into.block_view(b) for b in (5, 4, 3)])
+    assert [t is None for t in got] == [False, True, False]
+    assert same_bytes(into.read_block(5), pool.read_block(0))
+    assert same_bytes(into.read_block(3), pool.read_block(2))
+    assert host.stats.corrupt_checksum == 3 and not host.contains(key(1))
 
 
 def test_host_large_reads_are_checked_beside_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Reads of 4 MiB and more are hashed on the side thread while they are copied: a
-    corrupt slot is still a counted miss, in a batch and alone, and the rest is served."""
+    """Where torch copies (a build without `_copyhash`, a tensor it does not take), reads
+    of 4 MiB and more are hashed on the side thread while they are copied: a corrupt slot
+    is still a counted miss, in a batch and alone, and the rest is served."""
+    monkeypatch.setattr(host_module, "_copyhash", None)
     checker = side_check.SideChecker(cpus=lambda: 2)
     monkeypatch.setattr(host_module, "CHECKER", checker)
     blocks = [torch.randn(512 << 10).half() for _ in range(4)]  # 1 MiB each

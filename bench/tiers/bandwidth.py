@@ -8,10 +8,11 @@
    host tier's check) against a plain copy of the same buffer;
 1. host tier get/put vs a plain copy of the same bytes plus the index lookup (a dict
    lookup of the key, a precomputed view of the row): target get <= 1.2x that, with the
-   xxh3 check on (the default) and off, one block a call and 16 a call; and, for scale,
-   the least a checked read can do from Python (a lock, a memmove, the xxh3 compare);
-   then a load's read as the engine makes it: 32 random slots into the strided blocks of
-   a GQA device pool, both pools larger than the caches;
+   xxh3 check on (the default) and off, one block a call and 16 a call, each way the store
+   can copy (the C kernel `_copyhash` with AVX2 and without, and torch + xxhash, what a
+   build without the extension does); then a load's read as the engine makes it: 32
+   random slots into the strided blocks of a GQA device pool, both pools larger than the
+   caches;
 2. disk tier read (cold: pages dropped with posix_fadvise; warm: page cache) and write vs
    a plain sequential read / write+fsync of the same bytes, once per MAC (BLAKE3 and
    BLAKE2b), all three interleaved;
@@ -29,7 +30,7 @@ baseline run next to it) and reported as the median with the range over the roun
 from __future__ import annotations
 
 import argparse
-import ctypes
+import contextlib
 import hashlib
 import json
 import os
@@ -39,9 +40,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -54,11 +54,40 @@ from bench._lib import RESULTS
 from bench._lib.procs import Redis, RedisCluster
 from kvheat.engine.kv_pool import DeviceKVPool
 from kvheat.tiers import DiskStore, HostStore
+from kvheat.tiers import host as host_module
 from kvheat.tiers.codec import blake3_available
 from kvheat.tiers.redis_store import RedisStore, connect
 
 torch.set_num_threads(1)
 MACS = ("blake3", "blake2b") if blake3_available() else ("blake2b",)
+# The ways a host store copies and checks a block, fastest first: the C kernel with AVX2,
+# without it, and torch + xxhash (no extension). Those this machine and build have.
+_EXT = getattr(host_module, "_copyhash", None)  # (getattr: the bench also runs on older trees)
+COPY_PATHS = ([k for k in ("avx2", "portable") if _EXT is not None
+               and (k == "portable" or _EXT.kernel() == "avx2")] + ["torch"])
+
+
+@contextlib.contextmanager
+def copy_path(name: str) -> Iterator[None]:
+    """Host stores copy `name`'s way within."""
+    before = _EXT.kernel() if _EXT is not None else None
+    if name == "torch":
+        host_module._copyhash = None
+    elif _EXT is not None:
+        _EXT.use_kernel(name)
+    try:
+        yield
+    finally:
+        host_module._copyhash = _EXT
+        if _EXT is not None and before is not None:
+            _EXT.use_kernel(before)
+
+
+def on_path(name: str, fn: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        with copy_path(name):
+            fn()
+    return run
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -67,12 +96,21 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def shuffled(names: list[str], r: int) -> list[str]:
+    """Round `r`'s order, a seeded shuffle: a side runs after each other side about equally
+    often. (A fixed order, or one only rotated, always runs B right after A, and the side
+    run right after a `copy_` was measured 10-40% slower, whichever it was.)"""
+    order = list(names)
+    random.Random(r).shuffle(order)
+    return order
+
+
 def rounds_of(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Seconds of each of `fns` in every round, run one after another in each round."""
+    """Seconds of each of `fns` in every round, run one after another (`shuffled`)."""
     secs: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            secs[name].append(timed(fn))
+    for r in range(rounds):
+        for name in shuffled(list(fns), r):
+            secs[name].append(timed(fns[name]))
     return secs
 
 
@@ -149,9 +187,10 @@ def bench_hashes(rounds: int) -> list[dict]:
 # ---- host -------------------------------------------------------------------------------
 def bench_host(block_bytes: int, n_blocks: int, rounds: int, batch: int = 16) -> dict:
     """Host get/put with the checksum on and off, one block per call and in batches of
-    `batch` blocks (`put_many`/`get_many`: a promoted prefix is loaded that way), against
-    the plain copy of each block plus the index lookup (a dict of key -> row, the rows'
-    views built once), all interleaved in every round."""
+    `batch` blocks (`put_many`/`get_many`: a promoted prefix is loaded that way), each way
+    the store can copy (`COPY_PATHS`; unsuffixed: the first), against the plain copy of
+    each block plus the index lookup (a dict of key -> row, the rows' views built once),
+    all interleaved in every round."""
     shape = (block_bytes // 2,)
     blocks = [torch.randn(shape).half() for _ in range(n_blocks)]
     stores = {True: HostStore(n_blocks * block_bytes, block_bytes, verify=True),
@@ -193,32 +232,23 @@ def bench_host(block_bytes: int, n_blocks: int, rounds: int, batch: int = 16) ->
         for k, o in zip(keys, outs, strict=True):
             o.copy_(rows[index[k]])
 
-    # The least a checked read can do from Python, for scale: the lookup, a lock, the
-    # bytes moved by address, xxh3 of the slot compared. Not a store: no namespace, no
-    # output check, no counters.
-    lock = threading.Lock()
-    addrs = [r.data_ptr() for r in rows]
-    raws = [r.numpy().data for r in rows]
-    sums: list[int] = []  # taken once the plain puts have filled the rows
-
-    def floor_get() -> None:
-        for k, o in zip(keys, outs, strict=True):
-            with lock:
-                i = index[k]
-                ctypes.memmove(o.data_ptr(), addrs[i], block_bytes)
-                if xxhash.xxh3_64_intdigest(raws[i]) != sums[i]:
-                    raise RuntimeError("changed")
-
-    puts = rounds_of({"plain_put": plain_put, "put": put(stores[True]),
-                      "put_nocheck": put(stores[False]), "put_batch": put_batch}, rounds)
-    sums[:] = [xxhash.xxh3_64_intdigest(r) for r in raws]
-    gets = rounds_of({"plain_get": plain_get, "get": get(stores[True]),
-                      "get_nocheck": get(stores[False]), "get_batch": get_batch,
-                      "get_floor": floor_get}, rounds)
+    first, *others = COPY_PATHS
+    put_fns: dict[str, Callable[[], object]] = {"plain_put": plain_put}
+    get_fns: dict[str, Callable[[], object]] = {"plain_get": plain_get}
+    for path in COPY_PATHS:
+        sfx = "" if path == first else "_" + path
+        put_fns |= {"put" + sfx: on_path(path, put(stores[True])),
+                    "put_batch" + sfx: on_path(path, put_batch)}
+        get_fns |= {"get" + sfx: on_path(path, get(stores[True])),
+                    "get_batch" + sfx: on_path(path, get_batch)}
+    put_fns["put_nocheck"] = on_path(first, put(stores[False]))
+    get_fns["get_nocheck"] = on_path(first, get(stores[False]))
+    puts = rounds_of(put_fns, rounds)
+    gets = rounds_of(get_fns, rounds)
     assert all(torch.equal(o, b) for o, b in zip(outs, blocks, strict=True))
     total = n_blocks * block_bytes
     out: dict[str, object] = {"block_bytes": block_bytes, "blocks": n_blocks, "batch": batch,
-                              "rounds": rounds}
+                              "rounds": rounds, "paths": COPY_PATHS}
     for secs in (puts, gets):
         out.update({f"{k}_GBps": gbps(total, statistics.median(v)) for k, v in secs.items()})
         out.update({f"{k}_us_per_block": statistics.median(v) / n_blocks * 1e6
@@ -246,21 +276,25 @@ def bench_host_load(layers: int, block_tokens: int, width: int, rounds: int, bat
         host.put(k, pool.block_view(i % n_device))
     rows = {k: host._views[s].tensor for k, s in host.entries.items()}  # type: ignore[union-attr]
     draw = random.Random(0)
-    secs: dict[str, list[float]] = {"plain_get": [], "get_batch": []}
-    for _ in range(rounds):
+    paths = {("get_batch" if p == COPY_PATHS[0] else "get_batch_" + p): p for p in COPY_PATHS}
+    secs: dict[str, list[float]] = {"plain_get": [], **{name: [] for name in paths}}
+    for r in range(rounds):
         ks = draw.sample(keys, batch)
-        for name in secs:
+        for name in shuffled(list(secs), r):
             outs = [pool.block_view(b) for b in draw.sample(range(n_device), batch)]
-            t0 = time.perf_counter()
             if name == "plain_get":
+                t0 = time.perf_counter()
                 for k, o in zip(ks, outs, strict=True):
                     o.copy_(rows[k])
-            elif any(t is None for t in host.get_many(ks, outs=outs)):
-                raise RuntimeError("host tier lost a block")
+            else:
+                with copy_path(paths[name]):
+                    t0 = time.perf_counter()
+                    if any(t is None for t in host.get_many(ks, outs=outs)):
+                        raise RuntimeError("host tier lost a block")
             secs[name].append(time.perf_counter() - t0)
     out: dict[str, object] = {"block_bytes": bb, "layers": layers, "batch": batch,
                               "device_blocks": n_device, "host_slots": 2 * n_device,
-                              "rounds": rounds}
+                              "rounds": rounds, "paths": COPY_PATHS}
     out.update({f"{k}_us_per_block": statistics.median(v) / batch * 1e6
                 for k, v in secs.items()})
     out.update({f"{k}_cost_x": v for k, v in ratios(secs, "plain_get").items()})
@@ -486,17 +520,21 @@ def main() -> None:
     for block in (8 << 10, 64 << 10, 1 << 20, 2 << 20) if "host" in only else ():
         h = bench_host(block, 128 if block < (1 << 20) else 16, 4 * rounds)
         res["host"].append(h)  # type: ignore[union-attr]
+        first = COPY_PATHS[0]
         for op in ("get", "put"):
-            for suffix, label in (("", ""), ("_batch", f", {h['batch']} a call"),
-                                  ("_nocheck", ", no checksum"),
-                                  *((("_floor", ", floor: lock+memmove+xxh3"),)
-                                    if op == "get" else ())):
-                rows.append((f"host {block >> 10} KiB blocks{label}: {op}",
-                             f"{h[op + suffix + '_us_per_block']:.2f} us "
-                             f"({h[op + suffix + '_GBps']:.2f} GB/s)",
-                             f"copy+lookup {h['plain_' + op + '_us_per_block']:.2f} us",
-                             rng(h[op + suffix + "_cost_x"]) + "x",  # type: ignore[arg-type]
-                             "<=1.2x" if op == "get" else "-"))
+            for path in COPY_PATHS:
+                for kind, label in (("", ""), ("_batch", f", {h['batch']} a call")):
+                    name = op + kind + ("" if path == first else "_" + path)
+                    rows.append((f"host {block >> 10} KiB blocks{label}, {path}: {op}",
+                                 f"{h[name + '_us_per_block']:.2f} us "
+                                 f"({h[name + '_GBps']:.2f} GB/s)",
+                                 f"copy+lookup {h['plain_' + op + '_us_per_block']:.2f} us",
+                                 rng(h[name + "_cost_x"]) + "x",  # type: ignore[arg-type]
+                                 "<=1.2x" if op == "get" else "-"))
+            rows.append((f"host {block >> 10} KiB blocks, {first}, no checksum: {op}",
+                         f"{h[op + '_nocheck_us_per_block']:.2f} us",
+                         f"copy+lookup {h['plain_' + op + '_us_per_block']:.2f} us",
+                         rng(h[op + "_nocheck_cost_x"]) + "x", "-"))  # type: ignore[arg-type]
 
     # A load's read, as `TieredCache` makes it: 8 KiB, the replay's one-layer block of 512
     # tokens; 64 KiB, a 16-token block of 16 layers; 2 MiB, a 512-token block of 16 layers.
@@ -505,10 +543,12 @@ def main() -> None:
             else ():
         h = bench_host_load(layers, tokens, width, 40 * rounds)
         res["host_load"].append(h)  # type: ignore[union-attr]
-        rows.append((f"host load, {h['block_bytes'] >> 10} KiB blocks, {h['batch']} a call "
-                     "into pool blocks", f"{h['get_batch_us_per_block']:.2f} us",
-                     f"copy+lookup {h['plain_get_us_per_block']:.2f} us",
-                     rng(h["get_batch_cost_x"]) + "x", "<=1.2x"))  # type: ignore[arg-type]
+        for p in COPY_PATHS:
+            name = "get_batch" if p == COPY_PATHS[0] else "get_batch_" + p
+            rows.append((f"host load, {h['block_bytes'] >> 10} KiB blocks, {h['batch']} a call "
+                         f"into pool blocks, {p}", f"{h[name + '_us_per_block']:.2f} us",
+                         f"copy+lookup {h['plain_get_us_per_block']:.2f} us",
+                         rng(h[name + "_cost_x"]) + "x", "<=1.2x"))  # type: ignore[arg-type]
 
     with tempfile.TemporaryDirectory(prefix="kvheat-bench-") as tmp:
         d = bench_disk(2 << 20, 16 if args.quick else 32, rounds, Path(tmp) / "disk") \

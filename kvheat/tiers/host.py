@@ -1,9 +1,15 @@
 """Host tier: a preallocated byte pool cut into fixed, cache-line-aligned slots (pinned when
 CUDA is present, so device<->host copies can run asynchronously), placed on NUMA nodes
-(`numa.py`). Puts and gets are copies into and out of a slot (`torch` copies; a memmove by
-address for a small contiguous CPU block); nothing is allocated per block. Every get re-checks the slot's xxh3-64 checksum taken at put time, so a stray
-write into the pool is a counted miss: right after each copy while the slot is in cache,
-or, for reads of 4 MiB and more, on a thread beside the copy (`side_check.py`).
+(`numa.py`). Puts and gets are copies into and out of a slot; nothing is allocated per block.
+Every get re-checks the slot's xxh3-64 checksum taken at put time, so a stray write into the
+pool is a counted miss.
+
+A copy between a slot and a CPU tensor (contiguous, or a paged pool's block: runs at one
+stride) is done by the C kernel `_copyhash`, which takes the checksum in the same pass, at
+the cost of a plain copy or less (docs/tiers.md, Bandwidth). Anything else (a CUDA tensor,
+other strides, a build without the extension) is a `torch` copy then an xxh3 pass: right
+after the copy while the slot is in cache, or, for reads of 4 MiB and more, on a thread
+beside the copy (`side_check.py`).
 
 Per-slot metadata is kept as parallel lists (struct of arrays) indexed by slot, and the
 hot `put`/`get` are written out in full here rather than through `KVStore`'s wrappers:
@@ -12,11 +18,11 @@ at 64 KiB a copy takes about 3 us, so every microsecond of bookkeeping shows.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from itertools import repeat
+from types import ModuleType
 
 import torch
 import xxhash
@@ -25,24 +31,57 @@ from .numa import NumaNode, alloc_on_node, numa_nodes, placement
 from .side_check import CHECKER
 from .store import KVStore, copy_out
 
+_copyhash: ModuleType | None
+try:
+    from . import _copyhash
+except ImportError:  # built without a C compiler (setup.py): torch copies, xxhash checks
+    _copyhash = None
+
 _ALIGN = 64  # slot starts stay aligned for any dtype and for cache lines
 _hash = xxhash.xxh3_64_intdigest
-# A CPU copy of one small block between a slot and a contiguous tensor of its dtype and
-# shape is a memmove by address: about 0.5 us at 8 KiB, where `copy_`'s dispatch alone is
-# about 1 us. From about 128 KiB `copy_` is faster (it splits the copy over threads).
-_memmove = ctypes.memmove
-_BY_ADDRESS_MAX = 64 << 10
 _TIME_EVERY = 8
 # A batched get copies runs of at most this many bytes at once, then checks them while
 # they are still in cache (a core's L2 holds it on any current CPU).
 _RUN_BYTES = 256 << 10
 
 
-class _SlotView:
-    """A slot's typed tensor view and its byte view, kept while the entry layout is the
-    same (every block of one model has the same), so a put or get builds no new views."""
+def kernel() -> str:
+    """The copy-and-check kernel host stores use: "avx2", "portable" (both C) or "torch"."""
+    return _copyhash.kernel() if _copyhash is not None else "torch"
 
-    __slots__ = ("dtype", "shape", "nbytes", "tensor", "raw", "addr", "small")
+
+def _runs(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """`t`'s bytes as `_copyhash` takes them, (rows, row bytes, stride in bytes): runs of
+    contiguous bytes at one stride in CPU memory (a contiguous tensor is one run; a block of
+    a paged GQA pool is K and V of each layer). None for anything else: torch copies it."""
+    if _copyhash is None or not t.is_cpu or t.dtype.is_complex:  # complex: lazy conj bits
+        return None
+    if t.is_contiguous():
+        n = t.nbytes
+        return 1, n, n
+    dims = [(n, st) for n, st in zip(t.shape, t.stride(), strict=True) if n != 1]
+    run = 1  # elements in one contiguous run
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    if run == 1 or not dims:
+        return None
+    rows, stride = dims.pop()
+    if stride < run:  # rows that overlap (an expanded tensor): torch's rules apply
+        return None
+    while dims:  # the outer dimensions must step as one
+        n, st = dims.pop()
+        if st != rows * stride:
+            return None
+        rows *= n
+    size = t.element_size()
+    return rows, run * size, stride * size
+
+
+class _SlotView:
+    """A slot's typed tensor view, byte view and address, kept while the entry layout is
+    the same (every block of one model has the same), so a put or get builds no new views."""
+
+    __slots__ = ("dtype", "shape", "nbytes", "tensor", "raw", "addr", "whole")
 
     def __init__(self, row: torch.Tensor, nbytes: int, dtype: torch.dtype,
                  shape: torch.Size) -> None:
@@ -50,12 +89,12 @@ class _SlotView:
         self.tensor = row[:nbytes].view(dtype).view(shape)
         self.raw = row[:nbytes].numpy().data
         self.addr = row.data_ptr()
-        self.small = nbytes <= _BY_ADDRESS_MAX
+        # `_runs` of a contiguous tensor of this dtype and shape (with the kernel built).
+        self.whole = None if dtype.is_complex else (1, nbytes, nbytes)
 
-    def fits(self, t: torch.Tensor) -> bool:
-        """`t` can be copied to or from the slot by address (`_memmove`)."""
-        return (self.small and t.is_cpu and t.dtype is self.dtype and t.shape == self.shape
-                and t.is_contiguous())
+    def runs_of(self, t: torch.Tensor) -> tuple[int, int, int] | None:
+        """`_runs(t)` when `t` has the slot's dtype and shape (so the bytes line up)."""
+        return _runs(t) if t.dtype is self.dtype and t.shape == self.shape else None
 
 
 class HostStore(KVStore):
@@ -136,8 +175,11 @@ class HostStore(KVStore):
         self._calls += 1
         t0 = time.perf_counter() if not self._calls % _TIME_EVERY else 0.0
         ns = self.ns(salt)
-        with self._lock:
+        self._lock.acquire()  # not `with`: 90 ns less, at 8 KiB 7% of a read
+        try:
             t = self._get_locked(key, ns, out)
+        finally:
+            self._lock.release()
         if t is not None and t0:
             self.read_model.record(t.nbytes, time.perf_counter() - t0)
         return t
@@ -168,27 +210,40 @@ class HostStore(KVStore):
                           outs: Sequence[torch.Tensor | None]
                           ) -> tuple[list[torch.Tensor | None], int]:
         """`_get_locked` for a batch whose outputs all match their slots, with the bytes
-        read: the copies in one `_foreach_copy_` per run (one dispatch instead of one per
-        block: at 8 KiB the dispatch costs as much as the copy), then each slot's checksum,
-        the counters once per batch. Anything else goes one by one.
+        read: the copies and checks in one `_copyhash` call when every output has the
+        first's shape and strides in CPU memory (a load into a paged pool), else one
+        `_foreach_copy_` per run (one dispatch instead of one per block); the counters once
+        per batch. Anything else goes one by one.
 
-        The checks compare dtype and size, not shape (a shape compare costs twice as much):
-        a copy between tensors of one dtype and size either keeps the bytes in order or
-        raises, and a raise sends the batch one by one, where a wrong shape is the caller's
-        ValueError."""
+        The torch path's checks compare dtype and size, not shape (a shape compare costs
+        twice as much): a copy between tensors of one dtype and size either keeps the
+        bytes in order or raises, which sends the batch one by one, where a wrong shape is
+        the caller's ValueError."""
         entries, views, slot_ns = self.entries, self._views, self._slot_ns
         slots: list[int] = []
         srcs: list[_SlotView] = []
+        first = outs[0] if outs else None
+        # (shape, strides) every output must have for the kernel; None: torch copies.
+        same = ((first.shape, first.stride())
+                if _copyhash is not None and first is not None and first.is_cpu else None)
         for key, out in zip(keys, outs, strict=True):
             slot = entries.get(key)
             if slot is None or out is None or slot_ns[slot] != ns:
                 break
             v = views[slot]
-            if v is None or out.dtype is not v.dtype or out.nbytes != v.nbytes:
+            if v is None or out.dtype is not v.dtype:
+                break
+            if same is not None and (out.shape != same[0] or v.shape != same[0]
+                                     or out.stride() != same[1] or not out.is_cpu):
+                same = None
+            if same is None and out.nbytes != v.nbytes:
                 break
             slots.append(slot)
             srcs.append(v)
         if keys and len(slots) == len(keys):
+            runs = _runs(first) if same is not None and first is not None else None
+            if runs is not None:
+                return self._kernel_batch_locked(keys, slots, srcs, outs, runs)
             try:
                 return self._copy_checked_locked(keys, slots, srcs, outs)
             except RuntimeError:  # shapes that do not broadcast: one by one, below
@@ -196,14 +251,28 @@ class HostStore(KVStore):
         got = [self._get_locked(k, ns, o) for k, o in zip(keys, outs, strict=True)]
         return got, sum(t.nbytes for t in got if t is not None)
 
+    def _kernel_batch_locked(self, keys: Sequence[bytes], slots: list[int],
+                             srcs: list[_SlotView], outs: Sequence[torch.Tensor | None],
+                             runs: tuple[int, int, int]
+                             ) -> tuple[list[torch.Tensor | None], int]:
+        assert _copyhash is not None
+        rows, row_bytes, stride = runs
+        got_sums = _copyhash.copy_many(rows, row_bytes, stride, row_bytes,
+                                       [o.data_ptr() for o in outs if o is not None],
+                                       [v.addr for v in srcs])
+        sums = self._slot_sum
+        expected = [sums[s] for s in slots]
+        bad = ([] if not self.verify or got_sums == expected else
+               [j for j, (a, b) in enumerate(zip(got_sums, expected, strict=True)) if a != b])
+        return self._finish_batch(keys, slots, srcs, list(outs), bad)
+
     def _copy_checked_locked(self, keys: Sequence[bytes], slots: list[int],
                              srcs: list[_SlotView], outs: Sequence[torch.Tensor | None]
                              ) -> tuple[list[torch.Tensor | None], int]:
         got: list[torch.Tensor | None] = list(outs)
         sums = self._slot_sum
-        nbytes = sum([v.nbytes for v in srcs])
         bad: list[int] = []
-        if self.verify and CHECKER.worth_it(nbytes):
+        if self.verify and CHECKER.worth_it(sum([v.nbytes for v in srcs])):
             # A large read: checked on the side thread while this one copies.
             job = CHECKER.submit([v.raw for v in srcs], [sums[s] for s in slots])
             torch._foreach_copy_(got, [v.tensor for v in srcs])  # type: ignore[arg-type]
@@ -217,7 +286,15 @@ class HostStore(KVStore):
                 torch._foreach_copy_(got[i:i + per_run], [v.tensor for v in run])  # type: ignore[arg-type]
                 if self.verify:
                     bad += [j for j, v in enumerate(run, i) if _hash(v.raw) != sums[slots[j]]]
-        for j in bad:  # `outs[j]` holds bytes nobody may use
+        return self._finish_batch(keys, slots, srcs, got, bad)
+
+    def _finish_batch(self, keys: Sequence[bytes], slots: list[int], srcs: list[_SlotView],
+                      got: list[torch.Tensor | None], bad: list[int]
+                      ) -> tuple[list[torch.Tensor | None], int]:
+        """Drop the blocks at `bad` (their outputs hold bytes nobody may use) and count the
+        batch; the results and the bytes read."""
+        nbytes = sum([v.nbytes for v in srcs])
+        for j in bad:
             self._count_corrupt("checksum", keys[j], "host slot changed since put")
             del self.entries[keys[j]]
             self.free_slots.append(slots[j])
@@ -245,12 +322,15 @@ class HostStore(KVStore):
         v = self._views[slot]
         if v is None or v.dtype != kv.dtype or v.shape != kv.shape:
             v = self._views[slot] = _SlotView(self._rows[slot], nbytes, kv.dtype, kv.shape)
-        if v.fits(kv):
-            _memmove(v.addr, kv.data_ptr(), nbytes)
+        runs = _runs(kv)
+        if runs is not None:
+            rows, row_bytes, stride = runs
+            self._slot_sum[slot] = _copyhash.copy(  # type: ignore[union-attr]
+                rows, row_bytes, row_bytes, stride, v.addr, kv.data_ptr())
         else:
             v.tensor.copy_(kv)
-        # Hashed right after the copy, while the slot is in cache.
-        self._slot_sum[slot] = _hash(v.raw) if self.verify else 0
+            # Hashed right after the copy, while the slot is in cache.
+            self._slot_sum[slot] = _hash(v.raw) if self.verify else 0
         self._slot_ns[slot] = ns
         self.entries[key] = slot
         st.puts += 1
@@ -268,23 +348,19 @@ class HostStore(KVStore):
             self._count_corrupt("key", key, "stored for another namespace")
             st.misses += 1
             return None
-        v = self._views[slot]
-        assert v is not None
-        side = (CHECKER.submit([v.raw], [self._slot_sum[slot]])
-                if self.verify and CHECKER.worth_it(v.nbytes) else None)
-        try:
-            if out is not None and v.fits(out):
-                _memmove(out.data_ptr(), v.addr, v.nbytes)
-                t = out
-            else:
-                t = copy_out(v.tensor, out)  # a fresh tensor, or the ValueError
-        finally:
-            # Checked beside the copy (large), or after it while the slot is still in
-            # cache: one pass over memory instead of two. On a mismatch `out` holds bytes
-            # nobody may use.
-            ok = (not self.verify or (side.result() == [] if side is not None
-                                      else _hash(v.raw) == self._slot_sum[slot]))
-        if not ok:
+        v: _SlotView = self._views[slot]  # type: ignore[assignment]
+        expected = self._slot_sum[slot]
+        # The kernel's case written out here (a call costs 5% of an 8 KiB read).
+        if (_copyhash is not None and out is not None and out.dtype is v.dtype
+                and out.shape == v.shape and out.is_cpu
+                and (runs := v.whole if out.is_contiguous() else _runs(out)) is not None):
+            rows, row_bytes, stride = runs
+            ok = (_copyhash.copy(rows, row_bytes, stride, row_bytes, out.data_ptr(), v.addr)
+                  == expected or not self.verify)
+            t = out
+        else:
+            t, ok = self._read(v, out, expected)
+        if not ok:  # `t` holds bytes nobody may use
             self._count_corrupt("checksum", key, "host slot changed since put")
             del self.entries[key]
             self.free_slots.append(slot)
@@ -293,6 +369,29 @@ class HostStore(KVStore):
         st.hits += 1
         st.get_bytes += v.nbytes
         return t
+
+    def _read(self, v: _SlotView, out: torch.Tensor | None, expected: int
+              ) -> tuple[torch.Tensor, bool]:
+        """The slot's bytes copied into `out` (or a fresh tensor), and whether they match
+        `expected` (always True unless `verify`)."""
+        if out is None and _copyhash is not None:
+            out = torch.empty(v.shape, dtype=v.dtype)
+        runs = v.runs_of(out) if out is not None else None
+        if runs is not None:
+            assert _copyhash is not None and out is not None
+            rows, row_bytes, stride = runs
+            got = _copyhash.copy(rows, row_bytes, stride, row_bytes, out.data_ptr(), v.addr)
+            return out, not self.verify or got == expected
+        side = (CHECKER.submit([v.raw], [expected])
+                if self.verify and CHECKER.worth_it(v.nbytes) else None)
+        try:
+            t = copy_out(v.tensor, out)  # a fresh tensor, or the ValueError
+        finally:
+            # Checked beside the copy (large), or after it while the slot is still in
+            # cache: one pass over memory instead of two.
+            ok = (not self.verify or (side.result() == [] if side is not None
+                                      else _hash(v.raw) == expected))
+        return t, ok
 
     def contains(self, key: bytes, salt: str | None = None) -> bool:
         slot = self.entries.get(key)
