@@ -8,7 +8,7 @@ import platform
 from setuptools import Extension, setup
 
 CSRC = "kvheat/tiers/_csrc"
-sources = [f"{CSRC}/copyhash.c", f"{CSRC}/copyhash_avx2.c", f"{CSRC}/xxhash.c"]
+sources = [f"{CSRC}/copyhash.c", f"{CSRC}/copyhash_kernels.c", f"{CSRC}/xxhash.c"]
 macros: list[tuple[str, str | None]] = [("XXH_NAMESPACE", "kvheat_")]
 if platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}:
     # xxhash's own run-time dispatch (SSE2 / AVX2 / AVX-512) for the portable kernel.

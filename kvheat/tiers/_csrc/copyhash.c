@@ -2,16 +2,17 @@
  *
  * The host tier checks every read against the xxh3 taken at put time. Done as a copy and
  * then a hash, the hash reads every byte a second time and each costs a Python call. Here
- * the checksum comes with the copy:
- *   - "avx2" (x86 CPUs with AVX2, copyhash_avx2.c): each 64-byte stripe is hashed from
- *     registers as it is stored, xxh3's own long-input steps run over the copy;
- *   - "portable" (anything else, and short or odd-sized blocks): pieces of CHUNK bytes are
- *     copied, then hashed where they were written while still in L1.
+ * the checksum comes with the copy (copyhash_kernels.c): each 64-byte stripe is hashed by
+ * xxh3's own steps as it is copied, with AVX2 ("avx2", x86 CPUs that have it,
+ * checked at run time) or with the vector unit the build targets ("portable": SSE2 on
+ * x86-64, NEON on AArch64). Blocks those do not take (rows not a multiple of 64 bytes, or
+ * 240 bytes or less) are copied in pieces of CHUNK bytes, each hashed while in L1.
  *
  * A block is `rows` runs of `row_bytes` contiguous bytes, the runs `src_stride` and
  * `dst_stride` bytes apart (a GQA block of a paged pool: K and V of each layer; a contiguous
  * tensor: one run). Its checksum is xxh3-64 (seed 0) of the runs in order, the same as
- * `xxhash.xxh3_64_intdigest` of their concatenation. Addresses are raw: only `host.py`
+ * `xxhash.xxh3_64_intdigest` of their concatenation, taken from the source as it is read
+ * (a get checks the slot, a put records the caller's bytes). Addresses are raw: only `host.py`
  * calls this, on tensors whose layout it has checked.
  */
 #define PY_SSIZE_T_CLEAN
@@ -27,22 +28,21 @@
 #endif
 #include "copyhash.h"
 
-/* The portable kernel's piece: well inside any L1d. */
+/* copy_then_hash's piece: well inside any L1d. */
 #define CHUNK ((Py_ssize_t)16 * 1024)
 /* Calls moving at least this much let other threads run meanwhile. */
 #define NOGIL_BYTES ((Py_ssize_t)256 * 1024)
 
 static int use_avx2;
 
-static uint64_t copy_hash(char *dst, const char *src, const Layout *l, XXH3_state_t *st)
+/* The last resort, for blocks the fused kernels do not take (rows not a multiple of 64
+ * bytes, or short): pieces of CHUNK bytes copied, then hashed from the source in L1. */
+static uint64_t copy_then_hash(char *dst, const char *src, const Layout *l,
+                               XXH3_state_t *st)
 {
-#ifdef KVHEAT_HAVE_AVX2_KERNEL
-    if (use_avx2 && l->row_bytes % 64 == 0 && l->rows * l->row_bytes > 240)
-        return kvheat_copy_hash_avx2(dst, src, l);
-#endif
     if (l->rows == 1 && l->row_bytes <= CHUNK) {
         memmove(dst, src, (size_t)l->row_bytes);
-        return XXH3_64bits(dst, (size_t)l->row_bytes);
+        return XXH3_64bits(src, (size_t)l->row_bytes);
     }
     XXH3_64bits_reset(st);
     for (Py_ssize_t r = 0; r < l->rows; r++) {
@@ -51,10 +51,21 @@ static uint64_t copy_hash(char *dst, const char *src, const Layout *l, XXH3_stat
         for (Py_ssize_t off = 0; off < l->row_bytes; off += CHUNK) {
             size_t n = (size_t)(l->row_bytes - off < CHUNK ? l->row_bytes - off : CHUNK);
             memmove(d + off, s + off, n);
-            XXH3_64bits_update(st, d + off, n);
+            XXH3_64bits_update(st, s + off, n);
         }
     }
     return XXH3_64bits_digest(st);
+}
+
+static uint64_t copy_hash(char *dst, const char *src, const Layout *l, XXH3_state_t *st)
+{
+    if (l->row_bytes % 64 != 0 || l->rows * l->row_bytes <= 240)
+        return copy_then_hash(dst, src, l, st);
+#ifdef KVHEAT_HAVE_AVX2_KERNEL
+    if (use_avx2)
+        return kvheat_copy_hash_avx2(dst, src, l);
+#endif
+    return kvheat_copy_hash_fused(dst, src, l);
 }
 
 static int parse_layout(PyObject *const *args, Layout *l)
