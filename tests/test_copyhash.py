@@ -97,6 +97,20 @@ def test_runs_describe_what_the_kernel_takes(copy_path: str) -> None:
     assert host._runs(torch.zeros(4, 6, 8)[::2, :3]) == (2, 96, 384)
     assert host._runs(torch.zeros(3, 5, 8)[:, ::2]) is None  # outer steps differ
     assert host._runs(torch.zeros(4, dtype=torch.complex64)) is None
+    assert host._runs(torch._neg_view(torch.zeros(4))) is None  # bytes are not the values
+
+
+def test_store_reads_into_a_negated_view_as_torch_would(copy_path: str) -> None:
+    """An output carrying a lazy negation bit gets the values, not the raw bytes."""
+    store = host.HostStore(1 << 16, 1 << 12)
+    kv = torch.randn(256)
+    assert store.put(b"k" * 16, kv)
+    out = torch._neg_view(torch.zeros(256))
+    assert out.is_neg() and out.is_contiguous()
+    assert store.get(b"k" * 16, out=out) is out and torch.equal(out, kv)
+    outs = [torch._neg_view(torch.zeros(256)) for _ in range(2)]
+    store.get_many([b"k" * 16] * 2, outs=outs)
+    assert all(torch.equal(o, kv) for o in outs)
 
 
 def test_the_kernel_is_built() -> None:

@@ -54,7 +54,8 @@ def _runs(t: torch.Tensor) -> tuple[int, int, int] | None:
     """`t`'s bytes as `_copyhash` takes them, (rows, row bytes, stride in bytes): runs of
     contiguous bytes at one stride in CPU memory (a contiguous tensor is one run; a block of
     a paged GQA pool is K and V of each layer). None for anything else: torch copies it."""
-    if _copyhash is None or not t.is_cpu or t.dtype.is_complex:  # complex: lazy conj bits
+    # Lazy conjugation (complex) or negation bits: the bytes are not the values.
+    if _copyhash is None or not t.is_cpu or t.dtype.is_complex or t.is_neg():
         return None
     if t.is_contiguous():
         n = t.nbytes
@@ -231,7 +232,8 @@ class HostStore(KVStore):
             if v is None or out.dtype is not v.dtype:
                 break
             if same is not None and (out.shape != same[0] or v.shape != same[0]
-                                     or out.stride() != same[1] or not out.is_cpu):
+                                     or out.stride() != same[1] or not out.is_cpu
+                                     or out.is_neg()):
                 same = None
             if same is None and out.nbytes != v.nbytes:
                 break
@@ -349,7 +351,7 @@ class HostStore(KVStore):
         expected = self._slot_sum[slot]
         # The kernel's case written out here (a call costs 5% of an 8 KiB read).
         if (_copyhash is not None and out is not None and out.dtype is v.dtype
-                and out.shape == v.shape and out.is_cpu
+                and out.shape == v.shape and out.is_cpu and not out.is_neg()
                 and (runs := v.whole if out.is_contiguous() else _runs(out)) is not None):
             rows, row_bytes, stride = runs
             ok = (_copyhash.copy(rows, row_bytes, stride, row_bytes, out.data_ptr(), v.addr)
