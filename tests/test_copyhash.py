@@ -64,6 +64,8 @@ def test_kernel_refuses_what_it_cannot_use(copy_kernel: str) -> None:
         ext.copy(0, 64, 64, 64, pa, pb)  # no rows
     with pytest.raises(ValueError, match="bad layout"):
         ext.copy(2, 64, 32, 64, pa, pb)  # rows that overlap
+    with pytest.raises(OverflowError, match="more bytes"):
+        ext.copy(1 << 40, 1 << 30, 1 << 30, 1 << 30, pa, pb)
     with pytest.raises(ValueError, match="null address"):
         ext.copy(1, 64, 64, 64, 0, pb)
     with pytest.raises(TypeError, match="6 arguments"):

@@ -68,8 +68,14 @@ static uint64_t copy_hash(char *dst, const char *src, const Layout *l, XXH3_stat
     return kvheat_copy_hash_fused(dst, src, l);
 }
 
-static int parse_layout(PyObject *const *args, Layout *l)
+/* The arguments both calls share: six of them, the first four the layout. */
+static int parse_layout(const char *name, PyObject *const *args, Py_ssize_t nargs,
+                        Layout *l)
 {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "%s takes 6 arguments", name);
+        return -1;
+    }
     l->rows = PyLong_AsSsize_t(args[0]);
     l->row_bytes = PyLong_AsSsize_t(args[1]);
     l->dst_stride = PyLong_AsSsize_t(args[2]);
@@ -80,6 +86,13 @@ static int parse_layout(PyObject *const *args, Layout *l)
         (l->rows > 1 && (l->dst_stride < l->row_bytes || l->src_stride < l->row_bytes))) {
         PyErr_SetString(PyExc_ValueError, "bad layout: rows >= 1, row_bytes >= 0 and "
                                           "strides >= row_bytes");
+        return -1;
+    }
+    Py_ssize_t widest = l->dst_stride > l->src_stride ? l->dst_stride : l->src_stride;
+    if (widest < l->row_bytes)
+        widest = l->row_bytes;
+    if (widest > 0 && l->rows > PY_SSIZE_T_MAX / widest) {
+        PyErr_SetString(PyExc_OverflowError, "layout spans more bytes than an address holds");
         return -1;
     }
     return 0;
@@ -98,11 +111,7 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 {
     (void)self;
     Layout l;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "copy takes 6 arguments");
-        return NULL;
-    }
-    if (parse_layout(args, &l) < 0)
+    if (parse_layout("copy", args, nargs, &l) < 0)
         return NULL;
     char *dst = address(args[4]);
     const char *src = dst ? address(args[5]) : NULL;
@@ -127,11 +136,7 @@ static PyObject *py_copy_many(PyObject *self, PyObject *const *args, Py_ssize_t 
 {
     (void)self;
     Layout l;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "copy_many takes 6 arguments");
-        return NULL;
-    }
-    if (parse_layout(args, &l) < 0)
+    if (parse_layout("copy_many", args, nargs, &l) < 0)
         return NULL;
     if (!PyList_Check(args[4]) || !PyList_Check(args[5]) ||
         PyList_GET_SIZE(args[4]) != PyList_GET_SIZE(args[5])) {
@@ -154,7 +159,7 @@ static PyObject *py_copy_many(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     XXH3_state_t st;
     XXH3_INITSTATE(&st);
-    if (n * l.rows * l.row_bytes >= NOGIL_BYTES) {
+    if (n > 0 && l.rows * l.row_bytes >= NOGIL_BYTES / n) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++)
             sums[i] = copy_hash(dsts[i], srcs[i], &l, &st);
