@@ -13,11 +13,13 @@ import pytest
 import torch
 import xxhash
 from conftest import unavailable
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvheat.tiers import host
 
 # Lengths around xxh3's edges: its short paths (<= 240 bytes), a stripe (64), a block of
-# stripes (1024), the portable kernel's piece (16 KiB), and multi-MiB blocks.
+# stripes (1024), the copy-then-hash piece (16 KiB), and multi-MiB blocks.
 ROW_BYTES = [0, 1, 63, 64, 128, 240, 256, 1000, 1024, 1088, 16384, 16448, 65536, 1 << 20]
 
 
@@ -55,6 +57,35 @@ def test_kernels_copy_and_hash_like_torch_and_xxhash(copy_kernel: str, rows: int
         assert hs == [h, h] and torch.equal(again, dst)
 
 
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 9), stripes=st.integers(0, 70), tail=st.integers(0, 63),
+       gaps=st.tuples(st.integers(0, 200), st.integers(0, 200)), kernel=st.sampled_from(
+           ["avx2", "portable"]), seed=st.integers(0, 2**32 - 1))
+def test_any_layout_copies_and_hashes_like_xxhash(rows: int, stripes: int, tail: int,
+                                                 gaps: tuple[int, int], kernel: str,
+                                                 seed: int) -> None:
+    ext = host._copyhash
+    if ext is None:
+        unavailable("kvheat.tiers._copyhash is not built")
+    before = ext.kernel()
+    try:
+        ext.use_kernel(kernel)
+    except ValueError:
+        return  # no AVX2 on this CPU: the portable examples still run
+    try:
+        row_bytes = 64 * stripes + tail
+        src_stride, dst_stride = row_bytes + gaps[0], row_bytes + gaps[1]
+        gen = torch.Generator().manual_seed(seed)
+        src = torch.randint(0, 256, (rows * src_stride + 1,), dtype=torch.uint8, generator=gen)
+        dst = torch.zeros(rows * dst_stride + 1, dtype=torch.uint8)
+        h = ext.copy(rows, row_bytes, dst_stride, src_stride, dst.data_ptr(), src.data_ptr())
+        want = _bytes(src, 0, rows, row_bytes, src_stride)
+        assert _bytes(dst, 0, rows, row_bytes, dst_stride) == want
+        assert h == xxhash.xxh3_64_intdigest(want)
+    finally:
+        ext.use_kernel(before)
+
+
 def test_kernel_refuses_what_it_cannot_use(copy_kernel: str) -> None:
     ext = host._copyhash
     assert ext is not None
@@ -69,13 +100,13 @@ def test_kernel_refuses_what_it_cannot_use(copy_kernel: str) -> None:
     with pytest.raises(ValueError, match="null address"):
         ext.copy(1, 64, 64, 64, 0, pb)
     with pytest.raises(TypeError, match="6 arguments"):
-        ext.copy(1, 64, 64, 64, pa)  # type: ignore[call-arg]
+        ext.copy(1, 64, 64, 64, pa)
     with pytest.raises(TypeError):
-        ext.copy(1, "64", 64, 64, pa, pb)  # type: ignore[arg-type]
+        ext.copy(1, "64", 64, 64, pa, pb)
     with pytest.raises(ValueError, match="one length"):
         ext.copy_many(1, 64, 64, 64, [pa], [pb, pb])
     with pytest.raises(ValueError, match="one length"):
-        ext.copy_many(1, 64, 64, 64, (pa,), (pb,))  # type: ignore[arg-type]
+        ext.copy_many(1, 64, 64, 64, (pa,), (pb,))
     with pytest.raises(ValueError, match="no kernel"):
         ext.use_kernel("fast")
     assert ext.copy_many(1, 64, 64, 64, [], []) == []
