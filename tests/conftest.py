@@ -208,32 +208,26 @@ def vllm_events_index(kv) -> Iterator[tuple]:
 
 
 @pytest.fixture(params=["avx2", "portable", "torch"])
-def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def copy_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each way the host tier copies and checks a block: the C kernel `_copyhash` with AVX2
     and without it, or torch and xxhash (a build without the extension)."""
-    return use_copy_path(str(request.param), request, monkeypatch)
+    yield from _on_copy_path(str(request.param))
 
 
 @pytest.fixture(params=["avx2", "portable"])
-def copy_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def copy_kernel(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each of `_copyhash`'s kernels."""
-    return use_copy_path(str(request.param), request, monkeypatch)
+    yield from _on_copy_path(str(request.param))
 
 
-def use_copy_path(name: str, request: pytest.FixtureRequest,
-                  monkeypatch: pytest.MonkeyPatch) -> str:
+def _on_copy_path(name: str) -> Iterator[str]:
     from kvheat.tiers import host
 
-    ext = host._copyhash
-    if name == "torch":
-        monkeypatch.setattr(host, "_copyhash", None)
-        return name
-    if ext is None:
+    if name != "torch" and host._BUILT is None:
         unavailable("kvheat.tiers._copyhash is not built (setup.py needs a C compiler)")
-    before = ext.kernel()
-    try:
-        ext.use_kernel(name)
-    except ValueError:  # no AVX2 here
-        pytest.skip(f"no {name} kernel on this CPU")
-    request.addfinalizer(lambda: ext.use_kernel(before))
-    return name
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(host.copy_path(name))
+        except ValueError:  # no AVX2 here
+            pytest.skip(f"no {name} kernel on this CPU")
+        yield name

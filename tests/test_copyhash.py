@@ -7,6 +7,7 @@ refuse arguments it cannot use with an error, never a crash."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -67,12 +68,11 @@ def test_any_layout_copies_and_hashes_like_xxhash(rows: int, stripes: int, tail:
     ext = host._copyhash
     if ext is None:
         unavailable("kvheat.tiers._copyhash is not built")
-    before = ext.kernel()
-    try:
-        ext.use_kernel(kernel)
-    except ValueError:
-        return  # no AVX2 on this CPU: the portable examples still run
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(host.copy_path(kernel))
+        except ValueError:
+            return  # no AVX2 on this CPU: the portable examples still run
         row_bytes = 64 * stripes + tail
         src_stride, dst_stride = row_bytes + gaps[0], row_bytes + gaps[1]
         gen = torch.Generator().manual_seed(seed)
@@ -82,8 +82,6 @@ def test_any_layout_copies_and_hashes_like_xxhash(rows: int, stripes: int, tail:
         want = _bytes(src, 0, rows, row_bytes, src_stride)
         assert _bytes(dst, 0, rows, row_bytes, dst_stride) == want
         assert h == xxhash.xxh3_64_intdigest(want)
-    finally:
-        ext.use_kernel(before)
 
 
 def test_kernel_refuses_what_it_cannot_use(copy_kernel: str) -> None:

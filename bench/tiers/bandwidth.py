@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,26 +60,14 @@ from kvheat.tiers.redis_store import RedisStore, connect
 torch.set_num_threads(1)
 MACS = ("blake3", "blake2b") if blake3_available() else ("blake2b",)
 # The ways a host store copies and checks a block, fastest first: the C kernel with AVX2,
-# without it, and torch + xxhash (no extension). Those this machine and build have.
-_EXT = getattr(host_module, "_copyhash", None)  # (getattr: the bench also runs on older trees)
+# without it, and torch + xxhash (no extension). Those this machine and build have. Older
+# trees (the "before" of an A/B run) have neither the extension nor `copy_path`: they copy
+# torch's way.
+_EXT = getattr(host_module, "_BUILT", None)
 COPY_PATHS = ([k for k in ("avx2", "portable") if _EXT is not None
                and (k == "portable" or _EXT.kernel() == "avx2")] + ["torch"])
-
-
-@contextlib.contextmanager
-def copy_path(name: str) -> Iterator[None]:
-    """Host stores copy `name`'s way within."""
-    before = _EXT.kernel() if _EXT is not None else None
-    if name == "torch":
-        host_module._copyhash = None
-    elif _EXT is not None:
-        _EXT.use_kernel(name)
-    try:
-        yield
-    finally:
-        host_module._copyhash = _EXT
-        if _EXT is not None and before is not None:
-            _EXT.use_kernel(before)
+copy_path: Callable[[str], contextlib.AbstractContextManager[None]] = getattr(
+    host_module, "copy_path", lambda name: contextlib.nullcontext())
 
 
 def on_path(name: str, fn: Callable[[], object]) -> Callable[[], None]:

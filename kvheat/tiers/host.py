@@ -18,9 +18,10 @@ at 64 KiB a copy takes about 3 us, so every microsecond of bookkeeping shows.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from types import ModuleType
 
@@ -45,9 +46,32 @@ _TIME_EVERY = 8
 _RUN_BYTES = 256 << 10
 
 
+_BUILT = _copyhash  # the extension as built; `copy_path("torch")` hides it for a while
+
+
 def kernel() -> str:
     """The copy-and-check kernel host stores use: "avx2", "portable" (both C) or "torch"."""
     return _copyhash.kernel() if _copyhash is not None else "torch"
+
+
+@contextlib.contextmanager
+def copy_path(name: str) -> Iterator[None]:
+    """Within it, every host store copies `name`'s way: "avx2", "portable" or "torch" (as a
+    build without the extension does), for benches and tests to compare them. ValueError
+    for a kernel this CPU or build lacks. Process-wide: not for a serving process."""
+    global _copyhash
+    if name != "torch" and _BUILT is None:
+        raise ValueError("kvheat.tiers._copyhash is not built (setup.py needs a C compiler)")
+    before = _BUILT.kernel() if _BUILT is not None else None
+    if _BUILT is not None and name != "torch":
+        _BUILT.use_kernel(name)  # the ValueError, before anything changed
+    _copyhash = None if name == "torch" else _BUILT
+    try:
+        yield
+    finally:
+        _copyhash = _BUILT
+        if _BUILT is not None and before is not None:
+            _BUILT.use_kernel(before)
 
 
 def _runs(t: torch.Tensor) -> tuple[int, int, int] | None:
@@ -92,10 +116,6 @@ class _SlotView:
         self.addr = row.data_ptr()
         # `_runs` of a contiguous tensor of this dtype and shape (with the kernel built).
         self.whole = None if dtype.is_complex else (1, nbytes, nbytes)
-
-    def runs_of(self, t: torch.Tensor) -> tuple[int, int, int] | None:
-        """`_runs(t)` when `t` has the slot's dtype and shape (so the bytes line up)."""
-        return _runs(t) if t.dtype is self.dtype and t.shape == self.shape else None
 
 
 class HostStore(KVStore):
@@ -349,6 +369,8 @@ class HostStore(KVStore):
             return None
         v: _SlotView = self._views[slot]  # type: ignore[assignment]
         expected = self._slot_sum[slot]
+        if out is None and _copyhash is not None:  # `take`, or a get without an output
+            out = torch.empty(v.shape, dtype=v.dtype)
         # The kernel's case written out here (a call costs 5% of an 8 KiB read).
         if (_copyhash is not None and out is not None and out.dtype is v.dtype
                 and out.shape == v.shape and out.is_cpu and not out.is_neg()
@@ -358,7 +380,7 @@ class HostStore(KVStore):
                   == expected or not self.verify)
             t = out
         else:
-            t, ok = self._read(v, out, expected)
+            t, ok = self._read_torch(v, out, expected)
         if not ok:  # `t` holds bytes nobody may use
             self._count_corrupt("checksum", key, "host slot changed since put")
             del self.entries[key]
@@ -369,18 +391,10 @@ class HostStore(KVStore):
         st.get_bytes += v.nbytes
         return t
 
-    def _read(self, v: _SlotView, out: torch.Tensor | None, expected: int
-              ) -> tuple[torch.Tensor, bool]:
-        """The slot's bytes copied into `out` (or a fresh tensor), and whether they match
-        `expected` (always True unless `verify`)."""
-        if out is None and _copyhash is not None:
-            out = torch.empty(v.shape, dtype=v.dtype)
-        runs = v.runs_of(out) if out is not None else None
-        if runs is not None:
-            assert _copyhash is not None and out is not None
-            rows, row_bytes, stride = runs
-            got = _copyhash.copy(rows, row_bytes, stride, row_bytes, out.data_ptr(), v.addr)
-            return out, not self.verify or got == expected
+    def _read_torch(self, v: _SlotView, out: torch.Tensor | None, expected: int
+                    ) -> tuple[torch.Tensor, bool]:
+        """What the kernel does not take: the slot's bytes copied by torch into `out` (or a
+        fresh tensor), and whether they match `expected` (always True unless `verify`)."""
         side = (CHECKER.submit([v.raw], [expected])
                 if self.verify and CHECKER.worth_it(v.nbytes) else None)
         try:
