@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import importlib.util
 import math
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import click
 
@@ -16,7 +18,73 @@ if TYPE_CHECKING:
     from .replay import PreparedTrace
 
 
-@click.group()
+class _Lazy(NamedTuple):
+    """A command imported only when it runs: `serve`, `arms` and `route` pull in torch and
+    FastAPI (seconds), which `kvheat --help`, `--version`, `replay` and `doctor` never need."""
+
+    module: str
+    attr: str
+    needs: tuple[str, ...]  # its extra's packages: listed only when they are installed
+    extra: str
+    short_help: str  # for `kvheat --help`, which must not import the module
+
+
+_LAZY = {
+    "arms": _Lazy("kvheat.server.cli", "arms_command", ("torch", "fastapi"), "server",
+                  "Print P99 TTFT and prefix hit rate per A/B arm of a running server."),
+    "doctor": _Lazy("kvheat.doctor.cli", "doctor_command", ("prometheus_client",), "server",
+                    "Rank the likely causes of an SLO breach or a hit-rate drop."),
+    "route": _Lazy("kvheat.router.cli", "route_command", ("torch", "fastapi"), "server",
+                   "Route OpenAI requests to replicas by a global prefix index."),
+    "serve": _Lazy("kvheat.server.cli", "serve_command", ("torch", "fastapi"), "server",
+                   "Serve an OpenAI-compatible API on the kvheat cache."),
+}
+
+
+def _installed(packages: tuple[str, ...]) -> bool:
+    return all(importlib.util.find_spec(p) is not None for p in packages)  # imports none
+
+
+class _Group(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        lazy = [n for n, c in _LAZY.items() if _installed(c.needs)]
+        return sorted({*super().list_commands(ctx), *lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        lazy = _LAZY.get(cmd_name)
+        if lazy is None or cmd_name in self.commands:
+            return super().get_command(ctx, cmd_name)
+        try:
+            cmd = getattr(importlib.import_module(lazy.module), lazy.attr)
+        except ImportError as e:
+            raise click.UsageError(f"`kvheat {cmd_name}` needs the {lazy.extra} extra "
+                                   f"(pip install 'kvheat[{lazy.extra}]'): {e}") from None
+        self.add_command(cmd, cmd_name)
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.commands.get(name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(formatter.width - 6 - len(name))))
+            elif cmd is None:
+                rows.append((name, _LAZY[name].short_help))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kvheat")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown (not installed)"
+
+
+@click.group(cls=_Group)
+@click.version_option(_version(), "--version", prog_name="kvheat",
+                      message="%(prog)s %(version)s")
 def main() -> None:
     """kvheat: a KV-cache manager for LLM inference."""
 
@@ -93,6 +161,11 @@ def _check_memory(pt: PreparedTrace, caps: list[int], hold: bool, replicas: int 
 _REPLICA_BYTES = 256 * 1024  # a replica's cache, policy and router state, less its blocks
 
 
+# Every policy worth comparing, kvheat (the default of the engine and server) and LRU-K
+# included; Belady last, the offline bound the "gap" column measures against.
+DEFAULT_POLICIES = "lru,arc,s3fifo,twoq,lruk,kvheat,belady"
+
+
 def _given(ctx: click.Context, name: str) -> bool:
     src = ctx.get_parameter_source(name)
     return src is not None and src is not click.core.ParameterSource.DEFAULT
@@ -108,7 +181,7 @@ def _given(ctx: click.Context, name: str) -> bool:
                    "Sizes whose blocks would not fit in this machine's free memory are "
                    "refused.")
 @click.option("--policy", "policies", default=None,
-              help="Eviction policies, comma-separated [default: lru,arc,s3fifo,twoq,belady; "
+              help=f"Eviction policies, comma-separated [default: {DEFAULT_POLICIES}; "
                    "with --replicas: kvheat].")
 @click.option("--block-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens per block.")
@@ -230,7 +303,7 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
     if trace == "builtin" and fmt != "auto":
         raise click.BadParameter("the built-in workload has no file format", param_hint="--format")
     if policies is None:
-        policies = "kvheat" if replicas is not None else "lru,arc,s3fifo,twoq,belady"
+        policies = "kvheat" if replicas is not None else DEFAULT_POLICIES
     pols = _names(policies, "--policy", "policy")
     unknown = [p for p in pols if p not in policy_names()]
     if unknown:
@@ -377,31 +450,6 @@ def _replay_cluster(pt, name: str, caps: list[int], pols: list[str], names: list
     _write(write_json, summary, json_path, "--json")
     _write(lambda s, p: plot([s], p), summary, plot_path, "--plot")
 
-
-def _register_optional_commands() -> None:
-    # The engine and server pull in torch and FastAPI: only when those extras are installed.
-    try:
-        from .server.cli import arms_command, serve_command
-    except ImportError:
-        pass
-    else:
-        main.add_command(serve_command, "serve")
-        main.add_command(arms_command, "arms")
-    try:
-        from .router.cli import route_command
-    except ImportError:
-        pass
-    else:
-        main.add_command(route_command, "route")
-    try:
-        from .doctor.cli import doctor_command
-    except ImportError:
-        pass
-    else:
-        main.add_command(doctor_command, "doctor")
-
-
-_register_optional_commands()
 
 if __name__ == "__main__":
     main()

@@ -263,7 +263,8 @@ def _route(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: dict[str, Any]
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
     monkeypatch.setattr("gc.freeze", lambda: None)
     monkeypatch.setenv("KVHEAT_EVENTS_SECRET", env_secret)
-    argv = ["--replica", "http://127.0.0.1:1", *args]
+    # port 0: the route command checks that it can listen, and 9000 may be taken here
+    argv = ["--replica", "http://127.0.0.1:1", "--port", "0", *args]
     if data is not None:
         argv += ["--config", str(_write(tmp_path, data, "json"))]
     res = CliRunner().invoke(route_command, argv)

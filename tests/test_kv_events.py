@@ -114,6 +114,7 @@ def test_schema_is_vllms_layout() -> None:
     assert isinstance(decode_batch(future).events[0], AllBlocksCleared)
 
 
+@pytest.mark.vllm
 def test_vllm_decodes_ours_and_we_decode_vllms() -> None:
     kv = pytest.importorskip("vllm.distributed.kv_events")
     ours = KVEventBatch(ts=3.0, events=[
@@ -299,6 +300,7 @@ def test_the_engine_thread_never_waits_on_the_socket() -> None:
         pub.close()
 
 
+@pytest.mark.vllm
 def test_vllms_own_publisher_feeds_the_router_index() -> None:
     """vLLM's ZmqEventPublisher (PUB + replay) publishing what its block pool would for a
     salted request: our subscriber takes it, and the index places it under the keys

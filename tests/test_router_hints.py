@@ -127,10 +127,11 @@ def test_a_vllm_body_carries_the_session_beside_the_clients_params() -> None:
     assert _sent(body, "tenant:acme", "header:ab12") == {
         "model": "m", "prompt": "hi", "cache_salt": "tenant:acme",
         "kv_transfer_params": {SESSION_PARAM: "header:ab12"}}
-    # The client's own parameters stay, and a session it named itself wins.
+    # The client's own parameters stay, but not a tenant (the client's claim: only the
+    # router's vouched one goes, tests/test_trust.py), and a session it named itself wins.
     mine = {**body, "kv_transfer_params": {"tenant": "acme", "do_remote_decode": False}}
     assert _sent(mine, None, "header:ab12")["kv_transfer_params"] == {
-        "tenant": "acme", "do_remote_decode": False, SESSION_PARAM: "header:ab12"}
+        "do_remote_decode": False, SESSION_PARAM: "header:ab12"}
     named = {**body, "kv_transfer_params": {SESSION_PARAM: "theirs"}}
     assert _sent(named, None, "header:ab12")["kv_transfer_params"] == {SESSION_PARAM: "theirs"}
     # Not an object: left for vLLM to refuse; null: as if absent.

@@ -102,6 +102,7 @@ def test_the_kvheat_policy_prefers_a_tier_hit_and_charges_it_the_tiers_cost() ->
     assert d.scores == [cfg.shared_tier_efficiency * 4 * BS, cfg.local_tier_efficiency * 4 * BS]
 
 
+@pytest.mark.vllm
 def test_connector_events_reach_the_index_through_vllms_own_publisher() -> None:
     """vLLM's ZmqEventPublisher (what `--kv-events-config` starts) carrying one step's
     batch: its pool's stores, then the connector's tier events, as the scheduler joins

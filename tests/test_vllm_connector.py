@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+pytestmark = pytest.mark.vllm
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
@@ -38,6 +39,7 @@ from bench._lib.models import save_tiny_model  # noqa: E402
 from bench._lib.peers import vllm_env  # noqa: E402
 from bench._lib.procs import Redis, free_port, stop, wait_ready  # noqa: E402
 from kvheat.cache.hints import SESSION_PARAM  # noqa: E402
+from kvheat.cache.tenancy import TenantVouch  # noqa: E402
 from kvheat.integrations.vllm_blocks import VLLMDeviceBlocks  # noqa: E402
 from kvheat.integrations.vllm_connector import ConnectorConfig, TierMirror  # noqa: E402
 
@@ -47,6 +49,7 @@ POOL_BLOCKS = 16
 MAX_LEN = (POOL_BLOCKS - 1) * BLOCK  # vLLM: a request must fit the pool less one block
 STEP_TOKENS = 128  # tokens per step: longer prompts are prefilled in chunks
 SECRET = "kvheat-vllm-connector-test-secret"
+TENANTS = TenantVouch(SECRET)  # the servers' tenant secret: what kvheat route would send
 
 
 # ---- the device blocks over vLLM's KV tensors ---------------------------------------------------
@@ -223,7 +226,8 @@ def _start(name: str, tmp: Path, extra: list[str]) -> Server:
            str(MAX_LEN), "--max-num-seqs", "8", "--seed", "0",
            # Chunked prefill: a prompt takes several steps, each saving what it filled.
            "--enable-chunked-prefill", "--max-num-batched-tokens", str(STEP_TOKENS), *extra]
-    env = {**vllm_env(1, tmp / name), "PYTHONPATH": str(ROOT), "KVHEAT_TIER_SECRET": SECRET}
+    env = {**vllm_env(1, tmp / name), "PYTHONPATH": str(ROOT), "KVHEAT_TIER_SECRET": SECRET,
+           "KVHEAT_TENANT_SECRET": SECRET}
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
                             cwd=str(tmp))
     return Server(name, f"http://127.0.0.1:{port}", proc, log)
@@ -270,7 +274,10 @@ def _complete(server: Server, prompt: list[int], max_tokens: int = 16,
               tenant: str | None = None, session: str | None = None) -> Answer:
     body: dict = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                   "temperature": 0.0, "return_token_ids": True, "ignore_eos": True}
-    params = {"tenant": tenant, SESSION_PARAM: session}
+    params: dict = {SESSION_PARAM: session}
+    if tenant is not None:  # as kvheat route sends it: keyed salt, tenant vouched for
+        body["cache_salt"] = salt = TENANTS.cache_salt("tenant:" + tenant)
+        params.update(TENANTS.params(tenant, salt))
     if tenant is not None or session is not None:
         body["kv_transfer_params"] = {k: v for k, v in params.items() if v is not None}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
@@ -412,6 +419,22 @@ def test_one_tenants_prefix_never_loads_for_another(cluster) -> None:
     _flood(s, 13)
     again = _complete(s, prompt, tenant="acme")
     assert again.cached == 10 * BLOCK and again.tokens == a.tokens
+    # A client reaching vLLM directly and naming acme itself (no router MAC; no salt, the
+    # old public one, even acme's keyed one): none of acme's tier blocks, each refusal
+    # counted (tests/test_trust.py; docs/vllm.md, "Trust boundaries").
+    refused = _metric(s, "kvheat_connector_refused_tenants_total", reason="unvouched")
+    claims = [{}, {"cache_salt": "tenant:acme"},
+              {"cache_salt": TENANTS.cache_salt("tenant:acme")}]
+    for i, claim in enumerate(claims):
+        _flood(s, 14 + i)
+        r = httpx.post(s.url + "/v1/completions", timeout=300, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+            "kv_transfer_params": {"tenant": "acme"}, **claim})
+        assert r.status_code == 200, r.text
+        details = r.json()["usage"].get("prompt_tokens_details") or {}
+        assert (details.get("cached_tokens") or 0) == 0, claim
+    assert _wait_metric(s, "kvheat_connector_refused_tenants_total", refused + 3,
+                        reason="unvouched") == refused + 3
 
 
 def test_kv_events_show_a_router_the_blocks_held_in_the_tiers(cluster) -> None:

@@ -40,12 +40,15 @@ def test_the_check_names_the_package_and_the_command(broken_torchvision: Path) -
     assert "torchvision" in line and FIX in line and "nms" in line
 
 
+@pytest.mark.vllm
 def test_a_healthy_environment_passes() -> None:
+    pytest.importorskip("vllm")
     r = _run(["-m", "kvheat.integrations.vllm_env"], None)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ok")
 
 
+@pytest.mark.vllm
 def test_the_integration_import_says_what_to_run(broken_torchvision: Path) -> None:
     pytest.importorskip("vllm")
     r = _run(["-c", "import kvheat.integrations.vllm"], broken_torchvision)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
+pytestmark = pytest.mark.vllm
 
 from test_vllm_offload import _chain_request  # noqa: E402
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope  # noqa: E402

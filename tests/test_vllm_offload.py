@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
+pytestmark = pytest.mark.vllm
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

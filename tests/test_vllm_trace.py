@@ -51,6 +51,7 @@ def test_kv_events_errors_name_the_line(tmp_path: Path) -> None:
         load_kv_events(_write(tmp_path / "ok.jsonl", [[0.0, [_stored([1], None)]]]), 24)
 
 
+@pytest.mark.vllm
 def test_real_vllm_event_batches_read_back(tmp_path: Path) -> None:
     msgspec = pytest.importorskip("msgspec")
     kv = pytest.importorskip("vllm.distributed.kv_events")
@@ -90,6 +91,7 @@ def test_request_log_hashes_prompts_into_chained_blocks(tmp_path: Path) -> None:
     assert a[:2] == b[:2] and a[2] != b[2]
 
 
+@pytest.mark.vllm
 def test_real_vllm_request_logger_lines_are_read(tmp_path: Path) -> None:
     rl = pytest.importorskip("vllm.entrypoints.serve.utils.request_logger")
     from vllm.logger import _DATE_FORMAT, _FORMAT  # vLLM's own log line layout

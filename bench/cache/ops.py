@@ -28,6 +28,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 if not __package__:  # run as `python bench/cache/ops.py`: import from the repo root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
@@ -283,11 +287,36 @@ def serve_peer(name: str) -> None:
         print(Peer.MARK + json.dumps(fn()), flush=True)
 
 
+def load_b_table(res: dict, absent: dict[str, str]) -> Table:
+    """Load B per system; the ratio column only when a peer ran, and a footer line for each
+    peer that did not, saying why (`absent`: name -> reason)."""
+    from rich.table import Table
+
+    ran = [name for name in res if name != "kvheat"]
+    t = Table(title="Load B: 2,000 requests × 640 tokens over 8 shared 512-token prefixes "
+                    "(µs per request, medians"
+                    + ("; ratio: median and range of the rounds' ratios)" if ran else ")"),
+              caption="\n".join(f"no {name}: {why}" for name, why in absent.items()) or None,
+              caption_justify="left")
+    cols = ["system", "hash", "lookup", "allocate", "free", "total (no hash)", "hit rate"]
+    for col in cols + (["kvheat ÷ peer"] if ran else []):
+        t.add_column(col, justify="right" if col != "system" else "left", no_wrap=True)
+    for name in ("kvheat", *ran):
+        b = res[name] if name != "kvheat" else res["kvheat"]["B"]
+        ratio = [fmt_ratio(b["kvheat_over_peer"]) if name != "kvheat" else ""] if ran else []
+        t.add_row(name, f"{b.get('hash_us', float('nan')):.1f}", f"{b['lookup_us']:.1f}",
+                  f"{b.get('allocate_us', b.get('insert_us', 0.0)):.1f}", f"{b.get('free_us', 0.0):.1f}",
+                  f"{b_total(b):.1f}", f"{b['hit_rate']:.1%}", *ratio)
+    return t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=str(RESULTS / "cache" / "ops.json"))
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (at least 3)")
     ap.add_argument("--vllm-python", default=None)
+    ap.add_argument("--no-peer", action="store_true",
+                    help="kvheat alone: run neither vLLM nor SGLang")
     ap.add_argument("--peer", choices=["vllm", "sglang"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     gc.disable()  # the collector's pauses are noise here; the peers run the same way
@@ -301,10 +330,15 @@ def main() -> None:
     report: dict = {"rounds": args.rounds}
     check_quiet(report, "start")
     peers: list[Peer] = []
-    vllm_py = find_vllm_python(args.vllm_python)
+    absent: dict[str, str] = {}  # a peer not run -> why (said under the table)
+    vllm_py = None if args.no_peer else find_vllm_python(args.vllm_python)
     if vllm_py:
         peers.append(Peer("vllm", vllm_py))
-    if os.environ.get("KVHEAT_SGLANG_PYTHON"):
+    else:
+        absent["vllm"] = ("--no-peer" if args.no_peer else
+                          "vLLM is not installed (`make vllm`, --vllm-python or "
+                          "$KVHEAT_VLLM_PYTHON)")
+    if os.environ.get("KVHEAT_SGLANG_PYTHON") and not args.no_peer:
         peers.append(Peer("sglang", os.environ["KVHEAT_SGLANG_PYTHON"]))
     runs: dict[str, list[dict]] = {"kvheat": [], **{p.name: [] for p in peers}}
     try:
@@ -326,6 +360,9 @@ def main() -> None:
             res[p.name] = median_of(runs[p.name])
             res[p.name]["kvheat_over_peer"] = paired_ratio(
                 [b_total(r["B"]) for r in runs["kvheat"]], [b_total(r) for r in runs[p.name]])
+        else:
+            absent[p.name] = (f"failed in {len(runs['kvheat']) - len(runs[p.name])} of "
+                              f"{len(runs['kvheat'])} rounds (see the errors above)")
     a = res["kvheat"]["A"]
     con = table_console()
     t = Table(title=f"Load A: 12,000-token prompts, {BS}-token blocks, 50% shared prefix "
@@ -338,20 +375,7 @@ def main() -> None:
     t.add_row("allocate + free, 50% hit", f"{a['alloc_free_cold_us_per_block']:.2f}", "< 2")
     t.add_row("allocate + free, 100% hit", f"{a['alloc_free_warm_us_per_block']:.2f}", "< 2")
     print_uncut(t, con)
-    t = Table(title="Load B: 2,000 requests × 640 tokens over 8 shared 512-token prefixes "
-                    "(µs per request, medians; ratio: median and range of the rounds' ratios)")
-    for col in ("system", "hash", "lookup", "allocate", "free", "total (no hash)", "hit rate",
-                "kvheat ÷ peer"):
-        t.add_column(col, justify="right" if col != "system" else "left", no_wrap=True)
-    for name in ("kvheat", *(p.name for p in peers)):
-        if name not in res:
-            continue
-        b = res[name] if name != "kvheat" else res["kvheat"]["B"]
-        ratio = fmt_ratio(b["kvheat_over_peer"]) if name != "kvheat" else ""
-        t.add_row(name, f"{b.get('hash_us', float('nan')):.1f}", f"{b['lookup_us']:.1f}",
-                  f"{b.get('allocate_us', b.get('insert_us', 0.0)):.1f}", f"{b.get('free_us', 0.0):.1f}",
-                  f"{b_total(b):.1f}", f"{b['hit_rate']:.1%}", ratio)
-    print_uncut(t, con)
+    print_uncut(load_b_table(res, absent), con)
     report["results"] = res
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

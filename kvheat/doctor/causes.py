@@ -29,6 +29,18 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
 
+def _dict(x: object) -> dict[str, Any]:
+    """A part of /admin/stats that should be an object; anything else reads as empty."""
+    return x if isinstance(x, dict) else {}
+
+
+def _number(x: object) -> float | None:
+    """A figure of /admin/stats: a finite int or float (not a bool), else None."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
 @dataclass
 class Snapshot:
     """Two scrapes `dt` seconds apart (and /admin/stats at both ends, when given)."""
@@ -38,6 +50,15 @@ class Snapshot:
     dt: float
     admin_a: dict[str, Any] | None = None
     admin_b: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        # NaN is Prometheus' "no data" (a rate over an empty window, an unset gauge): the
+        # series has no value over the window, so it leaves both ends (kept at one end, a
+        # counter would count from zero there).
+        gone = {k for s in (self.a, self.b) for k, v in s.items() if math.isnan(v)}
+        if gone:
+            self.a = {k: v for k, v in self.a.items() if k not in gone}
+            self.b = {k: v for k, v in self.b.items() if k not in gone}
 
     @staticmethod
     def _match(labels: tuple[tuple[str, str], ...], want: dict[str, str]) -> bool:
@@ -140,8 +161,9 @@ def capacity(s: Snapshot) -> Finding:
     # token was cached once and evicted before its reuse; holding them all needs at least
     # that many more tokens of KV (a longer window sees a longer reuse distance). Blocks:
     # tokens / block size, where /admin/stats gives the block size; /metrics does not.
-    bs = next((a.get("block_size") for a in s.arms_admin("b").values()
-               if isinstance(a, dict) and a.get("block_size")), None)
+    bs = next((b for a in s.arms_admin("b").values()
+               if (b := _dict(a).get("block_size")) and isinstance(b, int)
+               and not isinstance(b, bool) and b > 0), None)
     need = (f"about {math.ceil(cap / bs)} more blocks of {bs} tokens" if bs
             else f"room for about {int(cap)} more tokens of KV")
     why = ("the replay of recent traffic needs --admin-url (GET /admin/recent-keys)"
@@ -205,9 +227,9 @@ def tenant_quota(s: Snapshot) -> Finding:
     if top in blocks:
         ev[f"kvheat_tenant_blocks{{tenant={top}}}"] = blocks[top]
     for arm in s.arms_admin("b").values():
-        quota = ((arm.get("tenants") or {}).get(top) or {}) if isinstance(arm, dict) else {}
-        if quota.get("quota"):
-            ev[f"admin tenants.{top}.quota"] = float(quota["quota"])
+        quota = _number(_dict(_dict(_dict(arm).get("tenants")).get(top)).get("quota"))
+        if quota:
+            ev[f"admin tenants.{top}.quota"] = quota
     action = (f"Tenant {top!r} takes {share:.0%} of the preemptions: raise its quota "
               "(PUT /admin/tenants/{tenant}/quota) if it should have more of the pool, or "
               "rate-limit it; other tenants are unaffected if the quota is what it should be.")
@@ -231,12 +253,12 @@ def entropy_drift(s: Snapshot) -> Finding:
     signal, ev = 0.0, {}
     arms_a, arms_b = s.arms_admin("a"), s.arms_admin("b")
     for name, b in arms_b.items():
-        ra = (arms_a.get(name) or {}).get("regime") if isinstance(arms_a.get(name), dict) else None
-        rb = b.get("regime") if isinstance(b, dict) else None
+        ra = _dict(_dict(arms_a.get(name)).get("regime"))
+        rb = _dict(_dict(b).get("regime"))
         if not ra or not rb:
             continue
-        ea, eb = ra.get("entropy_bits"), rb.get("entropy_bits")
-        if isinstance(ea, (int, float)) and isinstance(eb, (int, float)):
+        ea, eb = _number(ra.get("entropy_bits")), _number(rb.get("entropy_bits"))
+        if ea is not None and eb is not None:
             # Below one bit the traffic is about one prefix: changes there are noise.
             rel = abs(eb - ea) / max(ea, eb, 1.0)
             signal = max(signal, _clamp(rel / 0.5))  # entropy moved by half: full weight
@@ -438,7 +460,12 @@ def _long_pauses(s: Snapshot, name: str, **want: str) -> tuple[float, float]:
     window, from a histogram's bucket counters: each pause counted at its bucket's floor."""
     cum: dict[float, float] = {}
     for le, v in s.deltas(name + "_bucket", "le", **want).items():
-        bound = float("inf") if le == "+Inf" else float(le)
+        try:
+            bound = float(le)  # "+Inf" included
+        except ValueError:
+            continue  # not a bucket bound: no pause to count
+        if math.isnan(bound):
+            continue
         cum[bound] = cum.get(bound, 0.0) + v
     n, lost, below, floor = 0.0, 0.0, 0.0, 0.0
     for bound in sorted(cum):

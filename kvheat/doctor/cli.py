@@ -15,29 +15,36 @@ from ..replay.report import print_uncut
 from .causes import FLOOR, Finding, Snapshot, diagnose
 from .prometheus import parse_time, snapshot
 from .replay import with_recent_keys
-from .scrape import MAX_BYTES, DoctorError, admin_stats, scrape
+from .scrape import MAX_BYTES, TIMEOUT_S, DoctorError, admin_stats, scrape, with_path
 
 
 def run_doctor(url: str, window: float, token: str | None = None,
                admin_url: str | None = None, admin_token: str | None = None,
-               floor: float = FLOOR, max_bytes: int = MAX_BYTES) -> list[Finding]:
-    """Scrape twice, `window` seconds apart; the findings, most likely first."""
-    adm_a = admin_stats(admin_url, admin_token, max_bytes) if admin_url else None
-    a = scrape(url, token, max_bytes)
+               floor: float = FLOOR, max_bytes: int = MAX_BYTES,
+               timeout_s: float = TIMEOUT_S) -> list[Finding]:
+    """Scrape twice, `window` seconds apart; the findings, most likely first. A URL with
+    no path is the server's address: its /metrics (and /admin/stats) is read."""
+    url = with_path(url, "/metrics")
+    admin_url = with_path(admin_url, "/admin/stats") if admin_url else None
+    adm_a = admin_stats(admin_url, admin_token, max_bytes, timeout_s) if admin_url else None
+    a = scrape(url, token, max_bytes, timeout_s)
     t0 = time.monotonic()
     time.sleep(window)
-    b = scrape(url, token, max_bytes)
+    b = scrape(url, token, max_bytes, timeout_s)
     dt = time.monotonic() - t0
-    adm_b = admin_stats(admin_url, admin_token, max_bytes) if admin_url else None
-    adm_b = with_recent_keys(adm_b, admin_url, admin_token, max_bytes)  # capacity's replay
+    adm_b = admin_stats(admin_url, admin_token, max_bytes, timeout_s) if admin_url else None
+    adm_b = with_recent_keys(adm_b, admin_url, admin_token, max_bytes,
+                             timeout_s)  # capacity's replay
     return diagnose(Snapshot(a, b, dt, adm_a, adm_b), floor)
 
 
 def run_doctor_prometheus(prometheus: str, start: float, end: float, match: str | None = None,
                           token: str | None = None, floor: float = FLOOR,
-                          max_bytes: int = MAX_BYTES) -> list[Finding]:
+                          max_bytes: int = MAX_BYTES,
+                          timeout_s: float = TIMEOUT_S) -> list[Finding]:
     """The same findings from a Prometheus server's samples at `start` and `end`."""
-    return diagnose(snapshot(prometheus, start, end, match, token, max_bytes), floor)
+    return diagnose(snapshot(prometheus, start, end, match, token, max_bytes, timeout_s),
+                    floor)
 
 
 def _fmt(v: float) -> str:
@@ -92,13 +99,22 @@ def _utc(t: float) -> str:
 @click.option("--fail-on-findings", is_flag=True, help="Exit 1 when anything is found.")
 @click.option("--max-bytes", type=click.IntRange(min=1), default=MAX_BYTES, show_default=True,
               help="Refuse a /metrics (or Prometheus) answer larger than this.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1, max=3600),
+              default=TIMEOUT_S, show_default=True,
+              help="Seconds each fetch (of URL, the admin API or Prometheus) may take in "
+                   "all, body included; past it: an error, exit 2.")
 def doctor_command(url: str | None, token: str | None, window: float | None,
                    admin_url: str | None, admin_token: str | None, prometheus: str | None,
                    start: str, end: str, selector: str | None, prometheus_token: str | None,
-                   as_json: bool, fail_on_findings: bool, max_bytes: int) -> None:
+                   as_json: bool, fail_on_findings: bool, max_bytes: int,
+                   timeout_s: float) -> None:
     """Rank the likely causes of an SLO breach or a hit-rate drop: on a live server, from
-    two scrapes of its /metrics URL `--window` seconds apart; or, with `--prometheus`, from
-    that server's samples of kvheat's series at `--start` and `--end`."""
+    two scrapes of its /metrics URL `--window` seconds apart (a URL with no path, like
+    http://host:8000, means its /metrics); or, with `--prometheus`, from that server's
+    samples of kvheat's series at `--start` and `--end`.
+
+    Exit codes: 0 done, 1 findings with --fail-on-findings, 2 an unusable input (one
+    `error:` line)."""
     if (url is None) == (prometheus is None):
         raise click.UsageError("give a /metrics URL or --prometheus URL (one of them)")
     if prometheus is not None and (window is not None or admin_url is not None):
@@ -109,12 +125,13 @@ def doctor_command(url: str | None, token: str | None, window: float | None,
             now = time.time()
             t0, t1 = parse_time(start, now), parse_time(end, now)
             findings = run_doctor_prometheus(prometheus, t0, t1, selector, prometheus_token,
-                                             max_bytes=max_bytes)
+                                             max_bytes=max_bytes, timeout_s=timeout_s)
             span = f"{_utc(t0)}..{_utc(t1)} ({t1 - t0:g} s, from Prometheus)"
         else:
             assert url is not None
             w = 10.0 if window is None else window
-            findings = run_doctor(url, w, token, admin_url, admin_token, max_bytes=max_bytes)
+            findings = run_doctor(url, w, token, admin_url, admin_token, max_bytes=max_bytes,
+                                  timeout_s=timeout_s)
             span = f"a {w:g} s window"
     except DoctorError as e:
         click.echo(f"kvheat doctor: error: {e}", err=True)

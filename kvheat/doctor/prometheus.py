@@ -11,7 +11,6 @@ as on the live path).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
@@ -19,7 +18,7 @@ import urllib.parse
 from datetime import datetime
 
 from .causes import Snapshot
-from .scrape import MAX_BYTES, DoctorError, Scrape, fetch
+from .scrape import MAX_BYTES, TIMEOUT_S, DoctorError, Scrape, fetch, loads_json, sample_value
 
 SERIES = "kvheat_.*"
 # A relative time: "-15m", "-1h30m", "-90s" (Prometheus' duration units).
@@ -69,8 +68,8 @@ def selector(match: str | None) -> str:
 
 
 def _samples(answer: bytes, where: str) -> list[tuple[dict[str, str], float]]:
+    out = loads_json(answer, where)  # every number finite (a time, here)
     try:
-        out = json.loads(answer)
         if not isinstance(out, dict):
             raise ValueError("not a JSON object")
         if out.get("status") != "success":
@@ -82,28 +81,33 @@ def _samples(answer: bytes, where: str) -> list[tuple[dict[str, str], float]]:
         res: list[tuple[dict[str, str], float]] = []
         for r in data["result"]:
             labels = {str(k): str(v) for k, v in r["metric"].items()}
-            res.append((labels, float(r["value"][1])))
+            # The value is a string: "NaN" is legal (no data; Snapshot drops it), ±Inf
+            # or an overflowing number is not a kvheat figure.
+            v = sample_value(float(r["value"][1]), labels.get("__name__", "?"), where)
+            res.append((labels, v))
         return res
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise DoctorError(f"{where}: not a Prometheus query answer ({e})") from None
 
 
 def query(base: str, promql: str, at: float, token: str | None = None,
-          max_bytes: int = MAX_BYTES, timeout_s: float = 10.0) -> list[tuple[dict[str, str], float]]:
+          max_bytes: int = MAX_BYTES, timeout_s: float = TIMEOUT_S) -> list[tuple[dict[str, str], float]]:
     """One instant query at unix time `at`: [(labels with __name__, value)]."""
     qs = urllib.parse.urlencode({"query": promql, "time": f"{at:.3f}",
                                  "timeout": f"{max(1, int(timeout_s))}s"})
     where = base.rstrip("/") + "/api/v1/query"
     return _samples(fetch(where + "?" + qs, token, max_bytes, timeout_s,
-                          accept="application/json", where=where), where)
+                          accept="application/json", where=where,
+                          expect="a Prometheus server's base URL, e.g. http://prom:9090"),
+                    where)
 
 
 def kvheat_scrape(base: str, at: float, match: str | None = None, token: str | None = None,
-                  max_bytes: int = MAX_BYTES) -> Scrape:
+                  max_bytes: int = MAX_BYTES, timeout_s: float = TIMEOUT_S) -> Scrape:
     """Every kvheat series the selector matches at `at`, as a /metrics scrape would give them
     (`_created` samples left out, as parse_metrics does)."""
     out: Scrape = {}
-    for labels, v in query(base, selector(match), at, token, max_bytes):
+    for labels, v in query(base, selector(match), at, token, max_bytes, timeout_s):
         name = labels.pop("__name__", "")
         if name.endswith("_created"):
             continue
@@ -116,7 +120,8 @@ def _iso(t: float) -> str:
 
 
 def snapshot(base: str, start: float, end: float, match: str | None = None,
-             token: str | None = None, max_bytes: int = MAX_BYTES) -> Snapshot:
+             token: str | None = None, max_bytes: int = MAX_BYTES,
+             timeout_s: float = TIMEOUT_S) -> Snapshot:
     """The two scrapes, at `start` and at `end`, as a Snapshot (no /admin/stats: it is live
     state, not history). A series missing at `start` (the server started inside the range)
     counts from zero, as a fresh server's counters do."""
@@ -125,11 +130,11 @@ def snapshot(base: str, start: float, end: float, match: str | None = None,
                           f"({_iso(start)})")
     if end > time.time() + 60:
         raise DoctorError(f"bad range: the end ({_iso(end)}) is in the future")
-    b = kvheat_scrape(base, end, match, token, max_bytes)
+    b = kvheat_scrape(base, end, match, token, max_bytes, timeout_s)
     if not b:
         raise DoctorError(f"{base}: no kvheat_ series matching {selector(match)} at the "
                           f"range's end ({_iso(end)}; Prometheus looks back 5m by default): "
                           "check --selector, and that it scraped kvheat then")
-    a = kvheat_scrape(base, start, match, token, max_bytes)
+    a = kvheat_scrape(base, start, match, token, max_bytes, timeout_s)
     return Snapshot(a, b, end - start)
 

@@ -11,14 +11,13 @@ policy, at the current pool size and at growing ones.
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..replay import PreparedTrace, TraceRequest, replay
-from .scrape import MAX_BYTES, DoctorError, fetch
+from .scrape import MAX_BYTES, TIMEOUT_S, DoctorError, fetch, loads_json
 
 MAX_REQUESTS = 2048  # prompts kept per arm
 MAX_KEYS = 65_536  # block keys kept per arm: the answer stays well under 1 MiB per arm
@@ -82,25 +81,23 @@ def recent_keys_url(admin_url: str) -> str:
 
 
 def fetch_recent_keys(admin_url: str, token: str | None = None,
-                      max_bytes: int = MAX_BYTES) -> dict[str, Any]:
+                      max_bytes: int = MAX_BYTES, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
     url = recent_keys_url(admin_url)
-    try:
-        out = json.loads(fetch(url, token, max_bytes))
-    except ValueError as e:
-        raise DoctorError(f"{url}: not JSON ({e})") from None
+    out = loads_json(fetch(url, token, max_bytes, timeout_s), url)
     if not isinstance(out, dict) or not isinstance(out.get("arms"), dict):
         raise DoctorError(f"{url}: not a recent-keys answer (no arms)")
     return out
 
 
 def with_recent_keys(admin: dict[str, Any] | None, admin_url: str | None, token: str | None,
-                     max_bytes: int = MAX_BYTES) -> dict[str, Any] | None:
+                     max_bytes: int = MAX_BYTES,
+                     timeout_s: float = TIMEOUT_S) -> dict[str, Any] | None:
     """/admin/stats with the recent-keys record added as "recent_keys" (for `capacity`);
     a server without the endpoint (older) leaves it out, and the estimate is used."""
     if admin is None or not admin_url:
         return admin
     try:
-        admin["recent_keys"] = fetch_recent_keys(admin_url, token, max_bytes)
+        admin["recent_keys"] = fetch_recent_keys(admin_url, token, max_bytes, timeout_s)
     except DoctorError as e:
         admin["recent_keys_error"] = str(e)
     return admin

@@ -149,7 +149,7 @@ class KVHeatCachePolicy(CachePolicy):
 
     # -- lookups ---------------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:
-        return self.chunks.get(key)  # type: ignore[return-value]
+        return cast("ChunkStatus | None", self.chunks.get(key))  # a Chunk is its ChunkStatus
 
     # -- stores ----------------------------------------------------------------------
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
@@ -358,7 +358,7 @@ class KVHeatCachePolicy(CachePolicy):
             key = cast(OffloadKey, c.key)  # (set: a chunk in the heap is stored)
             del chunks[key]
             c.key = c.rec = None  # any heap entry left behind is stale; the cycle broken
-            out.append((key, c))  # type: ignore[arg-type]  # a Chunk is its ChunkStatus
+            out.append((key, cast(ChunkStatus, c)))  # a Chunk is its ChunkStatus
         self._free -= n
         return out
 

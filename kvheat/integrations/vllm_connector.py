@@ -23,10 +23,13 @@ vLLM's per-step metadata:
 
 Keys are vLLM's block hashes (whole blocks only), chained under the tenant's salt
 (`cache/hashing.tenant_salt` of `kv_transfer_params["tenant"]`): another tenant's keys
-never match, and every value read back carries the salt in its MAC. (vLLM 0.32 drops the
-OpenAI `user` field before the engine, so it cannot key anything; a request's
-`cache_salt` is already part of vLLM's block hashes, which is how `kvheat route` salts a
-vLLM replica's requests.) Blocks the tiers take or lose go out as KV events through
+never match, and every value read back carries the salt in its MAC. The tenant is the
+client's claim unless a trusted front vouches for it (`cache/tenancy.py`: `kvheat route`
+adds a MAC under the `tenant_secret` both share); an unvouched tenant is refused (its KV
+neither loaded nor saved), counted and logged. (vLLM 0.32 drops the OpenAI `user` field
+before the engine, so it cannot key anything; a request's `cache_salt` is already part of
+vLLM's block hashes, which is how `kvheat route` salts a vLLM replica's requests, with a
+keyed salt nobody else can name.) Blocks the tiers take or lose go out as KV events through
 vLLM's own publisher (`--kv-events-config`), with their medium and locality, so a router
 sees them; tier hits, bytes, faults and loads against recomputes are on vLLM's /metrics.
 
@@ -76,6 +79,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ..cache.hashing import chain_key, root_key, tenant_salt
 from ..cache.hints import Outcome, session_digest
 from ..cache.policy import policy_names
+from ..cache.tenancy import TENANT_PARAM, TENANT_SECRET_ENV, VOUCH_PARAM, TenantVouch
 from ..checks import check_value, parse_size
 from ..kvevents.schema import tier_place
 from ..tiers.client import TierClient
@@ -107,6 +111,9 @@ SHARED_SYNC_S = 0.25
 LEFT_KEYS = 8192
 # How often the worker reads its tiers' counters for the metrics.
 STATS_EVERY_S = 1.0
+# At most one log line per this many seconds about refused tenants (a client can send
+# any number of them); the count is always on the metrics.
+REFUSED_LOG_EVERY_S = 60.0
 # Tiers in the order a load prefers them (a key may sit in two with write_through).
 TIER_ORDER = ("host", "disk", "redis")
 _ANNOUNCED_PUT = 1  # tiers/shared.py's record op for a key put (2: deleted)
@@ -139,6 +146,10 @@ class ConnectorConfig:
     # Pass requests' hints (session, cancelled or finished, finish reason) to the tiers'
     # policy; false: never (every decision as without hints).
     request_hints: bool = True
+    # Keys the MAC with which a trusted front (`kvheat route`, its `tenant_secret`) vouches
+    # for `kv_transfer_params["tenant"]` (at least 16 bytes; None: $KVHEAT_TENANT_SECRET).
+    # A tenant without a valid MAC is refused, so without a secret none is accepted.
+    tenant_secret: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -159,7 +170,16 @@ class ConnectorConfig:
         if cfg.policy not in policy_names():
             raise ValueError(f"kv_connector_extra_config: policy {cfg.policy!r} is not one "
                              f"of {', '.join(policy_names())}")
+        try:
+            cfg.tenant_vouch()
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config: tenant_secret (or "
+                             f"${TENANT_SECRET_ENV}): {e}") from None
         return cfg
+
+    def tenant_vouch(self) -> TenantVouch | None:
+        """The secret that checks vouched tenants (this key, else the environment)."""
+        return TenantVouch.from_config(self.tenant_secret)
 
     def tier_spec(self, block_bytes: int) -> TierSpec:
         """The tiers, with the host tier's bytes in whole blocks of `block_bytes`."""
@@ -359,7 +379,7 @@ class KVHeatConnectorStats(KVConnectorStats):
     "used_bytes.<tier>" is a level (the latest wins)."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         out = dict(self.data)
@@ -450,6 +470,12 @@ class KVHeatPromMetrics(KVConnectorPromMetrics):
             name="kvheat_connector_hinted_entries_total",
             documentation="Tier entries of ended requests that kvheat's tier policy was told of",
             labelnames=labelnames)
+        self._refused: Any = self._counter_cls(
+            name="kvheat_connector_refused_tenants_total",
+            documentation="Requests whose kv_transfer_params named a tenant the connector "
+                          "refused (no tier loads or saves): unvouched (no valid MAC of a "
+                          "trusted front) or malformed",
+            labelnames=[*labelnames, "reason"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = self.per_engine_labelvalues.get(engine_idx)
@@ -471,6 +497,8 @@ class KVHeatPromMetrics(KVConnectorPromMetrics):
                 self._ended.labels(*values, tier, _ENDED[name]).inc(v)
             elif name == "hinted_entries" and v > 0:
                 self._hinted.labels(*values).inc(v)
+            elif name == "refused_tenant" and tier and v > 0:
+                self._refused.labels(*values, tier).inc(v)
 
 
 # ---- the connector --------------------------------------------------------------------------------
@@ -535,6 +563,10 @@ class KVHeatConnector(KVConnectorBase_V1):
         self._started: list[str] = []
         self._finished: list[FinishHint] = []
         self._session_key = os.urandom(32)
+        # Checks the MAC of a tenant named in kv_transfer_params (None: none is accepted).
+        self._vouch = self.config.tenant_vouch()
+        self._refused_logged_at = -float("inf")
+        self._refused_unlogged = 0
 
     def _track(self, request: Request) -> _Tracked:
         t = self._tracked.get(request.request_id)
@@ -560,14 +592,37 @@ class KVHeatConnector(KVConnectorBase_V1):
                               t.request.cache_salt or "", session)
 
     def _salt(self, request: Request) -> tuple[str | None, bool]:
+        """(salt, usable): the salt of the request's tenant, if a trusted front vouched
+        for it (`cache/tenancy.py`); a tenant the client named itself is refused."""
         params = request.kv_transfer_params
-        tenant = params.get("tenant") if isinstance(params, dict) else None
-        if tenant is not None and (not isinstance(tenant, str) or not tenant):
-            log.warning("request %s: kv_transfer_params.tenant must be a non-empty string; "
-                        "its KV is neither loaded from nor saved to kvheat's tiers",
-                        request.request_id)
+        tenant = params.get(TENANT_PARAM) if isinstance(params, dict) else None
+        if tenant is None:
+            return None, True
+        if not isinstance(tenant, str) or not tenant:
+            self._refuse(request, "malformed", "kv_transfer_params.tenant must be a "
+                         "non-empty string")
+            return None, False
+        assert isinstance(params, dict)
+        if self._vouch is None or not self._vouch.vouched(tenant, request.cache_salt,
+                                                          params.get(VOUCH_PARAM)):
+            self._refuse(request, "unvouched", "its tenant carries no valid MAC of a "
+                         "trusted front (kvheat route with this connector's tenant_secret)"
+                         if self._vouch is not None else "a tenant is accepted only when "
+                         "vouched for, and this connector has no tenant_secret")
             return None, False
         return tenant_salt(tenant, self.config.share_groups), True
+
+    def _refuse(self, request: Request, reason: str, why: str) -> None:
+        """Count a refused tenant; log it, at most once per REFUSED_LOG_EVERY_S."""
+        self._counts.add("refused_tenant." + reason)
+        now = time.monotonic()
+        if now - self._refused_logged_at < REFUSED_LOG_EVERY_S:
+            self._refused_unlogged += 1
+            return
+        log.warning("request %s: %s; its KV is neither loaded from nor saved to kvheat's "
+                    "tiers (%d more refused since the last such line)", request.request_id,
+                    why, self._refused_unlogged)
+        self._refused_logged_at, self._refused_unlogged = now, 0
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

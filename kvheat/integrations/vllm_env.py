@@ -11,6 +11,7 @@ says in one line what to run.
 from __future__ import annotations
 
 import importlib
+import sys
 
 # The packages that come with the vllm extra and must load with the installed torch.
 TORCH_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
@@ -55,11 +56,25 @@ def _message(name: str, e: BaseException) -> str:
             f"needs none of them: run `{FIX}` (or `make vllm`)")
 
 
-if __name__ == "__main__":  # python -m kvheat.integrations.vllm_env: check an environment
-    import sys
-
+def check_vllm() -> str:
+    """The one-line verdict on this environment: vLLM imports (its version), else raises
+    ImportError saying what is wrong: not installed, or what breaks its import."""
+    check_torch_extras()  # first: it names the fix where vLLM's own error would not
     try:
-        check_torch_extras()
-    except BrokenTorchExtras as e:
-        sys.exit(str(e))
-    print("ok: torchvision, torchaudio and torchcodec are absent or load with this torch")
+        import vllm
+    except ModuleNotFoundError as e:
+        if e.name == "vllm":
+            raise ImportError("vLLM is not installed in this environment "
+                              f"({sys.executable}): run `make vllm`") from None
+        raise import_error(e) from None
+    except Exception as e:  # an import that fails deeper: RuntimeError, OSError, ...
+        raise import_error(e) from None
+    return (f"ok: vLLM {getattr(vllm, '__version__', '(version unknown)')} imports; "
+            "torchvision, torchaudio and torchcodec are absent or load with this torch")
+
+
+if __name__ == "__main__":  # python -m kvheat.integrations.vllm_env: check an environment
+    try:
+        print(check_vllm())
+    except ImportError as e:
+        sys.exit(f"error: {e}")

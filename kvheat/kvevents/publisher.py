@@ -52,6 +52,7 @@ class PublisherConfig:
     replay_endpoint: str | None = None  # ROUTER for replay and snapshot requests (bound)
     topic: str = ""
     buffer_steps: int = 10_000  # batches kept for replay
+    buffer_bytes: int = 256 << 20  # and at most their bytes (the oldest go first)
     hwm: int = 100_000  # ZMQ high-water mark of the PUB socket
     max_queue_size: int = 100_000  # events waiting for the publisher thread
     # Operator mode: stores carry the blocks' token ids (vLLM-style consumers that hash
@@ -69,8 +70,10 @@ class PublisherConfig:
     snapshot_min_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.buffer_steps < 1 or self.hwm < 1 or self.max_queue_size < 1:
-            raise ValueError("buffer_steps, hwm and max_queue_size must be positive")
+        if self.buffer_steps < 1 or self.hwm < 1 or self.max_queue_size < 1 or \
+                self.buffer_bytes < 1:
+            raise ValueError("buffer_steps, buffer_bytes, hwm and max_queue_size must be "
+                             "positive")
         if not 0 < self.interval_s <= 1:
             raise ValueError("interval_s must be in (0, 1]")
         if not self.endpoint:
@@ -88,6 +91,7 @@ class PublisherStats:
     replays: int = 0  # replay requests served
     snapshot_asks: int = 0  # snapshot requests on the replay socket (served or deferred)
     errors: int = 0  # failures in the publisher thread (it carries on)
+    trimmed: int = 0  # batches the replay buffer let go early, over its bytes
 
 
 class KVEventPublisher:
@@ -102,7 +106,8 @@ class KVEventPublisher:
         self._overflow = False
         self._resync_asked = False
         self.ranks: set[int] = {0}  # ranks a resync clears (see `record`)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self.buffer_bytes = 0
         self._seq = itertools.count()
         self._topic = cfg.topic.encode()
         self.secret = cfg.secret or EventSecret.resolve(None)
@@ -272,7 +277,14 @@ class KVEventPublisher:
         payload = encode_batch(batch)
         seq = next(self._seq)
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
-        self._buffer.append((seq, payload))
+        buf = self._buffer
+        buf.append((seq, payload))
+        self.buffer_bytes += len(payload)
+        cfg = self.config
+        while len(buf) > cfg.buffer_steps or self.buffer_bytes > cfg.buffer_bytes:
+            if len(buf) <= cfg.buffer_steps:
+                self.stats.trimmed += 1
+            self.buffer_bytes -= len(buf.popleft()[1])
         self.stats.batches += 1
 
     def _resync(self) -> None:

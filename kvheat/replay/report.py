@@ -11,10 +11,19 @@ from rich.table import Table
 
 from .replayer import ReplayResult
 
+# Below one point of hit rate between LRU and Belady the share of it a policy closes is
+# noise (a 0.1-point gap made a 0.1-point loss read "-103%"): no share is given.
+MIN_GAP = 0.01
+GAP_LEGEND = ("gap: the share of the LRU→Belady gap a policy closes at that capacity, "
+              "(policy − LRU) / (Belady − LRU): 0% is LRU, 100% Belady (the offline "
+              "optimum), below 0 worse than LRU; \"–\" where Belady is under "
+              f"{MIN_GAP * 100:g} point above LRU (too small a gap to share out).")
+
 
 def gap_closed(rate: float, lru: float, belady: float) -> float | None:
-    """Fraction of the LRU -> Belady gap a policy closes."""
-    return (rate - lru) / (belady - lru) if belady > lru else None
+    """Fraction of the LRU -> Belady gap a policy closes; None where that gap is under
+    `MIN_GAP` (hit rates as fractions)."""
+    return (rate - lru) / (belady - lru) if belady - lru >= MIN_GAP else None
 
 
 def summarize(trace_name: str, block_tokens: int, infinite: float,
@@ -50,9 +59,11 @@ def print_table(summary: dict, console: Console | None = None) -> None:
     caps = sorted({r["capacity_tokens"] for r in summary["results"]})
     pols = list(dict.fromkeys(r["policy"] for r in summary["results"]))
     cell = {(r["policy"], r["capacity_tokens"]): r for r in summary["results"]}
+    gaps = any("gap_closed" in r for r in summary["results"])
     t = Table(title=f"{summary['trace']}: token-weighted prefix hit rate "
                     f"({summary['block_tokens']}-token blocks, infinite cache "
-                    f"{summary['infinite']:.2%})")
+                    f"{summary['infinite']:.2%})",
+              caption=GAP_LEGEND if gaps else None, caption_justify="left")
     t.add_column("policy")
     for c in caps:
         t.add_column(f"{_fmt_tokens(c)} tokens", justify="right")
@@ -63,8 +74,10 @@ def print_table(summary: dict, console: Console | None = None) -> None:
             if r is None:
                 cells.append("")
                 continue
-            g = r.get("gap_closed")
-            extra = f" ({g:+.0%} gap)" if g is not None and p not in ("lru", "belady") else ""
+            extra = ""
+            if "gap_closed" in r and p not in ("lru", "belady"):
+                g = r["gap_closed"]
+                extra = f" ({'–' if g is None else f'{g:+.0%}'} gap)"
             cells.append(f"{r['hit_rate']:.2%}{extra}")
         t.add_row(p, *cells)
     print_uncut(t, console)

@@ -4,13 +4,15 @@ Per request: the prompt is tokenized and keyed as the replicas' caches key it (t
 tokenizer and chat template, the tenant's salt from its API key; `keys.py`), the policy
 picks a replica from the prefix index (fed by the replicas' KV events) and their loads,
 and the request is proxied there with aiohttp, body and Authorization header unchanged (a
-vLLM replica also gets the tenant's salt as `cache_salt`, and the client's session, keyed,
-in `kv_transfer_params`: `hints.py`; `proxy.py`). A replica that
-cannot be reached, or answers 5xx before sending anything, is replaced by the next choice;
-one that dies mid-stream ends the stream with an error event and [DONE], never a hang (a
-silence longer than `read_timeout_s` counts as death). Health checks take replicas out and
-back; replicas join and leave through the admin API or DNS discovery (`replicas.py`).
-Every decision is counted in Prometheus metrics and traced as an OpenTelemetry span.
+vLLM replica also gets the tenant's salt, keyed, as `cache_salt`, the tenant vouched for
+and the client's session, keyed, in `kv_transfer_params`, and none of the client's own
+claims to a tenant or a priority: `hints.py`, kvheat/cache/tenancy.py; `proxy.py`). A
+replica that cannot be reached, or answers 5xx before sending anything, is replaced by the
+next choice; one that dies mid-stream ends the stream with an error event and [DONE],
+never a hang (a silence longer than `read_timeout_s` counts as death). Health checks take
+replicas out and back; replicas join and leave through the admin API or DNS discovery
+(`replicas.py`). Every decision is counted in Prometheus metrics and traced as an
+OpenTelemetry span.
 
 The two proxied endpoints are served on raw ASGI (the router's own cost per request is
 what it adds to every call); the rest (health, metrics, models, admin) is a FastAPI app.
@@ -38,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Scope
 
 from ..kvevents.secret import EventSecret
+from ..server.concurrency import ConcurrencyLimit
 from ..server.netsignals import url_endpoint
 from ..server.tracing import Tracing, end_span
 from .config import ReplicaSpec, RouterConfig, RouterConfigError
@@ -53,7 +56,7 @@ from .policy import (
     RoutingPolicy,
     make_routing_policy,
 )
-from .proxy import Forwarder, Receive, RouterError, Send, read_body, send_error
+from .proxy import Forwarder, InFlight, Receive, RouterError, Send, read_body, send_error
 from .regime import ClusterEntropy
 from .replicas import Replica, ReplicaRegistry
 
@@ -84,14 +87,27 @@ class KVHeatRouter:
         # replicas' event sockets are CURVE (kvheat/kvevents/secret.py).
         self.secret = EventSecret.from_config(config.events_secret)
         keyer = self.secret.event_key if self.secret is not None else None
-        self.index = PrefixIndex(config.ghost_factor, keyer=keyer)
+        self.index = PrefixIndex(config.ghost_factor, keyer=keyer,
+                                 max_blocks=config.index_max_blocks)
         kw: dict[str, object] = {"overload_guard": config.overload_guard,
                                  "shard_choices": config.shard_choices} \
             if config.policy == "kvheat" else {}
         self.policy: RoutingPolicy = make_routing_policy(config.policy, self.index, **kw)
         self.metrics = RouterMetrics()
+        self.in_flight = InFlight(config.max_in_flight, config.max_in_flight_bytes,
+                                  on_count=self.metrics.refused.inc)
+        assert config.max_concurrent_requests is not None  # set by the config's check
+        self.concurrency = ConcurrencyLimit(config.max_concurrent_requests, log,
+                                            "the router's open HTTP requests",
+                                            on_count=self.metrics.concurrency_refused.inc)
         self.tracing = Tracing(config.otlp_endpoint, span_exporter, service_name="kvheat-router")
         self.keys = PromptKeys(config, keyer)
+        if config.tenants and not self.keys.tenancy.configured and \
+                any(r.kind == "vllm" for r in config.replicas):
+            log.warning("no tenant secret (tenant_secret, $KVHEAT_TENANT_SECRET): vLLM "
+                        "replicas' cache salts are keyed by a key drawn now (a restart "
+                        "starts their tenants' caches afresh) and their KVHeatConnector "
+                        "is told no tenant")
         self.sessions = SessionHints(config.share_groups, config.session_secret)
         self.registry = ReplicaRegistry(config, self.index, self.policy, self.metrics,
                                         self.secret)
@@ -107,16 +123,23 @@ class KVHeatRouter:
         self._tasks: list[asyncio.Task[Any]] = []
         self._propagator = TraceContextTextMapPropagator()
         self.api = self._build_api()
-        self.app = self._build_app()
+        self.app = self.concurrency.wrap(self._build_app())
 
     # ---- one proxied request --------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send,
                      endpoint: str) -> None:
+        held = self.in_flight.admit(scope, self.config.max_body_bytes)
         try:
+            if held is None:
+                raise RouterError(503, "the router is at capacity; retry later",
+                                  "server_error", "overloaded")
             status = await self._route(scope, receive, send, endpoint)
         except RouterError as e:
             await send_error(send, e)
             status = e.status
+        finally:
+            if held is not None:
+                self.in_flight.release(held)
         if status:
             self.metrics.answered(endpoint, status)
 
@@ -179,7 +202,7 @@ class KVHeatRouter:
                 t1 = time.perf_counter()
                 if attempt == 0:
                     self.cluster.observe(rreq.keys)
-                    self.maybe_prewarm(rreq, body, tokens, auth, r, user)
+                    self.maybe_prewarm(rreq, body, tokens, auth, r, user, tenant)
                 self._record_decision(span, r, rreq, decision, t_start if attempt == 0 else t0,
                                       t1, attempt)
                 tried.add(r.name)
@@ -188,8 +211,8 @@ class KVHeatRouter:
                     if not digested:
                         session = self.sessions.session_of(session_header, user, tenant)
                         digested = True
-                    content = vllm_body(body, body_bytes, self.keys.salt(tenant)
-                                        if tenant is not None else None, session)
+                    cache_salt, vouched = self.keys.vllm_tenant(tenant)
+                    content = vllm_body(body, body_bytes, cache_salt, session, vouched)
                     if session_header is not None:  # vLLM ignores it: the digest is enough
                         to = {k: v for k, v in headers.items() if k != "x-session-id"}
                 status = await self.forwarder.forward(send, receive, r, rreq, decision,
@@ -210,7 +233,10 @@ class KVHeatRouter:
         # Replicas of one block size and arm layout share the keys (the usual case: one).
         bs, arms = reps[0].block_size, reps[0].arms
         reps = [r for r in reps if r.block_size == bs and r.arms == arms] or reps
-        rreq = self.keys.route_request(tokens, tenant, bs, user, arms)
+        # vLLM replicas' keys are rooted at the keyed cache_salt the router gives them (a
+        # kvheat replica keys its own; once its /kv_events is read its arms set it apart).
+        vllm = any(r.spec.kind == "vllm" for r in reps)
+        rreq = self.keys.route_request(tokens, tenant, bs, user, arms, vllm)
         if self.config.require_events and rreq.keys and not self.registry.events_ready():
             # Not every replica's events arrive yet: its cache is unknown, so by load alone
             # (no keys), never toward the replicas whose events happen to flow.
@@ -242,10 +268,13 @@ class KVHeatRouter:
                 "kvheat.candidates": len(d.scores)})
 
     def maybe_prewarm(self, rreq: RouteRequest, body: dict[str, Any], tokens: list[int] | None,
-                      authorization: str, chosen: Replica, user: str | None = None) -> None:
+                      authorization: str, chosen: Replica, user: str | None = None,
+                      tenant: str | None = None) -> None:
         """Send the request's hot head to the replicas that lack it on their devices, in
         the arm the request's user reaches (an "exact" arm matches whole prompts only: a
-        head would never be reused there, so none is sent)."""
+        head would never be reused there, so none is sent); to vLLM replicas under the
+        tenant's keyed salt, as the request itself (never into the unsalted namespace
+        every direct client shares)."""
         pol = self.policy
         if not self.config.prewarm or not tokens or not isinstance(pol, KVHeatRouting):
             return
@@ -261,10 +290,16 @@ class KVHeatRouter:
         matches = self.index.match(rreq.keys[:head], rreq.block_tokens[:head],
                                    [r.name for r in reps], rreq.rank)
         model = str(body.get("model", ""))
+        vllm: dict[str, Any] = {}  # what a vLLM replica's prewarm carries of the tenant
+        if tenant is not None:
+            cache_salt, vouched = self.keys.vllm_tenant(tenant)
+            vllm = {"cache_salt": cache_salt} if vouched is None else \
+                {"cache_salt": cache_salt, "kv_transfer_params": vouched}
         for r, m in zip(reps, matches):
             if r is not chosen and m.device_blocks < head and not r.prewarming:
                 t = asyncio.ensure_future(self.forwarder.prewarm(
-                    r, model, tokens[:head * block_size], authorization, user))
+                    r, model, tokens[:head * block_size], authorization, user,
+                    vllm if r.spec.kind == "vllm" else None))
                 self._tasks = [x for x in self._tasks if not x.done()] + [t]
 
     # ---- the app --------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from typing import Any
 
 import click
 
@@ -74,6 +75,22 @@ from .policy import ROUTING_POLICIES
 @click.option("--no-net-signals", is_flag=True,
               help="No per-replica kernel TCP signals (retransmits, RTT, socket states) in "
                    "/metrics.")
+@click.option("--max-in-flight", type=int, default=None,
+              help="Proxied requests held at once; more get 503 (default 8192).")
+@click.option("--max-in-flight-bytes", type=int, default=None,
+              help="Their body bytes held at once; more get 503 (default 1 GiB).")
+@click.option("--max-concurrent-requests", type=int, default=None,
+              help="HTTP requests of any kind open at once (but /health and /metrics); "
+                   "more get 503 before their body is read (default: --max-in-flight "
+                   "+ 1024).")
+@click.option("--index-max-blocks", type=int, default=None,
+              help="Blocks the prefix index keeps per replica (arm or rank); past it the "
+                   "oldest are forgotten or the replica resynced (default 2097152).")
+@click.option("--event-queue-messages", type=int, default=None,
+              help="KV event batches received and not yet applied, per replica; more are "
+                   "dropped, then replayed or resynced (default 4096).")
+@click.option("--event-queue-bytes", type=int, default=None,
+              help="Their bytes, per replica (default 64 MiB).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
@@ -84,10 +101,14 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                   admin_token: str | None, replica_admin_token: str | None,
                   otlp_endpoint: str | None, events_secret: str | None,
                   session_secret: str | None, events_grace_s: float, require_events: bool,
-                  no_net_signals: bool, log_level: str) -> None:
+                  no_net_signals: bool, max_in_flight: int | None,
+                  max_in_flight_bytes: int | None, max_concurrent_requests: int | None,
+                  index_max_blocks: int | None, event_queue_messages: int | None,
+                  event_queue_bytes: int | None, log_level: str) -> None:
     """Route OpenAI requests to replicas by a global prefix index fed by their KV events."""
     import uvicorn
 
+    from ..server.listen import bind_port
     from .app import KVHeatRouter
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -108,6 +129,11 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                 events_secret = scfg.kv_events_secret
         if events_secret is None:
             events_secret = secret_from_env(EVENTS_SECRET_ENV, RouterConfigError)
+        limits: dict[str, Any] = {k: v for k, v in dict(  # unset: RouterConfig's defaults
+            max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes,
+            max_concurrent_requests=max_concurrent_requests, index_max_blocks=index_max_blocks,
+            event_queue_messages=event_queue_messages,
+            event_queue_bytes=event_queue_bytes).items() if v is not None}
         cfg = RouterConfig(replicas=[ReplicaSpec.parse(r) for r in replicas], policy=policy,
                            model=model, family=family, block_size=block_size, tenants=tenants,
                            share_groups=share_groups,
@@ -119,9 +145,13 @@ def route_command(replicas: tuple[str, ...], discover: str | None, policy: str,
                            otlp_endpoint=otlp_endpoint, events_secret=events_secret,
                            session_secret=session_secret,
                            events_grace_s=events_grace_s, require_events=require_events,
-                           net_signals=not no_net_signals)
+                           net_signals=not no_net_signals, **limits)
     except RouterConfigError as e:
         raise click.ClickException(str(e)) from None
+    # A port in use: one error line, before any start-up line. Released at once:
+    # uvicorn.run binds its own (should another process take it in between, uvicorn
+    # fails with its own error, as before).
+    bind_port(host, port).close()
     router = KVHeatRouter(cfg)
     _ = router.keys.tokenizer  # load it now, not on the first request
     # Start-up's heap (imports, the tokenizer) lives as long as the router: frozen, no full

@@ -7,11 +7,22 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..cache.tenancy import TENANT_SECRET_ENV
 from ..checks import check_fields
-from ..server.config import check_secret
+from ..kvevents.subscriber import MAX_QUEUE_BYTES, MAX_QUEUE_MESSAGES
+from ..server.config import check_secret, secret_from_env
+from .index import MAX_BLOCKS
 from .policy import ROUTING_POLICIES
 
 KINDS = ("kvheat", "vllm", "openai")
+# Requests the router holds at once (reading, routing, streaming back), and their bodies'
+# bytes (as declared; a body without a length counts as the largest allowed): past either,
+# 503 and the client retries. A request holds its body until it ends (a retry resends it).
+MAX_IN_FLIGHT = 8192
+MAX_IN_FLIGHT_BYTES = 1 << 30
+# HTTP requests of any kind held at once (kvheat/server/concurrency.py), unless given:
+# the proxied ones above, plus this many for the admin API, /v1/models and the like.
+CONCURRENT_HEADROOM = 1024
 
 
 class RouterConfigError(ValueError):
@@ -95,6 +106,20 @@ class RouterConfig:
     read_timeout_s: float = 60.0  # longest silence from a replica mid-response
     max_attempts: int = 3  # replicas tried for one request before it fails
     max_body_bytes: int = 8 << 20
+    # Bounds on what outside data fills (issue 51): proxied requests and their body bytes
+    # in flight (past either: 503, `kvheat_router_refused`), HTTP requests of any kind
+    # open at once (past it: 503 before the body is read,
+    # `kvheat_router_concurrency_refused`), the blocks (and vLLM hash aliases) the index
+    # keeps per replica unit (past it: the oldest forgotten, or a resync;
+    # `kvheat_router_index_overflows`), and each replica's received-but-unapplied KV
+    # event batches and their bytes (past either: dropped, then replayed or resynced;
+    # `kvheat_router_event_errors{kind="overflows"}`).
+    max_in_flight: int = MAX_IN_FLIGHT
+    max_in_flight_bytes: int = MAX_IN_FLIGHT_BYTES
+    max_concurrent_requests: int | None = None  # None: max_in_flight + CONCURRENT_HEADROOM
+    index_max_blocks: int = MAX_BLOCKS
+    event_queue_messages: int = MAX_QUEUE_MESSAGES
+    event_queue_bytes: int = MAX_QUEUE_BYTES
     prewarm: bool = True  # send hot prefixes to replicas that lack them
     overload_guard: bool = False  # kvheat policy: leave an overloaded affinity replica
     shard_choices: int = 2  # kvheat policy: a new prefix to the less queued of this many
@@ -124,6 +149,12 @@ class RouterConfig:
     # least 16 bytes): routers in front of the same replicas, one. None: a key drawn at
     # start (a router restart then starts every session afresh).
     session_secret: str | None = None
+    # Keys the `cache_salt` vLLM replicas get for a tenant and the MAC that vouches for
+    # the tenant to their KVHeatConnector (kvheat/cache/tenancy.py; at least 16 bytes; the
+    # connectors' `tenant_secret`, one for all). None: $KVHEAT_TENANT_SECRET, else a key
+    # drawn at start (salts still unguessable, but no connector accepts the tenant and a
+    # restart starts every tenant's vLLM cache afresh).
+    tenant_secret: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, error=RouterConfigError)
@@ -134,6 +165,7 @@ class RouterConfig:
                 self.shard_choices < 1:
             raise RouterConfigError("block_size, health_failures, max_attempts and "
                                     "shard_choices must be positive")
+        self._check_bounds()
         if not 0 <= self.ghost_factor <= 64:  # also rejects NaN
             raise RouterConfigError("ghost_factor must be in [0, 64]")
         if not 0 < self.health_interval_s <= 60 or self.connect_timeout_s <= 0 or \
@@ -144,6 +176,9 @@ class RouterConfig:
             raise RouterConfigError(f"discover must be host:port, not {self.discover!r}")
         check_secret(self.events_secret, "events_secret", RouterConfigError)
         check_secret(self.session_secret, "session_secret", RouterConfigError)
+        check_secret(self.tenant_secret, "tenant_secret", RouterConfigError)
+        if self.tenant_secret is None:  # the environment's, checked here (a clear error)
+            self.tenant_secret = secret_from_env(TENANT_SECRET_ENV, RouterConfigError)
         if not 0 < self.events_grace_s <= 3600:
             raise RouterConfigError("events_grace_s must be in (0, 3600]")
         urls = [r.url for r in self.replicas]
@@ -151,3 +186,21 @@ class RouterConfig:
             raise RouterConfigError("a replica is listed twice")
         if not self.replicas and not self.discover:
             raise RouterConfigError("give at least one replica (--replica) or --discover")
+
+    def _check_bounds(self) -> None:
+        if self.max_concurrent_requests is None:
+            self.max_concurrent_requests = self.max_in_flight + CONCURRENT_HEADROOM
+        for name in ("max_body_bytes", "max_in_flight", "max_in_flight_bytes",
+                     "max_concurrent_requests", "index_max_blocks", "event_queue_messages",
+                     "event_queue_bytes"):
+            if getattr(self, name) < 1:
+                raise RouterConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
+        # A body without a length is held as the largest allowed: a smaller budget would
+        # refuse every such request.
+        if self.max_in_flight_bytes < self.max_body_bytes:
+            raise RouterConfigError(f"max_in_flight_bytes ({self.max_in_flight_bytes}) must "
+                                    f"be at least max_body_bytes ({self.max_body_bytes})")
+        if self.max_concurrent_requests < self.max_in_flight:
+            raise RouterConfigError(f"max_concurrent_requests ({self.max_concurrent_requests})"
+                                    f" must be at least max_in_flight ({self.max_in_flight}),"
+                                    " or the in-flight bound never applies")

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from ..cache.hints import SESSION_PARAM
+from ..cache.tenancy import strip_claims
 from ..server.errors import ApiError
 from ..server.sessions import SessionIds, check_session_header
 from .proxy import RouterError
@@ -51,18 +52,29 @@ class SessionHints:
 
 
 def vllm_body(body: dict[str, Any], raw: bytes, cache_salt: str | None,
-              session: str | None) -> bytes:
-    """The body a vLLM replica gets: the client's, with the tenant's `cache_salt` and the
-    session in `kv_transfer_params` (a session the client put there itself is kept, as is
-    every other parameter; a `kv_transfer_params` that is not an object is left for vLLM
-    to refuse). `raw` unchanged when there is nothing to add."""
-    extra: dict[str, Any] = {}
+              session: str | None, tenant: dict[str, str] | None = None) -> bytes:
+    """The body a vLLM replica gets: the client's, with the tenant's keyed `cache_salt`,
+    the router's vouched `tenant` (`cache/tenancy.py`) and the session in
+    `kv_transfer_params`. What only the operator assigns is the client's claim and goes:
+    a tenant or its MAC in `kv_transfer_params`, and `priority` (vLLM's scheduling class).
+    A session the client put there itself is kept, as is every other parameter; a
+    `kv_transfer_params` that is not an object is left for vLLM to refuse. `raw`
+    unchanged when there is nothing to change."""
+    out = dict(body)
+    changed = out.pop("priority", None) is not None
     if cache_salt is not None:
-        extra["cache_salt"] = cache_salt
-    if session is not None:
-        params = body.get("kv_transfer_params")
-        if params is None:
-            extra["kv_transfer_params"] = {SESSION_PARAM: session}
-        elif isinstance(params, dict) and SESSION_PARAM not in params:
-            extra["kv_transfer_params"] = {**params, SESSION_PARAM: session}
-    return msgspec.json.encode({**body, **extra}) if extra else raw
+        out["cache_salt"] = cache_salt
+        changed = True
+    params = out.get("kv_transfer_params")
+    if params is None and (session is not None or tenant is not None):
+        params = {}
+    if isinstance(params, dict):
+        mine = strip_claims(params)
+        if tenant is not None:
+            mine.update(tenant)
+        if session is not None and SESSION_PARAM not in mine:
+            mine[SESSION_PARAM] = session
+        if mine != params or "kv_transfer_params" not in out:
+            out["kv_transfer_params"] = mine
+            changed = True
+    return msgspec.json.encode(out) if changed else raw

@@ -11,16 +11,26 @@ their stores carry token ids (vLLM always sends them), from which the index reco
 kvheat's key of each block (the root salted by the request's `cache_salt`, which the
 router sets to the tenant's salt), and it keeps the replica's own hash only to resolve
 parents and removals.
+
+Everything here is filled from the replicas' events, so all of it is bounded: a unit
+holds at most `max_blocks` keys (over its places, tiers and ranks) and, for a foreign
+unit, as many hash aliases (an alias goes when no set of its rank holds its key any
+more). A foreign unit past the bound forgets its oldest blocks (as if removed); a kvheat
+unit is cleared and resynced from its publisher's snapshot. Tier names, (place, tier,
+rank) sets per unit and ranks per replica are bounded too; each overflow is counted
+(`overflow.count`) and logged at most once per interval.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..cache.hashing import chain_key, root_key, tokens_to_bytes
+from ..checks.bounds import Overflow
 from ..kvevents.schema import (
     MEDIUM_GPU,
     REMOTE,
@@ -29,8 +39,19 @@ from ..kvevents.schema import (
     BlockStored,
     KVEventBatch,
 )
+from ..kvevents.subscriber import ResyncNeeded
 
+log = logging.getLogger("kvheat.router")
 DEVICE, LOCAL_TIER, SHARED_TIER = 0, 1, 2
+# Keys (and, for a foreign unit, hash aliases) one unit may hold: about 250 bytes each,
+# so the default bounds a unit near 500 MiB; far above a replica's device pool and host
+# tier (a 80 GB GPU holds some 10^5 blocks of 16 tokens).
+MAX_BLOCKS = 1 << 21
+MAX_TIER_NAME = 64  # characters of an event's `ownership` (a tier's name)
+MAX_SETS = 256  # (place, tier, rank) sets of one unit
+MAX_RANKS = 64  # units (data-parallel ranks, A/B arms) of one kvheat replica
+
+_AliasMap = OrderedDict[tuple[bytes | int, int], tuple[bytes, bytes]]
 
 
 @dataclass(slots=True)
@@ -68,9 +89,15 @@ class PrefixIndex:
     holds it."""
 
     def __init__(self, ghost_factor: float = 12.0,
-                 keyer: Callable[[bytes], bytes] | None = None) -> None:
+                 keyer: Callable[[bytes], bytes] | None = None,
+                 max_blocks: int = MAX_BLOCKS) -> None:
         if not 0 <= ghost_factor <= 64:
             raise ValueError("ghost_factor is a multiple of the keys held, in [0, 64]")
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be positive")
+        self.max_blocks = max_blocks
+        self.overflow = Overflow(log, "the router's prefix index (blocks, aliases, tiers or "
+                                 "ranks of one replica)")
         self._lock = threading.Lock()
         # The published form of a kvheat key (the events secret's `event_key`): the keys of
         # foreign stores, recomputed from token ids, are indexed in that form.
@@ -82,9 +109,10 @@ class PrefixIndex:
         # key on two of its tiers (write-through) or ranks stays until all lose it.
         self.masks: tuple[dict[bytes, int], dict[bytes, int], dict[bytes, int]] = ({}, {}, {})
         self._held: dict[int, dict[tuple[int, str | None, int], set[bytes]]] = {}
+        self._count: dict[int, int] = {}  # bit -> keys over its sets (for `max_blocks`)
         # Units indexed by content (foreign hashes): (their hash, rank) -> (kvheat's chain
-        # key, its indexed form).
-        self._alias: dict[int, dict[tuple[bytes | int, int], tuple[bytes, bytes]]] = {}
+        # key, its indexed form), oldest store first.
+        self._alias: dict[int, _AliasMap] = {}
         self.foreign: set[str] = set()
         self.unresolved = 0  # foreign stores whose parent was unknown (not indexed)
         # Keys replicas evicted from their devices lately: key -> mask, oldest first, as
@@ -123,8 +151,9 @@ class PrefixIndex:
                 self._next_bit += 1
             ranks[rank] = bit
             self._held[bit] = {}
+            self._count[bit] = 0
             if name in self.foreign:
-                self._alias[bit] = {}
+                self._alias[bit] = OrderedDict()
         return bit
 
     def remove_replica(self, name: str) -> None:
@@ -135,6 +164,7 @@ class PrefixIndex:
             for bit in ranks.values():
                 self._clear(bit)
                 del self._held[bit]
+                del self._count[bit]
                 self._alias.pop(bit, None)
                 for (b, k) in [x for x in self._expect_counts if x[0] == bit]:
                     del self._expect_counts[(b, k)]
@@ -168,6 +198,10 @@ class PrefixIndex:
         return len(set().union(*(s for b in bits for (p, _t, _r), s in self._held[b].items()
                                  if p == place)))
 
+    def aliases_of(self, name: str) -> int:
+        """The foreign hashes kept for `name` (to resolve parents and removals)."""
+        return sum(len(self._alias.get(b, ())) for b in self._units.get(name, {}).values())
+
     # ---- updates --------------------------------------------------------------------------
     def stored(self, name: str, keys: Iterable[bytes], place: int = DEVICE,
                tier: str | None = None, rank: int = 0) -> None:
@@ -189,26 +223,82 @@ class PrefixIndex:
             rank = batch.data_parallel_rank or 0
             if not 0 <= rank < 1 << 16:
                 raise ValueError(f"data_parallel_rank {rank} out of range")
+            if name not in self.foreign and rank not in self._units[name] and \
+                    len(self._units[name]) >= MAX_RANKS:
+                self.overflow(why=f"{name}: more than {MAX_RANKS} ranks")
+                return
             bit = self._unit(name, rank)
             alias = self._alias.get(bit)
             for ev in batch.events:
-                if isinstance(ev, BlockStored):
-                    place = place_of(ev.medium, ev.locality)
-                    keys = _own_keys(ev.block_hashes) if alias is None else \
-                        self._translate(alias, ev, rank)
-                    self._store(bit, keys, place, ev.ownership, rank)
-                elif isinstance(ev, BlockRemoved):
-                    place = place_of(ev.medium, ev.locality)
-                    keys = _own_keys(ev.block_hashes) if alias is None else \
-                        [alias[(h, rank)][1] for h in ev.block_hashes if (h, rank) in alias]
-                    self._remove(bit, keys, place, ev.ownership, rank)
-                elif isinstance(ev, AllBlocksCleared):
+                if isinstance(ev, AllBlocksCleared):
                     # A resync (or a restart) of this rank: what it held goes, what it
                     # evicted stays remembered (a resync does not make it forget).
                     self._clear(bit, rank, ghosts=False)
+                    continue
+                if ev.ownership is not None and len(ev.ownership) > MAX_TIER_NAME:
+                    self.overflow(why=f"{name}: a tier name over {MAX_TIER_NAME} characters")
+                    continue
+                place = place_of(ev.medium, ev.locality)
+                if isinstance(ev, BlockStored):
+                    keys = _own_keys(ev.block_hashes) if alias is None else \
+                        self._translate(alias, ev, rank)
+                    self._store(bit, keys, place, ev.ownership, rank)
+                    if self._count[bit] > self.max_blocks or \
+                            (alias is not None and len(alias) > self.max_blocks):
+                        self._over(name, bit, rank, alias)
+                elif not isinstance(ev, BlockRemoved):
+                    continue
+                elif alias is None:
+                    self._remove(bit, _own_keys(ev.block_hashes), place, ev.ownership, rank)
+                else:
+                    got = [(hk, alias[hk]) for hk in ((h, rank) for h in ev.block_hashes)
+                           if hk in alias]
+                    self._remove(bit, [v[1] for _, v in got], place, ev.ownership, rank)
+                    # An alias goes with the last copy of its block on this rank.
+                    sets = [s for (_p, _t, r), s in self._held[bit].items() if r == rank]
+                    for hk, (_c, k) in got:
+                        if not any(k in s for s in sets):
+                            alias.pop(hk, None)
 
-    def _translate(self, alias: dict[tuple[bytes | int, int], tuple[bytes, bytes]],
-                   ev: BlockStored, rank: int) -> list[bytes]:
+    def _over(self, name: str, bit: int, rank: int, alias: _AliasMap | None) -> None:
+        """Unit `bit` holds more than `max_blocks` keys (lock held). A foreign unit
+        forgets its oldest stores (as if removed, without a ghost: vLLM evicts its
+        oldest first too); a kvheat unit's rank is cleared and resynced from a snapshot."""
+        if alias is None:
+            self._clear(bit, rank, ghosts=False)
+            self.overflow(why=f"{name}: more than {self.max_blocks} blocks; resyncing")
+            raise ResyncNeeded(f"{name} holds more than {self.max_blocks} blocks")
+        n = 0
+        sets = self._held[bit]
+        while (self._count[bit] > self.max_blocks or len(alias) > self.max_blocks) and alias:
+            (_h, r), (_c, k) = alias.popitem(last=False)
+            n += 1
+            for (p, t, r2), s in list(sets.items()):
+                if r2 == r and k in s:
+                    self._remove_quiet(bit, k, (p, t, r2))
+        if n:
+            self.overflow(n, f"{name}: more than {self.max_blocks} blocks; the oldest "
+                          "forgotten")
+
+    def _remove_quiet(self, bit: int, k: bytes, pk: tuple[int, str | None, int]) -> None:
+        """Drop key `k` from one of `bit`'s sets, and from the place's mask when no other
+        set of the unit there holds it; no ghost (lock held)."""
+        sets = self._held[bit]
+        s = sets[pk]
+        s.discard(k)
+        self._count[bit] -= 1
+        if not s:
+            del sets[pk]
+        if any(k in o for (p, _t, _r), o in sets.items() if p == pk[0]):
+            return
+        m = self.masks[pk[0]]
+        v = m.get(k, 0) & ~(1 << bit)
+        if v:
+            m[k] = v
+        else:
+            m.pop(k, None)
+
+    def _translate(self, alias: _AliasMap, ev: BlockStored, rank: int) -> list[bytes]:
         """kvheat keys of a foreign store, from its token ids."""
         n = len(ev.block_hashes)
         bs = ev.block_size
@@ -229,14 +319,28 @@ class PrefixIndex:
         for i, h in enumerate(ev.block_hashes):
             parent = chain_key(parent, raw[4 * bs * i:4 * bs * (i + 1)])
             key = parent if keyer is None else keyer(parent)
-            alias[(h, rank)] = (parent, key)
+            hk = (h, rank)
+            alias[hk] = (parent, key)
+            alias.move_to_end(hk)  # stored again (another tier): the newest
             out.append(key)
         return out
 
     def _store(self, bit: int, keys: Iterable[bytes], place: int, tier: str | None,
                rank: int = 0) -> None:
+        if not isinstance(keys, list):
+            keys = list(keys)
+        if not keys:
+            return
+        sets = self._held[bit]
+        held = sets.get((place, tier, rank))
+        if held is None:
+            if len(sets) >= MAX_SETS:
+                self.overflow(why=f"more than {MAX_SETS} (place, tier, rank) sets of a "
+                              "replica; a store to a new one is dropped")
+                return
+            held = sets[(place, tier, rank)] = set()
+        before = len(held)
         m = self.masks[place]
-        held = self._held[bit].setdefault((place, tier, rank), set())
         flag = 1 << bit
         ghosts = self.ghosts if place == DEVICE else None
         for k in keys:
@@ -249,6 +353,7 @@ class PrefixIndex:
                         del ghosts[k]
                     else:
                         ghosts[k] = g & ~flag
+        self._count[bit] += len(held) - before
 
     def _remove(self, bit: int, keys: Iterable[bytes], place: int, tier: str | None,
                 rank: int = 0) -> None:
@@ -257,6 +362,7 @@ class PrefixIndex:
         held = sets.get((place, tier, rank))
         if held is None:
             return
+        before = len(held)
         flag = 1 << bit
         others = [s for (p, t, r), s in sets.items() if p == place and (t, r) != (tier, rank)]
         ghosts = self.ghosts if place == DEVICE else None
@@ -274,6 +380,9 @@ class PrefixIndex:
             if ghosts is not None:
                 ghosts[k] = ghosts.get(k, 0) | flag
                 ghosts.move_to_end(k)
+        self._count[bit] -= before - len(held)
+        if not held:  # an empty set is one less toward MAX_SETS
+            del sets[(place, tier, rank)]
         if ghosts is not None:
             cap = int(self.ghost_factor * max(len(m), 1024))
             while len(ghosts) > cap:
@@ -287,6 +396,7 @@ class PrefixIndex:
         gone = [pk for pk in sets if rank is None or pk[2] == rank]
         for pk in gone:
             keys = sets.pop(pk)
+            self._count[bit] -= len(keys)
             m = self.masks[pk[0]]
             rest = [s for (p, _t, _r), s in sets.items() if p == pk[0]]
             for k in keys:

@@ -1,7 +1,9 @@
 """Request -> routing keys: the prompt tokenized and keyed as the replicas' caches key it
 (the same tokenizer and chat template, chained block keys rooted at the tenant's salt, in
 the scope of the arm the user reaches), then in the published form of the replicas' KV
-events (keyed by the events secret, kvheat/kvevents/secret.py)."""
+events (keyed by the events secret, kvheat/kvevents/secret.py). A vLLM replica's blocks
+are rooted at the `cache_salt` the router gave it: the tenant's salt keyed by the tenant
+secret (kvheat/cache/tenancy.py), which the index reads back from its events."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..cache.hashing import (
     tenant_salt,
     tokens_to_bytes,
 )
+from ..cache.tenancy import TenantVouch
 from ..server.arms import arm_user, user_bucket
 from .config import RouterConfig
 from .policy import RouteRequest
@@ -59,12 +62,16 @@ class ArmLayout:
 
 class PromptKeys:
     def __init__(self, config: RouterConfig,
-                 keyer: Callable[[bytes], bytes] | None = None) -> None:
+                 keyer: Callable[[bytes], bytes] | None = None,
+                 tenancy: TenantVouch | None = None) -> None:
         self.config = config
         self.keyer = keyer  # the events secret's `event_key`; None: keys as the cache has them
+        # Keys vLLM replicas' cache salts (and vouches for their tenants); default: the
+        # config's tenant secret, else $KVHEAT_TENANT_SECRET, else a key drawn now.
+        self.tenancy = tenancy or TenantVouch.resolve(config.tenant_secret)
         self._tokenizer: Any = None
         self._template: Any = None
-        self._roots: dict[str | None, bytes] = {}
+        self._roots: dict[tuple[str | None, bool], bytes] = {}
 
     @property
     def tokenizer(self) -> Any:
@@ -91,9 +98,23 @@ class PromptKeys:
         return tok.encode(text, add_special_tokens=False)
 
     def salt(self, tenant: str | None) -> str | None:
-        """The cache salt of a tenant's keys, as the replicas' caches derive it (its share
-        group's when it has one); a vLLM replica gets it as `cache_salt`."""
+        """The cache salt of a tenant's keys, as kvheat replicas' caches derive it (its
+        share group's when it has one)."""
         return tenant_salt(tenant, self.config.share_groups)
+
+    def cache_salt(self, tenant: str | None) -> str | None:
+        """The `cache_salt` a vLLM replica gets for a tenant: its salt keyed by the tenant
+        secret, never a string a client could send itself."""
+        salt = self.salt(tenant)
+        return None if salt is None else self.tenancy.cache_salt(salt)
+
+    def vllm_tenant(self, tenant: str | None) -> tuple[str | None, dict[str, str] | None]:
+        """(cache_salt, vouched kv_transfer_params) for a vLLM replica's request; the
+        params only with a configured secret (a drawn key vouches to nobody)."""
+        salt = self.cache_salt(tenant)
+        if tenant is None or not self.tenancy.configured:
+            return salt, None
+        return salt, self.tenancy.params(tenant, salt)
 
     def tenant_of(self, authorization: str) -> tuple[str | None, bool]:
         """(tenant, known): the tenant of the request's API key; without a tenant map the
@@ -138,16 +159,18 @@ class PromptKeys:
 
     def route_request(self, tokens: Sequence[int] | None, tenant: str | None,
                       block_size: int, user: str | None = None,
-                      arms: ArmLayout | None = None) -> RouteRequest:
+                      arms: ArmLayout | None = None, vllm: bool = False) -> RouteRequest:
         """The request's keys as the arm it reaches keys them (`arms`: the replicas'
-        layout; the user picks the arm as the replicas pick it)."""
+        layout; the user picks the arm as the replicas pick it); `vllm`: as vLLM
+        replicas' events give them (rooted at the keyed `cache_salt`)."""
         rank = arms.rank_for(arm_user(user, tenant)) if arms is not None else 0
         mode = arms.modes[rank] if arms is not None else "block"
         if not tokens or mode == "off":
             return RouteRequest([], [], len(tokens or ()), rank)
-        root = self._roots.get(tenant)
+        root = self._roots.get((tenant, vllm))
         if root is None:
-            root = self._roots[tenant] = root_key(self.salt(tenant))
+            salt = self.cache_salt(tenant) if vllm else self.salt(tenant)
+            root = self._roots[(tenant, vllm)] = root_key(salt)
         raw = tokens_to_bytes(list(tokens))  # once: the scope and the keys read it
         if mode == "exact":
             root = scoped_root(root, prompt_scope(raw))

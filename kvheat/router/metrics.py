@@ -15,7 +15,7 @@ _LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
             10.0, 30.0)
 
 
-EVENT_ERRORS = ("bad", "handler_errors", "restarts", "timeouts")
+EVENT_ERRORS = ("bad", "handler_errors", "restarts", "timeouts", "overflows")
 
 
 @dataclass(slots=True)
@@ -81,11 +81,21 @@ class RouterMetrics:
                                     "to its cache).", ["replica"], registry=r)
         self.event_errors = Gauge("kvheat_router_event_errors", "KV event failures per "
                                   "replica, by kind (bad batch, handler error, subscription "
-                                  "restart, catch-up timeout).", ["replica", "kind"],
-                                  registry=r)
+                                  "restart, catch-up timeout, batch dropped on a full "
+                                  "inbox).", ["replica", "kind"], registry=r)
+        self.index_overflows = Counter("kvheat_router_index_overflows", "Times the prefix "
+                                       "index met a bound (a replica's blocks, its tier "
+                                       "names, sets or ranks): oldest blocks forgotten, or "
+                                       "the replica resynced.", registry=r)
         self.blind_routes = Counter("kvheat_router_blind_routes", "Requests routed by load "
                                     "alone because --require-events and some replica's "
                                     "events do not arrive yet.", registry=r)
+        self.refused = Counter("kvheat_router_refused", "Requests answered 503 because the "
+                               "router held its most requests, or body bytes, in flight.",
+                               registry=r)
+        self.concurrency_refused = Counter(
+            "kvheat_router_concurrency_refused", "HTTP requests answered 503 before their "
+            "body was read because max_concurrent_requests were open.", registry=r)
         self.prewarms = Counter("kvheat_router_prewarms", "Hot prefixes sent to replicas "
                                 "that lacked them.", ["replica"], registry=r)
         self._replicas: dict[str, ReplicaMetrics] = {}

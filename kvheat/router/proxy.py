@@ -16,7 +16,9 @@ import aiohttp
 from starlette.types import Receive, Send
 from yarl import URL
 
+from ..checks.bounds import Overflow
 from ..server.protocol import PREWARM_HEADER
+from .config import MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES
 from .index import PrefixIndex
 from .metrics import RouterMetrics
 from .policy import Decision, RouteRequest
@@ -60,6 +62,37 @@ def sse_error(message: str, code: str) -> bytes:
     return (b"data: " + json.dumps({"error": {"message": message, "type": "server_error",
                                               "param": None, "code": code}}).encode()
             + b"\n\ndata: [DONE]\n\n")
+
+
+class InFlight:
+    """The requests in flight, bounded in count and body bytes (RouterConfig's
+    `max_in_flight`, `max_in_flight_bytes`); refusals are counted (`overflow.count`,
+    `on_count`) and logged at most once per interval."""
+
+    def __init__(self, max_requests: int = MAX_IN_FLIGHT, max_bytes: int = MAX_IN_FLIGHT_BYTES,
+                 on_count: Any = None) -> None:
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self.requests = self.bytes = 0
+        self.overflow = Overflow(log, "the router's requests in flight (answered 503)",
+                                 on_count=on_count)
+
+    def admit(self, scope: Any, body_limit: int) -> int | None:
+        """The bytes reserved for this request, or None: refuse it (503)."""
+        n = body_limit
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit():
+                n = min(int(v), body_limit)
+        if self.requests >= self.max_requests or self.bytes + n > self.max_bytes:
+            self.overflow(why=f"{self.requests} requests, {self.bytes} body bytes held")
+            return None
+        self.requests += 1
+        self.bytes += n
+        return n
+
+    def release(self, n: int) -> None:
+        self.requests -= 1
+        self.bytes -= n
 
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:
@@ -242,11 +275,13 @@ class Forwarder:
             self.metrics.of(r.name).cached_tokens.inc(n)
 
     async def prewarm(self, r: Replica, model: str, tokens: list[int],
-                      authorization: str, user: str | None = None) -> None:
+                      authorization: str, user: str | None = None,
+                      extra: dict[str, Any] | None = None) -> None:
         """Send a hot prefix to a replica that lacks it (max_tokens 1), so the first real
         request there finds it cached: as the request's `user` (it picks the arm to warm),
         marked as a prewarm (`PREWARM_HEADER`), which a kvheat replica counts apart from
-        its clients' requests."""
+        its clients' requests; `extra`: body fields a vLLM replica needs to key it as the
+        request (its tenant's `cache_salt`, the vouched tenant)."""
         if r.prewarming or self.client is None:
             return
         r.prewarming = True
@@ -257,6 +292,7 @@ class Forwarder:
             body: dict[str, Any] = {"model": model, "prompt": tokens, "max_tokens": 1}
             if user is not None:
                 body["user"] = user
+            body.update(extra or {})
             async with self.client.post(self.url(r, "/v1/completions"), json=body,
                                         headers=headers) as resp:
                 await resp.read()

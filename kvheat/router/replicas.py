@@ -61,6 +61,7 @@ class ReplicaRegistry:
         self.index = index
         self.policy = policy
         self.metrics = metrics
+        index.overflow.on_count = metrics.index_overflows.inc
         self.replicas: dict[str, Replica] = {}
         self.client: aiohttp.ClientSession | None = None  # set while the app runs
         self._discovered_missing: dict[str, int] = {}
@@ -98,7 +99,9 @@ class ReplicaRegistry:
         # kvheat replicas' sockets are CURVE under the events secret; vLLM's are plain.
         r.events = KVEventSubscriber(r.name, endpoint, replay, self.index.apply,
                                      self.index.clear_replica,
-                                     secret=self.secret if r.spec.kind == "kvheat" else None)
+                                     secret=self.secret if r.spec.kind == "kvheat" else None,
+                                     max_queue_messages=self.config.event_queue_messages,
+                                     max_queue_bytes=self.config.event_queue_bytes)
 
     async def _discover_events(self, r: Replica) -> None:
         """Ask a kvheat replica where it publishes (GET /kv_events) and subscribe."""
@@ -309,7 +312,8 @@ class ReplicaRegistry:
                     "batches": sub.stats.batches, "gaps": sub.stats.gaps,
                     "resets": sub.stats.resets, "bad": sub.stats.bad,
                     "handler_errors": sub.stats.handler_errors, "restarts": sub.stats.restarts,
-                    "timeouts": sub.stats.timeouts, "subscribed": sub.alive}}
+                    "timeouts": sub.stats.timeouts, "overflows": sub.stats.overflows,
+                    "subscribed": sub.alive}}
 
 
 def _port(v: object) -> int | None:

@@ -36,6 +36,7 @@ from ..engine.engine import ContextLengthExceeded, check_context_length
 from ..engine.loader import load_model
 from .admin import admin_router
 from .arms import ArmRouter, ArmStats, arm_user
+from .concurrency import ConcurrencyLimit
 from .config import ConfigError, ServerConfig, TenantConfig
 from .errors import ApiError, add_error_handlers, error_response, finished_error
 from .events import EventsCollector, ServerEvents
@@ -144,6 +145,10 @@ class KVHeatServer:
         if config.self_heal != "off":
             self.healer = SelfHealer(self)
         self.draining = False
+        assert config.max_concurrent_requests is not None  # set by the config's check
+        self.concurrency = ConcurrencyLimit(config.max_concurrent_requests, log,
+                                            "the server's open HTTP requests",
+                                            on_count=self._count_concurrency_refused)
         self.app = _build_app(self)
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -249,6 +254,11 @@ class KVHeatServer:
         with contextlib.suppress(Exception):  # metrics never fail a request
             self.metrics.rejected.labels(str(status)).inc()
 
+    def _count_concurrency_refused(self, n: int) -> None:
+        self.count_rejected(503)
+        with contextlib.suppress(Exception):
+            self.metrics.concurrency_refused.inc(n)
+
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU work (tokenizing, checking token ids) off the event loop, so one big
         prompt never stalls /health or other requests."""
@@ -324,7 +334,8 @@ class KVHeatServer:
             raise ApiError(503, "the server is at capacity; retry later", "server_error",
                            code="overloaded")
         arm = self.router.arm_for(arm_user(body.user, tenant.name if tenant else None))
-        retry_after = self.healer.admit(tenant, arm) if self.healer is not None else None
+        # Shed by the tenant's class (the operator's), never by the arm `user` picked.
+        retry_after = self.healer.admit(tenant) if self.healer is not None else None
         if retry_after is not None:  # overloaded: this priority class is shed for now
             self.count_rejected(429)
             resp = error_response(429, "the server is overloaded and sheds this priority "
@@ -412,6 +423,8 @@ def _build_app(server: KVHeatServer) -> FastAPI:
     assert isinstance(body_limit, int)  # ServerConfig parsed the size
     app.add_middleware(RequestGuard, max_body_bytes=body_limit,
                        early_check=server.early_check, too_large=server.body_too_large)
+    # Outermost (added last): a request past the bound is refused before anything reads it.
+    app.add_middleware(server.concurrency.wrap)
 
     add_error_handlers(app, server.count_rejected)
 

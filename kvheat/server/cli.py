@@ -9,8 +9,6 @@ import json
 import logging
 import os
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import replace
 
 import click
@@ -20,7 +18,8 @@ from .config import EVENTS_SECRET_ENV, ConfigError, load_config, secret_from_env
 
 @click.command("serve")
 @click.option("--model", type=click.Path(file_okay=False), default=None,
-              help="A local Hugging Face model directory (default: the built-in tiny model).")
+              help="A local Hugging Face model directory (default: the built-in tiny model, "
+                   "random weights: it answers gibberish; for trying the API and the cache).")
 @click.option("--family", default=None, help="Built-in model family: llama, qwen3 or deepseek.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True),
               default=None, help="Server config (TOML or YAML): tenants, arms, limits.")
@@ -103,8 +102,12 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                   metrics_token: str | None, net_signals: bool | None,
                   self_heal: str | None, self_heal_interval_s: float | None, seed: int | None,
                   log_level: str) -> None:
-    """Serve an OpenAI-compatible API on the kvheat cache."""
+    """Serve an OpenAI-compatible API on the kvheat cache.
+
+    Without --model it serves the built-in tiny model, whose weights are random: its
+    answers are gibberish (it is there to try the API, the cache and the tools)."""
     from .app import KVHeatServer
+    from .listen import bind_port, bound_port, serve_on
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
@@ -131,9 +134,22 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
             env_secret = secret_from_env(error=ConfigError)
             if env_secret is not None:
                 cfg = replace(cfg, kv_events_secret=env_secret)
-        server = KVHeatServer(cfg)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
+    sock = bind_port(host, port)  # before the model loads and before "serving ... on"
+    try:
+        server = KVHeatServer(cfg)
+    except ConfigError as e:
+        sock.close()
+        raise click.ClickException(str(e)) from None
+    except BaseException:
+        sock.close()
+        raise
+    port = bound_port(sock)
+    if cfg.model is None:
+        logging.getLogger("kvheat.serve").warning(
+            "the built-in %s model has random weights: its answers are gibberish (give "
+            "--model DIR for a real one)", cfg.family)
     arms = ", ".join(f"{a.name} ({a.share}%, {a.policy})" for a in cfg.arm_list)
     click.echo(f"kvheat: serving {cfg.model_name} on http://{host}:{port}  arms: {arms}  "
                f"tenants: {len(cfg.tenants) or 'none (open API)'}  admin API: "
@@ -141,7 +157,7 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
                f"{'token' if cfg.metrics_token else 'open'}  self-heal: {cfg.self_heal}",
                err=True)
     server.freeze_startup_heap()
-    server.uvicorn(host, port, log_level).run()
+    serve_on(server.uvicorn(host, port, log_level), sock)
 
 
 @click.command("arms")
@@ -150,18 +166,23 @@ def serve_command(model: str | None, family: str | None, config_path: str | None
 @click.option("--admin-token", envvar="KVHEAT_ADMIN_TOKEN", required=True,
               help="The admin API token (or $KVHEAT_ADMIN_TOKEN).")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
-def arms_command(url: str, admin_token: str, as_json: bool) -> None:
+@click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True,
+              help="Seconds for the whole answer, body included.")
+def arms_command(url: str, admin_token: str, as_json: bool, timeout_s: float) -> None:
     """Print P99 TTFT and prefix hit rate per A/B arm of a running server."""
-    req = urllib.request.Request(url.rstrip("/") + "/admin/arms",
-                                 headers={"Authorization": f"Bearer {admin_token}"})
+    # The doctor's fetch: one deadline over the whole answer (a server that drips bytes
+    # cannot hold it), a size cap, and JSON without NaN or Infinity.
+    from ..doctor.scrape import DoctorError, fetch, loads_json
+
+    where = url.rstrip("/") + "/admin/arms"
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            data = json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raise click.ClickException(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}") \
-            from None
-    except (urllib.error.URLError, OSError) as e:
-        raise click.ClickException(f"{url}: {e}") from None
+        data = loads_json(fetch(where, admin_token, timeout_s=timeout_s,
+                                accept="application/json", expect="a kvheat server's base URL"),
+                          where)
+        if not isinstance(data, dict) or not isinstance(data.get("arms"), list):
+            raise DoctorError(f"{where}: not a kvheat /admin/arms answer")
+    except DoctorError as e:
+        raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return

@@ -201,6 +201,11 @@ class ServerConfig:
     default_max_tokens: int = 64  # when a request gives none
     max_tokens_limit: int | None = None  # a cap on max_tokens (None: the context length)
     max_queued_requests: int = 1024  # more in flight: 503, the client retries
+    # HTTP requests open at once, of any kind but /health and /metrics, counted from
+    # before the body is read (kvheat/server/concurrency.py): more get 503 with their body
+    # unread, so at most this many bodies (each up to max_body_bytes) are held. None:
+    # max_queued_requests + 1024 (room for requests being read, the admin API and such).
+    max_concurrent_requests: int | None = None
     max_body_bytes: int | str = "8MiB"  # larger request bodies: 413, never read whole
     # On shutdown (SIGTERM): requests in flight get this long to finish, then end with an
     # error (streams: a final error event). Keep k8s terminationGracePeriodSeconds above it.
@@ -219,6 +224,9 @@ class ServerConfig:
     kv_events_topic: str = ""
     kv_events_token_ids: bool = False
     kv_events_queue: int = 100_000  # events waiting to be sent; more are dropped, counted
+    # Bytes of sent batches kept for subscribers' replays (as well as 10,000 batches): the
+    # oldest go first; a subscriber that missed them resyncs from a snapshot.
+    kv_events_buffer_bytes: int | str = "256MiB"
     # Keys the KV events' block hashes and authenticates the event sockets (at least 16
     # bytes); None: $KVHEAT_EVENTS_SECRET where the publisher reads it. Routers need the same.
     kv_events_secret: str | None = None
@@ -293,6 +301,12 @@ class ServerConfig:
             raise ConfigError("drain_timeout_s must be in [0, 3600]")
         if self.max_queued_requests < 1:
             raise ConfigError("max_queued_requests must be at least 1")
+        if self.max_concurrent_requests is None:
+            self.max_concurrent_requests = self.max_queued_requests + 1024
+        if self.max_concurrent_requests < self.max_queued_requests:
+            raise ConfigError(f"max_concurrent_requests ({self.max_concurrent_requests}) must "
+                              f"be at least max_queued_requests ({self.max_queued_requests}),"
+                              " or the queue bound never applies")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             v = getattr(self, name)
             if v is not None and not re.fullmatch(r"(tcp://[^\s/]+:[0-9]+|ipc://\S+|inproc://\S+)",
@@ -303,6 +317,10 @@ class ServerConfig:
             raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.kv_events_queue < 1:
             raise ConfigError("kv_events_queue must be at least 1")
+        self.kv_events_buffer_bytes = parse_size(self.kv_events_buffer_bytes,
+                                                 "kv_events_buffer_bytes")
+        if self.kv_events_buffer_bytes < 1:
+            raise ConfigError("kv_events_buffer_bytes must be at least 1 byte")
         if self.self_heal not in SELF_HEAL_MODES:
             raise ConfigError(f"self_heal must be one of {', '.join(SELF_HEAL_MODES)}, not "
                               f"{self.self_heal!r}")

@@ -35,6 +35,7 @@ class ServerEvents:
                                       topic=config.kv_events_topic,
                                       token_ids=config.kv_events_token_ids,
                                       max_queue_size=config.kv_events_queue,
+                                      buffer_bytes=int(config.kv_events_buffer_bytes),
                                       secret=secret)
         if not secret.configured:
             log.warning("KV events: no events secret (kv_events_secret or %s): their keys "

@@ -62,6 +62,10 @@ class ServerMetrics:
         self.rejected = Counter(
             "kvheat_rejected_requests", "Requests refused before reaching the engine, by HTTP status.",
             ["status"], registry=r)
+        self.concurrency_refused = Counter(
+            "kvheat_concurrency_refused", "Requests answered 503 before their body was read "
+            "because max_concurrent_requests were open (also in kvheat_rejected_requests).",
+            registry=r)
         self.prompt_tokens = Counter(
             "kvheat_prompt_tokens", "Prompt tokens of finished requests.", ["arm", "tenant"],
             registry=r)

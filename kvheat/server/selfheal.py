@@ -13,7 +13,9 @@ with the doctor's own cause functions (`kvheat.doctor.causes`) and acts:
     (the doctor's tier_slow, and a tier whose latest reads took DRIFT times what its
     transfer model predicts: a tier that just turned slow still gets loads)
     overload               shed: refuse the lowest priority class (tenant priority, then
-                           arm priority) with 429 and Retry-After; one more class per step,
+                           the priority of the arm the tenant's name reaches: the
+                           operator's, never the client's `user`) with 429 and
+                           Retry-After; one more class per step,
                            never the highest; one class back per step once the overload
                            has been gone self_heal_hold_s
     overload               scale_signal: the requests refused in the window are added to
@@ -46,6 +48,7 @@ from prometheus_client import Counter, Gauge, generate_latest
 
 from ..doctor.causes import FLOOR, Finding, Snapshot, overload, tier_fault, tier_slow
 from ..doctor.scrape import DoctorError, Scrape, parse_metrics
+from .arms import arm_user
 from .config import TenantConfig
 
 if TYPE_CHECKING:
@@ -69,7 +72,9 @@ SERIES = ("kvheat_requests", "kvheat_rejected_requests", "kvheat_queue_length",
           "kvheat_tier_bandwidth_bytes_per_second", "kvheat_self_heal_shed_requests")
 _TIER_RE = re.compile(r"\btier=([A-Za-z0-9_.-]+)")
 
-Priority = tuple[int, int]  # (tenant priority, arm priority): lower is shed first
+# (tenant priority, arm priority): lower is shed first. Both are the operator's: the
+# tenant is the API key's, the arm the one its tenant's name reaches (`_class`).
+Priority = tuple[int, int]
 
 
 class HealMetrics:
@@ -110,11 +115,16 @@ class SelfHealer:
         self.min_gap_s = cfg.self_heal_min_gap_s
         self.probe_ok = cfg.self_heal_probe_ok
         self.metrics = HealMetrics(server.metrics.registry)
-        self._arm_priority = {a.name: a.priority for a in cfg.arm_list}
+        arm_priority = {a.name: a.priority for a in cfg.arm_list}
         tenants: list[TenantConfig | None] = list(cfg.tenants) or [None]
+        # Each tenant's class, fixed by the config: the client's `user` picks the arm that
+        # serves a request (an A/B split), never how early it is shed.
+        self._class: dict[str | None, Priority] = {
+            t.name if t else None: (t.priority if t else 0, arm_priority.get(
+                server.router.arm_for(arm_user(None, t.name if t else None)), 0))
+            for t in tenants}
         # The priority classes present, lowest first; shedding never reaches the last.
-        self.classes: list[Priority] = sorted({(t.priority if t else 0, p)
-                                               for t in tenants for p in self._arm_priority.values()})
+        self.classes: list[Priority] = sorted(set(self._class.values()))
         self.shed_level = 0  # the lowest `shed_level` classes are refused
         self.bypassed: dict[str, Bypass] = {}  # tier name -> its bypass
         self.boost = 0.0  # requests added to the HPA's waiting-queue series
@@ -335,12 +345,12 @@ class SelfHealer:
         self.server.metrics.queue_boost = {a: self.boost / len(arms) for a in arms} \
             if self.boost > 0 else {}
 
-    def admit(self, tenant: TenantConfig | None, arm: str) -> int | None:
+    def admit(self, tenant: TenantConfig | None) -> int | None:
         """None to serve the request; else the Retry-After seconds of its refusal (its
-        priority class is shed now). In a dry run it is only counted."""
+        tenant's priority class is shed now). In a dry run it is only counted."""
         if self.shed_level == 0:
             return None
-        cls = (tenant.priority if tenant else 0, self._arm_priority.get(arm, 0))
+        cls = self._class.get(tenant.name if tenant else None, (0, 0))
         if cls not in self.classes[:self.shed_level]:
             return None
         with self._shed_lock:

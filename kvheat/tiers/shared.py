@@ -12,6 +12,10 @@ Announcements carry keys and token counts, never KV or token ids. A missed annou
 costs a missed hit, or a load that finds nothing (counted, recomputed); never wrong KV.
 Messages: repeated (op: 1 byte, tokens: 4 bytes, key length: 1 byte, key), after an
 8-byte writer id; no pickle.
+
+Bounded: at most `max_peer_keys` peer entries (the oldest announced go first) of keys of
+at most `MAX_KEY_BYTES`, and `MAX_QUEUED` announcements of this replica waiting to be
+sent (more are dropped); each overflow counted and logged at most once per interval.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 
+from ..checks.bounds import Overflow
 from .client import TierClient
 from .hierarchy import TieredCache
 from .index import PeerEntry
@@ -32,6 +37,8 @@ from .redis_store import RedisStore
 log = logging.getLogger("kvheat.tiers")
 _REC = struct.Struct("!BIB")
 _PUT, _DEL = 1, 2
+MAX_QUEUED = 100_000  # this replica's announcements waiting for the publishing thread
+MAX_KEY_BYTES = 64  # a peer's announced key (kvheat's keys are 16 bytes); longer: bad
 
 
 def encode_announcements(writer: bytes, items: list[tuple[int, bytes, int]]) -> bytes:
@@ -81,7 +88,11 @@ class SharedTierFeed:
         self.peers: OrderedDict[bytes, int] = OrderedDict()  # key -> tokens
         self._lock = threading.Lock()
         self._out: deque[tuple[int, bytes, int]] = deque()
-        self.sent = self.received = self.dropped = self.bad = self.errors = 0
+        self.sent = self.received = self.bad = self.errors = 0
+        self.queue_overflow = Overflow(log, "the shared tier's announcement queue "
+                                       "(announcements dropped: peers miss those keys)")
+        self.peer_overflow = Overflow(log, "the shared tier's peer keys (the oldest "
+                                      "announced forgotten: a missed hit, never wrong KV)")
         self._running = True
         tiers.index_listeners.append(self._on_local)
         tiers.peers = self
@@ -97,8 +108,8 @@ class SharedTierFeed:
                   stored: bool) -> None:
         if name != self.store.name:
             return
-        if len(self._out) >= 100_000:
-            self.dropped += 1
+        if len(self._out) >= MAX_QUEUED:
+            self.queue_overflow()
             return
         self._out.append((_PUT if stored else _DEL, key, tokens))
 
@@ -147,16 +158,22 @@ class SharedTierFeed:
             return
         if writer == self.writer:
             return
+        n = 0
         with self._lock:
             for op, key, tokens in items:
                 self.received += 1
-                if op == _PUT:
+                if len(key) > MAX_KEY_BYTES:
+                    self.bad += 1
+                elif op == _PUT:
                     self.peers[key] = tokens
                     self.peers.move_to_end(key)
+                    if len(self.peers) > self.max_peer_keys:  # never past it, even within
+                        self.peers.popitem(last=False)
+                        n += 1
                 else:
                     self.peers.pop(key, None)
-            while len(self.peers) > self.max_peer_keys:
-                self.peers.popitem(last=False)
+        if n:
+            self.peer_overflow(n)
 
     # ---- lookups (promotion.Promoter._find) --------------------------------------------------
     def lookup(self, key: bytes) -> tuple[int, PeerEntry] | None:
@@ -169,6 +186,11 @@ class SharedTierFeed:
     def forget(self, key: bytes) -> None:
         with self._lock:
             self.peers.pop(key, None)
+
+    @property
+    def dropped(self) -> int:
+        """This replica's announcements dropped on a full queue."""
+        return self.queue_overflow.count
 
     def __len__(self) -> int:
         return len(self.peers)

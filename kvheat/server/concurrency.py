@@ -1,0 +1,69 @@
+"""The bound on the HTTP requests `kvheat serve` and `kvheat route` hold at once (pure ASGI,
+outermost, before anything reads a body).
+
+A request body is read whole (up to `max_body_bytes`) before it is answered, so without a
+bound N slow uploads hold N bodies: memory grows with the clients, not with the work.
+Past `limit` requests being received, handled or answered, a new one gets 503 at once,
+its body unread and its connection closed (so the server does not read the rest of the
+body either), and the refusal is counted (`on_count`) and logged at most once per
+interval. Uvicorn's own `limit_concurrency` does the same but answers plain text, counts
+idle keep-alive connections as load and cannot be counted; this one can.
+
+Health checks and scrapes pass uncounted: they read no body, answer from memory, and are
+needed most when the server is full (a liveness probe that fails under load restarts a
+busy pod).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from ..checks.bounds import Overflow
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+EXEMPT_PATHS = frozenset(("/health", "/metrics"))
+_BODY = json.dumps({"error": {"message": "too many requests at once; retry later",
+                              "type": "server_error", "param": None,
+                              "code": "overloaded"}}).encode()
+_HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(_BODY)),
+            (b"retry-after", b"1"), (b"connection", b"close")]
+
+
+class ConcurrencyLimit:
+    """At most `limit` HTTP requests at once (`active`); `wrap(app)` is the ASGI app that
+    enforces it in front of `app`. Refusals: `overflow.count`, `on_count(n)`."""
+
+    def __init__(self, limit: int, log: logging.Logger, what: str,
+                 on_count: Callable[[int], object] | None = None) -> None:
+        if limit < 1:
+            raise ValueError("a concurrency limit admits at least one request")
+        self.limit = limit
+        self.active = 0
+        self.overflow = Overflow(log, f"{what} (answered 503)", on_count=on_count)
+
+    def wrap(self, app: ASGIApp) -> ASGIApp:
+        async def limited(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
+                await app(scope, receive, send)
+                return
+            if self.active >= self.limit:
+                self.overflow(why=f"{self.active} requests open")
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": _HEADERS})
+                await send({"type": "http.response.body", "body": _BODY})
+                return
+            self.active += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                self.active -= 1
+
+        return limited
