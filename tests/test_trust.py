@@ -185,7 +185,7 @@ class _Recorder(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        body["<prewarm>"] = self.headers.get("x-kvheat-prewarm") == "1"  # a router's own
+        body["<prewarm>"] = bool(self.headers.get("x-kvheat-prewarm"))  # a router's own
         self.server.bodies.append(body)  # type: ignore[attr-defined]
         self._answer(200, json.dumps({
             "id": "cmpl-1", "object": "text_completion", "model": "tiny",
@@ -388,3 +388,41 @@ def test_the_docs_state_the_trust_boundaries() -> None:
     for needed in ("tenant_secret", "KVHEAT_TENANT_SECRET", "cache_salt", "cached_tokens",
                    "kvheat_connector_refused_tenants_total"):
         assert needed in section, needed
+
+
+def test_a_client_cannot_pass_its_requests_off_as_a_routers_prewarms() -> None:
+    """`x-kvheat-prewarm` is the client's claim unless it carries the events secret's MAC
+    of the prompt (what `kvheat route` sends): a client's `1`, or a mark for another
+    prompt, counts as a client request; only the router's mark counts as a prewarm."""
+    from test_server import ADMIN, start, stop
+
+    from kvheat.kvevents.secret import EventSecret
+    from kvheat.server.config import ServerConfig
+
+    events_secret = "prewarm-events-secret-0123456789"
+    served = start(ServerConfig(num_blocks=64, threads=1, max_num_seqs=4, admin_token=ADMIN,
+                                max_tokens_limit=8, kv_events_secret=events_secret))
+    try:
+        prompt = list(range(5, 40))
+        mark = EventSecret(events_secret).prewarm_mark(prompt)
+
+        def send(header: str | None, tokens: list[int]) -> None:
+            r = httpx.post(served.base + "/v1/completions", timeout=60,
+                           headers={"x-kvheat-prewarm": header} if header else {},
+                           json={"model": "kvheat-tiny-llama", "prompt": tokens, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+
+        def counts() -> tuple[int, int]:
+            served.wait_idle()
+            rows = httpx.get(served.base + "/admin/arms",
+                             headers={"Authorization": f"Bearer {ADMIN}"}).json()["arms"]
+            return (sum(r["requests"] for r in rows), sum(r["prewarm_requests"] for r in rows))
+
+        send("1", prompt)
+        send(mark, prompt[:-1])  # the router's mark of another prompt
+        send("0" * 32, prompt)
+        assert counts() == (3, 0)
+        send(mark, prompt)
+        assert counts() == (3, 1)
+    finally:
+        stop(served)

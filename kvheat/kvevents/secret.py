@@ -22,8 +22,10 @@ loopback).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import re
+from collections.abc import Sequence
 
 import zmq
 from zmq.utils import z85
@@ -44,6 +46,7 @@ class EventSecret:
         self._keyed = hashlib.blake2b(key=_derive(raw, b"event-keys"), digest_size=16)
         self._server_secret = z85.encode(_derive(raw, b"curve-server"))
         self._client_secret = z85.encode(_derive(raw, b"curve-client"))
+        self._prewarm_key = _derive(raw, b"prewarm-mark")
         self.server_public = zmq.curve_public(self._server_secret)
         self.client_public = zmq.curve_public(self._client_secret)
 
@@ -68,6 +71,21 @@ class EventSecret:
         h = self._keyed.copy()
         h.update(key)
         return h.digest()
+
+    # ---- a router's prewarms ----------------------------------------------------------------
+    def prewarm_mark(self, tokens: Sequence[int]) -> str:
+        """The `x-kvheat-prewarm` value of a router's prewarm of `tokens`: a MAC under this
+        secret, so a client (who lacks it) cannot pass its requests off as prewarms, which
+        a replica counts apart from its clients' traffic."""
+        h = hashlib.blake2b(key=self._prewarm_key, digest_size=16)
+        h.update(",".join(map(str, tokens)).encode())
+        return h.hexdigest()
+
+    def is_prewarm(self, tokens: Sequence[int], mark: str | None) -> bool:
+        """Is `mark` this secret's prewarm mark of `tokens`? Never for a random
+        per-process secret (no router shares it)."""
+        return bool(mark) and self.configured and isinstance(mark, str) and \
+            hmac.compare_digest(mark.encode(errors="replace"), self.prewarm_mark(tokens).encode())
 
     # ---- CURVE --------------------------------------------------------------------------
     def curve_server(self, sock: zmq.Socket) -> None:

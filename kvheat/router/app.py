@@ -297,9 +297,11 @@ class KVHeatRouter:
                 {"cache_salt": cache_salt, "kv_transfer_params": vouched}
         for r, m in zip(reps, matches):
             if r is not chosen and m.device_blocks < head and not r.prewarming:
+                head_tokens = tokens[:head * block_size]
                 t = asyncio.ensure_future(self.forwarder.prewarm(
-                    r, model, tokens[:head * block_size], authorization, user,
-                    vllm if r.spec.kind == "vllm" else None))
+                    r, model, head_tokens, authorization, user,
+                    vllm if r.spec.kind == "vllm" else None,
+                    self.secret.prewarm_mark(head_tokens) if self.secret else None))
                 self._tasks = [x for x in self._tasks if not x.done()] + [t]
 
     # ---- the app --------------------------------------------------------------------------

@@ -276,17 +276,18 @@ class Forwarder:
 
     async def prewarm(self, r: Replica, model: str, tokens: list[int],
                       authorization: str, user: str | None = None,
-                      extra: dict[str, Any] | None = None) -> None:
+                      extra: dict[str, Any] | None = None, mark: str | None = None) -> None:
         """Send a hot prefix to a replica that lacks it (max_tokens 1), so the first real
         request there finds it cached: as the request's `user` (it picks the arm to warm),
-        marked as a prewarm (`PREWARM_HEADER`), which a kvheat replica counts apart from
-        its clients' requests; `extra`: body fields a vLLM replica needs to key it as the
+        marked as a prewarm (`PREWARM_HEADER`: `mark`, the events secret's MAC of `tokens`),
+        which a kvheat replica counts apart from its clients' requests; `extra`: body fields a vLLM replica needs to key it as the
         request (its tenant's `cache_salt`, the vouched tenant)."""
         if r.prewarming or self.client is None:
             return
         r.prewarming = True
         try:
-            headers = {PREWARM_HEADER: "1"}
+            # Without an events secret ("1") a kvheat replica counts it as a client's.
+            headers = {PREWARM_HEADER: mark or "1"}
             if authorization:
                 headers["authorization"] = authorization
             body: dict[str, Any] = {"model": model, "prompt": tokens, "max_tokens": 1}

@@ -34,6 +34,7 @@ from ..cache import make_policy
 from ..engine import GREEDY_BELOW, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from ..engine.engine import ContextLengthExceeded, check_context_length
 from ..engine.loader import load_model
+from ..kvevents.secret import EventSecret
 from .admin import admin_router
 from .arms import ArmRouter, ArmStats, arm_user
 from .concurrency import ConcurrencyLimit
@@ -118,6 +119,11 @@ class KVHeatServer:
                 self.events = ServerEvents(config, [a.name for a in config.arm_list])
             except ValueError as e:  # e.g. the port is taken
                 raise ConfigError(str(e)) from None
+        # The events secret the router shares also marks its prewarms (None: nothing is one).
+        try:
+            self.prewarm_secret = EventSecret.from_config(config.kv_events_secret)
+        except ValueError as e:
+            raise ConfigError(f"kv_events_secret: {e}") from None
         self.metrics = ServerMetrics(config.tenant_labels())
         self.stalls = StallWatch(self.metrics.registry)  # event-loop lag, GC pauses
         self.router = ArmRouter(config.arm_list)
@@ -351,7 +357,10 @@ class KVHeatServer:
                                "kvheat.tenant": tenant_name or "none",
                                "kvheat.endpoint": kind, "kvheat.prompt_tokens": len(prompt)})
         handle = RequestHandle(asyncio.get_running_loop(), rid, arm, tenant_name, kind, span)
-        handle.prewarm = request.headers.get(PREWARM_HEADER) == "1"
+        # A router's prewarm only with its MAC of the prompt (the header is the client's
+        # claim otherwise, and would hide its requests from the replica's counts).
+        handle.prewarm = self.prewarm_secret is not None and \
+            self.prewarm_secret.is_prewarm(prompt, request.headers.get(PREWARM_HEADER))
         handle.session = session
         try:
             await self.worker.submit(handle, prompt, params, bias)

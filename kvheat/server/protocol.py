@@ -19,6 +19,8 @@ LOGIT_BIAS_KEY = r"^[0-9]{1,10}$"  # a token id in decimal: int() also takes "5_
 StopSpec = str | Annotated[list[str], Field(max_length=4)] | None
 # A request marked with this header is a router's prewarm (kvheat route sends the hot head
 # of a prompt to replicas that lack it): served as any other, counted apart from clients'.
+# Its value is the events secret's MAC of the prompt (`EventSecret.prewarm_mark`): a
+# client cannot mark its own requests.
 PREWARM_HEADER = "x-kvheat-prewarm"
 
 
