@@ -272,3 +272,41 @@ def test_route_answers_503_past_max_concurrent_requests() -> None:
         assert wait_for(lambda: router.concurrency.active == 0, 10)
         r = httpx.get(base + "/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 200
+
+
+def test_serve_answers_503_past_max_in_flight_bytes() -> None:
+    """The open requests' bodies are bounded in bytes too: two uploads that declare 4 KB
+    each fill an 8 KiB budget (well under the count bound), the next request with a body
+    gets 503 unread; a request without a body still passes."""
+    server = _server(max_queued_requests=8, max_concurrent_requests=8, max_body_bytes="4KiB",
+                     max_in_flight_bytes="8KiB")
+    assert server.concurrency.max_bytes == 8192
+    with serving(None, lambda h, p: server.uvicorn(h, p, "warning")) as port:
+        base = f"http://127.0.0.1:{port}"
+        held = [hang_mid_body(port, "/admin/pin", f"Authorization: Bearer {ADMIN}\r\n")
+                for _ in range(2)]
+        try:
+            assert wait_for(lambda: server.concurrency.bytes == 8192, 10)
+            assert server.concurrency.active == 2
+            t0 = time.monotonic()
+            assert_refused(httpx.post(base + "/v1/completions", json={
+                "model": "kvheat-tiny-llama", "prompt": "hi", "max_tokens": 1}), t0)
+            assert httpx.get(base + "/v1/models").status_code == 200  # no body: 0 bytes
+            assert metric(port, "kvheat_concurrency_refused_total") == 1
+        finally:
+            for s in held:
+                s.close()
+        assert wait_for(lambda: server.concurrency.bytes == 0, 10)
+        r = httpx.post(base + "/v1/completions", json={
+            "model": "kvheat-tiny-llama", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+
+def test_server_byte_budget_is_checked() -> None:
+    assert ServerConfig().max_in_flight_bytes == 1 << 30
+    for wrong in (1.5, None, True):
+        with pytest.raises(ConfigError, match="^max_in_flight_bytes must be "):
+            ServerConfig(max_in_flight_bytes=wrong)
+    with pytest.raises(ConfigError, match=r"max_in_flight_bytes \(1024\) must be at least "
+                                          r"max_body_bytes"):
+        ServerConfig(max_in_flight_bytes=1024)

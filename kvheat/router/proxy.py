@@ -17,6 +17,7 @@ from starlette.types import Receive, Send
 from yarl import URL
 
 from ..checks.bounds import Overflow
+from ..server.concurrency import declared_bytes
 from ..server.protocol import PREWARM_HEADER
 from .config import MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES
 from .index import PrefixIndex
@@ -79,10 +80,7 @@ class InFlight:
 
     def admit(self, scope: Any, body_limit: int) -> int | None:
         """The bytes reserved for this request, or None: refuse it (503)."""
-        n = body_limit
-        for k, v in scope["headers"]:
-            if k == b"content-length" and v.isdigit():
-                n = min(int(v), body_limit)
+        n = declared_bytes(scope, body_limit)
         if self.requests >= self.max_requests or self.bytes + n > self.max_bytes:
             self.overflow(why=f"{self.requests} requests, {self.bytes} body bytes held")
             return None

@@ -152,9 +152,13 @@ class KVHeatServer:
             self.healer = SelfHealer(self)
         self.draining = False
         assert config.max_concurrent_requests is not None  # set by the config's check
+        assert isinstance(config.max_in_flight_bytes, int)
+        assert isinstance(config.max_body_bytes, int)
         self.concurrency = ConcurrencyLimit(config.max_concurrent_requests, log,
                                             "the server's open HTTP requests",
-                                            on_count=self._count_concurrency_refused)
+                                            on_count=self._count_concurrency_refused,
+                                            max_bytes=config.max_in_flight_bytes,
+                                            body_limit=config.max_body_bytes)
         self.app = _build_app(self)
 
     # ---- lifecycle --------------------------------------------------------------------

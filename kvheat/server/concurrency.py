@@ -37,16 +37,40 @@ _HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"%d" % 
             (b"retry-after", b"1"), (b"connection", b"close")]
 
 
+def declared_bytes(scope: Scope, body_limit: int) -> int:
+    """The body bytes a request may bring: its Content-Length; `body_limit` (the most the
+    body guard lets through) when it is chunked or its length is not a number; 0 when it
+    declares no body (HTTP/1.1: neither header)."""
+    length: bytes | None = None
+    chunked = False
+    for k, v in scope["headers"]:
+        if k == b"content-length":
+            length = v
+        elif k == b"transfer-encoding":
+            chunked = True
+    if length is not None and length.isdigit() and not chunked:
+        return min(int(length), body_limit)
+    return body_limit if chunked or length is not None else 0
+
+
 class ConcurrencyLimit:
-    """At most `limit` HTTP requests at once (`active`); `wrap(app)` is the ASGI app that
-    enforces it in front of `app`. Refusals: `overflow.count`, `on_count(n)`."""
+    """At most `limit` HTTP requests at once (`active`) and, with `max_bytes`, at most that
+    many body bytes declared by them (`bytes`, each request's `declared_bytes`);
+    `wrap(app)` is the ASGI app that enforces it in front of `app`. Refusals:
+    `overflow.count`, `on_count(n)`."""
 
     def __init__(self, limit: int, log: logging.Logger, what: str,
-                 on_count: Callable[[int], object] | None = None) -> None:
+                 on_count: Callable[[int], object] | None = None,
+                 max_bytes: int | None = None, body_limit: int = 0) -> None:
         if limit < 1:
             raise ValueError("a concurrency limit admits at least one request")
+        if max_bytes is not None and max_bytes < body_limit:
+            raise ValueError("a byte budget below the largest body admits no large request")
         self.limit = limit
+        self.max_bytes = max_bytes
+        self.body_limit = body_limit
         self.active = 0
+        self.bytes = 0
         self.overflow = Overflow(log, f"{what} (answered 503)", on_count=on_count)
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
@@ -54,16 +78,20 @@ class ConcurrencyLimit:
             if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
                 await app(scope, receive, send)
                 return
-            if self.active >= self.limit:
-                self.overflow(why=f"{self.active} requests open")
+            n = declared_bytes(scope, self.body_limit) if self.max_bytes is not None else 0
+            if self.active >= self.limit or (self.max_bytes is not None
+                                             and self.bytes + n > self.max_bytes):
+                self.overflow(why=f"{self.active} requests open, {self.bytes} body bytes")
                 await send({"type": "http.response.start", "status": 503,
                             "headers": _HEADERS})
                 await send({"type": "http.response.body", "body": _BODY})
                 return
             self.active += 1
+            self.bytes += n
             try:
                 await app(scope, receive, send)
             finally:
                 self.active -= 1
+                self.bytes -= n
 
         return limited

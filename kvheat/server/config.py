@@ -207,6 +207,9 @@ class ServerConfig:
     # max_queued_requests + 1024 (room for requests being read, the admin API and such).
     max_concurrent_requests: int | None = None
     max_body_bytes: int | str = "8MiB"  # larger request bodies: 413, never read whole
+    # The body bytes those open requests may bring, together (each its Content-Length, or
+    # max_body_bytes when it gives none): past it 503, body unread. At least max_body_bytes.
+    max_in_flight_bytes: int | str = "1GiB"
     # On shutdown (SIGTERM): requests in flight get this long to finish, then end with an
     # error (streams: a final error event). Keep k8s terminationGracePeriodSeconds above it.
     drain_timeout_s: float = 25.0
@@ -291,6 +294,10 @@ class ServerConfig:
         self.max_body_bytes = parse_size(self.max_body_bytes, "max_body_bytes")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1KiB")
+        self.max_in_flight_bytes = parse_size(self.max_in_flight_bytes, "max_in_flight_bytes")
+        if self.max_in_flight_bytes < self.max_body_bytes:
+            raise ConfigError(f"max_in_flight_bytes ({self.max_in_flight_bytes}) must be at "
+                              f"least max_body_bytes ({self.max_body_bytes})")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.default_max_tokens < 1:
