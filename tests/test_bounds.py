@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from conftest import free_port, wait_for
@@ -232,6 +233,27 @@ def warm_up(fl: Flood) -> None:
     assert fl.applied, "no batch reached the subscriber"
 
 
+def flood_and_drain(fl: Flood, n: int, watch: Callable[[], None], every_s: float) -> int:
+    """Publish `n` batches from a thread, calling `watch` every `every_s` until each was
+    applied or dropped and the inbox is empty (15 s at most); what `publish` returned."""
+    done = threading.Event()
+    got: list[int] = []
+
+    def flood() -> None:
+        got.append(fl.publish(n))
+        done.set()
+
+    st = fl.sub.stats
+    sent = st.batches + n
+    threading.Thread(target=flood, daemon=True).start()
+    deadline = time.monotonic() + 15
+    while (not done.is_set() or len(fl.sub.inbox) or st.batches + st.overflows < sent) \
+            and time.monotonic() < deadline:
+        watch()
+        time.sleep(every_s)
+    return got[0] if got else 0
+
+
 def test_the_event_queue_is_bounded_in_bytes_and_resyncs_after_an_overflow() -> None:
     """1.3 GiB of valid 4 MiB batches took the router from 326 to 1,515 MiB before
     (RCVHWM 0): now the inbox holds at most its bytes, the rest is dropped, counted and
@@ -243,23 +265,16 @@ def test_the_event_queue_is_bounded_in_bytes_and_resyncs_after_an_overflow() -> 
         wait_for(lambda: len(fl.sub.inbox) == 0, 10)
         before = rss()
         peak_rss = peak_bytes = 0
-        done = threading.Event()
-        sizes: list[int] = []
 
-        def flood() -> None:
-            sizes.append(fl.publish(150))  # 600 MiB
-            done.set()
+        def watch() -> None:
+            nonlocal peak_rss, peak_bytes
+            peak_rss = max(peak_rss, rss())
+            peak_bytes = max(peak_bytes, fl.sub.inbox.bytes)
 
         st = fl.sub.stats
         sent = st.batches + 150
-        threading.Thread(target=flood, daemon=True).start()
-        deadline = time.monotonic() + 15
-        while (not done.is_set() or len(fl.sub.inbox) or st.batches + st.overflows < sent) \
-                and time.monotonic() < deadline:
-            peak_rss = max(peak_rss, rss())
-            peak_bytes = max(peak_bytes, fl.sub.inbox.bytes)
-            time.sleep(0.005)
-        assert sizes[0] > 4 * MIB - 1024
+        size = flood_and_drain(fl, 150, watch, 0.005)  # 600 MiB
+        assert size > 4 * MIB - 1024
         grown = peak_rss - before
         assert grown < 50 * MIB, f"RSS grew {grown / MIB:.0f} MiB over 600 MiB of batches"
         assert peak_bytes <= cap
@@ -275,21 +290,15 @@ def test_the_event_queue_is_bounded_in_messages() -> None:
     fl = Flood(200, 0.001, max_queue_messages=50)
     try:
         warm_up(fl)
-        done = threading.Event()
         peak = 0
 
-        def flood() -> None:
-            fl.publish(20_000)
-            done.set()
+        def watch() -> None:
+            nonlocal peak
+            peak = max(peak, len(fl.sub.inbox))
 
         st = fl.sub.stats
         sent = st.batches + 20_000
-        threading.Thread(target=flood, daemon=True).start()
-        deadline = time.monotonic() + 15
-        while (not done.is_set() or len(fl.sub.inbox) or st.batches + st.overflows < sent) \
-                and time.monotonic() < deadline:
-            peak = max(peak, len(fl.sub.inbox))
-            time.sleep(0.001)
+        flood_and_drain(fl, 20_000, watch, 0.001)
         assert peak <= 50
         assert st.overflows > 0 and st.batches + st.overflows >= sent
         assert wait_for(lambda: fl.sub.stats.resets >= 1, 5)
@@ -378,7 +387,7 @@ def test_the_routers_requests_in_flight_are_bounded_in_bytes() -> None:
 
     from kvheat.router.app import KVHeatRouter
     from kvheat.router.config import ReplicaSpec, RouterConfig
-    from kvheat.router.proxy import InFlight
+    from kvheat.server.concurrency import InFlight
 
     router = KVHeatRouter(RouterConfig(replicas=[ReplicaSpec("http://127.0.0.1:9")],
                                        net_signals=False))

@@ -27,7 +27,7 @@ from kvheat.kvevents.subscriber import MAX_QUEUE_BYTES, MAX_QUEUE_MESSAGES
 from kvheat.router.cli import route_command
 from kvheat.router.config import ReplicaSpec, RouterConfig, RouterConfigError
 from kvheat.router.index import MAX_BLOCKS
-from kvheat.router.proxy import InFlight
+from kvheat.server.concurrency import InFlight
 from kvheat.server.config import ConfigError, ServerConfig, load_config
 
 REPLICA = ReplicaSpec("http://127.0.0.1:9")  # nothing listens there: never reached
@@ -200,12 +200,22 @@ def serving(app: Any, factory: Any = None) -> Iterator[int]:
         th.join(30)
 
 
-def hang_mid_body(port: int, path: str, headers: str = "") -> socket.socket:
-    """A client that sends a POST's headers and the first byte of a 4 KB body, then hangs."""
-    s = socket.create_connection(("127.0.0.1", port))
-    s.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               f"{headers}Content-Length: 4096\r\n\r\n{{").encode())
-    return s
+@contextmanager
+def uploads_hanging_mid_body(port: int, path: str, n: int = 2) -> Iterator[None]:
+    """`n` admin clients that send a POST's headers and the first byte of a 4 KB body,
+    then hang until the block ends."""
+    held = []
+    try:
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port))
+            held.append(s)
+            s.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                       f"\r\nAuthorization: Bearer {ADMIN}\r\nContent-Length: 4096\r\n\r\n{{"
+                       ).encode())
+        yield
+    finally:
+        for s in held:
+            s.close()
 
 
 def assert_refused(r: httpx.Response, t0: float) -> None:
@@ -227,9 +237,7 @@ def test_serve_answers_503_past_max_concurrent_requests() -> None:
     auth = {"Authorization": f"Bearer {ADMIN}"}
     with serving(None, lambda h, p: server.uvicorn(h, p, "warning")) as port:
         base = f"http://127.0.0.1:{port}"
-        held = [hang_mid_body(port, "/admin/pin", f"Authorization: Bearer {ADMIN}\r\n")
-                for _ in range(2)]
-        try:
+        with uploads_hanging_mid_body(port, "/admin/pin"):
             assert wait_for(lambda: server.concurrency.active == 2, 10)
             t0 = time.monotonic()
             assert_refused(httpx.post(base + "/v1/completions", json={
@@ -239,9 +247,6 @@ def test_serve_answers_503_past_max_concurrent_requests() -> None:
             assert httpx.get(base + "/health").status_code == 200
             assert metric(port, "kvheat_concurrency_refused_total") == 2
             assert metric(port, 'kvheat_rejected_requests_total{status="503"}') == 2
-        finally:
-            for s in held:
-                s.close()
         assert wait_for(lambda: server.concurrency.active == 0, 10)
         assert httpx.get(base + "/v1/models", headers=auth).status_code == 200
 
@@ -254,9 +259,7 @@ def test_route_answers_503_past_max_concurrent_requests() -> None:
     with serving(router.app) as port:
         base = f"http://127.0.0.1:{port}"
         # Two admin uploads hang mid-body: they hold no in-flight slot, only open requests.
-        held = [hang_mid_body(port, "/admin/replicas", f"Authorization: Bearer {ADMIN}\r\n")
-                for _ in range(2)]
-        try:
+        with uploads_hanging_mid_body(port, "/admin/replicas"):
             assert wait_for(lambda: router.concurrency.active == 2, 10)
             t0 = time.monotonic()
             r = httpx.post(base + "/v1/completions", content=json.dumps(
@@ -266,9 +269,6 @@ def test_route_answers_503_past_max_concurrent_requests() -> None:
             assert httpx.get(base + "/health").status_code in (200, 503)  # not gated
             assert metric(port, "kvheat_router_concurrency_refused_total") == 1
             assert metric(port, "kvheat_router_refused_total") == 0
-        finally:
-            for s in held:
-                s.close()
         assert wait_for(lambda: router.concurrency.active == 0, 10)
         r = httpx.get(base + "/admin/replicas", headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 200
@@ -283,9 +283,7 @@ def test_serve_answers_503_past_max_in_flight_bytes() -> None:
     assert server.concurrency.max_bytes == 8192
     with serving(None, lambda h, p: server.uvicorn(h, p, "warning")) as port:
         base = f"http://127.0.0.1:{port}"
-        held = [hang_mid_body(port, "/admin/pin", f"Authorization: Bearer {ADMIN}\r\n")
-                for _ in range(2)]
-        try:
+        with uploads_hanging_mid_body(port, "/admin/pin"):
             assert wait_for(lambda: server.concurrency.bytes == 8192, 10)
             assert server.concurrency.active == 2
             t0 = time.monotonic()
@@ -293,9 +291,6 @@ def test_serve_answers_503_past_max_in_flight_bytes() -> None:
                 "model": "kvheat-tiny-llama", "prompt": "hi", "max_tokens": 1}), t0)
             assert httpx.get(base + "/v1/models").status_code == 200  # no body: 0 bytes
             assert metric(port, "kvheat_concurrency_refused_total") == 1
-        finally:
-            for s in held:
-                s.close()
         assert wait_for(lambda: server.concurrency.bytes == 0, 10)
         r = httpx.post(base + "/v1/completions", json={
             "model": "kvheat-tiny-llama", "prompt": "hi", "max_tokens": 1})

@@ -17,7 +17,6 @@ import json
 import math
 import socket
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -83,17 +82,12 @@ class _Deadline:
     read blocked on a slow peer (a socket timeout bounds each read, never their sum)."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.at = time.monotonic() + seconds
         self.expired = False
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
         self._timer = threading.Timer(seconds, self._expire)
         self._timer.daemon = True
         self._timer.start()
-
-    def remaining(self) -> float:
-        return max(self.at - time.monotonic(), 0.001)
 
     def watch(self, sock: socket.socket) -> None:
         with self._lock:

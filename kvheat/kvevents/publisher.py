@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from ..checks.bounds import Overflow
 from .schema import (
     END_SEQ,
     SNAPSHOT_SEQ,
@@ -106,8 +107,13 @@ class KVEventPublisher:
         self._overflow = False
         self._resync_asked = False
         self.ranks: set[int] = {0}  # ranks a resync clears (see `record`)
+        # Sent batches for replays: at most `buffer_steps` of them (the oldest go first, as
+        # a ring does) and `buffer_bytes` bytes (a trim before then is an overflow).
         self._buffer: deque[tuple[int, bytes]] = deque()
         self.buffer_bytes = 0
+        self._trims = Overflow(log, "the KV event replay buffer's bytes (oldest batches let "
+                               "go early: a subscriber that needs them resyncs)",
+                               on_count=self._count_trim)
         self._seq = itertools.count()
         self._topic = cfg.topic.encode()
         self.secret = cfg.secret or EventSecret.resolve(None)
@@ -273,6 +279,9 @@ class KVEventPublisher:
             self._send(KVEventBatch(ts=now, events=events, data_parallel_rank=rank))
         self.stats.events += n_events
 
+    def _count_trim(self, n: int) -> None:
+        self.stats.trimmed += n
+
     def _send(self, batch: KVEventBatch) -> None:
         payload = encode_batch(batch)
         seq = next(self._seq)
@@ -283,7 +292,7 @@ class KVEventPublisher:
         cfg = self.config
         while len(buf) > cfg.buffer_steps or self.buffer_bytes > cfg.buffer_bytes:
             if len(buf) <= cfg.buffer_steps:
-                self.stats.trimmed += 1
+                self._trims()
             self.buffer_bytes -= len(buf.popleft()[1])
         self.stats.batches += 1
 

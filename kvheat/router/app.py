@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Scope
 
 from ..kvevents.secret import EventSecret
-from ..server.concurrency import ConcurrencyLimit
+from ..server.concurrency import ConcurrencyLimit, InFlight
 from ..server.netsignals import url_endpoint
 from ..server.tracing import Tracing, end_span
 from .config import ReplicaSpec, RouterConfig, RouterConfigError
@@ -56,7 +56,7 @@ from .policy import (
     RoutingPolicy,
     make_routing_policy,
 )
-from .proxy import Forwarder, InFlight, Receive, RouterError, Send, read_body, send_error
+from .proxy import Forwarder, Receive, RouterError, Send, read_body, send_error
 from .regime import ClusterEntropy
 from .replicas import Replica, ReplicaRegistry
 
@@ -95,7 +95,8 @@ class KVHeatRouter:
         self.policy: RoutingPolicy = make_routing_policy(config.policy, self.index, **kw)
         self.metrics = RouterMetrics()
         self.in_flight = InFlight(config.max_in_flight, config.max_in_flight_bytes,
-                                  on_count=self.metrics.refused.inc)
+                                  on_count=self.metrics.refused.inc, log=log,
+                                  what="the router's requests in flight (answered 503)")
         assert config.max_concurrent_requests is not None  # set by the config's check
         self.concurrency = ConcurrencyLimit(config.max_concurrent_requests, log,
                                             "the router's open HTTP requests",
@@ -289,20 +290,24 @@ class KVHeatRouter:
             return
         matches = self.index.match(rreq.keys[:head], rreq.block_tokens[:head],
                                    [r.name for r in reps], rreq.rank)
+        targets = [r for r, m in zip(reps, matches)
+                   if r is not chosen and m.device_blocks < head and not r.prewarming]
+        if not targets:
+            return
+        # Once for every replica warmed: the head, its mark and the tenant's fields.
         model = str(body.get("model", ""))
         vllm: dict[str, Any] = {}  # what a vLLM replica's prewarm carries of the tenant
         if tenant is not None:
             cache_salt, vouched = self.keys.vllm_tenant(tenant)
             vllm = {"cache_salt": cache_salt} if vouched is None else \
                 {"cache_salt": cache_salt, "kv_transfer_params": vouched}
-        for r, m in zip(reps, matches):
-            if r is not chosen and m.device_blocks < head and not r.prewarming:
-                head_tokens = tokens[:head * block_size]
-                t = asyncio.ensure_future(self.forwarder.prewarm(
-                    r, model, head_tokens, authorization, user,
-                    vllm if r.spec.kind == "vllm" else None,
-                    self.secret.prewarm_mark(head_tokens) if self.secret else None))
-                self._tasks = [x for x in self._tasks if not x.done()] + [t]
+        head_tokens = tokens[:head * block_size]
+        mark = self.secret.prewarm_mark(head_tokens) if self.secret else None
+        for r in targets:
+            t = asyncio.ensure_future(self.forwarder.prewarm(
+                r, model, head_tokens, authorization, user,
+                vllm if r.spec.kind == "vllm" else None, mark))
+            self._tasks = [x for x in self._tasks if not x.done()] + [t]
 
     # ---- the app --------------------------------------------------------------------------
     def check_admin(self, authorization: str) -> None:

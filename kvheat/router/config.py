@@ -10,16 +10,12 @@ from urllib.parse import urlsplit
 from ..cache.tenancy import TENANT_SECRET_ENV
 from ..checks import check_fields
 from ..kvevents.subscriber import MAX_QUEUE_BYTES, MAX_QUEUE_MESSAGES
+from ..server.concurrency import MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES
 from ..server.config import check_secret, secret_from_env
 from .index import MAX_BLOCKS
 from .policy import ROUTING_POLICIES
 
 KINDS = ("kvheat", "vllm", "openai")
-# Requests the router holds at once (reading, routing, streaming back), and their bodies'
-# bytes (as declared; a body without a length counts as the largest allowed): past either,
-# 503 and the client retries. A request holds its body until it ends (a retry resends it).
-MAX_IN_FLIGHT = 8192
-MAX_IN_FLIGHT_BYTES = 1 << 30
 # HTTP requests of any kind held at once (kvheat/server/concurrency.py), unless given:
 # the proxied ones above, plus this many for the admin API, /v1/models and the like.
 CONCURRENT_HEADROOM = 1024

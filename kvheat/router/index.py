@@ -275,28 +275,10 @@ class PrefixIndex:
             n += 1
             for (p, t, r2), s in list(sets.items()):
                 if r2 == r and k in s:
-                    self._remove_quiet(bit, k, (p, t, r2))
+                    self._remove(bit, [k], p, t, r2, ghost=False)
         if n:
             self.overflow(n, f"{name}: more than {self.max_blocks} blocks; the oldest "
                           "forgotten")
-
-    def _remove_quiet(self, bit: int, k: bytes, pk: tuple[int, str | None, int]) -> None:
-        """Drop key `k` from one of `bit`'s sets, and from the place's mask when no other
-        set of the unit there holds it; no ghost (lock held)."""
-        sets = self._held[bit]
-        s = sets[pk]
-        s.discard(k)
-        self._count[bit] -= 1
-        if not s:
-            del sets[pk]
-        if any(k in o for (p, _t, _r), o in sets.items() if p == pk[0]):
-            return
-        m = self.masks[pk[0]]
-        v = m.get(k, 0) & ~(1 << bit)
-        if v:
-            m[k] = v
-        else:
-            m.pop(k, None)
 
     def _translate(self, alias: _AliasMap, ev: BlockStored, rank: int) -> list[bytes]:
         """kvheat keys of a foreign store, from its token ids."""
@@ -356,7 +338,10 @@ class PrefixIndex:
         self._count[bit] += len(held) - before
 
     def _remove(self, bit: int, keys: Iterable[bytes], place: int, tier: str | None,
-                rank: int = 0) -> None:
+                rank: int = 0, ghost: bool = True) -> None:
+        """Drop `keys` from one of `bit`'s sets, and from the place's mask where no other
+        set of the unit there holds them; on the device, remembered as evicted (a ghost)
+        unless `ghost` is False (a key forgotten, not evicted)."""
         m = self.masks[place]
         sets = self._held[bit]
         held = sets.get((place, tier, rank))
@@ -365,7 +350,7 @@ class PrefixIndex:
         before = len(held)
         flag = 1 << bit
         others = [s for (p, t, r), s in sets.items() if p == place and (t, r) != (tier, rank)]
-        ghosts = self.ghosts if place == DEVICE else None
+        ghosts = self.ghosts if place == DEVICE and ghost else None
         for k in keys:
             if k not in held:
                 continue

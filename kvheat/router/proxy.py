@@ -16,10 +16,7 @@ import aiohttp
 from starlette.types import Receive, Send
 from yarl import URL
 
-from ..checks.bounds import Overflow
-from ..server.concurrency import declared_bytes
 from ..server.protocol import PREWARM_HEADER
-from .config import MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES
 from .index import PrefixIndex
 from .metrics import RouterMetrics
 from .policy import Decision, RouteRequest
@@ -63,34 +60,6 @@ def sse_error(message: str, code: str) -> bytes:
     return (b"data: " + json.dumps({"error": {"message": message, "type": "server_error",
                                               "param": None, "code": code}}).encode()
             + b"\n\ndata: [DONE]\n\n")
-
-
-class InFlight:
-    """The requests in flight, bounded in count and body bytes (RouterConfig's
-    `max_in_flight`, `max_in_flight_bytes`); refusals are counted (`overflow.count`,
-    `on_count`) and logged at most once per interval."""
-
-    def __init__(self, max_requests: int = MAX_IN_FLIGHT, max_bytes: int = MAX_IN_FLIGHT_BYTES,
-                 on_count: Any = None) -> None:
-        self.max_requests = max_requests
-        self.max_bytes = max_bytes
-        self.requests = self.bytes = 0
-        self.overflow = Overflow(log, "the router's requests in flight (answered 503)",
-                                 on_count=on_count)
-
-    def admit(self, scope: Any, body_limit: int) -> int | None:
-        """The bytes reserved for this request, or None: refuse it (503)."""
-        n = declared_bytes(scope, body_limit)
-        if self.requests >= self.max_requests or self.bytes + n > self.max_bytes:
-            self.overflow(why=f"{self.requests} requests, {self.bytes} body bytes held")
-            return None
-        self.requests += 1
-        self.bytes += n
-        return n
-
-    def release(self, n: int) -> None:
-        self.requests -= 1
-        self.bytes -= n
 
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:
@@ -277,9 +246,10 @@ class Forwarder:
                       extra: dict[str, Any] | None = None, mark: str | None = None) -> None:
         """Send a hot prefix to a replica that lacks it (max_tokens 1), so the first real
         request there finds it cached: as the request's `user` (it picks the arm to warm),
-        marked as a prewarm (`PREWARM_HEADER`: `mark`, the events secret's MAC of `tokens`),
-        which a kvheat replica counts apart from its clients' requests; `extra`: body fields a vLLM replica needs to key it as the
-        request (its tenant's `cache_salt`, the vouched tenant)."""
+        marked as a prewarm (`PREWARM_HEADER`: `mark`, the events secret's MAC of
+        `tokens`), which a kvheat replica counts apart from its clients' requests;
+        `extra`: body fields a vLLM replica needs to key it as the request (its tenant's
+        `cache_salt`, the vouched tenant)."""
         if r.prewarming or self.client is None:
             return
         r.prewarming = True

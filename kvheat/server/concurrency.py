@@ -29,6 +29,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+log = logging.getLogger("kvheat.server")
+# Requests held at once (reading, serving, streaming back), and their bodies' bytes (as
+# declared: `declared_bytes`): the router's defaults for its proxied requests.
+MAX_IN_FLIGHT = 8192
+MAX_IN_FLIGHT_BYTES = 1 << 30
 EXEMPT_PATHS = frozenset(("/health", "/metrics"))
 _BODY = json.dumps({"error": {"message": "too many requests at once; retry later",
                               "type": "server_error", "param": None,
@@ -53,11 +58,43 @@ def declared_bytes(scope: Scope, body_limit: int) -> int:
     return body_limit if chunked or length is not None else 0
 
 
+class InFlight:
+    """Requests held at once, bounded in count and, unless `max_bytes` is None, in the body
+    bytes they declare (`declared_bytes`): `admit` reserves a request's share or refuses
+    it (counted in `overflow.count` and `on_count`, logged at most once per interval),
+    `release` gives it back. The router holds its proxied requests in one
+    (`max_in_flight`, `max_in_flight_bytes`); `ConcurrencyLimit` holds every request in one."""
+
+    def __init__(self, max_requests: int = MAX_IN_FLIGHT,
+                 max_bytes: int | None = MAX_IN_FLIGHT_BYTES,
+                 on_count: Callable[[int], object] | None = None,
+                 log: logging.Logger = log, what: str = "requests in flight (answered 503)"
+                 ) -> None:
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self.requests = self.bytes = 0
+        self.overflow = Overflow(log, what, on_count=on_count)
+
+    def admit(self, scope: Scope, body_limit: int) -> int | None:
+        """The bytes reserved for this request, or None: refuse it (503)."""
+        n = 0 if self.max_bytes is None else declared_bytes(scope, body_limit)
+        if self.requests >= self.max_requests or \
+                (self.max_bytes is not None and self.bytes + n > self.max_bytes):
+            self.overflow(why=f"{self.requests} requests, {self.bytes} body bytes held")
+            return None
+        self.requests += 1
+        self.bytes += n
+        return n
+
+    def release(self, n: int) -> None:
+        self.requests -= 1
+        self.bytes -= n
+
+
 class ConcurrencyLimit:
     """At most `limit` HTTP requests at once (`active`) and, with `max_bytes`, at most that
-    many body bytes declared by them (`bytes`, each request's `declared_bytes`);
-    `wrap(app)` is the ASGI app that enforces it in front of `app`. Refusals:
-    `overflow.count`, `on_count(n)`."""
+    many body bytes declared by them (`bytes`), held in one `InFlight`; `wrap(app)` is the
+    ASGI app that enforces it in front of `app`. Refusals: `overflow.count`, `on_count(n)`."""
 
     def __init__(self, limit: int, log: logging.Logger, what: str,
                  on_count: Callable[[int], object] | None = None,
@@ -66,32 +103,43 @@ class ConcurrencyLimit:
             raise ValueError("a concurrency limit admits at least one request")
         if max_bytes is not None and max_bytes < body_limit:
             raise ValueError("a byte budget below the largest body admits no large request")
-        self.limit = limit
-        self.max_bytes = max_bytes
         self.body_limit = body_limit
-        self.active = 0
-        self.bytes = 0
-        self.overflow = Overflow(log, f"{what} (answered 503)", on_count=on_count)
+        self.held = InFlight(limit, max_bytes, on_count, log, f"{what} (answered 503)")
+
+    @property
+    def limit(self) -> int:
+        return self.held.max_requests
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self.held.max_bytes
+
+    @property
+    def active(self) -> int:
+        return self.held.requests
+
+    @property
+    def bytes(self) -> int:
+        return self.held.bytes
+
+    @property
+    def overflow(self) -> Overflow:
+        return self.held.overflow
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
         async def limited(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
                 await app(scope, receive, send)
                 return
-            n = declared_bytes(scope, self.body_limit) if self.max_bytes is not None else 0
-            if self.active >= self.limit or (self.max_bytes is not None
-                                             and self.bytes + n > self.max_bytes):
-                self.overflow(why=f"{self.active} requests open, {self.bytes} body bytes")
+            n = self.held.admit(scope, self.body_limit)
+            if n is None:
                 await send({"type": "http.response.start", "status": 503,
                             "headers": _HEADERS})
                 await send({"type": "http.response.body", "body": _BODY})
                 return
-            self.active += 1
-            self.bytes += n
             try:
                 await app(scope, receive, send)
             finally:
-                self.active -= 1
-                self.bytes -= n
+                self.held.release(n)
 
         return limited
