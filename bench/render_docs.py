@@ -338,6 +338,61 @@ def _replay(files: list[Any], o: dict[str, str]) -> str:
                     "l" + "r" * len(caps), rows)
 
 
+@table("scale")
+def _scale(files: list[Any], o: dict[str, str]) -> str:
+    """cache.md: bench/cache/scale.py, policy by capacity: hit rate and the replay loop's
+    speed (M block references/s); Belady bold, the unbounded cache below."""
+    d = files[0]
+    caps = d["capacities_tokens"]
+    cell = {(r["policy"], r["capacity_tokens"]): r for r in d["results"]}
+    rows = [[bold(p, p == "belady")] + [f"{pct(cell[(p, c)]['hit_rate'])} "
+                                        f"({cell[(p, c)]['refs_per_s'] / 1e6:.2f})" for c in caps]
+            for p in d["policies"]]
+    rows.append(["unbounded"] + [pct(d["trace_stats"]["unbounded_hit_rate"])] * len(caps))
+    return md_table(["policy"] + [f"{tokens(c)} (M refs/s)" for c in caps],
+                    "l" + "r" * len(caps), rows)
+
+
+@table("curves")
+def _curves(files: list[Any], o: dict[str, str]) -> str:
+    """cache.md: a `curves` section (kvheat replay --curve, bench/cache/scale.py): each
+    policy's knee, how its points were made, and its error against full replays."""
+    c = files[0]["curves"]
+    rows = []
+    for p in c["policies"]:
+        methods = ", ".join(sorted({f"{q['method']} (1/{round(1 / q['sample_rate'])})"
+                                    if q["sample_rate"] < 1 else q["method"]
+                                    for q in p["points"]}))
+        errs = ", ".join(f"{tokens(e['capacity_tokens'])}: {e['error_points']:+.2f}"
+                         for e in p["checks"])
+        rows.append([p["policy"], f"{p['knee_tokens'] / 1e6:.1f}M" if p["knee_tokens"] else "beyond",
+                     methods, errs or "–"])
+    return md_table(["policy", f"knee ({c['knee_share']:.0%} of unbounded)", "points by",
+                     "error against a full replay (points)"], "lrll", rows)
+
+
+@table("libcachesim")
+def _libcachesim(files: list[Any], o: dict[str, str]) -> str:
+    """cache.md: bench/cache/libcachesim.py, each policy and capacity: block hits of both
+    sides, and each side's speed (M refs/s, median of the rounds) with libCacheSim's ratio."""
+    rows = []
+    for c in files[0]["cells"]:
+        ours, theirs = c["kvheat"], c["libcachesim"]
+        same = "–" if c["same_hits"] is None else "yes" if c["same_hits"] else "no"
+        ratio = c["libcachesim_over_kvheat"]
+        pre = c["kvheat_prefix"]
+        rows.append([c["policy"], tokens(c["capacity_tokens"]),
+                     f"{ours['hits']:,}" if ours else "–", f"{theirs['hits']:,}" if theirs else "–",
+                     same,
+                     f"{ours['refs_per_s']['median'] / 1e6:.2f}" if ours else "–",
+                     f"{pre['refs_per_s']['median'] / 1e6:.2f}" if pre else "–",
+                     f"{theirs['refs_per_s']['median'] / 1e6:.2f}" if theirs else "–",
+                     f"x{ratio['median']:.1f}" if ratio else "–"])
+    return md_table(["policy", "capacity", "kvheat hits", "libCacheSim hits", "same",
+                     "kvheat M refs/s", "kvheat, prefix form", "libCacheSim M refs/s",
+                     "libCacheSim / kvheat"], "lrrrlrrrr", rows)
+
+
 @table("engine")
 def _engine(files: list[Any], o: dict[str, str]) -> str:
     """engine.md: bench/engine/table.py's strategies at equal memory, kvheat's rows bold."""

@@ -8,7 +8,7 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -16,6 +16,7 @@ import click
 
 if TYPE_CHECKING:
     from .replay import PreparedTrace
+    from .replay.spool import Spool
 
 
 class _Lazy(NamedTuple):
@@ -136,7 +137,7 @@ def _token_list(text: str, option: str, block_tokens: int) -> list[int]:
     return out
 
 
-def _check_memory(pt: PreparedTrace, caps: list[int], hold: bool, replicas: int | None, shared: int) -> None:
+def _check_memory(pt: PreparedTrace | Spool, caps: list[int], hold: bool, replicas: int | None, shared: int) -> None:
     """Refuse a run whose caches would not fit in the memory left (after clamping each to
     the blocks the trace can fill, `pool_blocks`), before allocating any of it."""
     from .replay.replayer import BLOCK_BYTES, available_memory, pool_blocks
@@ -212,14 +213,17 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--session-span-s", type=POSITIVE, default=None,
               help="kv-cache-tester: drop requests more than S seconds into their session.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="kv-cache-tester: the seed of the session offsets and of --max-sessions.")
+              help="The seed of --copies' offsets (and kv-cache-tester's session offsets and "
+                   "--max-sessions), and of --curve's key sample.")
 @click.option("--sessions", "session_names", default=None,
               help="kv-cache-tester: the session files to read, by stem (trace_0004,...).")
 @click.option("--max-sessions", type=click.IntRange(min=1), default=None,
               help="kv-cache-tester: draw this many session files at random (seeded).")
 @click.option("--copies", type=click.IntRange(min=1, max=100_000), default=1, show_default=True,
-              help="kv-cache-tester: play each session file N times, each copy its own "
-                   "session (own offset, own blocks).")
+              help="Play the trace N times at once, each copy its own sessions and blocks "
+                   "(kv-cache-tester: each session file, at its own offset; a Mooncake trace: "
+                   "the whole file, at a seeded offset within its span), read as a stream: a "
+                   "day of traffic from an hour's trace.")
 @click.option("--subagents/--no-subagents", default=True, show_default=True,
               help="kv-cache-tester: replay nested sub-agent sessions.")
 @click.option("--hints/--no-hints", default=True, show_default=True,
@@ -241,6 +245,16 @@ def _given(ctx: click.Context, name: str) -> bool:
               show_default=True, help="With --replicas: modelled decode tokens/s per sequence.")
 @click.option("--overload-guard", is_flag=True,
               help="With --replicas: the kvheat router leaves overloaded affinity replicas.")
+@click.option("--jobs", type=click.IntRange(min=1, max=256), default=1, show_default=True,
+              help="Run the policies and capacities (and curve points) in N processes.")
+@click.option("--curve", is_flag=True,
+              help="Also print (and with --json/--plot write) each policy's hit rate against "
+                   "capacity: LRU exact by stack distance, the others replayed, on a sampled "
+                   "miniature when the trace is large (its error against the table's full "
+                   "replays shown), with the capacity reaching 90% of an unbounded cache.")
+@click.option("--curve-points", type=click.IntRange(min=2, max=64), default=12, show_default=True,
+              help="With --curve: capacities on the curve, log-spaced up to the trace's "
+                   "footprint.")
 @click.pass_context
 def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
            block_tokens: int, hold: bool, limit: int | None, time_scale: float,
@@ -249,7 +263,8 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
            prefill_tps: float, decode_tps: float, overload_guard: bool, group: int | None,
            session_offset_s: float, session_span_s: float | None, seed: int,
            session_names: str | None, max_sessions: int | None, copies: int,
-           subagents: bool, hints: bool, lookahead: int) -> None:
+           subagents: bool, hints: bool, lookahead: int, jobs: int, curve: bool,
+           curve_points: int) -> None:
     """Replay TRACE (a Mooncake JSONL file, vLLM's KV events or request log, or 'builtin'
     for the generator) through the cache, or with --replicas through a cluster of caches
     behind each routing policy.
@@ -259,22 +274,30 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
     integer >= 0, timestamp a finite number of ms >= 0, session_id, tenant and stop
     strings); a bad line, like an empty trace, is an error naming the file and line. A
     kv-cache-tester session file is checked the same way, field by field."""
+    from itertools import islice
+
     from rich.progress import Progress
 
     from .cache import policy_names
-    from .replay import PreparedTrace, TraceError, generate_workload, load_trace
-    from .replay import replay as run_replay
+    from .replay import PreparedTrace, TraceError, generate_workload
+    from .replay.curves import KNEE
+    from .replay.parallel import ReplayTask, run_replays
     from .replay.report import plot, print_misses, print_table, summarize, write_json
+    from .replay.spool import Spool
+    from .replay.traces import TraceRequest, iter_copies, iter_trace
 
     if fmt == "auto" and trace != "builtin" and Path(trace).is_dir():
         fmt = "kv-cache-tester"  # a folder: of session files (a file's format is detected below)
     tester = [o for o, n in (("--group", "group"), ("--session-offset-s", "session_offset_s"),
-                             ("--session-span-s", "session_span_s"), ("--seed", "seed"),
+                             ("--session-span-s", "session_span_s"),
                              ("--sessions", "session_names"), ("--max-sessions", "max_sessions"),
-                             ("--copies", "copies"), ("--subagents", "subagents"))
+                             ("--subagents", "subagents"))
               if _given(ctx, n)]
     if tester and fmt != "kv-cache-tester":
         raise click.UsageError(f"{', '.join(tester)}: only with --format kv-cache-tester")
+    if _given(ctx, "seed") and fmt != "kv-cache-tester" and copies == 1 and not curve:
+        raise click.UsageError("--seed: only with --format kv-cache-tester, --copies or --curve "
+                               "(nothing else is drawn at random)")
     if fmt == "kv-cache-tester":
         if group is None:
             if block_tokens % 64:
@@ -300,6 +323,8 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
     elif hold or lookahead:
         raise click.UsageError(f"{'--hold' if hold else '--lookahead'} is not modelled with "
                                "--replicas")
+    elif curve or _given(ctx, "jobs"):
+        raise click.UsageError(f"{'--curve' if curve else '--jobs'}: not with --replicas")
     if trace == "builtin" and fmt != "auto":
         raise click.BadParameter("the built-in workload has no file format", param_hint="--format")
     if policies is None:
@@ -313,11 +338,12 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
     if replicas is not None:
         cluster = _cluster_options(pols, routers, shared_capacity, block_tokens)
     detected = False
+    reqs: Iterable[TraceRequest]
     if trace == "builtin":
-        reqs = generate_workload(block_tokens=block_tokens)
+        reqs = generate_workload(block_tokens=block_tokens)[:limit]
         name = "built-in multi-turn workload"
     else:
-        from .replay.vllm_trace import detect_format, load_kv_events, load_vllm_log
+        from .replay.vllm_trace import detect_format, iter_vllm_log, load_kv_events
 
         detected = fmt == "auto"
         try:
@@ -330,49 +356,82 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
                 reqs = load_kv_cache_tester(trace, SessionDraw(
                     group=block_tokens // 64, offset_s=float(session_offset_s), seed=seed,
                     span_s=session_span_s, sessions=names, max_sessions=max_sessions,
-                    subagents=subagents, copies=copies))
+                    subagents=subagents, copies=copies))[:limit]
+            elif copies > 1 and fmt != "mooncake":
+                raise click.UsageError(f"--copies: Mooncake traces and kv-cache-tester "
+                                       f"sessions only, not {fmt}")
             elif fmt == "vllm-events":
-                reqs = load_kv_events(trace, block_tokens)
+                reqs = load_kv_events(trace, block_tokens)[:limit]
             elif fmt == "vllm-log":
-                reqs = load_vllm_log(trace, block_tokens)
+                reqs = islice(iter_vllm_log(trace, block_tokens), limit)
+            elif copies > 1:
+                reqs = iter_copies(trace, block_tokens, copies, seed, limit)
             else:
-                reqs = load_trace(trace, block_tokens, limit)
+                reqs = iter_trace(trace, block_tokens, limit)
         except (OSError, TraceError) as e:
             raise click.ClickException(str(e)) from None
-        name = Path(trace).name
-    if limit is not None:
-        reqs = reqs[:limit]
-    if not reqs:
-        how = f"read as {fmt}" + (", detected from its first line (--format picks another)"
-                                  if detected else "")
-        raise click.ClickException(f"{trace}: no requests in the trace ({how})")
-    last = max(r.timestamp_ms for r in reqs)
-    if not math.isfinite(last * time_scale):
-        raise click.BadParameter(f"timestamps up to {last:g} ms times {time_scale:g} overflow",
-                                 param_hint="--time-scale")
-    if time_scale != 1:
-        name += f" (timestamps x{time_scale:g})"
-    pt = PreparedTrace(reqs, block_tokens)
-    _check_memory(pt, caps, hold, replicas, cluster[1] if cluster else 0)
+        name = Path(trace).name + (f" ({copies} copies)" if copies > 1 else "")
+    how = f"read as {fmt}" + (", detected from its first line (--format picks another)"
+                              if detected else "")
     if replicas is not None and cluster is not None:
+        listed = list(reqs)
+        if not listed:
+            raise click.ClickException(f"{trace}: no requests in the trace ({how})")
+        _check_time_scale(max(r.timestamp_ms for r in listed), time_scale)
+        if time_scale != 1:
+            name += f" (timestamps x{time_scale:g})"
+        pt = PreparedTrace(listed, block_tokens)
+        _check_memory(pt, caps, hold, replicas, cluster[1])
         _replay_cluster(pt, name, caps, pols, cluster[0], replicas, cluster[1], prefill_tps,
                         decode_tps, time_scale, json_path, plot_path, overload_guard)
         return
-    results = []
+    try:
+        with Progress(transient=True, disable=not sys.stderr.isatty()) as prog:
+            prog.add_task("reading the trace", total=None)
+            sp = Spool.build(reqs, block_tokens)
+    except (OSError, TraceError) as e:
+        raise click.ClickException(str(e)) from None
+    if not sp.summary.requests:
+        raise click.ClickException(f"{trace}: no requests in the trace ({how})")
+    _check_time_scale(sp.summary.max_ms, time_scale)
+    if time_scale != 1:
+        name += f" (timestamps x{time_scale:g})"
+    _check_memory(sp, caps, hold, None, 0)
+    options = {"hold": hold, "time_scale": time_scale, "hints": hints, "lookahead": lookahead}
+    tasks = [ReplayTask(0, p, c, options) for c in caps for p in pols]
     with Progress(transient=True, disable=not sys.stderr.isatty()) as prog:
-        task = prog.add_task("replaying", total=len(caps) * len(pols) * len(reqs))
-        for c in caps:
-            for p in pols:
-                prog.update(task, description=f"{p} @ {c:,} tokens")
-                results.append(run_replay(pt, p, c, block_tokens, hold=hold, time_scale=time_scale,
-                                          hints=hints, lookahead=lookahead))
-                prog.advance(task, len(reqs))
-    summary = summarize(name, block_tokens, pt.infinite_hit_rate(), results)
+        task = prog.add_task("replaying", total=len(tasks) * sp.summary.refs)
+
+        def done(t: ReplayTask) -> None:
+            prog.update(task, description=f"{t.policy} @ {t.capacity_tokens:,} tokens")
+            prog.advance(task, sp.summary.refs)
+
+        results = run_replays([sp], tasks, jobs, done)
+    summary = summarize(name, block_tokens, sp.infinite_hit_rate(), results)
+    summary["trace_stats"] = {"requests": sp.summary.requests, "block_references": sp.summary.refs,
+                              "distinct_blocks": sp.summary.distinct}
     print_table(summary)
     if misses:
         print_misses(summary)
+    if curve:
+        from .replay.curves import capacity_grid, policy_curves
+        from .replay.report import print_curves
+
+        grid = capacity_grid(sp, curve_points)
+        with Progress(transient=True, disable=not sys.stderr.isatty()) as prog:
+            prog.add_task("curves", total=None)
+            curves = policy_curves(sp, pols, grid, results, jobs, seed, options=options)
+        summary["curves"] = {"capacities": grid, "unbounded": sp.infinite_hit_rate(),
+                             "knee_share": KNEE, "policies": [c.as_dict() for c in curves]}
+        print_curves(summary)
     _write(write_json, summary, json_path, "--json")
     _write(plot, summary, plot_path, "--plot")
+
+
+def _check_time_scale(last_ms: float, time_scale: float) -> None:
+    if not math.isfinite(last_ms * time_scale):
+        raise click.BadParameter(f"timestamps up to {last_ms:g} ms times {time_scale:g} overflow",
+                                 param_hint="--time-scale")
 
 
 def _check_writable(path: str | None, option: str) -> None:

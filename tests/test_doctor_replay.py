@@ -5,8 +5,10 @@ replaying the same traffic, really removes most of its capacity misses."""
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
+import pytest
 from test_doctor import _complete
 from test_server import Served, start, stop
 
@@ -19,6 +21,8 @@ from kvheat.doctor.replay import (
     replay_arm,
     with_recent_keys,
 )
+from kvheat.replay import PreparedTrace, TraceRequest, replay
+from kvheat.replay.curves import KNEE
 from kvheat.server.config import ServerConfig
 
 ADMIN = "adm"
@@ -72,6 +76,27 @@ def test_no_recommendation_when_eight_times_the_pool_is_not_enough() -> None:
                             "requests": [{"t": "x", "blocks": [-1]}]}) is None  # malformed
     assert replay_arm("a", {"policy": "no-such", "block_size": 16, "blocks": 2,
                             "requests": reqs}) is None
+
+
+@pytest.mark.parametrize("policy", ["lru", "kvheat", "arc"])
+def test_the_curve_gives_the_replayers_rates_and_a_knee(policy: str) -> None:
+    # A skewed mix: a hot prompt between rounds of cold ones; the curve's points are the
+    # rates a plain replay gives at those sizes (LRU's by stack distance), and the knee
+    # (90% of unbounded) lies between the pool and the footprint.
+    rng = random.Random(3)
+    reqs = []
+    for i in range(300):
+        base = 0 if rng.random() < 0.5 else 4 * rng.randrange(1, 40)
+        reqs.append({"t": float(i), "blocks": [base + j for j in range(4)]})
+    record = {"policy": policy, "block_size": 16, "blocks": 8, "requests": reqs}
+    rep = replay_arm("a", record)
+    assert rep is not None
+    pt = PreparedTrace([TraceRequest(r["t"] * 1000.0, 64, 0, r["blocks"]) for r in reqs], 16)
+    for n, rate in rep.hit_rates.items():
+        assert rate == replay(pt, policy, n * 16).hit_rate, n
+    assert rep.unbounded == pt.infinite_hit_rate() and rep.footprint == pt.footprint_blocks()
+    assert rep.knee is not None and rep.blocks < rep.knee <= rep.footprint
+    assert rep.current < KNEE * rep.unbounded
 
 
 def test_replay_recommends_a_pool_that_removes_the_capacity_misses() -> None:

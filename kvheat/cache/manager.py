@@ -158,6 +158,20 @@ class KVCacheManager:
         bt = [bs] * (n_blocks - 1) + [num_tokens - (n_blocks - 1) * bs]
         return Request(request_id, tenant, root, keys, contents, bt, num_tokens, None, session)
 
+    def make_keyed_request(self, request_id: str, keys: list[bytes], num_tokens: int,
+                           tenant: str | None = None, session: str | None = None) -> Request:
+        """`make_hashed_request` for blocks keyed already (a spooled trace, whose keys were
+        made once, as that method makes them): each key, naming its whole prefix, stands
+        for the block's content too."""
+        check_session(session)
+        bs = self.block_size
+        n_blocks = len(keys)
+        if n_blocks == 0 or num_tokens > n_blocks * bs or num_tokens <= (n_blocks - 1) * bs:
+            raise ValueError(f"{num_tokens} tokens do not fit {n_blocks} blocks of {bs}")
+        bt = [bs] * (n_blocks - 1) + [num_tokens - (n_blocks - 1) * bs]
+        return Request(request_id, tenant, self.root_for(tenant), keys, keys, bt, num_tokens,
+                       None, session)
+
     # ---- lookup and lifetime -----------------------------------------------------------
     def match_prefix(self, req: Request) -> list[Block]:
         """The cached blocks of the request's longest cached prefix (no side effects).

@@ -16,6 +16,7 @@ a node in no queue links to `DETACHED`, so a link is always a node, never None.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 
 class PolicyRecord:
@@ -48,7 +49,10 @@ class Node:
         self.inserted_at = 0.0
         # Which heap entry of the policy is live (Belady: a version, heat heaps: a slot).
         self.heap_ver: float = 0
-        self.rec: PolicyRecord | None = None  # the policy's own record, reused across keys
+        # The policy's own record (a `PolicyRecord`, or None before its first insert),
+        # reused across keys. Typed Any: each policy knows its own record, and reads it
+        # by a plain annotated assignment (a `cast` is a function call on every access).
+        self.rec: Any = None
 
 
 class QueueEnd(Node):

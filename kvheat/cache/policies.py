@@ -368,7 +368,14 @@ class Belady(EvictionPolicy):
         self._seq += 1
         assert b.key is not None
         nu = self.next_use.get(b.key, float("inf"))
-        heapq.heappush(self.heap, (-nu, -b.depth, self._seq, b.heap_ver, b))
+        heap = self.heap
+        heapq.heappush(heap, (-nu, -b.depth, self._seq, b.heap_ver, b))
+        # Superseded entries pile up with every release (a cache that rarely evicts pops
+        # few): past twice the live ones' bound, keep the live ones only. The order stays
+        # the tuples' own, so no decision changes.
+        if len(heap) > 2 * max(getattr(self, "capacity", 0), 4096):
+            self.heap = [e for e in heap if e[3] == e[4].heap_ver and e[4].key is not None]
+            heapq.heapify(self.heap)
 
     def on_acquire(self, b: Node) -> None:
         b.heap_ver += 1  # invalidates its heap entry

@@ -60,6 +60,8 @@ class BlockPool:
         self._release_all = (None if pol.on_release_all is base.on_release_all
                              else policy.on_release_all)
         self._victim_for = None if pol.victim_for is base.victim_for else policy.victim_for
+        self._on_evict = None if pol.on_evict is base.on_evict else policy.on_evict
+        self._on_leaf = policy.on_leaf
 
     # ---- references -------------------------------------------------------------------
     def acquire(self, hit: Sequence[Block], now: float) -> int:
@@ -245,22 +247,30 @@ class BlockPool:
     def _unlink(self, b: Block, evicted: bool = True, drop: bool = False) -> None:
         """`uncache`; `evicted` is False only for blocks whose KV was never computed (a
         rolled-back allocate)."""
+        self._clear(b, evicted, drop)
+        self.free_stack.append(b)
+
+    def _clear(self, b: Block, evicted: bool = True, drop: bool = False) -> None:
+        """Take `b` out of the index and the tree, free but not yet in the free stack:
+        listeners told, the parent told it may be a leaf now (this runs per eviction:
+        `_lost_child` written out, empty listener lists skipped)."""
         if evicted:
-            for listener in (self.drop_listeners if drop else self.evict_listeners):
-                listener(b)
-        for index_listener in self.index_listeners:
-            index_listener(b, False)
+            listeners = self.drop_listeners if drop else self.evict_listeners
+            if listeners:
+                for listener in listeners:
+                    listener(b)
+            self.stats.evicted_blocks += 1
+        if self.index_listeners:
+            for index_listener in self.index_listeners:
+                index_listener(b, False)
         assert b.key is not None
         del self.cached[b.key]
         parent = b.parent
         self._reset(b)
-        if parent is not None:  # (`_lost_child`, written out: this runs per eviction)
+        if parent is not None:
             parent.num_children -= 1
             if parent.num_children == 0 and parent.ref_cnt == 0:
-                self.policy.on_leaf(parent)
-        self.free_stack.append(b)
-        if evicted:
-            self.stats.evicted_blocks += 1
+                self._on_leaf(parent)
 
     def _lost_child(self, parent: Node) -> None:
         parent.num_children -= 1
@@ -323,17 +333,24 @@ class BlockPool:
         return done
 
     def _evict_for(self, owner: str | None) -> Block:
-        """A block freed by evicting one, to make room for `owner`."""
+        """A block freed by evicting one, to make room for `owner` (it goes straight to the
+        caller, not through the free stack)."""
         victim_for = self._victim_for
-        if not self._evict_one(self.policy.victim() if victim_for is None else victim_for(owner)):
+        b = self.policy.victim() if victim_for is None else victim_for(owner)
+        if b is None:
             raise OutOfBlocks("no free or evictable block")  # excluded by the callers' checks
-        return self.free_stack.pop()
+        assert type(b) is Block  # the pool's policy orders only the pool's blocks
+        if self._on_evict is not None:
+            self._on_evict(b)
+        self._clear(b)
+        return b
 
     def _evict_one(self, b: Node | None) -> bool:
         if b is None:
             return False
         assert type(b) is Block  # the pool's policy orders only the pool's blocks
-        self.policy.on_evict(b)
+        if self._on_evict is not None:
+            self._on_evict(b)
         self._unlink(b)
         return True
 

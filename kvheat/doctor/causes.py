@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache import hit_rate
+from ..replay.curves import KNEE
 from .replay import FACTORS, RECOVER, CapacityReplay, replay_all
 from .scrape import Scrape
 
@@ -183,6 +184,8 @@ def _replay_evidence(replays: list[CapacityReplay]) -> dict[str, float]:
         for n, rate in r.hit_rates.items():
             ev[f"replay[{r.arm}] hit rate @ {n} blocks"] = round(rate, 4)
         ev[f"replay[{r.arm}] hit rate, unbounded"] = round(r.unbounded, 4)
+        if r.knee is not None:
+            ev[f"replay[{r.arm}] blocks at {KNEE:.0%} of unbounded"] = r.knee
     return ev
 
 
@@ -200,6 +203,9 @@ def _replay_action(replays: list[CapacityReplay]) -> str:
             parts.append(f"{now}): num_blocks={r.recommended} (x{r.recommended / r.blocks:.3g}), "
                          f"replayed hit rate {r.current:.1%} -> "
                          f"{r.hit_rates[r.recommended]:.1%} of {r.unbounded:.1%} unbounded")
+        if r.knee is not None:  # where the curve flattens: more memory buys little past it
+            parts[-1] += (f"; its hit-rate curve reaches {KNEE:.0%} of unbounded at about "
+                          f"num_blocks={r.knee}")
     return ("Grow the KV pool: " + "; ".join(parts) + ". Rule: the smallest of the pool "
             f"x{', x'.join(f'{f:g}' for f in FACTORS)} whose hit rate, replaying the last "
             f"{max(r.requests for r in replays)} admitted prompts through the arm's own "

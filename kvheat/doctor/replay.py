@@ -6,7 +6,8 @@ text), and shows it only on the admin API (GET /admin/recent-keys). There each d
 key becomes a small id, per answer: the ids say which prompts share which prefix blocks,
 and nothing else (tenants stay apart: their keys are salted apart). `kvheat doctor` fetches
 it and replays it through the real cache (`kvheat.replay`), with the arm's own eviction
-policy, at the current pool size and at growing ones.
+policy, at the current pool size and at growing ones: one miss-ratio curve
+(`kvheat.replay.curves`, LRU's exact by stack distance), its knee marked.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..replay import PreparedTrace, TraceRequest, replay
+from ..replay import TraceRequest
+from ..replay.curves import policy_curves
+from ..replay.spool import Spool
 from .scrape import MAX_BYTES, TIMEOUT_S, DoctorError, fetch, loads_json
 
 MAX_REQUESTS = 2048  # prompts kept per arm
@@ -65,6 +68,7 @@ class CapacityReplay:
     unbounded: float  # the hit rate of a cache that never evicts
     recommended: int | None  # the smallest pool that closes RECOVER of the gap
     footprint: int  # a pool this large never evicts: the replay's unbounded hit rate
+    knee: int | None  # blocks where the curve reaches KNEE x unbounded (interpolated)
 
     @property
     def current(self) -> float:
@@ -130,17 +134,24 @@ def replay_arm(arm: str, record: dict[str, Any],
     trace = _trace(record.get("requests"), bs)
     if not trace:
         return None
-    pt = PreparedTrace(trace, bs)
-    sizes = sorted({blocks, *(max(int(blocks * f), blocks + 1) for f in factors)})
+    spool = Spool.build(trace, bs)
     try:
-        rates = {n: replay(pt, policy, n * bs).hit_rate for n in sizes}
-    except ValueError:  # a policy this doctor does not know
-        return None
-    unbounded = pt.infinite_hit_rate()
+        footprint = spool.footprint_blocks()
+        sizes = sorted({blocks, *(max(int(blocks * f), blocks + 1) for f in factors)})
+        grid = sorted({*sizes, footprint})  # the footprint: where the curve ends
+        try:
+            (curve,) = policy_curves(spool, [policy], [n * bs for n in grid])
+        except ValueError:  # a policy this doctor does not know
+            return None
+        unbounded = spool.infinite_hit_rate()
+    finally:
+        spool.close()
+    rates = {n: p.hit_rate for n, p in zip(grid, curve.points) if n in sizes}
     gap = unbounded - rates[blocks]
     ok = [n for n in sizes if rates[n] >= rates[blocks] + RECOVER * gap]
+    knee = -(-curve.knee_tokens // bs) if curve.knee_tokens is not None else None
     return CapacityReplay(arm, policy, bs, blocks, len(trace), rates, unbounded,
-                          min(ok) if ok and gap > 0 else None, pt.footprint_blocks())
+                          min(ok) if ok and gap > 0 else None, footprint, knee)
 
 
 def replay_all(recent: dict[str, Any]) -> list[CapacityReplay]:

@@ -119,8 +119,11 @@ class HeatClock:
         return m * math.exp(lam * (base - v) + self.lam * (v - self.base))
 
     def rescale(self, r: HeatFields) -> None:
-        """Bring `r`'s count to the current generation."""
-        r.count = self.convert(r.count, r.gen, r.last)
+        """Bring `r`'s count to the current generation (`convert`, written out: this runs
+        per block touched after each new generation)."""
+        base, lam = self.gens[r.gen]
+        v = r.last
+        r.count = r.count * math.exp(lam * (base - v) + self.lam * (v - self.base))
         r.gen = self.gen
 
     def log2_at_last(self, m: float, gen: int, last: float) -> float:

@@ -12,7 +12,7 @@ import math
 from ..cache.node import Node
 from .counts import HeatClock
 from .drift import DriftDetector
-from .entropy import EntropyTracker
+from .entropy import LN2, EntropyTracker
 from .heap import BlockHeap
 from .penalties import Penalties
 from .regime import MID, Regime
@@ -97,7 +97,9 @@ class Feedback:
         median victim's heat, by stochastic approximation over about `horizon` evictions,
         so that returns of a random sample of victims step up and down equally often,
         whatever the spread's skew."""
-        x = self.clock.log2_at_last(m, gen, last)
+        # (`HeatClock.log2_at_last`, written out: this runs per eviction)
+        base, lam = self.clock.gens[gen]
+        x = math.log2(m) - lam * (last - base) / LN2
         if n_ev <= 1:
             self.victim_median = x
             return
@@ -114,7 +116,8 @@ class Feedback:
         recency. At a balanced multiple, returns come from both halves equally often."""
         if m <= 0:
             return
-        d = self.clock.log2_at_last(m, gen, v) - self.victim_median
+        base, lam = self.clock.gens[gen]  # (`HeatClock.log2_at_last`, written out)
+        d = (math.log2(m) - lam * (v - base) / LN2) - self.victim_median
         x = self.mult_log + (self.mult_step if d > 0 else -self.mult_step)
         self.mult_log = x = MULT_HI if x > MULT_HI else MULT_LO if x < MULT_LO else x
         # Re-keying costs O(cached blocks): at most once per cache turnover (capacity

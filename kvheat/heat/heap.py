@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Sequence
 
 from ..cache.node import Node
 from ..cache.policy import PARKED
@@ -24,10 +24,14 @@ class BlockHeap:
     other equal keys step to the next float up. Ties thus go to the earlier push (the cache
     releases a request tail-first, so a chain's tail leaves before its head). An entry is
     live while it equals `block.heap_ver` (lazy invalidation: a newer push supersedes it;
-    NaN: none). `key(block)` is the policy's key, read at each push and at a re-key."""
+    NaN: none). `key(block)` is the policy's key, read at each push and at a re-key;
+    `keys(blocks)`, where the policy gives it, is `key` of each block in one call (a push
+    gets a request's keys without a call per block)."""
 
-    def __init__(self, key: Callable[[Node], float]) -> None:
+    def __init__(self, key: Callable[[Node], float],
+                 keys: Callable[[Sequence[Node]], list[float]] | None = None) -> None:
         self.key = key
+        self.keys = keys if keys is not None else (lambda blocks: [key(b) for b in blocks])
         self.heap: list[float] = []
         self.owner: dict[float, list[Node]] = {}
         self.last_key = math.nan  # the key of the last push, and the slot it went to
@@ -55,14 +59,16 @@ class BlockHeap:
         """Enter each block at its key, in order (superseding any entry it had): a
         released block, a parked one that became evictable, or the whole heap re-keyed.
         A request's blocks come in one call; the loop is every access's hot path."""
-        key, owner, heap = self.key, self.owner, self.heap
+        if not isinstance(blocks, (list, tuple)):
+            blocks = list(blocks)
+        owner, heap = self.owner, self.heap
         nextafter, inf, heappush = math.nextafter, math.inf, heapq.heappush
         last_k, last_u = self.last_key, self.last_slot
         bucket = owner.get(last_u)  # the last push's bucket, unless `pop` took it since
         entries, compact_at = self.entries, self.compact_at
-        for b in blocks:
+        # (the keys first: nothing below changes one, a compaction included)
+        for b, k in zip(blocks, self.keys(blocks)):
             b.parked = None
-            k = key(b)
             if k == last_k and bucket is not None:  # as the previous push: its bucket
                 bucket.append(b)
                 b.heap_ver = last_u

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container, Iterable, Sequence
-from typing import cast
 
 from ..cache.hints import Outcome
 from ..cache.node import Node
@@ -75,7 +74,7 @@ class KVHeat(EvictionPolicy):
         # `admit_penalty=0.8` alone is the default with a lighter charge, not an error)
         if admit_floor is not None and not admit_floor >= 0:
             raise ValueError(f"admit_floor must be >= 0 half-lives (or None), got {admit_floor!r}")
-        self.heap = BlockHeap(self.key)
+        self.heap = BlockHeap(self.key, self.keys)
         # until bound (the cache's size) and then measured, unless fixed
         self.clock = HeatClock(half_life if half_life is not None else 1024.0, max_count,
                                self.heap.rekey)
@@ -123,24 +122,32 @@ class KVHeat(EvictionPolicy):
 
     # -- the key ---------------------------------------------------------------------
     def key(self, b: Node) -> float:
-        """`b`'s eviction key, the smallest goes first: its decayed access count (brought
-        to the current generation) times its flags' factor, and the tail factor when it is
-        shorter than a full block."""
-        r = cast(HeatFields, b.rec)
-        clock = self.clock
-        if r.gen != clock.gen:
-            clock.rescale(r)
-        p = self.penalties
-        st = r.flags
-        k = r.count * p.flag[st]
-        if st >= FLAG_BITS and type(r) is HeatRecord:  # released by a session's request
-            k *= r.own  # its own pace
-        return k * p.tail if b.num_tokens < p.block_size else k
+        """`b`'s eviction key, the smallest goes first (`keys`)."""
+        return self.keys((b,))[0]
+
+    def keys(self, blocks: Sequence[Node]) -> list[float]:
+        """Each block's eviction key, in one call (the heap's push of a request's blocks):
+        its decayed access count (brought to the current generation) times its flags'
+        factor, and the tail factor when it is shorter than a full block."""
+        clock, p = self.clock, self.penalties
+        gen, flag, tail, full = clock.gen, p.flag, p.tail, p.block_size
+        rescale = clock.rescale
+        out = []
+        for b in blocks:
+            r: HeatFields = b.rec
+            if r.gen != gen:
+                rescale(r)
+            st = r.flags
+            k = r.count * flag[st]
+            if st >= FLAG_BITS and type(r) is HeatRecord:  # released by a session's request
+                k *= r.own  # its own pace
+            out.append(k * tail if b.num_tokens < full else k)
+        return out
 
     def raise_key(self, b: Node, k: float) -> None:
         """Set `b`'s count so that its key is `k`, right after `key(b)` read a lower one
         (its heap entry stays a lower bound: see `take_lazy`)."""
-        r = cast(HeatFields, b.rec)
+        r: HeatFields = b.rec
         p = self.penalties
         if b.num_tokens < p.block_size:
             k /= p.tail
@@ -151,7 +158,7 @@ class KVHeat(EvictionPolicy):
     # -- accesses --------------------------------------------------------------------
     def on_insert(self, b: Node, now: float) -> None:
         # Runs once per block filled: flags precomputed, few attribute lookups.
-        clock, pen = self.clock, self.penalties
+        clock, pen, fb = self.clock, self.penalties, self.feedback
         if now != clock.t:
             clock.advance(now)
         clock.accesses += 1
@@ -163,9 +170,9 @@ class KVHeat(EvictionPolicy):
         key = b.key
         assert key is not None  # the block is cached
         if key[0] < self._sample_below and self.gaps.observe(key, clock.v):
-            self.feedback.reuse_gap_moved()
+            fb.reuse_gap_moved()
             w = clock.weight
-        r = cast("HeatFields | None", b.rec)
+        r: HeatFields | None = b.rec
         if r is None:  # the block's first insert: its record is reused from then on
             r = b.rec = HeatRecord()
         g = self.ghost.pop(key, None)
@@ -178,7 +185,7 @@ class KVHeat(EvictionPolicy):
                 # A new block extending a prefix known before this request (hit now, or
                 # back from the ghost: count > 1) below depth 0 is an appended suffix; a
                 # new parent passes its flag on down the chain.
-                pr = cast(HeatFields, p.rec)
+                pr: HeatFields = p.rec
                 if p.inserted_at != now or pr.count != w:
                     if p.depth >= 1:
                         st |= EXTENSION
@@ -198,8 +205,8 @@ class KVHeat(EvictionPolicy):
         else:
             self.ghost_hits += 1
             m, gen, v, st = g
-            if self.feedback.adapt_mult:
-                self.feedback.victim_returned(m, gen, v, self.evictions)
+            if fb.adapt_mult:
+                fb.victim_returned(m, gen, v, self.evictions)
                 w = clock.weight
             if gen != clock.gen:
                 m = clock.convert(m, gen, v)
@@ -214,8 +221,8 @@ class KVHeat(EvictionPolicy):
         r.gen = clock.gen
         r.last = clock.v
         r.flags = st
-        if ((b.depth == 1 and self.feedback.watch_keys) or self.feedback.tuner is not None) \
-                and self.feedback.observe(b, False):
+        if ((b.depth == 1 and fb.watch_keys) or fb.tuner is not None) \
+                and fb.observe(b, False):
             self.forget_heat()
 
     def on_hit(self, b: Node, now: float) -> None:
@@ -237,7 +244,7 @@ class KVHeat(EvictionPolicy):
             assert key is not None  # the block is cached
             if key[0] < below and gaps.observe(key, clock.v):
                 fb.reuse_gap_moved()  # may start a generation: read the clock per block
-            r = cast(HeatFields, b.rec)
+            r: HeatFields = b.rec
             if r.gen != clock.gen:
                 clock.rescale(r)
             m = r.count + clock.weight
@@ -259,7 +266,7 @@ class KVHeat(EvictionPolicy):
         clock = self.clock
         if now != clock.t:
             clock.advance(now)
-        r = cast(HeatFields, b.rec)
+        r: HeatFields = b.rec
         if r.gen == clock.gen:
             r.count += clock.weight - weight
             r.last = clock.v
@@ -371,8 +378,7 @@ class KVHeat(EvictionPolicy):
                     r.own = own
                 r.flags = (r.flags & keep) | bits
             else:  # a vLLM offload chunk is its own record: no owner, no pace
-                f = cast(HeatFields, r)
-                f.flags = (f.flags & keep) | bits
+                r.flags = (r.flags & keep) | bits
 
     def on_queue(self, request_id: str, keys: Sequence[bytes], session: str | None) -> None:
         if not self.queue_hints:
@@ -451,7 +457,7 @@ class KVHeat(EvictionPolicy):
     def on_evict(self, b: Node) -> None:
         """`b` leaves the cache: the eviction age, the median victim's heat (for the
         multiple's feedback), and the ghost history keeps its count."""
-        r = cast(HeatFields, b.rec)
+        r: HeatFields = b.rec
         # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
         self.evictions = n_ev = self.evictions + 1
         last = r.last
@@ -483,7 +489,7 @@ class KVHeat(EvictionPolicy):
         clock = self.clock
         lam, base = clock.lam, clock.base
         for b in self.heap.live():
-            r = cast(HeatFields, b.rec)
+            r: HeatFields = b.rec
             if r.gen != clock.gen:
                 clock.rescale(r)
             one = math.exp(lam * (r.last - base))
@@ -531,7 +537,7 @@ class KVHeat(EvictionPolicy):
 
     def log_count(self, b: Node, vtime: float | None = None) -> float:
         """ln of `b`'s decayed access count at virtual time `vtime` (default: now)."""
-        return self.clock.log_count(cast(HeatFields, b.rec), vtime)
+        return self.clock.log_count(b.rec, vtime)
 
     def stats(self) -> dict[str, float]:
         fb, pen = self.feedback, self.penalties

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 from ..cache.ghost import Ghost
 from ..cache.node import Node, PolicyRecord
@@ -34,12 +34,21 @@ class LRUK(EvictionPolicy):
         self.k = k
         self.ghost_mult = ghost
         self.ghost: Ghost[float] = Ghost()
-        self.heap = BlockHeap(self.key)
+        self.heap = BlockHeap(self.key, self.keys)
 
     def key(self, b: Node) -> float:
-        times = cast(LRUKHistory, b.rec).times
-        # Blocks with < K accesses sort before all others (offset), LRU among themselves.
-        return times[0] if len(times) == self.k else times[-1] - 1e12
+        return self.keys((b,))[0]
+
+    def keys(self, blocks: Sequence[Node]) -> list[float]:
+        """Each block's key, in one call (the heap's push of a request's blocks)."""
+        k = self.k
+        out = []
+        for b in blocks:
+            h: LRUKHistory = b.rec
+            times = h.times
+            # Blocks with < K accesses sort before all others (offset), LRU among themselves.
+            out.append(times[0] if len(times) == k else times[-1] - 1e12)
+        return out
 
     def bind(self, capacity_blocks: int) -> None:
         super().bind(capacity_blocks)
@@ -50,14 +59,15 @@ class LRUK(EvictionPolicy):
         last = self.ghost.take(b.key)
         times = [last] if last is not None and self.k > 1 else []
         times.append(now)
-        h = cast("LRUKHistory | None", b.rec)
+        h: LRUKHistory | None = b.rec
         if h is None:  # the block's first insert: its record is reused from then on
             b.rec = LRUKHistory(times[-self.k:])
         else:
             h.times = times[-self.k:]
 
     def on_hit(self, b: Node, now: float) -> None:
-        times = cast(LRUKHistory, b.rec).times
+        h: LRUKHistory = b.rec
+        times = h.times
         times.append(now)
         if len(times) > self.k:
             del times[0]
@@ -82,5 +92,5 @@ class LRUK(EvictionPolicy):
 
     def on_evict(self, b: Node) -> None:
         assert b.key is not None
-        h = cast(LRUKHistory, b.rec)
+        h: LRUKHistory = b.rec
         self.ghost.add(b.key, h.times[-1], int(self.ghost_mult * self.capacity))

@@ -10,9 +10,11 @@ import heapq
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
+from itertools import islice
 
 from ..cache import (
     CacheConfig,
@@ -25,7 +27,8 @@ from ..cache import (
     make_policy,
 )
 from ..cache.hashing import root_key, tenant_salt, trace_block_keys
-from ..cache.misses import MISS_KINDS, MissClassifier
+from ..cache.misses import CACHED, MISS_KINDS, MissClassifier
+from .spool import STATIC_KINDS, Spool, SpooledRequest
 from .traces import TraceRequest
 
 PolicySpec = str | Callable[[], EvictionPolicy]
@@ -75,9 +78,10 @@ class ReplayResult:
 
 
 class PreparedTrace:
-    """A trace with every request's chained keys computed once, as the cache names them
-    (`trace_block_keys` under each tenant's root, share groups included), for the oracle
-    and the bound; each run's cache makes its requests the same way."""
+    """A trace in memory with every request's chained keys computed once, as the cache
+    names them (`trace_block_keys` under each tenant's root, share groups included), for
+    the oracle, the bound and the cluster simulation. `spool` is the same trace as a
+    `Spool`, what `replay` walks (made on first use, from these keys)."""
 
     def __init__(self, trace: list[TraceRequest], block_tokens: int = 512,
                  share_groups: dict[str, str] | None = None) -> None:
@@ -95,29 +99,21 @@ class PreparedTrace:
             n = len(r.hash_ids)
             self.keys.append(ks)
             self.block_tokens_of.append([block_tokens] * (n - 1) + [r.input_length - (n - 1) * block_tokens])
-        self._next_use: list[list[float]] | None = None
-        self._sessions: list[str] | None = None
-        self._plain_keys: list[list[bytes]] | None = None
-        self._distinct: int | None = None
+        self._spool: Spool | None = None
+
+    @property
+    def spool(self) -> Spool:
+        if self._spool is None:
+            self._spool = Spool.build(self.trace, self.block_tokens, self.share_groups,
+                                      keys=self.keys)
+        return self._spool
 
     def footprint_blocks(self, hold: bool = False) -> int:
         """The most blocks a replay of this trace can ever have in use, at any capacity:
         each distinct (tenant-salted) prefix block cached once, plus the private copies
         requests in flight may hold (one request at a time, or with `hold` all of them).
         A cache of more blocks never runs out of free ones, so never evicts."""
-        if self._distinct is None:
-            self._distinct = len({k for ks in self.keys for k in ks})
-        lens = [len(ks) for ks in self.keys]
-        return self._distinct + (sum(lens) if hold else max(lens, default=0))
-
-    @property
-    def plain_keys(self) -> list[list[bytes]]:
-        """Request i's keys without a tenant salt (the same as `keys` for no tenant)."""
-        if self._plain_keys is None:
-            plain = root_key(None)
-            self._plain_keys = [ks if r.tenant is None else trace_block_keys(plain, r.hash_ids)[0]
-                                for r, ks in zip(self.trace, self.keys)]
-        return self._plain_keys
+        return self.spool.footprint_blocks(hold)
 
     @property
     def sessions(self) -> list[str]:
@@ -126,55 +122,11 @@ class PreparedTrace:
         such, else a session of its own ("prompt:<index>"). A prompt is continued once: a
         second request extending it (another conversation on a shared system prompt, a
         branch) opens a session of its own. A hint a server has too: the chat history's
-        own prefix names the conversation."""
-        if self._sessions is None:
-            bt = self.block_tokens
-            ends: dict[bytes, str] = {}  # key of a prompt's last full block -> its session
-            out: list[str] = []
-            for i, (r, ks, tok) in enumerate(zip(self.trace, self.keys, self.block_tokens_of)):
-                n_full = len(ks) if tok[-1] == bt else len(ks) - 1
-                s = r.session
-                if s is None:
-                    for j in range(n_full - 1, -1, -1):  # the longest earlier prompt first
-                        s = ends.pop(ks[j], None)
-                        if s is not None:
-                            break
-                    else:
-                        s = f"prompt:{i}"
-                if n_full:
-                    ends[ks[n_full - 1]] = s
-                out.append(s)
-            self._sessions = out
-        return self._sessions
-
-    @property
-    def next_use(self) -> list[list[float]]:
-        """For request i, block j: index of the next request using that block (inf: never)."""
-        if self._next_use is None:
-            inf = float("inf")
-            seen: dict[bytes, float] = {}
-            out: list[list[float]] = [[]] * len(self.keys)
-            for i in range(len(self.keys) - 1, -1, -1):
-                ks = self.keys[i]
-                out[i] = [seen.get(k, inf) for k in ks]
-                for k in ks:
-                    seen[k] = i
-            self._next_use = out
-        return self._next_use
+        own prefix names the conversation. (Derived by the spool's forward pass.)"""
+        return [r.session for r in self.spool.requests()]
 
     def infinite_hit_rate(self) -> float:
-        seen: set[bytes] = set()
-        hit = total = 0
-        for ks, bt in zip(self.keys, self.block_tokens_of):
-            prefix = True
-            for k, n in zip(ks, bt):
-                if prefix and k in seen:
-                    hit += n
-                else:
-                    prefix = False
-                seen.add(k)
-            total += sum(bt)
-        return hit_rate(hit, total)
+        return self.spool.infinite_hit_rate()
 
 
 MAX_TOKENS = 10**15  # a token count beyond any cache: a typo, not a size
@@ -239,7 +191,7 @@ def available_memory() -> int | None:
     return avail
 
 
-def pool_blocks(trace: PreparedTrace, capacity_tokens: int, hold: bool = False) -> int:
+def pool_blocks(trace: PreparedTrace | Spool, capacity_tokens: int, hold: bool = False) -> int:
     """Blocks a replay at `capacity_tokens` allocates: the capacity's, clamped to the trace's
     `footprint_blocks` (more could never be used)."""
     return min(capacity_tokens // trace.block_tokens, max(trace.footprint_blocks(hold), 1))
@@ -249,11 +201,20 @@ def _policy(spec: PolicySpec) -> EvictionPolicy:
     return make_policy(spec) if isinstance(spec, str) else spec()
 
 
-def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capacity_tokens: int,
-           block_tokens: int = 512, hold: bool = False, prefill_tps: float = 20_000.0,
-           decode_tps: float = 50.0, progress: Callable[[int], None] | None = None,
-           time_scale: float = 1.0, hints: bool | None = None,
-           lookahead: int = 0) -> ReplayResult:
+def as_spool(trace: Spool | PreparedTrace | list[TraceRequest], block_tokens: int = 512) -> Spool:
+    """The spool a replay walks: `trace` itself, a prepared trace's, or a list's, made here."""
+    if isinstance(trace, Spool):
+        return trace
+    if isinstance(trace, PreparedTrace):
+        return trace.spool
+    return Spool.build(trace, block_tokens)
+
+
+def replay(trace: Spool | PreparedTrace | list[TraceRequest], policy: PolicySpec,
+           capacity_tokens: int, block_tokens: int = 512, hold: bool = False,
+           prefill_tps: float = 20_000.0, decode_tps: float = 50.0,
+           progress: Callable[[int], None] | None = None, time_scale: float = 1.0,
+           hints: bool | None = None, lookahead: int = 0) -> ReplayResult:
     """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks
     (allocated only up to the trace's `footprint_blocks`: the results are the same).
 
@@ -261,8 +222,8 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
     traffic `1 / time_scale` times as fast (0.1: ten times the request rate).
 
     `hints` (kvheat/cache/hints.py): each request carries its session to the cache
-    (`PreparedTrace.sessions`: the trace's `session_id`, else the one derived from the
-    earlier prompt it extends), ends as finished with the trace's finish reason (`stop`)
+    (the trace's `session_id`, else the one derived from the earlier prompt it extends,
+    `PreparedTrace.sessions`), ends as finished with the trace's finish reason (`stop`)
     when it has one, and, with `hold`, a request waiting for room is queued (`kvheat
     replay` does this unless --no-hints). False replays the prompts alone, exactly as
     before hints existed. None (the default here, so every bench replays as it did)
@@ -270,13 +231,16 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
 
     `lookahead` N > 0: the next N requests wait in the cache's queue (`KVCacheManager.queue`,
     the queued-blocks hint) while each request is served, as a server's waiting queue would
-    hold them; each leaves it when its turn comes (`allocate`). 0 (the default) queues none."""
+    hold them; each leaves it when its turn comes (`allocate`). 0 (the default) queues none.
+
+    The trace is walked as a stream (`Spool.requests`): memory is the cache's and the
+    trace's distinct keys, whatever its length."""
     if not (time_scale > 0 and math.isfinite(time_scale)):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
     if type(lookahead) is not int or lookahead < 0:
         raise ValueError(f"lookahead must be an integer >= 0 (requests), got {lookahead!r}")
-    pt = trace if isinstance(trace, PreparedTrace) else PreparedTrace(trace, block_tokens)
-    bt = pt.block_tokens
+    sp = as_spool(trace, block_tokens)
+    bt = sp.block_tokens
     num_blocks = capacity_tokens // bt
     if num_blocks <= 0:
         raise ValueError(f"capacity {capacity_tokens} tokens holds no {bt}-token block")
@@ -284,78 +248,88 @@ def replay(trace: PreparedTrace | list[TraceRequest], policy: PolicySpec, capaci
     now = [0.0]
     # A cache larger than the trace can fill holds only the blocks it can (it never evicts
     # either way); the policy is still told the whole capacity, as its sizing reads it.
-    allocated = pool_blocks(pt, capacity_tokens, hold)
+    allocated = pool_blocks(sp, capacity_tokens, hold)
     mgr = KVCacheManager(CacheConfig(num_blocks=allocated, block_size=bt,
-                                     share_groups=pt.share_groups), policy=pol,
+                                     share_groups=sp.share_groups), policy=pol,
                          clock=lambda: now[0])
     if allocated < num_blocks:
         pol.bind(num_blocks)
-    belady_next = pt.next_use if pol.needs_future else None
-    next_use = getattr(pol, "next_use", None)
-    misses = MissBreakdown()
+    next_use = getattr(pol, "next_use", None) if pol.needs_future else None
     by_kind = dict.fromkeys(MISS_KINDS, 0)
     classifier = MissClassifier(bt, bits=None)
-    plain_keys = pt.plain_keys
-    sessions = pt.sessions if hints else None
+    count_misses = classifier.count
     own_sessions = hints is None
-    reqs = pt.trace
 
-    def finish(i: int, req: Request) -> None:
+    def finish(req: Request, reason: str | None) -> None:
         if hints:
-            mgr.free(req, Outcome.FINISHED, reqs[i].finish_reason)
+            mgr.free(req, Outcome.FINISHED, reason)
         else:
             mgr.free(req)
 
-    def make(i: int) -> Request:
-        r = reqs[i]
-        session = sessions[i] if sessions is not None else r.session if own_sessions else None
-        return mgr.make_hashed_request(str(i), r.hash_ids, r.input_length, r.tenant, session)
+    def make(r: SpooledRequest) -> Request:
+        session = r.session if hints else r.own_session if own_sessions else None
+        return mgr.make_keyed_request(str(r.position), r.keys, r.input_length, r.tenant, session)
 
+    source = sp.requests(next_use=next_use is not None)
+    window = deque(islice(source, lookahead + 1))  # this request and the next `lookahead`
     ahead: dict[int, Request] = {}  # requests queued by the lookahead, by index
-    running: list[tuple[float, int, Request]] = []
+    running: list[tuple[float, int, Request, str | None]] = []
+    too_long = 0
     t0 = time.perf_counter()
-    for i, r in enumerate(pt.trace):
-        now[0] = r.timestamp_ms * time_scale / 1000.0
+    while window:
+        r = window.popleft()
+        following = next(source, None)
+        if following is not None:
+            window.append(following)
+        i = r.position
+        now[0] = r.timestamp_ms * time_scale / 1000.0  # (this rounding: the results of before)
         if hold:
             while running and running[0][0] <= now[0]:
-                _, j, done = heapq.heappop(running)
-                finish(j, done)
+                _, _, done, why = heapq.heappop(running)
+                finish(done, why)
         req = ahead.pop(i, None) if lookahead else None
         if req is None:
-            req = make(i)
-        for j in range(i + 1, min(i + 1 + lookahead, len(reqs))):
-            if j not in ahead:  # next in line: queued until its turn (a longer one never fits)
-                q = ahead[j] = make(j)
-                if len(q.block_tokens) <= num_blocks:
-                    mgr.queue(q)
-        if belady_next is not None and next_use is not None:
-            for k, nu in zip(req.keys, belady_next[i]):
+            req = make(r)
+        if lookahead:
+            for q in window:  # next in line: queued until its turn (a longer one never fits)
+                if q.position not in ahead:
+                    qr = ahead[q.position] = make(q)
+                    if len(qr.block_tokens) <= num_blocks:
+                        mgr.queue(qr)
+        if next_use is not None and r.next_use is not None:
+            for k, nu in zip(req.keys, r.next_use):
                 next_use[k] = nu
-        if len(req.block_tokens) > num_blocks:
-            misses.too_long += r.input_length
+        n = len(req.block_tokens)
+        if n > num_blocks:
+            too_long += r.input_length
             mgr.record_prompt(r.input_length, 0, 0)
         else:
-            kinds = classifier.prepare_keys(req.keys, plain_keys[i], mgr.cached)
+            matched = mgr.match_prefix(req)
+            at_arrival = len(matched)  # cached when it came (a prefix of its keys)
             while True:
-                matched = mgr.match_prefix(req)
                 try:
                     mgr.allocate(req, matched)
                     break
                 except OutOfBlocks:  # hold mode: wait for the earliest running request
                     if hints and req.request_id not in mgr.queued:
                         mgr.queue(req)  # waiting: the policy may keep what it will need
-                    _, j, done = heapq.heappop(running)
-                    finish(j, done)
-            classifier.count(kinds, req.block_tokens, len(matched), by_kind)
+                    _, _, done, why = heapq.heappop(running)
+                    finish(done, why)
+                    matched = mgr.match_prefix(req)
+            n_hit = len(matched)
+            if n_hit < n:
+                kinds = [CACHED] * at_arrival + [STATIC_KINDS[c] for c in r.kinds[at_arrival:]]
+                count_misses(kinds, req.block_tokens, n_hit, by_kind)
             if hold:
                 dur = r.input_length / prefill_tps + r.output_length / decode_tps
-                heapq.heappush(running, (now[0] + dur, i, req))
+                heapq.heappush(running, (now[0] + dur, i, req, r.finish_reason))
             else:
-                finish(i, req)
+                finish(req, r.finish_reason)
         if progress is not None:
             progress(i)
-    for kind, n in by_kind.items():
-        setattr(misses, kind, n)
+    misses = MissBreakdown(too_long=too_long)
+    for kind, count in by_kind.items():
+        setattr(misses, kind, count)
     st = mgr.stats
     return ReplayResult(pol.name, capacity_tokens, bt, num_blocks, st.requests, st.query_tokens,
                         st.hit_tokens, st.evicted_blocks, time.perf_counter() - t0, misses,

@@ -94,6 +94,39 @@ def print_misses(summary: dict, console: Console | None = None) -> None:
     print_uncut(t, console)
 
 
+def print_curves(summary: dict, console: Console | None = None) -> None:
+    """The curves of `summary["curves"]` (`kvheat replay --curve`): hit rate by capacity
+    and policy, each policy's knee, and each estimate's error against a full replay."""
+    cv = summary["curves"]
+    pols = cv["policies"]
+    share = cv["knee_share"]
+    t = Table(title=f"{summary['trace']}: hit rate against capacity (infinite cache "
+                    f"{cv['unbounded']:.2%}; knee: the capacity reaching {share:.0%} of it)",
+              caption="* a sampled miniature (SHARDS, rate shown in the JSON); LRU exact by "
+                      "stack distance; the rest full replays", caption_justify="left")
+    t.add_column("capacity")
+    for p in pols:
+        t.add_column(p["policy"], justify="right")
+    for i, c in enumerate(cv["capacities"]):
+        cells = []
+        for p in pols:
+            pt = p["points"][i]
+            cells.append(f"{pt['hit_rate']:.2%}{'*' if pt['method'] == 'miniature' else ''}")
+        t.add_row(_fmt_approx(c), *cells)
+    t.add_row("knee", *(_fmt_approx(p["knee_tokens"]) if p["knee_tokens"] else "beyond"
+                        for p in pols))
+    print_uncut(t, console)
+    checks = [(p["policy"], c) for p in pols for c in p["checks"]]
+    if any(c["method"] == "miniature" for _, c in checks):
+        e = Table(title="Curve estimates against full replays (points)")
+        for col in ("policy", "capacity", "sample rate", "curve", "replay", "error"):
+            e.add_column(col, justify="left" if col == "policy" else "right")
+        for pol, c in checks:
+            e.add_row(pol, _fmt_tokens(c["capacity_tokens"]), f"{c['sample_rate']:g}",
+                      f"{c['curve']:.2%}", f"{c['replay']:.2%}", f"{c['error_points']:+.2f}")
+        print_uncut(e, console)
+
+
 def write_json(summary: dict, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(summary, indent=2) + "\n")
@@ -108,6 +141,12 @@ def plot(summary: dict, path: str | Path) -> None:
     caps = sorted({r["capacity_tokens"] for r in summary["results"]})
     pols = list(dict.fromkeys(r["policy"] for r in summary["results"]))
     cell = {(r["policy"], r["capacity_tokens"]): r["hit_rate"] for r in summary["results"]}
+    curves = summary.get("curves")
+    if curves:  # the curve's points, the table's full replays among them
+        for p in curves["policies"]:
+            for pt in p["points"]:
+                cell.setdefault((p["policy"], pt["capacity_tokens"]), pt["hit_rate"])
+        caps = sorted({c for _, c in cell})
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p in pols:
         xs = [c for c in caps if (p, c) in cell]
@@ -120,7 +159,13 @@ def plot(summary: dict, path: str | Path) -> None:
         ax.plot(xs, [100 * cell[(p, c)] for c in xs], label=p, **style)
     ax.axhline(100 * summary["infinite"], color="grey", linestyle=":", label="infinite cache")
     ax.set_xscale("log")
-    ax.set_xticks(caps, [_fmt_tokens(c) for c in caps])
+    if curves:
+        for p in curves["policies"]:
+            if p["knee_tokens"]:
+                ax.axvline(p["knee_tokens"], color="black" if p["policy"] == "kvheat" else
+                           "lightgray", linewidth=0.8, linestyle="-.")
+    else:
+        ax.set_xticks(caps, [_fmt_tokens(c) for c in caps])
     ax.set_xlabel("cache capacity (tokens)")
     ax.set_ylabel("prefix hit rate (% of prompt tokens)")
     ax.set_title(summary["trace"])
@@ -130,6 +175,14 @@ def plot(summary: dict, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _fmt_approx(n: int) -> str:
+    """A token count to three significant digits (a curve's log-spaced capacities)."""
+    for div, suf in ((1_000_000_000, "G"), (1_000_000, "M"), (1_000, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{suf}"
+    return str(n)
 
 
 def _fmt_tokens(n: int) -> str:

@@ -7,6 +7,7 @@ A trace names each request's prompt as a list of block ids; an id names a whole 
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import random
@@ -150,20 +151,57 @@ def parse_request(where: str, d: object, block_tokens: int) -> TraceRequest:
                         _stop(where, d.get("stop")))
 
 
-def load_trace(path: str | Path, block_tokens: int = 512, limit: int | None = None) -> list[TraceRequest]:
-    """Load a Mooncake-format JSONL trace (`timestamp`, `input_length`, `output_length`,
-    `hash_ids`, optionally `session_id` and `tenant`), checking every line
-    (`parse_request`); a bad line is a `TraceError` naming the file, line and field."""
+def iter_trace(path: str | Path, block_tokens: int = 512,
+               limit: int | None = None) -> Iterator[TraceRequest]:
+    """The requests of a Mooncake-format JSONL trace (`timestamp`, `input_length`,
+    `output_length`, `hash_ids`, optionally `session_id` and `tenant`), one line at a time
+    (memory: one line), each checked (`parse_request`); a bad line is a `TraceError`
+    naming the file, line and field."""
     block_tokens = positive_int(block_tokens, "block_tokens")
     if limit is not None:
         limit = positive_int(limit, "limit")
-    out: list[TraceRequest] = []
-    for lineno, line in read_lines(path):
-        where = f"{path}:{lineno}"
-        out.append(parse_request(where, parse_json_line(path, lineno, line), block_tokens))
-        if limit is not None and len(out) >= limit:
-            break
-    return out
+    for n, (lineno, line) in enumerate(read_lines(path), 1):
+        yield parse_request(f"{path}:{lineno}", parse_json_line(path, lineno, line), block_tokens)
+        if limit is not None and n >= limit:
+            return
+
+
+def load_trace(path: str | Path, block_tokens: int = 512, limit: int | None = None) -> list[TraceRequest]:
+    """`iter_trace` as a list."""
+    return list(iter_trace(path, block_tokens, limit))
+
+
+def iter_copies(path: str | Path, block_tokens: int, copies: int, seed: int = 0,
+                limit: int | None = None) -> Iterator[TraceRequest]:
+    """`copies` plays of a Mooncake trace at once, merged in time order as a stream (one
+    reader per copy, one request of each in memory): copy c starts at a seeded offset in
+    [0, the trace's span), has block ids of its own (shifted past the file's largest) and
+    its own sessions ("<session>#c"), as `copies` users sending the same kind of traffic.
+    Copy 0 is the trace itself, unshifted. `limit` counts the file's requests, per copy."""
+    copies = positive_int(copies, "copies")
+    top = span = 0.0
+    first: float | None = None
+    for r in iter_trace(path, block_tokens, limit):  # one pass for the shifts
+        top = max(top, max(r.hash_ids))
+        first = r.timestamp_ms if first is None else min(first, r.timestamp_ms)
+        span = max(span, r.timestamp_ms - first)
+    stride = int(top) + 1
+    if stride * copies > BLOCK_ID_LIMIT:
+        raise TraceError(f"{path}: {copies} copies of block ids up to {int(top)} overflow 2**64")
+    rng = random.Random(seed)
+    offsets = [0.0] + [rng.uniform(0.0, span) for _ in range(copies - 1)]
+
+    def play(c: int) -> Iterator[TraceRequest]:
+        shift, at = c * stride, offsets[c]
+        for r in iter_trace(path, block_tokens, limit):
+            if c:
+                r.timestamp_ms += at
+                r.hash_ids = [h + shift for h in r.hash_ids]
+                if r.session is not None:
+                    r.session = f"{r.session}#{c}"
+            yield r
+
+    return heapq.merge(*(play(c) for c in range(copies)), key=lambda r: r.timestamp_ms)
 
 
 def save_trace(trace: list[TraceRequest], path: str | Path) -> None:

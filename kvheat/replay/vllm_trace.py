@@ -201,11 +201,16 @@ def _log_request(line: str) -> tuple[tuple[str | None, ...], str] | None:
 
 
 def load_vllm_log(path: str | Path, block_tokens: int = 512) -> list[TraceRequest]:
-    """Requests from a vLLM server log written with --enable-log-requests at DEBUG."""
+    """`iter_vllm_log` as a list."""
+    return list(iter_vllm_log(path, block_tokens))
+
+
+def iter_vllm_log(path: str | Path, block_tokens: int = 512) -> Iterator[TraceRequest]:
+    """Requests from a vLLM server log written with --enable-log-requests at DEBUG, read
+    as a stream (memory: one id per distinct block)."""
     block_tokens = positive_int(block_tokens, "block_tokens")
     root = root_key(None)
     ids: dict[bytes, int] = {}
-    out = []
     t0: datetime | None = None
     for lineno, line in read_lines(path, strict_utf8=False):
         m = _log_request(line)
@@ -236,8 +241,7 @@ def load_vllm_log(path: str | Path, block_tokens: int = 512) -> list[TraceReques
         for s in range(0, len(raw), stride):
             h = chain_key(h, raw[s:s + stride])
             hids.append(ids.setdefault(h, len(ids)))
-        out.append(TraceRequest((when - t0).total_seconds() * 1000.0, len(parts), 0, hids))
-    return out
+        yield TraceRequest((when - t0).total_seconds() * 1000.0, len(parts), 0, hids)
 
 
 def record_kv_events(endpoint: str, path: str | Path, topic: str = "",
