@@ -271,7 +271,8 @@ def replay(trace: Spool | PreparedTrace | list[TraceRequest], policy: PolicySpec
         return mgr.make_keyed_request(str(r.position), r.keys, r.input_length, r.tenant, session)
 
     source = sp.requests(next_use=next_use is not None)
-    window = deque(islice(source, lookahead + 1))  # this request and the next `lookahead`
+    # this request and the next `lookahead`: one taken off before one is put on
+    window = deque(islice(source, lookahead + 1), maxlen=lookahead + 1)
     ahead: dict[int, Request] = {}  # requests queued by the lookahead, by index
     running: list[tuple[float, int, Request, str | None]] = []
     too_long = 0

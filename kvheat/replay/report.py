@@ -179,15 +179,12 @@ def plot(summary: dict, path: str | Path) -> None:
 
 def _fmt_approx(n: int) -> str:
     """A token count to three significant digits (a curve's log-spaced capacities)."""
-    for div, suf in ((1_000_000_000, "G"), (1_000_000, "M"), (1_000, "K")):
-        if n >= div:
-            return f"{n / div:.3g}{suf}"
-    return str(n)
+    return _fmt_tokens(n, exact=False)
 
 
-def _fmt_tokens(n: int) -> str:
+def _fmt_tokens(n: int, exact: bool = True) -> str:
+    """1M, 2.5K: `exact`, only where that is the count exactly; else to three digits."""
     for div, suf in ((1_000_000_000, "G"), (1_000_000, "M"), (1_000, "K")):
-        if n >= div and n % (div // 100) == 0:
-            v = n / div
-            return f"{v:g}{suf}"
+        if n >= div and (not exact or n % (div // 100) == 0):
+            return f"{n / div:g}{suf}" if exact else f"{n / div:.3g}{suf}"
     return str(n)

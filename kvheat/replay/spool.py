@@ -26,6 +26,7 @@ import numpy as np
 
 from ..cache.hashing import root_key, tenant_salt, trace_block_keys
 from ..cache.misses import MISS_KINDS
+from .stack import mix64
 from .traces import TraceRequest
 
 # A request's fixed record. `session`: the session a hint names (the trace's own, else
@@ -321,12 +322,9 @@ def key_hash(keys: list[bytes], seed: int = 0) -> np.ndarray:
     """A uniform 32-bit hash of each key for `seed` (SHARDS' filter): bytes 8..15 of the
     key (KVHeat samples by byte 0, so a sample stays independent of it) through
     splitmix64's finalizer with the seed mixed in."""
+    x = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 16)[:, 8:16].copy()
     with np.errstate(over="ignore"):
-        x = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 16)[:, 8:16].copy()
-        h = x.view("<u8").ravel() + np.uint64((seed * 0x9E3779B97F4A7C15) % 2**64)
-        h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        h ^= h >> np.uint64(31)
+        h = mix64(x.view("<u8").ravel() + np.uint64((seed * 0x9E3779B97F4A7C15) % 2**64))
     return h >> np.uint64(32)
 
 

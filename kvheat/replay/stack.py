@@ -70,7 +70,11 @@ popcount = getattr(np, "bitwise_count", _popcount_bytes)
 def splitmix64(x: np.ndarray, seed: int = 0) -> np.ndarray:
     """Vigna's splitmix64 finaliser of `x + (seed + 1) * golden` (uint64, wrapping): the
     fixed integer hash SHARDS samples dense key ids with."""
-    z = x.astype(np.uint64) + np.uint64(((seed + 1) * _GOLDEN) & _MASK64)
+    return mix64(x.astype(np.uint64) + np.uint64(((seed + 1) * _GOLDEN) & _MASK64))
+
+
+def mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of uint64 values (wrapping): every SHARDS filter's hash."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
