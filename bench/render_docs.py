@@ -324,6 +324,95 @@ def _policies(files: list[Any], o: dict[str, str]) -> str:
     return md_table(["policy"] + [tokens(c) for c in caps], "l" + "r" * len(caps), rows)
 
 
+@table("sessions")
+def _sessions(files: list[Any], o: dict[str, str]) -> str:
+    """heat.md: sessions.json's plain replays, every trace (`traces=a,b`) by capacity, with
+    hints on: each online policy (`policies=`), kvheat, Belady, kvheat's margin over the
+    best other online policy (in italics in its row) and the share of the LRU -> Belady
+    gap kvheat closes."""
+    d = files[0]
+    pols = o["policies"].split(",")
+    hints = o.get("hints", "on") == "on"
+    cells = {(c["trace"], c["capacity_tokens"]): c for c in d["cells"]
+             if c["mode"] == o.get("mode", "plain") and c["hints"] == hints}
+    rows = []
+    for tr in o["traces"].split(","):
+        caps = sorted(cap for t, cap in cells if t == tr)
+        if not caps:
+            raise DocError(f"sessions.json has no plain cells for {tr}")
+        for cap in caps:
+            c = cells[(tr, cap)]
+            rates, best = c["rates"], c.get("best_other")
+            row = [tr, tokens(cap)]
+            row += [("*" + pct(rates[p]) + "*" if p == best else pct(rates[p]))
+                    if p in rates else "–" for p in pols]
+            row += [bold(pct(rates["kvheat"]), c.get("margin", -1) >= 0),
+                    pct(rates["belady"]) if "belady" in rates else "–",
+                    f"{100 * c['margin']:+.2f} ({best})" if "margin" in c else "–",
+                    f"{100 * c['gap_closed']['kvheat']:.0f}%"
+                    if "kvheat" in c.get("gap_closed", {}) else "–"]
+            rows.append(row)
+    head = ["trace", "capacity", *pols, "kvheat", "Belady", "kvheat − best other", "gap closed"]
+    return md_table(head, "ll" + "r" * (len(head) - 2), rows)
+
+
+@value("sessions")
+def _sessions_value(d: Any, which: str) -> float:
+    """Over sessions.json's plain cells with hints on that have a margin: `cells`, `flags`
+    (kvheat more than `flag_points` below the best other online policy), `worst` (its
+    lowest margin)."""
+    cs = [c for c in d["cells"] if c["mode"] == "plain" and c["hints"] and "margin" in c]
+    if which == "cells":
+        return float(len(cs))
+    if which == "flags":
+        return float(sum(bool(c["flag"]) for c in cs))
+    if which == "worst":
+        return float(min(c["margin"] for c in cs))
+    raise DocError(f"@sessions: unknown {which!r}")
+
+
+@table("multiples")
+def _multiples(files: list[Any], o: dict[str, str]) -> str:
+    """heat.md: kvheat with its multiple fixed (`kvheat[adapt=off,reuse_mult=X]`, X in
+    `mults=`), the previous default (`adapt=victims`) and the default (miniatures), per
+    trace (`traces=`) and capacity, hints on, from sessions.json; the best fixed multiple
+    bold."""
+    d = files[0]
+    mults = o["mults"].split(",")
+    cells = {(c["trace"], c["capacity_tokens"]): c for c in d["cells"]
+             if c["mode"] == "plain" and c["hints"]}
+    rows = []
+    for tr in o["traces"].split(","):
+        for cap in sorted(cap for t, cap in cells if t == tr):
+            rates = cells[(tr, cap)]["rates"]
+            fixed = [rates.get(f"kvheat[adapt=off,reuse_mult={m}]") for m in mults]
+            if any(v is None for v in fixed):
+                continue
+            top = max(v for v in fixed if v is not None)
+            rows.append([tr, tokens(cap)] + [bold(pct(v), v == top) for v in fixed]
+                        + [pct(rates.get("kvheat[adapt=victims]")), pct(rates.get("kvheat"))])
+    if not rows:
+        raise DocError("sessions.json has no fixed-multiple rows for these traces")
+    head = ["trace", "capacity", *(f"fixed {m}" for m in mults), "victims (previous default)",
+            "miniatures (default)"]
+    return md_table(head, "ll" + "r" * (len(head) - 2), rows)
+
+
+@table("overhead")
+def _overhead(files: list[Any], o: dict[str, str]) -> str:
+    """heat.md: bench/heat/overhead.py's rows, µs per block access (median, p99, mean), and
+    each policy's median over ARC's (`ratio=arc`, the default)."""
+    rows = files[0]
+    ref = {r["policy"]: r for r in rows}.get(o.get("ratio", "arc"))
+    out = []
+    for r in rows:
+        ratio = f"{r['median_us'] / ref['median_us']:.2f}×" if ref else "–"
+        out.append([r["policy"], f"{r['median_us']:.2f}", f"{r['p99_us']:.2f}",
+                    f"{r['mean_us']:.2f}", ratio])
+    return md_table(["policy", "median", "p99", "mean", f"median / {o.get('ratio', 'arc')}'s"],
+                    "lrrrr", out)
+
+
 @table("replay")
 def _replay(files: list[Any], o: dict[str, str]) -> str:
     """cache.md: a `kvheat replay --json` file, policy by capacity, Belady bold and the

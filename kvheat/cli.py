@@ -164,7 +164,7 @@ _REPLICA_BYTES = 256 * 1024  # a replica's cache, policy and router state, less 
 
 # Every policy worth comparing, kvheat (the default of the engine and server) and LRU-K
 # included; Belady last, the offline bound the "gap" column measures against.
-DEFAULT_POLICIES = "lru,arc,s3fifo,twoq,lruk,kvheat,belady"
+DEFAULT_POLICIES = "lru,arc,s3fifo,twoq,lruk,lirs,kvheat,belady"
 
 
 def _given(ctx: click.Context, name: str) -> bool:
@@ -255,6 +255,10 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--curve-points", type=click.IntRange(min=2, max=64), default=12, show_default=True,
               help="With --curve: capacities on the curve, log-spaced up to the trace's "
                    "footprint.")
+@click.option("--explain", is_flag=True,
+              help="Print what each adaptive policy learned over the trace: kvheat's "
+                   "half-life multiple, each move its miniature simulations made and the "
+                   "lead (in standard errors) that made it (also in --json).")
 @click.pass_context
 def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
            block_tokens: int, hold: bool, limit: int | None, time_scale: float,
@@ -264,7 +268,7 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
            session_offset_s: float, session_span_s: float | None, seed: int,
            session_names: str | None, max_sessions: int | None, copies: int,
            subagents: bool, hints: bool, lookahead: int, jobs: int, curve: bool,
-           curve_points: int) -> None:
+           curve_points: int, explain: bool) -> None:
     """Replay TRACE (a Mooncake JSONL file, vLLM's KV events or request log, or 'builtin'
     for the generator) through the cache, or with --replicas through a cluster of caches
     behind each routing policy.
@@ -413,6 +417,10 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
     print_table(summary)
     if misses:
         print_misses(summary)
+    if explain:
+        from .replay.report import print_explain
+
+        print_explain(summary)
     if curve:
         from .replay.curves import capacity_grid, policy_curves
         from .replay.report import print_curves

@@ -86,7 +86,7 @@ def test_replay_defaults_include_kvheat_and_lruk() -> None:
                                   "--no-misses"])
     assert r.exit_code == 0, (r.output, r.exception)
     rows = {line.split("│")[1].strip() for line in r.stdout.splitlines() if line.count("│") > 2}
-    assert {"lru", "arc", "s3fifo", "twoq", "lruk", "kvheat", "belady"} <= rows, rows
+    assert {"lru", "arc", "s3fifo", "twoq", "lruk", "lirs", "kvheat", "belady"} <= rows, rows
     assert "gap: the share of the LRU→Belady gap" in " ".join(r.stdout.split())
 
 

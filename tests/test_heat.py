@@ -634,7 +634,7 @@ def test_kvheat_multiple_lengthens_when_hot_victims_return() -> None:
     # back after eviction are hotter than the median victim (a one-off), so the multiple
     # grows towards frequency, within its bounds.
     rng = random.Random(3)
-    pol = KVHeat()
+    pol = KVHeat(adapt="victims")
     mgr = KVCacheManager(CacheConfig(64, 4), pol, clock=lambda: 0.0)
     one_off = 1_000_000
     for i in range(6000):
@@ -648,7 +648,7 @@ def test_kvheat_multiple_lengthens_when_hot_victims_return() -> None:
     mgr.check_invariants()
     assert pol.ghost_hits > 0
     assert 4.0 <= pol.reuse_mult <= 2.0 ** MULT_HI, pol.reuse_mult
-    assert KVHeat(adapt_mult=False).reuse_mult == 1.0
+    assert KVHeat(adapt="off").reuse_mult == 1.0
 
 
 def test_kvheat_multiple_steps_by_victim_heat_and_stays_in_bounds() -> None:

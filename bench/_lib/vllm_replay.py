@@ -58,11 +58,11 @@ VLLM_OFFLOAD_POLICIES: dict[str, tuple[str, str | None]] = {
 
 
 class KVHeatFixedMultiple(KVHeatCachePolicy):
-    """kvheat's policy with the half-life's multiple held at 1 (`adapt_mult=False`, the
+    """kvheat's policy with the half-life's multiple held at 1 (`adapt="off"`, the
     default before it followed returning victims): the comparison arm of the benchmark."""
 
     def __init__(self, cache_capacity: int, **kwargs: Any) -> None:
-        super().__init__(cache_capacity, adapt_mult=False, **kwargs)
+        super().__init__(cache_capacity, adapt="off", **kwargs)
 
 
 class BeladyCachePolicy(CachePolicy):

@@ -20,8 +20,8 @@ from kvheat.heat import KVHeat
 from kvheat.replay import replay
 
 OFF = dict(ghost=0, tail_penalty=0, regime=False, extension_penalty=0, adapt_extension=False,
-           adapt_mult=False)
-FIXED = dict(adapt_mult=False)  # the multiple held at its start (the default before issue 16)
+           adapt="off")
+FIXED = dict(adapt="off")  # the multiple held at its start (the default before issue 16)
 GHOST = 8.0  # the default: keeps the last ~8x capacity evictions (5.3-10.7x)
 # Every time is in the policy's own units: block accesses, or half-lives (the half-life
 # itself is the workload's median reuse gap, measured online).
@@ -34,7 +34,8 @@ VARIANTS = {
     "+ fixed extension demotion (1.33 half-lives)": dict(FIXED, extension_penalty=1.33,
                                                          adapt_extension=False),
     "+ learned extension demotion": dict(FIXED),
-    "+ the multiple following returning victims = kvheat default": dict(),
+    "+ the multiple following returning victims (the previous default)": dict(adapt="victims"),
+    "+ the multiple by miniature simulation = kvheat default": dict(),
     "default, half-life 0.5x the reuse gap": dict(FIXED, reuse_mult=0.5),
     "default, half-life 2x the reuse gap": dict(FIXED, reuse_mult=2.0),
     "default, admission penalty 0.8 (was the default)": dict(admit_penalty=0.8),

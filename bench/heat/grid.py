@@ -29,7 +29,7 @@ from bench._lib import TRACES
 from bench._lib.traces import TRACE_FILES, prepared
 from kvheat.replay import parse_tokens, replay
 
-ONLINE = ["lru", "fifo", "lfu", "arc", "s3fifo", "twoq", "lruk"]
+ONLINE = ["lru", "fifo", "lfu", "arc", "s3fifo", "twoq", "lruk", "lirs", "lecar"]
 def _run(job: tuple[str, int, float, str, int]) -> dict:
     name, block, scale, policy, cap = job
     r = replay(prepared(name, block), policy, cap, block, time_scale=scale)
@@ -41,6 +41,17 @@ def run_grid(jobs: list[tuple[str, int, float, str, int]], workers: int) -> list
         return [_run(j) for j in jobs]
     with ProcessPoolExecutor(workers) as ex:
         return list(ex.map(_run, jobs, chunksize=1))
+
+
+def _row_key(r: dict) -> tuple:
+    return (r["trace"], r["block_tokens"], r["scale"], r["policy"], r["capacity_tokens"])
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """`old` with each replay that `new` reran (same trace, block, scale, policy and
+    capacity) replaced by the new one: one policy rerun, the others kept."""
+    rerun = {_row_key(r) for r in new}
+    return [r for r in old if _row_key(r) not in rerun] + new
 
 
 def summarize(rows: list[dict], policies: list[str]) -> list[dict]:
@@ -179,6 +190,10 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
     ap.add_argument("--markdown", default="", help="write the tables as markdown here")
+    ap.add_argument("--merge", default="",
+                    help="a grid JSON this run's replays join, replacing its rows of the same "
+                         "trace, block, scale, policy and capacity (rerun one policy, keep the "
+                         "others)")
     a = ap.parse_args()
     if a.quick:
         a.traces, a.scales, a.capacity, a.gen_scales = "conv:512,gen:512", "0.1,10", "1M,3M", "1"
@@ -195,6 +210,10 @@ def main() -> None:
             jobs += [(name, int(bt or 512), s, p, c) for c in caps for p in policies]
     t0 = time.perf_counter()
     rows = run_grid(jobs, a.jobs)
+    if a.merge:
+        old = json.loads(Path(a.merge).read_text())["replays"]
+        rows = merge_rows(old, rows)
+        policies = list(dict.fromkeys([*(r["policy"] for r in old), *policies]))
     cells = summarize(rows, policies)
     print_tables(cells)
     print(f"\n{len(jobs)} replays in {time.perf_counter() - t0:.0f} s")

@@ -34,7 +34,7 @@ from pathlib import Path
 if not __package__:  # run as `python bench/heat/overhead.py`: import from the repo root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from bench.heat.sessions import trace
+from bench.heat.sessions import policy_spec, trace
 from kvheat.cache import make_policy
 from kvheat.replay import replay
 
@@ -73,7 +73,8 @@ def measure(trace_name: str, policy: str, capacity_tokens: int) -> dict[str, flo
     # its policy's bound method): collected now, not by a full collection inside this
     # one's timed hooks (which charged it to the policy that ran next).
     gc.collect()
-    pol = make_policy(policy.removesuffix("+hints"))
+    spec = policy_spec(policy.removesuffix("+hints"))
+    pol = make_policy(spec) if isinstance(spec, str) else spec()
     acc = [0]
     calls = [0]
     by_hook = dict.fromkeys(HOOKS, 0)  # over the whole replay: time, calls

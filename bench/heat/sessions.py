@@ -3,7 +3,8 @@
 
 Traces: `conv`, `synth` (the shared Mooncake traces), `conv_a`/`conv_b` (the conversation
 trace's first and second half by request count), `gen` (the built-in generator),
-`agentic_dev` (traces/agentic/agentic_dev.jsonl: 120 Claude Code sessions, 512-token blocks)
+`agentic_dev` (traces/agentic/agentic_dev.jsonl: 120 Claude Code sessions, 512-token blocks;
+`agentic_dev_b` another draw made the same way, `agentic_dev_long` 120 long sessions)
 and `agentic_raw` (the raw kv-cache-tester sessions of traces/agentic/raw through
 `load_kv_cache_tester`, sub-agents included: each file played 15 times as sessions of
 their own, started at seeded offsets within 2 hours, 4 hours each, as agentic_dev was
@@ -63,11 +64,12 @@ from kvheat.replay import PreparedTrace, replay
 from kvheat.replay.replayer import PolicySpec
 from kvheat.replay.traces import SessionDraw, load_kv_cache_tester
 
-ONLINE = ["lru", "fifo", "lfu", "arc", "s3fifo", "twoq", "lruk", "sae", "kvheat"]
+ONLINE = ["lru", "fifo", "lfu", "arc", "s3fifo", "twoq", "lruk", "lirs", "lecar", "sae", "kvheat"]
 POLICIES = [*ONLINE, "belady"]
 CAPACITIES = [1_000_000, 3_000_000, 10_000_000]
 MODES = ["plain", "hold0.1", "hold1", "hold10"]
-TRACE_NAMES = ["conv", "synth", "gen", "agentic_dev", "agentic_raw"]
+TRACE_NAMES = ["conv", "synth", "gen", "agentic_dev", "agentic_dev_b", "agentic_dev_long",
+               "agentic_raw"]
 HALVES = ["conv_a", "conv_b"]  # the conversation trace's halves (not in the default set)
 HELDOUT = ["agentic_raw_s1", "agentic_raw_s2", "agentic_raw_s3"]
 HINT_POLICIES = ["kvheat", "sae"]
@@ -93,10 +95,10 @@ RAW_DRAW = SessionDraw(group=BLOCK // 64, offset_s=7200.0, span_s=4 * 3600.0, se
 
 @cache
 def trace(name: str) -> PreparedTrace:
-    if name == "agentic_dev":
+    if name.startswith("agentic_dev"):  # agentic_dev, agentic_dev_b, agentic_dev_long
         from kvheat.replay import load_trace
 
-        return PreparedTrace(load_trace(TRACES / "agentic" / "agentic_dev.jsonl", BLOCK), BLOCK)
+        return PreparedTrace(load_trace(TRACES / "agentic" / f"{name}.jsonl", BLOCK), BLOCK)
     if name.startswith("agentic_raw"):
         seed = int(name.rsplit("_s", 1)[1]) if "_s" in name else RAW_DRAW.seed
         draw = SessionDraw(group=RAW_DRAW.group, offset_s=RAW_DRAW.offset_s,

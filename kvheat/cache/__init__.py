@@ -1,10 +1,11 @@
 """The block cache: blocks, prefix hashing, the manager, the policy interface (with the
-plugin registry that finds kvheat.heat's policies by name) and baseline eviction policies.
+plugin registry that finds kvheat.heat's policies by name) and baseline eviction policies
+(policies.py, lirs.py, lecar.py).
 
 No torch here: this layer runs anywhere, including the trace replayer.
 """
 
-from . import policies  # noqa: F401  (registers the baseline policies)
+from . import lecar, lirs, policies  # noqa: F401  (register the baseline policies)
 from .block import Block
 from .ghost import Ghost
 from .hashing import block_keys, chain_key, root_key, tokens_to_bytes

@@ -124,9 +124,9 @@ class Feedback:
         # evictions) keeps it O(1) per eviction however the multiple wanders.
         if abs(x - self.keyed_log) > 0.25 and evictions >= self.rekey_at:
             self.rekey_at = evictions + self.capacity
-            self._set_mult(2.0 ** x)
+            self.set_mult(2.0 ** x)
 
-    def _set_mult(self, mult: float) -> None:
+    def set_mult(self, mult: float) -> None:
         """A new multiple: the penalties, stated in half-lives at the starting multiple,
         keep their length in reuse gaps, and the heap is re-keyed once."""
         self.reuse_mult = mult

@@ -3,7 +3,9 @@
 A block's key is its exponentially decayed access count on a virtual clock (`HeatClock`,
 counts.py) times its penalty factors (`Penalties`, penalties.py): `KVHeat.key`. The
 coldest evictable leaf goes first, from one `BlockHeap` (heap.py). While it runs the policy
-adapts (feedback.py): the half-life follows the measured reuse gap, the entropy regime
+adapts (feedback.py): the half-life follows the measured reuse gap times a multiple that
+miniature simulations choose (miniature.py: two small caches of the same policy, an
+octave of the multiple either side, on a spatial sample of the keys), the entropy regime
 sets the penalties' flags, the optional drift detector drops stale heat. The cache's hooks
 below have the per-access work inlined: they are the hot path of every replay and server.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container, Iterable, Sequence
+from typing import Any
 
 from ..cache.hints import Outcome
 from ..cache.node import Node
@@ -20,6 +23,7 @@ from .counts import SHARED, HeatClock, HeatFields, HeatRecord
 from .entropy import EntropyTracker
 from .feedback import Feedback
 from .heap import BlockHeap
+from .miniature import MIN_CAPACITY, MINI_BLOCKS, MultipleSelector
 from .penalties import EXTENSION, FLAG_BITS, FRESH, PINNED, Penalties
 from .reuse import ReuseGapEstimator
 from .sessions import CLASS_SHIFT, MAX_CLASSES, SessionBook
@@ -33,9 +37,13 @@ Remembered = tuple[float, int, float, int]
 class KVHeat(EvictionPolicy):
     """Decayed-frequency heat with history, suffix demotion and optional adaptation.
 
-    The half-life is `reuse_mult` times the workload's typical reuse gap, measured online
-    (`ReuseGapEstimator`), unless `half_life` fixes it (in block accesses); every penalty
-    is a number of half-lives. Each block's `rec` is its `HeatRecord`. Evicted keys keep
+    The half-life is a multiple (`reuse_mult` to start) of the workload's typical reuse
+    gap, measured online (`ReuseGapEstimator`), unless `half_life` fixes it (in block
+    accesses); every penalty is a number of half-lives. `adapt` picks who moves the
+    multiple: "miniature" (the default: `MultipleSelector`, miniature.py, whose
+    miniatures hold at least `mini_blocks` blocks; a cache under 64 blocks falls back to
+    "victims"), "victims" (the previous default: it follows which victims come back,
+    feedback.py) or "off" (fixed). Each block's `rec` is its `HeatRecord`. Evicted keys keep
     their count for a while (the ghost history), so a prefix that comes back resumes its
     heat.
 
@@ -62,8 +70,27 @@ class KVHeat(EvictionPolicy):
                  session_hints: str = "horizon", session_rate: bool = True,
                  session_own: bool = False,
                  queue_hints: bool = True, admit_now: bool = True,
-                 regime_warmup: bool = True, admit_floor: float | None = 1.6) -> None:
+                 regime_warmup: bool = True, admit_floor: float | None = 1.6,
+                 adapt: str = "miniature", mini_blocks: int = MINI_BLOCKS) -> None:
         super().__init__()
+        if adapt not in ("miniature", "victims", "off"):
+            raise ValueError(f"adapt must be miniature, victims or off, got {adapt!r}")
+        if type(mini_blocks) is not int or mini_blocks < 1:
+            raise ValueError(f"mini_blocks must be an integer >= 1, got {mini_blocks!r}")
+        self.mini_blocks = mini_blocks
+        # A candidate of the miniature simulations is this policy with its multiple set
+        # from outside (`set_multiple`) and the live one's regime (miniature.py).
+        self._candidate: dict[str, Any] = dict(
+            half_life=1024.0, reuse_mult=reuse_mult, reuse_quantile=reuse_quantile,
+            ghost=ghost, tail_penalty=tail_penalty, regime=False, admit_penalty=admit_penalty,
+            pin_bonus=pin_bonus, extension_penalty=extension_penalty,
+            adapt_extension=adapt_extension, max_count=max_count, penalty_fade=penalty_fade,
+            session_hints=session_hints, session_rate=session_rate, session_own=session_own,
+            queue_hints=queue_hints, admit_now=admit_now, regime_warmup=regime_warmup,
+            admit_floor=admit_floor, adapt="off")
+        self.adapt = adapt if half_life is None and not tune else "off"
+        if self.adapt != "victims":
+            adapt_mult = False
         if entropy_sample < 1:
             raise ValueError("entropy_sample must be >= 1")
         if half_life is not None and half_life <= 0:
@@ -116,6 +143,11 @@ class KVHeat(EvictionPolicy):
         self.session_charge: list[float] = []  # per end class, once the book is made
         self.classed = False  # blocks carry end classes (`_classes_on`)
         self.queue_hints = queue_hints
+        self.selector: MultipleSelector | None = None  # made at the first insert (bind)
+        self._want_selector = False
+        # The miniatures read requests off the hooks (a depth-0 block or a new timestamp
+        # starts one), unless the caller hands each whole request over (`observe_request`)
+        self._hook_feed = True
         self.queued: dict[bytes, int] = {}  # keys queued requests need -> how many
         self.queued_by: dict[str, Sequence[bytes]] = {}
         self.held: list[Node] = []  # victims kept back while queued
@@ -172,6 +204,14 @@ class KVHeat(EvictionPolicy):
         if key[0] < self._sample_below and self.gaps.observe(key, clock.v):
             fb.reuse_gap_moved()
             w = clock.weight
+        sel = self.selector
+        if sel is None and self._want_selector:
+            sel = self._start_selector()
+        if sel is not None and self._hook_feed:
+            if now != sel.pending.now or b.depth == 0:
+                sel.boundary(now)
+            if key[1] < sel.threshold:
+                sel.access(key, b)
         r: HeatFields | None = b.rec
         if r is None:  # the block's first insert: its record is reused from then on
             r = b.rec = HeatRecord()
@@ -238,10 +278,17 @@ class KVHeat(EvictionPolicy):
         observe = fb.observe if fb.watch_keys or fb.tuner is not None else None
         tuned = fb.tuner is not None
         reuse = self.penalties.reuse
+        sel = self.selector if self._hook_feed else None
+        t = sel.threshold if sel is not None else 0
         for b in blocks:
             clock.accesses += 1
             key = b.key
             assert key is not None  # the block is cached
+            if sel is not None:
+                if now != sel.pending.now or b.depth == 0:
+                    sel.boundary(now)
+                if key[1] < t:
+                    sel.access(key, b)
             if key[0] < below and gaps.observe(key, clock.v):
                 fb.reuse_gap_moved()  # may start a generation: read the clock per block
             r: HeatFields = b.rec
@@ -299,6 +346,8 @@ class KVHeat(EvictionPolicy):
     def on_session(self, session: str, now: float) -> None:
         # (the clock is not advanced here: the accesses so far are the time, and a session
         # hint alone, without ends, changes no decision)
+        if self.selector is not None and self._hook_feed:
+            self.selector.session(session)
         book = self.book
         if book is None:
             if self.session_hints == "off":
@@ -331,6 +380,8 @@ class KVHeat(EvictionPolicy):
                   reason: str | None, now: float) -> None:
         """The request's end class goes on its blocks (the flags' class bits), which the
         release that follows pushes at their charged key."""
+        if self.selector is not None and self._hook_feed:
+            self.selector.finish(outcome, reason)
         book = self.book
         if book is None:
             if self.session_hints == "off":
@@ -508,6 +559,73 @@ class KVHeat(EvictionPolicy):
             # Until the first reuse gaps are in: the cache's own size, in accesses.
             self.clock.start(float(max(capacity_blocks, 1)))
         self.feedback.bind(capacity_blocks, self.ghost_limit)
+        if self.adapt == "miniature":
+            if self.selector is not None and self.selector.capacity != capacity_blocks:
+                self.selector = None  # re-bound to another size: new miniatures, same multiple
+            if capacity_blocks >= MIN_CAPACITY:
+                self.feedback.adapt_mult = False
+                self._want_selector = self.selector is None
+            else:  # too small for miniatures: the victims' feedback instead
+                self.feedback.adapt_mult = True
+
+    # -- the multiple, chosen by miniature simulation (miniature.py) -------------------
+    def _start_selector(self) -> MultipleSelector:
+        """The miniatures, made at the first insert (the block size is known by then)."""
+        self._want_selector = False
+        sel = self.selector = MultipleSelector(
+            self, lambda: KVHeat(**self._candidate),
+            self.capacity, self.penalties.block_size, math.log2(self.feedback.reuse_mult),
+            self.mini_blocks)
+        sel.sync()
+        return sel
+
+    def feed_by_request(self) -> None:
+        """The caller's events are not request-shaped (vLLM's offload tier inserts a
+        request's chunks at its stores and counts its hits at its end): the miniatures
+        then see only the whole requests it hands over (`observe_request`)."""
+        self._hook_feed = False
+
+    def observe_request(self, keys: Sequence[bytes], session: str | None, outcome: Outcome,
+                        reason: str | None, now: float) -> None:
+        """One whole request for the miniatures: the keys of its full blocks in prefix
+        order (cached now or not), its session and how it ended."""
+        sel = self.selector
+        if sel is None:
+            if not self._want_selector or self.penalties.block_size < 1:
+                return  # (the miniatures start at the first insert: the block size known)
+            sel = self._start_selector()
+        sel.boundary(now)
+        sel.pending.session = session
+        t, full = sel.threshold, sel.block_tokens
+        for depth, key in enumerate(keys):
+            if key[1] < t:
+                sel.access_key(key, depth, full)
+        sel.finish(outcome, reason)
+
+    def follow_multiple(self, mult: float) -> None:
+        """The miniatures chose a multiple: the live policy takes it."""
+        self.feedback.set_mult(mult)
+
+    def set_multiple(self, mult: float, half_life: float, mode: str) -> None:
+        """A miniature candidate's settings from its selector: the multiple (the
+        penalties keep their length in reuse gaps, as `Feedback.set_mult`), the half-life
+        on its own clock and the live policy's entropy regime."""
+        fb, pen = self.feedback, self.penalties
+        fb.reuse_mult = mult
+        scale = fb.base_reuse_mult / mult
+        rekey = pen.follow_regime(mode)
+        if scale != pen.scale:
+            pen.scale = scale
+            pen.factors()
+            rekey = True
+        if abs(math.log2(half_life / self.clock.half_life)) > 0.25:
+            self.clock.set_half_life(half_life)
+        elif rekey:
+            self.heap.rekey()
+
+    def explain(self) -> list[dict[str, float | bool]]:
+        """What the miniatures decided, round by round (empty without them)."""
+        return self.selector.explain() if self.selector is not None else []
 
     def set_cluster_entropy(self, bits: float) -> None:
         """The entropy (bits) of the keys under the roots over all the traffic a router
@@ -555,4 +673,6 @@ class KVHeat(EvictionPolicy):
             out["cluster_entropy_bits"] = fb.cluster_bits
         if fb.detector is not None:
             out["drifts"] = fb.detector.drifts
+        if self.selector is not None:
+            out.update(self.selector.stats())
         return out

@@ -8,7 +8,8 @@
   partial tails, the admission penalty of a high entropy regime, the learned extension
   penalty, root pinning in a low one), adapted while it runs (feedback.py: the half-life
   following the measured reuse gap, the entropy regime, the optional tuner and drift
-  detector). The coldest evictable leaf goes first, from a bucketed min-heap (heap.py).
+  detector; miniature.py: the half-life's multiple of the reuse gap, chosen by miniature
+  simulations on a sample of the keys). The coldest evictable leaf goes first, from a bucketed min-heap (heap.py).
   docs/heat.md has the measurements behind every default.
 - `lruk` (lruk.py): LRU-K (K=2) with retained history, on the same heap.
 - `fused` (fused.py): sampled eviction by the fused sigmoid-gated score.

@@ -139,6 +139,7 @@ class KVHeatCachePolicy(CachePolicy):
 
     def _reset(self) -> None:
         self.heat = KVHeat(**self._heat_kwargs)
+        self.heat.feed_by_request()  # stores and hits come apart: whole requests, at their end
         self.heat.bind(max(self.cache_capacity, 1))
         self._tick = 0.0  # one timestamp per request event; KVHeat counts accesses itself
         self.placement = Placement()  # the storing request: its chunks' prefix
@@ -251,6 +252,7 @@ class KVHeatCachePolicy(CachePolicy):
         if hints.session is not None or hints.outcome is not Outcome.FINISHED \
                 or hints.reason is not None:  # how it ended, before its chunks go back
             heat.on_finish(present, hints.session, hints.outcome, hints.reason, now)
+        heat.observe_request(ordered, hints.session, hints.outcome, hints.reason, now)
         if not self.monotone or (self.gated and not _tight(self.heat, self.evicted, self.evict_age)):
             heat.release_all([c for c in reversed(present) if not c.ref_cnt
                               and (c.parked is not None or c.heap_ver != c.heap_ver)])

@@ -61,6 +61,8 @@ class ReplayResult:
     seconds: float
     misses: MissBreakdown = field(default_factory=MissBreakdown)
     policy_stats: dict[str, float] = field(default_factory=dict)
+    # What an adaptive policy decided while it ran (`KVHeat.explain`): its rounds, in order
+    explain: list[dict[str, float | bool]] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -74,6 +76,7 @@ class ReplayResult:
             "num_blocks": self.num_blocks, "evictions": self.evictions,
             "seconds": round(self.seconds, 3), "misses": self.misses.as_dict(),
             "policy_stats": self.policy_stats,
+            **({"explain": self.explain} if self.explain else {}),
         }
 
 
@@ -334,7 +337,13 @@ def replay(trace: Spool | PreparedTrace | list[TraceRequest], policy: PolicySpec
     st = mgr.stats
     return ReplayResult(pol.name, capacity_tokens, bt, num_blocks, st.requests, st.query_tokens,
                         st.hit_tokens, st.evicted_blocks, time.perf_counter() - t0, misses,
-                        pol.stats())
+                        pol.stats(), _explain(pol))
+
+
+def _explain(pol: EvictionPolicy) -> list[dict[str, float | bool]]:
+    """An adaptive policy's decisions (`explain`), or none."""
+    explain = getattr(pol, "explain", None)
+    return explain() if callable(explain) else []
 
 
 def replay_grid(trace: PreparedTrace, policies: Iterable[str], capacities: Iterable[int],

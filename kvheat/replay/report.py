@@ -188,3 +188,33 @@ def _fmt_tokens(n: int, exact: bool = True) -> str:
         if n >= div and (not exact or n % (div // 100) == 0):
             return f"{n / div:g}{suf}" if exact else f"{n / div:.3g}{suf}"
     return str(n)
+
+
+def print_explain(summary: dict, console: Console | None = None) -> None:
+    """What each adaptive policy followed over the trace: its multiple at the start, each
+    move (when, to what, on what lead) and where it ended, with its candidates' hits."""
+    con = console or table_console()
+    t = Table(title=f"{summary['trace']}: what the adaptive policies learned")
+    for col in ("policy", "capacity", "rounds", "moves", "multiple over the trace", "candidates (an octave either side, at the end): "
+                "multiple = hit tokens per sampled request"):
+        t.add_column(col)
+    shown = 0
+    for r in summary["results"]:
+        rounds = r.get("explain")
+        if not rounds:
+            continue
+        shown += 1
+        total = max(rounds[-1]["accesses"], 1)
+        path = [f"{r['policy_stats'].get('mini_start_mult', rounds[0]['multiple']):g}"]
+        path += [f"→{d['multiple']:g} at {d['accesses'] / total:.0%} (z {d['lead_z']:.1f})"
+                 for d in rounds if d["moved"]]
+        st = r["policy_stats"]
+        cands = ", ".join(f"{st[f'mini_{n}_mult']:g} = {st[f'mini_{n}_hit_tokens_per_request']:,.0f}"
+                          for n in ("lo", "hi") if f"mini_{n}_mult" in st)
+        t.add_row(r["policy"], _fmt_tokens(r["capacity_tokens"]), str(len(rounds)),
+                  str(sum(1 for d in rounds if d["moved"])), " ".join(path), cands)
+    if shown:
+        print_uncut(t, con)
+    else:
+        con.print("no adaptive policy among these (kvheat adapts by miniature simulation "
+                  "when its cache holds at least 64 blocks)")

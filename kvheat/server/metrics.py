@@ -85,6 +85,18 @@ class ServerMetrics:
         self.hit_rate = Gauge(
             "kvheat_prefix_hit_rate", "Token-weighted prefix hit rate since start (the cache's "
             "own count).", ["arm"], registry=r)
+        # What the heat policy learned (kvheat/heat/miniature.py): the half-life multiple
+        # it follows, and each miniature candidate's hit tokens per sampled request.
+        self.heat_multiple = Gauge(
+            "kvheat_heat_multiple", "The half-life multiple (of the measured reuse gap) the "
+            "heat policy follows, chosen by its miniature simulations.", ["arm"], registry=r)
+        self.heat_candidate = Gauge(
+            "kvheat_heat_candidate_hit_tokens", "Hit tokens per sampled request of each "
+            "miniature candidate (an octave below and above the multiple) since start.",
+            ["arm", "candidate"], registry=r)
+        self.heat_moves = Counter(
+            "kvheat_heat_multiple_moves", "Moves of the half-life multiple the miniatures "
+            "made.", ["arm"], registry=r)
         self.ttft = Histogram(
             "kvheat_time_to_first_token_seconds", "Time to first token.", ["arm", "tenant"],
             buckets=_LATENCY_BUCKETS, registry=r)
@@ -214,6 +226,7 @@ class ServerMetrics:
         self.blocks.labels(arm, "device", "free").set(n_free)
         self.blocks.labels(arm, "device", "cached").set(len(cache.blocks) - n_used - n_free)
         self.hit_rate.labels(arm).set(cache.stats.hit_rate)
+        self._refresh_heat(arm, cache.policy.stats())
         self._advance(self.evictions, (arm, "device"), cache.stats.evicted_blocks)
         for tenant, n in engine.scheduler.preemptions_by_tenant.items():
             self._advance(self.preemptions, (arm, self.tenant_label(tenant)), n)
@@ -221,6 +234,17 @@ class ServerMetrics:
         for tenant in tenants:
             self.tenant_blocks.labels(arm, self.tenant_label(tenant)).set(
                 cache.tenant_usage(tenant))
+
+    def _refresh_heat(self, arm: str, st: Mapping[str, float]) -> None:
+        """The heat policy's learned multiple (`KVHeat.stats`), where it has one."""
+        if "reuse_mult" in st:
+            self.heat_multiple.labels(arm).set(st["reuse_mult"])
+        for name in ("lo", "hi"):
+            v = st.get(f"mini_{name}_hit_tokens_per_request")
+            if v is not None:
+                self.heat_candidate.labels(arm, name).set(v)
+        if "mini_moves" in st:
+            self._advance(self.heat_moves, (arm,), st["mini_moves"])
 
     def _refresh_tiers(self, arm: str, st: Mapping[str, Any]) -> None:
         """Lower-tier figures from `TieredCache.stats()`."""

@@ -1,0 +1,266 @@
+"""Miniature simulations (Waldspurger et al., ATC'17, on SHARDS sampling): the heat
+policy's half-life multiple, chosen online by which of two candidates, an octave either
+side of it, serves more hits on a spatial sample of the traffic it sees.
+
+The multiple (half-life = multiple × the measured reuse gap) decides how much a block's
+history outweighs its recency. No one value wins everywhere: long agentic sessions want a
+longer memory than short chats, a small cache than a large one. So nothing fixes it:
+
+- A key is in the sample when its second byte is below `rate × 256` (and its third
+  below `rate × 65536` under 1/256; keys are hashes, so this is SHARDS' spatial
+  sampling; the reuse-gap estimator samples the first byte, and vLLM's offload keys end
+  in their KV group). The rate is the smallest power of two down to 2^-16 that leaves
+  each miniature at least `MINI_BLOCKS` blocks: the sampling error shrinks with the
+  miniature's size, not with the rate.
+- Two miniature caches of `rate × capacity` blocks, each a `KVCacheManager` running this
+  same policy with the multiple set an octave below and an octave above the live one,
+  see every request's sampled blocks (in prefix order, as one request, with the session
+  and finish hints the live cache got). Their hit tokens are compared request by
+  request: both share every access, so the paired difference measures the multiples,
+  not the sample.
+- Every round (`ROUND_FILLS` miniature cache-fills of sampled accesses) the summed
+  difference is read against its standard error: beyond `Z` (3) either way the live multiple
+  moves an octave towards the winner and both candidates with it (they keep what they
+  cache; their keys change); otherwise the sums fade by 1 − 1/`MEMORY`, so older rounds
+  count less. At the best multiple neither neighbour leads and the live policy stays:
+  a hill climb on the hit rate, one octave a step, between a quarter and sixteen reuse
+  gaps. (A third candidate at the live multiple itself, tried first, gave the same hit
+  rates at half again the cost: docs/heat.md, "Tried and not kept".)
+
+Every constant is dimensionless (blocks of a miniature, cache-fills, standard errors, octaves):
+the rule is the same at every traffic rate, capacity and block size. The live cache never
+waits on the miniatures: they are fed from the policy's own hooks, so the engine, the
+tiers and vLLM's offload tier get them alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..cache.hints import Outcome
+from ..cache.manager import KVCacheManager
+from ..cache.node import Node
+from ..cache.request import CacheConfig, CacheError
+
+if TYPE_CHECKING:  # (the policy builds its selector: no import at run time)
+    from .kvheat import KVHeat
+
+MINI_BLOCKS = 64  # blocks each miniature holds at least, by default (or the rate is 1)
+MEMORY = 16.0  # rounds: the leads' sums fade by 1 - 1/MEMORY a round without a move
+MIN_CAPACITY = 64  # below this many blocks the live cache adapts without miniatures
+ROUND_FILLS = 2.0  # a round: this many miniature cache-fills of sampled accesses
+# A lead counts beyond this many standard errors of the paired differences: the sums are
+# read at every round, and at 2 the repeated looks moved the multiple on noise during a
+# short trace's first rounds (synthetic 2M: one move at z = 2.01, back the wrong way);
+# at 3 no trace here moved on one.
+Z = 3.0
+LOG_LO, LOG_HI = -2.0, 4.0  # log2 bounds of the multiple: a quarter to sixteen gaps
+MIN_RATE = 2.0 ** -16  # the key's second and third bytes: one in 65,536 at the least
+MAX_PENDING = 1 << 16  # sampled accesses one pending request keeps at most
+
+
+def sample_rate(capacity_blocks: int, mini_blocks: int = MINI_BLOCKS) -> float:
+    """The sampling rate for a live cache of `capacity_blocks`: a power of two, at least
+    2^-16, leaving each miniature at least `mini_blocks` blocks (1 for a small cache)."""
+    rate = 1.0
+    while rate > MIN_RATE and capacity_blocks * rate / 2 >= mini_blocks:
+        rate /= 2
+    return rate
+
+
+@dataclass
+class Miniature:
+    """One candidate: a small cache of its own whose policy keeps `log_mult` fixed."""
+
+    manager: KVCacheManager
+    policy: KVHeat
+    log_mult: float
+    hits: int = 0  # hit tokens since it was made
+    requests: int = 0
+
+    def serve(self, keys: list[bytes], num_tokens: int, session: str | None,
+              outcome: Outcome, reason: str | None, rid: str) -> int:
+        """One request of sampled keys: allocated and released at once. Returns the
+        hit tokens (0 when the miniature cannot hold it)."""
+        mgr = self.manager
+        try:
+            req = mgr.make_keyed_request(rid, keys, num_tokens, session=session)
+            mgr.allocate(req)
+        except CacheError:
+            return 0
+        mgr.free(req, outcome, reason)
+        self.requests += 1
+        self.hits += req.num_cached_tokens
+        return req.num_cached_tokens
+
+
+@dataclass
+class Decision:
+    """A round's outcome, kept for `kvheat replay --explain` and `/metrics`."""
+
+    accesses: int  # the live policy's block accesses when it was made
+    mult: float  # the multiple followed from then on
+    lead: float  # the high candidate's lead over the low one, in standard errors
+    moved: bool
+
+
+@dataclass
+class Pending:
+    """The sampled accesses of the request being served, until it ends."""
+
+    now: float = math.nan
+    keys: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> depth, tokens
+    session: str | None = None
+
+
+class MultipleSelector:
+    """Chooses the live heat policy's half-life multiple by miniature simulation.
+
+    `make_policy()` builds a candidate policy (its multiple set by `sync`); `live` is the
+    policy that follows the winner (`follow_multiple`). The live policy calls `boundary`
+    before each block it sees hit or inserted, `access` for the sampled ones, `session`
+    and `finish` with the request hints it gets."""
+
+    def __init__(self, live: KVHeat, make_policy: Callable[[], KVHeat], capacity_blocks: int,
+                 block_tokens: int, log_mult: float = 0.0,
+                 mini_blocks: int = MINI_BLOCKS) -> None:
+        self.capacity = capacity_blocks
+        self.rate = sample_rate(capacity_blocks, mini_blocks)
+        # The live policy tests the second byte against `threshold` (every block it
+        # sees); below 1/256 `access` tests the third byte too.
+        self.threshold = max(1, round(self.rate * 256))
+        self.threshold2 = round(self.rate * 65536) if self.rate < 1 / 256 else 256
+        blocks = max(1, int(capacity_blocks * self.rate))
+        self.live = live
+        self.log_mult = self.start_log = log_mult
+        self.block_tokens = block_tokens
+        self.pending = Pending()
+        self.minis: list[Miniature] = []  # the octave below the live multiple, and above
+        for step in (-1.0, 1.0):
+            pol = make_policy()
+            mgr = KVCacheManager(CacheConfig(num_blocks=blocks, block_size=block_tokens),
+                                 policy=pol, clock=self._now)
+            self.minis.append(Miniature(mgr, pol, log_mult + step))
+        self.round_len = max(1, int(ROUND_FILLS * blocks))
+        self.round_accesses = 0
+        self.lead = 0.0  # the high candidate's hit tokens over the low one's, summed
+        self.square = 0.0  # and the squares of the per-request differences
+        self.served = 0
+        self.dropped = 0  # sampled accesses beyond `MAX_PENDING` in one request
+        self.decisions: list[Decision] = []
+        self.max_decisions = 4096
+
+    def _now(self) -> float:
+        return self.pending.now
+
+    # -- the feed --------------------------------------------------------------------
+    def access(self, key: bytes, b: Node) -> None:
+        """Sampled block `b` (`key[1] < threshold`) was hit or inserted, after `boundary`
+        saw its timestamp and depth."""
+        self.access_key(key, b.depth, b.num_tokens)
+
+    def access_key(self, key: bytes, depth: int, tokens: int) -> None:
+        """`access` of a key at `depth` in its request, holding `tokens`."""
+        if self.threshold2 < 256 and key[2] >= self.threshold2:
+            return
+        keys = self.pending.keys
+        if key not in keys:
+            if len(keys) >= MAX_PENDING:
+                self.dropped += 1
+                return
+            keys[key] = (depth, tokens)
+
+    def boundary(self, now: float) -> None:
+        """A block was met at `now` at depth 0, or at a new timestamp: another request
+        starts (the caller checks before each block it sees, sampled or not)."""
+        if self.pending.keys:
+            self.flush(Outcome.FINISHED, None)
+        self.pending.now = now
+
+    def session(self, session: str) -> None:
+        p = self.pending
+        if p.keys:
+            self.flush(Outcome.FINISHED, None)
+        p.session = session
+
+    def finish(self, outcome: Outcome, reason: str | None) -> None:
+        if self.pending.keys:
+            self.flush(outcome, reason)
+        else:
+            self.pending.session = None
+
+    def flush(self, outcome: Outcome, reason: str | None) -> None:
+        """Serve the pending request in every miniature and score it."""
+        p = self.pending
+        items = sorted(p.keys.items(), key=lambda kv: kv[1][0])  # prefix order: by depth
+        self.pending = Pending(now=p.now)
+        keys = [k for k, _ in items]
+        bt = self.block_tokens
+        last = items[-1][1][1]
+        num_tokens = (len(keys) - 1) * bt + min(max(last, 1), bt)
+        self.served += 1
+        rid = f"m{self.served}"
+        lo, hi = (m.serve(keys, num_tokens, p.session, outcome, reason, rid)
+                  for m in self.minis)
+        d = hi - lo
+        self.lead += d
+        self.square += d * d
+        self.round_accesses += len(keys)
+        if self.round_accesses >= self.round_len:
+            self.round_accesses = 0
+            self.decide()
+
+    # -- the decision ----------------------------------------------------------------
+    def decide(self) -> None:
+        """A round's end: the live multiple moves an octave towards the candidate that
+        leads by more than `Z` standard errors (within the bounds), the candidates with
+        it; otherwise the sums fade."""
+        z = self.lead / math.sqrt(self.square) if self.square > 0 else 0.0
+        step = 1.0 if z > Z else -1.0 if z < -Z else 0.0
+        if step == 0.0 or not LOG_LO <= self.log_mult + step <= LOG_HI:
+            keep = 1 - 1 / MEMORY
+            self.lead *= keep
+            self.square *= keep
+            self.sync()  # the live half-life may have moved with the reuse gap
+            self._record(z, False)
+            return
+        self.log_mult += step
+        lo, hi = self.minis
+        lo.log_mult, hi.log_mult = self.log_mult - 1.0, self.log_mult + 1.0
+        self.live.follow_multiple(2.0 ** self.log_mult)
+        self.sync()
+        self.lead = self.square = 0.0
+        self._record(z, True)
+
+    def sync(self) -> None:
+        """Each miniature's policy to its multiple, and to the live half-life scaled to
+        the miniature's clock (its accesses are `rate` of the live ones)."""
+        hl, mode = self.live.half_life, self.live.mode
+        for m in self.minis:
+            m.policy.set_multiple(2.0 ** m.log_mult,
+                                  self.rate * hl * 2.0 ** (m.log_mult - self.log_mult), mode)
+
+    def _record(self, lead: float, moved: bool) -> None:
+        d = self.decisions
+        while len(d) >= self.max_decisions:  # keep the first half and the latest
+            del d[self.max_decisions // 2]
+        d.append(Decision(self.live.clock.accesses, 2.0 ** self.log_mult, lead, moved))
+
+    def stats(self) -> dict[str, float]:
+        out = {"mini_rate": self.rate, "mini_start_mult": 2.0 ** self.start_log, "mini_requests": float(self.served),
+               "mini_moves": float(sum(d.moved for d in self.decisions)),
+               "mini_dropped": float(self.dropped)}
+        for name, m in zip(("lo", "hi"), self.minis):
+            n = max(m.requests, 1)
+            out[f"mini_{name}_mult"] = 2.0 ** m.log_mult
+            out[f"mini_{name}_hit_tokens_per_request"] = m.hits / n
+        return out
+
+    def explain(self) -> list[dict[str, float | bool]]:
+        """The rounds' decisions, oldest first."""
+        return [{"accesses": d.accesses, "multiple": d.mult, "lead_z": d.lead, "moved": d.moved}
+                for d in self.decisions]
+
