@@ -66,3 +66,30 @@ def test_the_cli_passes_the_lookahead() -> None:
     assert run.exit_code == 0, run.output
     bad = CliRunner().invoke(main, ["replay", "builtin", "--lookahead", "-1"])
     assert bad.exit_code != 0 and "lookahead" in bad.output.lower()
+
+
+def test_the_window_holds_at_most_its_key_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvheat.replay.replayer as replayer
+
+    trace = _trace(list(range(1, 11)))
+    unbounded = QueueLog()
+    full = replay(trace, lambda: unbounded, 16 * 512, lookahead=6)
+    assert full.lookahead_short == 0 and "lookahead_short" not in full.as_dict()
+    monkeypatch.setattr(replayer, "LOOKAHEAD_KEYS", 3)  # one key a request: 3 in the window
+    pol = QueueLog()
+    cut = replay(trace, lambda: pol, 16 * 512, lookahead=6)
+    assert cut.requests == full.requests == 10  # every request still served
+    assert cut.lookahead_short > 0 and cut.as_dict()["lookahead_short"] == cut.lookahead_short
+    queued = [rid for what, rid in pol.log if what == "queue"]
+    assert len(queued) == len(set(queued)) == 9  # each once, in order, all but the first
+    assert queued == [str(i) for i in range(1, 10)]
+    # queued at once: the window's 3 keys, and the request being admitted (queued in its
+    # own window turns, dequeued at its allocate) -- against 7 + 1 without the budget
+    def peak(log: list[tuple[str, str]]) -> int:
+        depth = top = 0
+        for what, _ in log:
+            depth += 1 if what == "queue" else -1
+            top = max(top, depth)
+        return top
+
+    assert peak(pol.log) == 4 and peak(unbounded.log) == 8

@@ -14,7 +14,6 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
-from itertools import islice
 
 from ..cache import (
     CacheConfig,
@@ -32,6 +31,9 @@ from .spool import STATIC_KINDS, Spool, SpooledRequest
 from .traces import TraceRequest
 
 PolicySpec = str | Callable[[], EvictionPolicy]
+# Block keys the lookahead's window holds at most (`replay(lookahead=N)`): each queued
+# request is a `Request` with its key list, about 100 bytes a key, so 4M keys ~ 0.4 GB.
+LOOKAHEAD_KEYS = 1 << 22
 
 
 @dataclass(slots=True)
@@ -63,6 +65,9 @@ class ReplayResult:
     policy_stats: dict[str, float] = field(default_factory=dict)
     # What an adaptive policy decided while it ran (`KVHeat.explain`): its rounds, in order
     explain: list[dict[str, float | bool]] = field(default_factory=list)
+    # Turns whose lookahead queued fewer requests than asked: their keys were over
+    # `LOOKAHEAD_KEYS` (0 unless a lookahead that long was asked for)
+    lookahead_short: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -77,6 +82,7 @@ class ReplayResult:
             "seconds": round(self.seconds, 3), "misses": self.misses.as_dict(),
             "policy_stats": self.policy_stats,
             **({"explain": self.explain} if self.explain else {}),
+            **({"lookahead_short": self.lookahead_short} if self.lookahead_short else {}),
         }
 
 
@@ -274,17 +280,40 @@ def replay(trace: Spool | PreparedTrace | list[TraceRequest], policy: PolicySpec
         return mgr.make_keyed_request(str(r.position), r.keys, r.input_length, r.tenant, session)
 
     source = sp.requests(next_use=next_use is not None)
-    # this request and the next `lookahead`: one taken off before one is put on
-    window = deque(islice(source, lookahead + 1), maxlen=lookahead + 1)
+    # The request served and the ones after it, `lookahead + 1` in all while their keys fit
+    # `LOOKAHEAD_KEYS` (a request waits for room in `carry`; the first always fits).
+    window: deque[SpooledRequest] = deque(maxlen=lookahead + 1)
+    window_keys = 0
+    carry: list[SpooledRequest] = []  # at most one
+    short = 0  # turns the window was cut short by the key budget
+
+    def refill() -> list[SpooledRequest]:
+        nonlocal window_keys
+        added = []
+        while len(window) < lookahead + 1:
+            nxt = carry.pop() if carry else next(source, None)
+            if nxt is None:
+                break
+            if window and window_keys + len(nxt.keys) > LOOKAHEAD_KEYS:
+                carry.append(nxt)
+                break
+            window.append(nxt)
+            window_keys += len(nxt.keys)
+            added.append(nxt)
+        return added
+
+    refill()
     ahead: dict[int, Request] = {}  # requests queued by the lookahead, by index
     running: list[tuple[float, int, Request, str | None]] = []
     too_long = 0
+    first = True
     t0 = time.perf_counter()
     while window:
         r = window.popleft()
-        following = next(source, None)
-        if following is not None:
-            window.append(following)
+        window_keys -= len(r.keys)
+        added = refill()
+        if carry:
+            short += 1
         i = r.position
         now[0] = r.timestamp_ms * time_scale / 1000.0  # (this rounding: the results of before)
         if hold:
@@ -295,11 +324,13 @@ def replay(trace: Spool | PreparedTrace | list[TraceRequest], policy: PolicySpec
         if req is None:
             req = make(r)
         if lookahead:
-            for q in window:  # next in line: queued until its turn (a longer one never fits)
-                if q.position not in ahead:
-                    qr = ahead[q.position] = make(q)
-                    if len(qr.block_tokens) <= num_blocks:
-                        mgr.queue(qr)
+            # next in line: queued until its turn (a longer one never fits), each once, as
+            # it enters the window (the first window's at the first turn)
+            for q in (list(window) if first else added):
+                qr = ahead[q.position] = make(q)
+                if len(qr.block_tokens) <= num_blocks:
+                    mgr.queue(qr)
+            first = False
         if next_use is not None and r.next_use is not None:
             for k, nu in zip(req.keys, r.next_use):
                 next_use[k] = nu
@@ -337,7 +368,7 @@ def replay(trace: Spool | PreparedTrace | list[TraceRequest], policy: PolicySpec
     st = mgr.stats
     return ReplayResult(pol.name, capacity_tokens, bt, num_blocks, st.requests, st.query_tokens,
                         st.hit_tokens, st.evicted_blocks, time.perf_counter() - t0, misses,
-                        pol.stats(), _explain(pol))
+                        pol.stats(), _explain(pol), short)
 
 
 def _explain(pol: EvictionPolicy) -> list[dict[str, float | bool]]:
