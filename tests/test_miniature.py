@@ -178,3 +178,15 @@ def test_a_rebind_to_another_size_makes_new_miniatures() -> None:
     pol.bind(100_000)
     assert pol._want_selector and not pol.feedback.adapt_mult
     assert pol._start_selector().rate < first.rate
+
+
+def test_a_session_after_an_unfinished_request_reaches_the_next_one() -> None:
+    pol = KVHeat()
+    pol.bind(4096)
+    pol.penalties.block_size = BLOCK
+    sel = pol._start_selector()
+    sel.boundary(1.0)
+    sel.access_key(b"\x00\x00\x00" + b"k" * 13, 0, BLOCK)  # pending, never finished
+    sel.session("s2")
+    assert sel.served == 1 and not sel.pending.keys  # the pending request went first
+    assert sel.pending.session == "s2"

@@ -181,10 +181,10 @@ class MultipleSelector:
         self.pending.now = now
 
     def session(self, session: str) -> None:
-        p = self.pending
-        if p.keys:
+        """The next request's session (a request still pending ends first)."""
+        if self.pending.keys:
             self.flush(Outcome.FINISHED, None)
-        p.session = session
+        self.pending.session = session
 
     def finish(self, outcome: Outcome, reason: str | None) -> None:
         if self.pending.keys:
