@@ -347,7 +347,7 @@ def test_the_shared_tiers_peer_keys_stay_at_their_bound(redis_server, tmp_path) 
                      layout="gqa")
     tc, _pool = build("gqa", [red], tmp_path, device_blocks=8, async_io=False)
     cap = 5000
-    feed = SharedTierFeed(tc, max_peer_keys=cap)
+    feed = SharedTierFeed(tc.tiers, max_peer_keys=cap)
     client = connect(redis_server.url, timeout_s=2.0)
     try:
         time.sleep(0.3)  # subscribed

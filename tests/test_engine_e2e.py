@@ -1,5 +1,5 @@
 """LLMEngine end to end with real forward passes of the built-in tiny models: a prefix hit,
-batching, preemption (recompute and swap) and streaming never change the tokens."""
+batching, preemption (recompute, host tier) and streaming never change the tokens."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def engine(model_tok: tuple, num_blocks: int = 64, **sched) -> LLMEngine:
     model, tok, _ = model_tok
-    swap = sched.pop("swap_space_blocks", 0)
+    host = sched.pop("host_blocks", 0)
     cfg = EngineConfig(num_blocks=num_blocks, block_size=16,
-                       scheduler=SchedulerConfig(**sched), swap_space_blocks=swap)
+                       scheduler=SchedulerConfig(**sched), tiers=TierSpec(host_blocks=host))
     return LLMEngine(model, tok, cfg)
 
 
@@ -74,21 +74,21 @@ def test_next_turn_reuses_the_generated_tokens(llama: tuple) -> None:
     assert t2.output_token_ids == ref.output_token_ids
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "host"])
 def test_preemption_restores_the_same_tokens(llama: tuple, mode: str) -> None:
+    """Preempted sequences resume with the same tokens: recomputed, or (with a host tier)
+    their evicted full blocks loaded back from it."""
     ps = prompts(3, 6, 20, 40)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     roomy = engine(llama, num_blocks=64).generate(ps, params)
     # 14 blocks cannot hold six sequences of up to 64 tokens: some are preempted.
-    e = engine(llama, num_blocks=14, max_num_seqs=6, preemption=mode,
-               swap_space_blocks=64 if mode == "swap" else 0)
+    e = engine(llama, num_blocks=14, max_num_seqs=6, host_blocks=64 if mode == "host" else 0)
     ids = [e.add_request(p, params) for p in ps]
     run_checked(e)
     tight = [e.release(i) for i in ids]
     assert e.stats.preemptions > 0
-    if mode == "swap":
-        assert e.swap_space is not None and e.swap_space.swapped_in > 0
-        assert e.swap_space.num_blocks == 0
+    if mode == "host":
+        assert e.tiers is not None and e.tiers.counters.loaded_blocks > 0
     for a, b in zip(roomy, tight, strict=True):
         assert a.output_token_ids == b.output_token_ids
     assert e.cache.num_referenced == 0
@@ -334,14 +334,14 @@ def test_disk_tier_survives_a_restart_and_never_serves_other_weights(llama: tupl
     again = [e2.release(i) for i in ids]
     assert [a.output_token_ids for a in again] == [f.output_token_ids for f in first[:2]]
     assert [a.metrics.num_cached_tokens for a in again] == [63, 64]
-    disk = e2.tiers.tiers[0]
+    disk = e2.tiers.stores[0]
     assert disk.name == "disk" and disk.stats.hits >= 8
     e2.close()
     # Other weights on the same folder: the same prompts give the same block keys, but
     # their KV is never read (another model's files are not even listed).
     other, tok2, _ = load_model(None, "llama", seed=1)
     e3 = LLMEngine(other, tok2, cfg())
-    assert e3.tiers.tiers[0].used_bytes() == 0
+    assert e3.tiers.stores[0].used_bytes() == 0
     got = e3.generate(ps[:2], sp)
     assert [g.metrics.num_cached_tokens for g in got] == [0, 0]
     fresh = LLMEngine(other, tok2, EngineConfig(num_blocks=12)).generate(ps[:2], sp)
@@ -368,7 +368,7 @@ def test_redis_tier_under_host_tier_and_redis_dying(llama: tuple, redis_server) 
         host_blocks=4, redis_url=redis_server.url, redis_bytes=1 << 24)))
     first = e.generate(ps, sp)
     e.tiers.flush()
-    host, red = e.tiers.tiers
+    host, red = e.tiers.stores
     assert red.name == "redis" and red.used_bytes() > 0
     again = e.generate(ps[:2], sp)
     assert [a.output_token_ids for a in again] == [f.output_token_ids for f in first[:2]]
@@ -395,13 +395,13 @@ def test_disk_loads_start_while_a_request_waits(llama: tuple, tmp_path) -> None:
     plans = tc.counters.prefetch_plans
     ids = [e.add_request(p, sp) for p in (ps[0], ps[1], ps[0] + [7])]
     # Planned on arrival, the disk reads in flight while they wait (one runs at a time).
-    assert tc.counters.prefetch_plans == plans + 3 and len(tc.promoter.plans) == 3
+    assert tc.counters.prefetch_plans == plans + 3 and len(tc.plans) == 3
     e.abort(ids[2])  # a waiting request that goes away releases its pins
-    assert len(tc.promoter.plans) == 2
+    assert len(tc.plans) == 2
     run_checked(e)
     outs = [e.release(i) for i in ids[:2]]
     assert [o.output_token_ids for o in outs] == [f.output_token_ids for f in first[:2]]
     assert [o.metrics.num_cached_tokens for o in outs] == [63, 63]
-    assert tc.counters.prefetch_used >= 2 and not tc.promoter.plans
+    assert tc.counters.prefetch_used >= 2 and not tc.plans
     assert not any(b.ref_cnt for idx in tc.indexes for b in idx.entries.values())
     e.close()

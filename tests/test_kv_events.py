@@ -262,7 +262,7 @@ def test_tier_moves_are_published_with_their_place(tmp_path) -> None:
     per = make_pool("gqa", 1).bytes_per_block
     host = HostStore(6 * per, per)
     tc, pool = build("gqa", [host], tmp_path, device_blocks=4, async_io=False)
-    pub = publisher(tc.mgr, tc)
+    pub = publisher(tc.mgr, tc.tiers)
     view = View()
     sub = subscribe(pub, view)
     try:
@@ -276,9 +276,9 @@ def test_tier_moves_are_published_with_their_place(tmp_path) -> None:
 
         def same() -> bool:
             return view.device() == published(pub, tc.mgr.cached) and \
-                view.places.get(("CPU", "host"), set()) == published(pub, tc.indexes[0].entries)
+                view.places.get(("CPU", "host"), set()) == published(pub, tc.tiers.indexes[0].entries)
         assert wait_for(same)
-        assert tc.tier_hit_blocks[0] > 0 and tc.counters.demotions > 0
+        assert tc.tiers.lower.hit_blocks[0] > 0 and tc.tiers.counters.demotions > 0
     finally:
         sub.close()
         pub.close()

@@ -10,7 +10,7 @@
 2. Two hit rates for the same requests: the cache's (admin, arms, /metrics) 159/800, the
    tiers' 160/160 (one request counted: only those with a lower-tier plan; the last
    prompt token, always recomputed, counted as loaded). One count now, of every prompt,
-   by tier (`TieredCache.record_prompt`), and one formula (`kvheat.cache.hit_rate`).
+   by tier (`kvheat.tiers.device.record_prompt`), and one formula (`kvheat.cache.hit_rate`).
 """
 
 from __future__ import annotations
@@ -211,17 +211,17 @@ def test_a_request_aborted_in_prefill_is_counted_with_its_hits(llama: tuple) -> 
 
 
 def test_direct_tier_allocations_count_loads_in_the_caches_stats(tmp_path: Path) -> None:
-    """`TieredCache.allocate` on its own (count_stats=True, no logits rule): the cache's
+    """`kvheat.tiers.device.allocate` on its own (count_stats=True, no logits rule): the cache's
     hit count left out the tokens loaded from lower tiers."""
     tc, pool = build("gqa", None, tmp_path, async_io=False)
     eng = Engine(tc, pool)
     ps = prompts(6, 4)
     for p in ps:
         eng.run(p)
-    tc.flush()
+    tc.tiers.flush()
     served = sum(eng.run(p) for p in reversed(ps))
     assert served == 6 * 4 * BS
-    st, ts = tc.mgr.stats, tc.stats()
+    st, ts = tc.mgr.stats, tc.tiers.stats()
     assert st.hit_tokens == served and st.query_tokens == 12 * 4 * BS
     assert ts["lower_hit_tokens"] > 0 and ts["total_hit_rate"] == st.hit_rate == 0.5
     tc.close()

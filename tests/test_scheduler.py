@@ -275,8 +275,8 @@ def test_abort_frees_blocks_and_bad_requests_change_nothing() -> None:
     assert not s.has_work
     with pytest.raises(ValueError):
         SchedulerConfig(prefix_caching="sometimes")
-    with pytest.raises(ValueError, match="swap_space"):
-        Scheduler(SchedulerConfig(preemption="swap"), s.cache)
+    with pytest.raises(ValueError, match="removed"):
+        SchedulerConfig(preemption="swap")
 
 
 def test_accounting_balances_with_a_pinned_prefix() -> None:

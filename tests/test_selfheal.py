@@ -20,8 +20,7 @@ from kvheat.doctor import Finding, Snapshot, parse_metrics
 from kvheat.server.cli import serve_command
 from kvheat.server.config import ConfigError, ServerConfig, TenantConfig
 from kvheat.server.selfheal import SelfHealer
-from kvheat.tiers import TierSpec
-from kvheat.tiers.hierarchy import TieredCache
+from kvheat.tiers import TierManager, TierSpec
 from kvheat.tiers.redis_store import RedisStore
 
 
@@ -85,7 +84,7 @@ def test_tier_fault_bypass_probe_and_restore(redis_server: RedisServer, mode: st
     assert heal is not None
     tc = s.server.worker.engines["default"].tiers
     assert tc is not None
-    redis = tc.tiers[0]
+    redis = tc.stores[0]
     assert isinstance(redis, RedisStore)
     redis.backoff_max_s = 0.2  # the store retries soon
     labels = {"action": "bypass", "cause": "tier_fault", "tier": "redis",
@@ -99,12 +98,12 @@ def test_tier_fault_bypass_probe_and_restore(redis_server: RedisServer, mode: st
         while s.metric("kvheat_self_heal_actions_total", **labels) < 1:
             assert time.monotonic() < deadline, "no bypass on a dead tier"
             _evicting_traffic(s, 100 + int(time.monotonic() * 1000) % 10000, 2)
-            seen_bypassed |= redis.bypassed
-        seen_bypassed |= redis.bypassed
+            seen_bypassed |= tc.health()[0].bypassed
+        seen_bypassed |= tc.health()[0].bypassed
         if mode == "dry-run":  # reported, not done
-            assert not seen_bypassed and not redis.bypassed
+            assert not seen_bypassed and not tc.health()[0].bypassed
         else:
-            assert redis.bypassed and not redis.available()
+            assert tc.health()[0].bypassed and not tc.health()[0].up
             assert s.metric("kvheat_self_heal_active", **labels) == 1
             # Served while bypassed: blocks are recomputed, requests answer.
             _evicting_traffic(s, 5000, 3)
@@ -123,7 +122,7 @@ def test_tier_fault_bypass_probe_and_restore(redis_server: RedisServer, mode: st
             assert time.monotonic() < deadline, "the tier was never restored"
             _evicting_traffic(s, 9000 + int(time.monotonic() * 1000) % 10000, 1)
             time.sleep(0.1)
-        assert not redis.bypassed and redis.available()
+        assert not tc.health()[0].bypassed and tc.health()[0].up
         assert s.metric("kvheat_self_heal_active", **labels) == 0
         assert s.metric("kvheat_self_heal_actions_total", action="recalibrate",
                         tier="redis") >= 1
@@ -236,7 +235,7 @@ def _slow_text(recomputed: int) -> bytes:
             f'direction="read"}} 1000\n').encode()
 
 
-def _disk_healer(tmp_path: Path, num_blocks: int) -> tuple[Served, SelfHealer, TieredCache]:
+def _disk_healer(tmp_path: Path, num_blocks: int) -> tuple[Served, SelfHealer, TierManager]:
     """A server with a disk tier and a healer stepped by the test (its own interval is an
     hour); the healer and the arm's tiers."""
     s = start(ServerConfig(**_heal_config(
@@ -251,7 +250,7 @@ def _disk_healer(tmp_path: Path, num_blocks: int) -> tuple[Served, SelfHealer, T
 
 def test_stale_slow_timings_are_recalibrated(tmp_path: Path) -> None:
     s, heal, tc = _disk_healer(tmp_path, num_blocks=24)
-    disk = tc.tiers[0]
+    disk = tc.stores[0]
     try:
         # Timings left from a slow spell: 5 s a block, so every disk block is recomputed.
         for _ in range(50):
@@ -260,7 +259,7 @@ def test_stale_slow_timings_are_recalibrated(tmp_path: Path) -> None:
         slow = Snapshot(parse_metrics(_slow_text(0)), parse_metrics(_slow_text(20)), 2.0)
         heal.step(slow, 0.0)
         # Its probe read is fast: not bypassed, measured again instead.
-        assert not disk.bypassed
+        assert not tc.health()[0].bypassed
         assert s.metric("kvheat_self_heal_actions_total", action="recalibrate",
                         cause="tier_slow", tier="disk") == 1
         assert (tc.estimate_load_s(0, 1) or 9) < 0.5
@@ -270,7 +269,7 @@ def test_stale_slow_timings_are_recalibrated(tmp_path: Path) -> None:
         # reads: it is not bypassed.
         full = parse_metrics(_slow_text(20) + b'kvheat_tier_writable{arm="default",tier="disk"} 0\n')
         heal.step(Snapshot(parse_metrics(_slow_text(20)), full, 2.0), 5.0)
-        assert not disk.bypassed and not heal.bypassed
+        assert not tc.health()[0].bypassed and not heal.bypassed
     finally:
         stop(s)
 
@@ -295,11 +294,11 @@ def test_greedy_outputs_under_self_heal_equal_a_plain_servers(tmp_path: Path) ->
         assert answers() == want  # again: some blocks come back from disk
         heal._bypass("disk", "tier_fault", 1.0, 0.0)
         heal._apply()
-        assert tc.tiers[0].bypassed
+        assert tc.health()[0].bypassed
         assert answers() == want
         for t in (1.0, 2.0, 3.0):  # its probes pass: restored
             heal._tiers(_no_finding(), _no_finding(), t)
-        assert not tc.tiers[0].bypassed
+        assert not tc.health()[0].bypassed
         assert answers() == want
         assert s.metric("kvheat_tier_hit_tokens_total", tier="disk") > 0
     finally:
@@ -332,7 +331,7 @@ def test_a_tier_that_turned_slow_is_seen_before_its_model_follows(tmp_path: Path
     still the old speed, loads still chosen, so no doctor finding yet): the healer probes
     the tier at once; fast by the probe, its timings are measured again."""
     s, heal, tc = _disk_healer(tmp_path, num_blocks=24)
-    model = tc.tiers[0].read_model
+    model = tc.stores[0].read_model
     try:
         for _ in range(200):
             model.record(tc.block_bytes, 1e-4)

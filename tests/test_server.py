@@ -703,7 +703,7 @@ def test_tier_config_sizes_and_arm_folders(tmp_path: Any) -> None:
     assert cfg.tiers.disk_bytes == 16 << 20
     server = KVHeatServer(cfg)
     try:
-        disks = {arm: eng.tiers.tiers[0] for arm, eng in server.worker.engines.items()}
+        disks = {arm: eng.tiers.stores[0] for arm, eng in server.worker.engines.items()}
         assert {arm: d.root for arm, d in disks.items()} == \
             {arm: tmp_path / "kv" / arm for arm in ("lru", "heat")}
         assert all(d.capacity_bytes == 16 << 20 for d in disks.values())

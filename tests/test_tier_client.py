@@ -1,4 +1,4 @@
-"""The narrow tier interface (`kvheat.tiers.client.TierClient`) over real stores and a real
+"""The one tier face (`kvheat.tiers.TierManager`) over real stores and a real
 device pool: blocks saved from the pool's slots are found under their tenant salt only,
 load back into other slots byte for byte, and a load stops at the first block that is
 corrupt on disk or whose Redis died (the rest is recomputed, nothing raises)."""
@@ -15,8 +15,7 @@ from test_tiers import random_pool, same_bytes
 from kvheat.cache.hashing import tenant_salt
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.engine.kv_pool import DeviceKVPool
-from kvheat.tiers import TierSpec
-from kvheat.tiers.client import LoadPlan, TierClient
+from kvheat.tiers import LoadPlan, TierManager, TierSpec
 from kvheat.tiers.disk import DiskStore
 from kvheat.tiers.spec import store_layout
 
@@ -31,10 +30,9 @@ def chain(n: int, tag: bytes = b"k") -> tuple[list[bytes], list[bytes | None]]:
     return keys, [None, *keys[:-1]]
 
 
-def client(spec: TierSpec, pool: DeviceKVPool) -> TierClient:
-    return TierClient.from_spec(spec, block_bytes=pool.bytes_per_block,
-                                block_tokens=pool.block_size, model="tiny-test",
-                                layout=store_layout(pool))
+def client(spec: TierSpec, pool: DeviceKVPool) -> TierManager:
+    return TierManager(spec, block_bytes=pool.bytes_per_block, block_tokens=pool.block_size,
+                       model="tiny-test", layout=store_layout(pool))
 
 
 def disk_spec(tmp_path: Path, **kw) -> TierSpec:
@@ -233,16 +231,56 @@ def test_a_flush_deletes_a_parent_and_the_children_it_takes_along(tmp_path: Path
     """The engine's tiers on a client that saved a chain parent first: flushing its tenant
     deletes the parent, whose children go with it (neither tier nor device holds it)."""
     from kvheat.cache import CacheConfig, KVCacheManager
-    from kvheat.tiers import TieredCache
+    from kvheat.tiers.device import purge, tiers_for
 
     pool = random_pool("gqa", 8)
     mgr = KVCacheManager(CacheConfig(8, pool.block_size))
-    spec = TierSpec(host_blocks=8, calibrate=False)
-    tc = TieredCache(mgr, pool, spec.stores(pool, "tiny-test"), spec)
+    tc = tiers_for(mgr, pool, TierSpec(host_blocks=8, calibrate=False), "tiny-test")
     keys, parents = chain(3)
     salt = mgr.salt_of("a")
-    assert tc.client.save(salt, keys, parents, [0, 1, 2], pool, owner="a") == 3
-    assert tc.purge_tenant("a") == {"host": 3}
-    assert not tc.keys.records and all(tc.client.holds(salt, k) is None for k in keys)
-    assert tc.tiers[0].used_bytes() == 0
+    assert tc.save(salt, keys, parents, [0, 1, 2], pool, owner="a") == 3
+    assert purge(tc, mgr, "a") == {"host": 3}
+    assert not tc.lower.key_index.records and all(tc.holds(salt, k) is None for k in keys)
+    assert tc.stores[0].used_bytes() == 0
     tc.close()
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_a_load_reaches_its_store_in_three_calls(llama: tuple, where: str, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the scheduler's admission to the store's read: `TierManager.load`, then the
+    store (host: `get_many` into the device blocks), or the loader's `fetch` and the store
+    (disk): at most three calls, and the engine's tokens are those of a run without tiers."""
+    import inspect
+
+    from kvheat.tiers.disk import DiskStore
+    from kvheat.tiers.host import HostStore
+
+    spec = TierSpec(host_blocks=32, calibrate=False) if where == "host" else \
+        TierSpec(disk_dir=str(tmp_path / "disk"), disk_bytes=1 << 24, async_io=False,
+                 calibrate=False)
+    model, tok, _ = llama
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=12, policy="lru", tiers=spec,
+                                           scheduler=SchedulerConfig(max_num_seqs=1)))
+    rng = random.Random(7)
+    ps = [[rng.randrange(2, 1000) for _ in range(64)] for _ in range(6)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = e.generate(ps, sp)  # the first prompts overflow the device into the tier
+    assert e.tiers is not None
+    e.tiers.flush()
+    depths: list[int] = []
+    store_cls, method = (HostStore, "get_many") if where == "host" else (DiskStore, "get")
+    orig = getattr(store_cls, method)
+
+    def spied(self, *a, **k):  # type: ignore[no-untyped-def]
+        names = [f.function for f in inspect.stack()[1:]]  # callers, innermost first
+        if "_admit" in names:
+            depths.append(names.index("_admit") + 1)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(store_cls, method, spied)
+    again = e.generate(ps[:2], sp)
+    assert [a.output_token_ids for a in again] == [f.output_token_ids for f in first[:2]]
+    assert [a.metrics.cached_by_tier.get(where, 0) for a in again] == [63, 63]
+    assert depths and max(depths) <= 3, depths
+    e.close()

@@ -41,9 +41,9 @@ def lower_entries(e: LLMEngine, tenant: str | None) -> dict[str, int]:
     tc.flush()
     salt = e.cache.salt_of(tenant)
     out = {}
-    for st, idx in zip(tc.tiers, tc.indexes, strict=True):
+    for st, idx in zip(tc.stores, tc.indexes, strict=True):
         ns = st.ns(salt)
-        keys = [k for k in idx.entries if st.ns(tc.keys.records[k].salt) == ns]
+        keys = [k for k in idx.entries if st.ns(tc.lower.key_index.records[k].salt) == ns]
         assert all(st.contains(k, salt) for k in keys)
         out[st.name] = len(keys)
     return out
@@ -57,7 +57,7 @@ def test_a_waiting_request_reads_its_disk_blocks_once(llama: tuple, tmp_path: Pa
                                            tiers=TierSpec(disk_dir=str(tmp_path), disk_bytes=1 << 24)))
     first = run(e, [(p, None) for p in ps])  # the first ones end on disk
     e.tiers.flush()
-    disk = e.tiers.tiers[0]
+    disk = e.tiers.stores[0]
     read0, loaded0 = disk.stats.get_bytes, e.tiers.counters.loaded_blocks
     unused0 = e.tiers.counters.unused_read_bytes
     # A long request holds most of the pool while four others, whose prefixes are on
@@ -217,7 +217,7 @@ def test_kv_planted_in_redis_without_the_secret_is_never_served(llama: tuple,
     run(e, [(p, "other") for p in prompts(12, 2)])  # pushes the victim's blocks to Redis
     e.tiers.flush()
     assert lower_entries(e, "victim")["redis"] >= 3
-    store = e.tiers.tiers[0]
+    store = e.tiers.stores[0]
     names = [k.decode() for k in redis_py.Redis.from_url(redis_server.url).keys("kvheat:*")]
     assert names
     # Key names reveal neither the tenant nor the weights' fingerprint.
@@ -231,10 +231,11 @@ def test_kv_planted_in_redis_without_the_secret_is_never_served(llama: tuple,
     forged_key = tier_key("an attacker's guess at it")
     ns = namespace_digest(store.model, store.layout, e.cache.salt_of("victim"), forged_key)
     r = redis_py.Redis.from_url(redis_server.url)
-    shape = e.tiers.block_shape
+    probe = e.kv_pool.block_view(0)
+    shape = probe.shape
     g = torch.Generator().manual_seed(0)
     for i, k in enumerate(keys):  # both MACs: BLAKE3 and the old format's BLAKE2b
-        junk = torch.randn(shape, generator=g).to(e.tiers.block_dtype)
+        junk = torch.randn(shape, generator=g).to(probe.dtype)
         r.set(store.rkey(k, "tenant:victim"), encode(junk, k, store.ns("tenant:victim"),
                                                      forged_key, 2 + i % 2))
         r.set(f"kvheat:{store.model}:{store.layout}:{ns.hex()[:16]}:{k.hex()}",
@@ -244,7 +245,7 @@ def test_kv_planted_in_redis_without_the_secret_is_never_served(llama: tuple,
     got = run(e2, [(victim, "victim")])[0]
     assert got.metrics.num_cached_tokens == 0  # nothing forged verified
     assert got.output_token_ids == want
-    assert e2.tiers.tiers[0].stats.corrupt_checksum > 0  # read, and rejected
+    assert e2.tiers.stores[0].stats.corrupt_checksum > 0  # read, and rejected
     e2.close()
 
 
@@ -294,8 +295,8 @@ def test_soak_tiers_tenants_arms_and_admin_calls(llama: tuple, tmp_path: Path, s
 
     def others_below(t: str) -> set[tuple[str, bytes]]:
         tc.flush()
-        recs = tc.keys.records
-        return {(st.name, k) for st, idx in zip(tc.tiers, tc.indexes, strict=True)
+        recs = tc.lower.key_index.records
+        return {(st.name, k) for st, idx in zip(tc.stores, tc.indexes, strict=True)
                 for k in idx.entries
                 if recs[k].owner != t and recs[k].salt != e.cache.salt_of(t)}
 
@@ -338,7 +339,7 @@ def test_soak_tiers_tenants_arms_and_admin_calls(llama: tuple, tmp_path: Path, s
         assert c.read_bytes <= c.promoted_bytes + c.unused_read_bytes
         # Every per-key table stays bounded: by tenants, not by prompts or requests.
         assert len(e.cache.known_tenants()) <= len(tenants) and len(e.cache.usage) <= len(tenants) + 1
-        assert all(len(st._ns_cache) <= len(tenants) + 2 for st in tc.tiers)
-        assert len(tc.promoter.plans) <= len(live) and len(tc.lower.flushes) <= 2
+        assert all(len(st._ns_cache) <= len(tenants) + 2 for st in tc.stores)
+        assert len(tc.plans) <= len(live) and len(tc.lower.flushes) <= 2
     assert checked >= 15
     e.close()

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from test_tiers import LAYOUTS
+from tierstack import Stack
 
 from kvheat.cache import CacheConfig, KVCacheManager
 from kvheat.engine.kv_pool import DeviceKVPool
-from kvheat.tiers import DiskStore, HostStore, KVStore, TieredCache, TierSpec
+from kvheat.tiers import DiskStore, HostStore, KVStore, TierSpec
 from kvheat.tiers.redis_store import RedisStore, connect
 
 torch.set_num_threads(1)
@@ -38,9 +39,9 @@ def truth(pool: DeviceKVPool, key: bytes) -> torch.Tensor:
 
 
 class Engine:
-    """Runs requests through a TieredCache and checks every cached block it is given."""
+    """Runs requests through a Stack and checks every cached block it is given."""
 
-    def __init__(self, tc: TieredCache, pool: DeviceKVPool) -> None:
+    def __init__(self, tc: Stack, pool: DeviceKVPool) -> None:
         self.tc, self.pool = tc, pool
         self.n = 0
         self.served_tokens = 0
@@ -76,7 +77,7 @@ def prompts(n: int, blocks: int, seed: int = 0, shared: int = 0) -> list[list[in
 
 
 def build(layout: str, tiers: list[KVStore] | None, tmp_path: Path, device_blocks: int = 8,
-          host_blocks: int = 6, disk_blocks: int = 1000, **cfg) -> tuple[TieredCache, DeviceKVPool]:
+          host_blocks: int = 6, disk_blocks: int = 1000, **cfg) -> tuple[Stack, DeviceKVPool]:
     pool = make_pool(layout, device_blocks)
     mgr = KVCacheManager(CacheConfig(device_blocks, BS))
     if tiers is None:
@@ -85,7 +86,7 @@ def build(layout: str, tiers: list[KVStore] | None, tmp_path: Path, device_block
                            fsync=False)]
     cfg.setdefault("calibrate", False)
     speed = cfg.pop("prefill_tokens_per_s", None)
-    return TieredCache(mgr, pool, tiers, TierSpec(**cfg), prefill_tokens_per_s=speed), pool
+    return Stack(mgr, pool, tiers, TierSpec(**cfg), prefill_tokens_per_s=speed), pool
 
 
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
@@ -97,17 +98,17 @@ def test_blocks_round_trip_through_host_and_disk(layout: str, async_io: bool,
     ps = prompts(6, 4)  # 24 blocks of working set over an 8-block device, 6-block host
     for p in ps:
         assert eng.run(p) == 0
-    tc.flush()
-    c = tc.counters
-    assert c.demotions > 0 and tc.tier_demotions[1] > 0  # reached disk
+    tc.tiers.flush()
+    c = tc.tiers.counters
+    assert c.demotions > 0 and tc.tiers.lower.demotions[1] > 0  # reached disk
     for p in reversed(ps):  # all come back from device, host or disk; bytes checked
         assert eng.run(p) == 4 * BS
-        tc.flush()
-    assert tc.tier_hit_blocks[0] > 0 and tc.tier_hit_blocks[1] > 0
+        tc.tiers.flush()
+    assert tc.tiers.lower.hit_blocks[0] > 0 and tc.tiers.lower.hit_blocks[1] > 0
     assert c.load_failed == 0
     assert c.device_hit_tokens + c.lower_hit_tokens == 6 * 4 * BS
     # Exclusive: no key is on two lower tiers.
-    assert not set(tc.indexes[0].entries) & set(tc.indexes[1].entries)
+    assert not set(tc.tiers.indexes[0].entries) & set(tc.tiers.indexes[1].entries)
     tc.close()
 
 
@@ -121,8 +122,8 @@ def test_write_through_keeps_lower_copies(tmp_path: Path) -> None:
     for p in ps:
         assert eng.run(p) == 4 * BS
     # Promoted blocks keep their copies on both lower tiers.
-    assert len(tc.indexes[0]) == len(tc.indexes[1]) == 16
-    st = tc.stats()
+    assert len(tc.tiers.indexes[0]) == len(tc.tiers.indexes[1]) == 16
+    st = tc.tiers.stats()
     assert st["tiers"]["1:disk"]["puts"] == 16  # each block written to disk once
 
 
@@ -134,12 +135,12 @@ def test_lower_tier_eviction_follows_the_policy(tmp_path: Path) -> None:
     eng.run(a)
     eng.run(b)  # a (4 blocks) demoted to host
     eng.run(c)  # b demoted to host; host full: a goes to disk
-    host_keys = set(tc.indexes[0].entries)
-    disk_keys = set(tc.indexes[1].entries)
+    host_keys = set(tc.tiers.indexes[0].entries)
+    disk_keys = set(tc.tiers.indexes[1].entries)
     ka = set(tc.mgr.make_request("x", a).keys)
     kb = set(tc.mgr.make_request("y", b).keys)
     assert kb == host_keys and ka == disk_keys
-    assert tc.indexes[0].policy.name == "lru"
+    assert tc.tiers.indexes[0].policy.name == "lru"
 
 
 def test_prefetch_starts_loads_before_allocate(tmp_path: Path) -> None:
@@ -148,15 +149,15 @@ def test_prefetch_starts_loads_before_allocate(tmp_path: Path) -> None:
     ps = prompts(5, 4)
     for p in ps:
         eng.run(p)
-    tc.flush()
+    tc.tiers.flush()
     assert eng.run(ps[0], prefetch=True) == 4 * BS
-    assert tc.counters.prefetch_plans == 1 and tc.counters.prefetch_used == 1
+    assert tc.tiers.counters.prefetch_plans == 1 and tc.tiers.counters.prefetch_used == 1
     # A prefetch that is never allocated releases its pins.
     req = tc.mgr.make_request("never", ps[1])
     assert tc.prefetch(req) == 4 * BS
-    assert any(e.ref_cnt for idx in tc.indexes for e in idx.entries.values())
-    tc.cancel_prefetch("never")
-    assert not any(e.ref_cnt for idx in tc.indexes for e in idx.entries.values())
+    assert any(e.ref_cnt for idx in tc.tiers.indexes for e in idx.entries.values())
+    tc.tiers.cancel("never")
+    assert not any(e.ref_cnt for idx in tc.tiers.indexes for e in idx.entries.values())
     tc.close()
 
 
@@ -164,19 +165,19 @@ def test_load_or_recompute_follows_measured_speeds(tmp_path: Path) -> None:
     speed = {"v": 1e12}  # a prefill faster than any tier: always recompute
     tc, pool = build("gqa", None, tmp_path, async_io=False,
                      prefill_tokens_per_s=lambda: speed["v"], calibrate=True)
-    for st in tc.tiers:
+    for st in tc.tiers.stores:
         assert st.read_model.fit() is not None  # measured at start
     eng = Engine(tc, pool)
     ps = prompts(6, 4)
     for p in ps:
         eng.run(p)
     assert eng.run(ps[0]) == 0
-    assert tc.counters.decisions_recompute == 1 and tc.counters.recompute_chosen_tokens == 4 * BS
+    assert tc.tiers.counters.decisions_recompute == 1 and tc.tiers.counters.recompute_chosen_tokens == 4 * BS
     speed["v"] = 1.0  # one token a second: loading wins
     assert eng.run(ps[1]) == 4 * BS
-    assert tc.counters.decisions_load == 1
-    assert 0 < tc.counters.est_load_s < tc.counters.est_recompute_saved_s
-    stats = json.loads(json.dumps(tc.stats()))  # plain data, ready for an exporter
+    assert tc.tiers.counters.decisions_load == 1
+    assert 0 < tc.tiers.counters.est_load_s < tc.tiers.counters.est_recompute_saved_s
+    stats = json.loads(json.dumps(tc.tiers.stats()))  # plain data, ready for an exporter
     assert stats["tiers"]["1:disk"]["read_bandwidth_Bps"] > 0
     assert stats["decisions_load"] == 1 and stats["decisions_recompute"] == 1
 
@@ -185,8 +186,8 @@ def test_decision_picks_the_profitable_prefix(tmp_path: Path) -> None:
     """Host fast, disk slow: with a prefill speed between them, host blocks load and the
     disk blocks behind them are recomputed."""
     tc, pool = build("gqa", None, tmp_path, async_io=False, prefill_tokens_per_s=1000.0)
-    bb = tc.block_bytes
-    host, disk = tc.tiers
+    bb = tc.tiers.block_bytes
+    host, disk = tc.tiers.stores
     host.read_model.samples.clear()
     disk.read_model.samples.clear()
     host.read_model.record(bb, 1e-6)  # 1 µs a block: far faster than 16 ms recompute
@@ -197,28 +198,28 @@ def test_decision_picks_the_profitable_prefix(tmp_path: Path) -> None:
         eng.run(p)
     # LRU, tail-first: the device keeps ps[4:], the host the 6 latest demoted blocks
     # (ps[3] and the first two of ps[2]), disk the rest.
-    loc = [[next((t for t, idx in enumerate(tc.indexes) if k in idx.entries), None)
+    loc = [[next((t for t, idx in enumerate(tc.tiers.indexes) if k in idx.entries), None)
             for k in tc.mgr.make_request("q", p).keys] for p in ps]
     assert loc[2] == [0, 0, 1, 1] and loc[0] == [1, 1, 1, 1]
     assert eng.run(ps[2]) == 2 * BS  # host prefix loaded, disk tail recomputed
-    assert tc.counters.decisions_partial == 1 and tc.counters.recompute_chosen_blocks == 2
+    assert tc.tiers.counters.decisions_partial == 1 and tc.tiers.counters.recompute_chosen_blocks == 2
     assert eng.run(ps[0]) == 0  # all on disk: recompute everything
-    assert tc.counters.decisions_recompute == 1 and tc.counters.recompute_chosen_blocks == 6
-    assert tc.tier_hit_blocks == [2, 0]
+    assert tc.tiers.counters.decisions_recompute == 1 and tc.tiers.counters.recompute_chosen_blocks == 6
+    assert tc.tiers.lower.hit_blocks == [2, 0]
     # A tier judged too slow gets no reads; after `remeasure_s` without one, a single
     # block is loaded anyway so its estimate can follow the tier getting faster.
-    assert loc[1] == [1, 1, 1, 1] and tc.counters.remeasure_loads == 0
-    tc.cost.remeasure_s = 0.0
+    assert loc[1] == [1, 1, 1, 1] and tc.tiers.counters.remeasure_loads == 0
+    tc.tiers.cost.remeasure_s = 0.0
     assert eng.run(ps[1]) == BS  # checked against the KV the stand-in wrote
-    assert tc.counters.remeasure_loads == 1 and len(disk.read_model.samples) == 2
+    assert tc.tiers.counters.remeasure_loads == 1 and len(disk.read_model.samples) == 2
 
 
 def test_a_memory_tier_judged_slow_is_remeasured_on_its_whole_run(tmp_path: Path) -> None:
     """A host fit spoilt by a slow spell: after `remeasure_s` without a read, the next plan
     loads its whole host run (samples of the sizes loads read), the disk still one block."""
     tc, pool = build("gqa", None, tmp_path, async_io=False, prefill_tokens_per_s=1000.0)
-    bb = tc.block_bytes
-    host, disk = tc.tiers
+    bb = tc.tiers.block_bytes
+    host, disk = tc.tiers.stores
     for st in (host, disk):
         st.read_model.reset()
         st.read_model.record(bb, 1.0)  # 1 s a block: far slower than 16 ms recompute
@@ -226,12 +227,12 @@ def test_a_memory_tier_judged_slow_is_remeasured_on_its_whole_run(tmp_path: Path
     ps = prompts(6, 4)
     for p in ps:
         eng.run(p)
-    tc.cost.remeasure_s = 0.0
+    tc.tiers.cost.remeasure_s = 0.0
     assert eng.run(ps[2]) == 2 * BS  # [host, host, disk, disk]: the host run, no disk
-    assert tc.counters.remeasure_loads == 1 and len(host.read_model.samples) == 2
+    assert tc.tiers.counters.remeasure_loads == 1 and len(host.read_model.samples) == 2
     assert host.read_model.samples[-1][0] == 2 * bb  # one call for both blocks
     assert eng.run(ps[0]) == BS  # all on disk: one block
-    assert tc.counters.remeasure_loads == 2
+    assert tc.tiers.counters.remeasure_loads == 2
     tc.close()
 
 
@@ -241,22 +242,22 @@ def test_read_models_price_the_reads_loads_make(tmp_path: Path) -> None:
     with its warm-up round dropped, and blocks moved down to the disk are not timed."""
     tc, pool = build("gqa", None, tmp_path, async_io=False, calibrate=True,
                      prefill_tokens_per_s=1e12)  # recompute all: nothing loaded, untimed
-    host, disk = tc.tiers
+    host, disk = tc.tiers.stores
     assert host.batched_reads and not disk.batched_reads
     assert len(host.read_model.samples) == 2 * 3  # one get_many per size and round
     assert len(disk.read_model.samples) == 5 * 3  # one get per block
-    bb = tc.block_bytes
+    bb = tc.tiers.block_bytes
     for st in (host, disk):
         st.read_model.reset()
         st.read_model.record(bb, 30e-6)  # 10 us latency + 20 us a block, fitted
         st.read_model.record(4 * bb, 90e-6)
-    assert tc.estimate_load_s(0, 4) == pytest.approx(10e-6 + 4 * 20e-6)
-    assert tc.estimate_load_s(1, 4) == pytest.approx(4 * (10e-6 + 20e-6))
+    assert tc.tiers.estimate_load_s(0, 4) == pytest.approx(10e-6 + 4 * 20e-6)
+    assert tc.tiers.estimate_load_s(1, 4) == pytest.approx(4 * (10e-6 + 20e-6))
     gets = host.stats.gets
     eng = Engine(tc, pool)
     for p in prompts(6, 4):  # 24 blocks through 8 device and 6 host slots: moves to disk
         eng.run(p)
-    assert host.stats.gets > gets and tc.lower.evictions[0] > 0
+    assert host.stats.gets > gets and tc.tiers.lower.evictions[0] > 0
     assert len(host.read_model.samples) == 2  # moved out (taken), none timed
     tc.close()
 
@@ -267,15 +268,15 @@ def test_fault_corrupt_disk_file_mid_replay(tmp_path: Path) -> None:
     ps = prompts(6, 4)
     for p in ps:
         eng.run(p)
-    disk: DiskStore = tc.tiers[1]  # type: ignore[assignment]
+    disk: DiskStore = tc.tiers.stores[1]  # type: ignore[assignment]
     keys = tc.mgr.make_request("x", ps[0]).keys
-    assert all(k in tc.indexes[1].entries for k in keys)
+    assert all(k in tc.tiers.indexes[1].entries for k in keys)
     path = disk._path(disk._name(keys[2], disk.ns(None)))
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     assert eng.run(ps[0]) == 2 * BS  # loads blocks 0-1, block 2 fails, rest recomputed
-    assert tc.counters.load_failed == 1
+    assert tc.tiers.counters.load_failed == 1
     assert disk.stats.corrupt_checksum == 1
     assert eng.run(ps[0]) == 4 * BS  # all on device now, recomputed bytes correct
 
@@ -286,11 +287,11 @@ def test_fault_disk_cap_stops_demotion_without_errors(tmp_path: Path) -> None:
     ps = prompts(10, 4)
     for p in ps:
         eng.run(p)
-    tc.flush()
-    disk = tc.tiers[1]
+    tc.tiers.flush()
+    disk = tc.tiers.stores[1]
     assert disk.used_bytes() <= disk.capacity_bytes
-    assert len(tc.indexes[1]) == 3 and tc.counters.dropped_bottom > 0
-    assert tc.counters.worker_errors == 0
+    assert len(tc.tiers.indexes[1]) == 3 and tc.tiers.counters.dropped_bottom > 0
+    assert tc.tiers.counters.worker_errors == 0
     for p in ps:
         eng.run(p)  # whatever is served is checked; nothing raises
 
@@ -313,11 +314,11 @@ def test_fault_restart_serves_only_verified_disk_blocks(tmp_path: Path) -> None:
     disk2 = DiskStore(disk_dir, 1000 * (pool2.bytes_per_block + 200), fsync=False)
     assert disk2.rejected_on_open == 1
     host2 = HostStore(pool2.bytes_per_block, pool2.bytes_per_block)
-    tc2 = TieredCache(mgr2, pool2, [host2, disk2], TierSpec(async_io=False, calibrate=False))
-    assert len(tc2.indexes[1]) == len(files) - 1
+    tc2 = Stack(mgr2, pool2, [host2, disk2], TierSpec(async_io=False, calibrate=False))
+    assert len(tc2.tiers.indexes[1]) == len(files) - 1
     eng2 = Engine(tc2, pool2)
     served = sum(eng2.run(p) for p in ps)
-    assert served > 0 and tc2.counters.load_failed == 0
+    assert served > 0 and tc2.tiers.counters.load_failed == 0
 
 
 def test_tenants_never_share_lower_tier_blocks(tmp_path: Path) -> None:
@@ -343,22 +344,22 @@ def test_fault_redis_killed_mid_replay(redis_server, tmp_path: Path) -> None:
     ps = prompts(8, 4)
     for p in ps:
         eng.run(p)
-    tc.flush()
-    assert len(tc.indexes[1]) > 0
+    tc.tiers.flush()
+    assert len(tc.tiers.indexes[1]) > 0
     assert eng.run(ps[0]) == 4 * BS  # from Redis
     redis_server.stop()
     for p in ps[1:]:
         eng.run(p)  # Redis gone: misses and recomputes, no exception, KV checked
-    tc.flush()
+    tc.tiers.flush()
     assert red.stats.went_down >= 1 and red.down
-    assert tc.counters.worker_errors == 0
+    assert tc.tiers.counters.worker_errors == 0
     redis_server.start()
     deadline = time.monotonic() + 10
-    while not red.available() and time.monotonic() < deadline:  # the backoff runs out
+    while not red.reachable() and time.monotonic() < deadline:  # the backoff runs out
         time.sleep(0.01)
     for p in ps:
         eng.run(p)
-        tc.flush()
+        tc.tiers.flush()
     assert red.stats.came_back >= 1
     tc.close()
 
@@ -372,19 +373,19 @@ def test_refused_host_put_goes_down_with_a_private_copy(tmp_path: Path) -> None:
     mgr = KVCacheManager(CacheConfig(4, BS))
     host = HostStore(pool.bytes_per_block, pool.bytes_per_block)
     disk = DiskStore(tmp_path / "disk", 1 << 20, fsync=False)
-    tc = TieredCache(mgr, pool, [host, disk], TierSpec(async_io=True, calibrate=False))
+    tc = Stack(mgr, pool, [host, disk], TierSpec(async_io=True, calibrate=False))
     eng = Engine(tc, pool)
     a, b, c = prompts(3, 4)
     eng.run(a)
     eng.run(b)
-    tc.flush()
+    tc.tiers.flush()
     pending = mgr.make_request("pending", a)
     assert tc.prefetch(pending) == 4 * BS  # pins a's first block, the host's only entry
     eng.run(c)  # b's blocks: host refuses (pinned), so they go to disk via the queue
-    tc.flush()
-    tc.cancel_prefetch("pending")
-    assert tc.counters.demote_dropped == 0
-    assert all(k in tc.indexes[1].entries for k in mgr.make_request("q", b).keys)
+    tc.tiers.flush()
+    tc.tiers.cancel("pending")
+    assert tc.tiers.counters.demote_dropped == 0
+    assert all(k in tc.tiers.indexes[1].entries for k in mgr.make_request("q", b).keys)
     assert eng.run(b) == 4 * BS  # Engine checks every loaded byte
     tc.close()
 
@@ -397,7 +398,7 @@ def test_allocating_a_head_of_a_prefetched_request(tmp_path: Path) -> None:
     ps = prompts(6, 4)
     for p in ps:
         eng.run(p)
-    tc.flush()
+    tc.tiers.flush()
     mgr = tc.mgr
     full = mgr.make_request("head", ps[0])
     assert tc.prefetch(full) == 4 * BS
@@ -408,35 +409,35 @@ def test_allocating_a_head_of_a_prefetched_request(tmp_path: Path) -> None:
         want = truth(pool, full.keys[i])
         assert torch.equal(pool.block_view(head.blocks[i].block_id).view(torch.uint8),
                            want.view(torch.uint8))
-    assert not any(e.ref_cnt for idx in tc.indexes for e in idx.entries.values())
-    assert all(any(k in idx.entries for idx in tc.indexes) for k in full.keys[2:])
+    assert not any(e.ref_cnt for idx in tc.tiers.indexes for e in idx.entries.values())
+    assert all(any(k in idx.entries for idx in tc.tiers.indexes) for k in full.keys[2:])
     mgr.free(head)
     tc.close()
 
 
 # ---- prefix links below: no unreachable entries, leaf-first at the bottom ----------------
-def unreachable(tc: TieredCache, key_lists: list[list[bytes]]) -> list[bytes]:
+def unreachable(tc: Stack, key_lists: list[list[bytes]]) -> list[bytes]:
     """Lower-tier entries of these prompts that no prefix match can reach: an earlier key of
     their prompt is held by no tier nor the device (worked out from the prompts' own keys,
     not from the hierarchy's links)."""
     def held(k: bytes) -> bool:
-        return k in tc.mgr.cached or any(k in idx.entries for idx in tc.indexes)
+        return k in tc.mgr.cached or any(k in idx.entries for idx in tc.tiers.indexes)
 
     out = []
     for keys in key_lists:
         broken = False
         for k in keys:
-            if broken and any(k in idx.entries for idx in tc.indexes):
+            if broken and any(k in idx.entries for idx in tc.tiers.indexes):
                 out.append(k)
             broken = broken or not held(k)
     return out
 
 
-def touch_below(tc: TieredCache, tokens: list[int], rid: str) -> None:
+def touch_below(tc: Stack, tokens: list[int], rid: str) -> None:
     """Plan a prompt's lower-tier loads and drop the plan: its entries count as used, the
     parent released before its child (so, on LRU, the child ends hotter)."""
     assert tc.prefetch(tc.mgr.make_request(rid, tokens)) > 0
-    tc.cancel_prefetch(rid)
+    tc.tiers.cancel(rid)
 
 
 def test_parent_dropped_at_bottom_takes_children_along(tmp_path: Path) -> None:
@@ -446,26 +447,26 @@ def test_parent_dropped_at_bottom_takes_children_along(tmp_path: Path) -> None:
     tc, pool = build("gqa", None, tmp_path, async_io=False, device_blocks=4, host_blocks=3,
                      disk_blocks=1)
     eng = Engine(tc, pool)
-    host = tc.tiers[0]
+    host = tc.tiers.stores[0]
     a = prompts(1, 2)[0]
     b = prompts(1, 4, seed=2)[0]
     c, d, e = prompts(3, 1, seed=1)
     ka = tc.mgr.make_request("ka", a).keys
     eng.run(a)
     eng.run(b)  # a's blocks go to the host, child first
-    assert set(tc.indexes[0].entries) == set(ka)
+    assert set(tc.tiers.indexes[0].entries) == set(ka)
     touch_below(tc, a, "t1")  # host LRU now: a0 (parent) colder than a1
     eng.run(c)
     eng.run(d)  # the host makes room: a0 to disk, a1 stays on the host
-    assert list(tc.indexes[1].entries) == [ka[0]] and ka[1] in tc.indexes[0].entries
-    assert tc.indexes[1].get(ka[0]).num_children == 1  # type: ignore[union-attr]
+    assert list(tc.tiers.indexes[1].entries) == [ka[0]] and ka[1] in tc.tiers.indexes[0].entries
+    assert tc.tiers.indexes[1].get(ka[0]).num_children == 1  # type: ignore[union-attr]
     touch_below(tc, a, "t2")  # a1 hot on the host: the host's next victim is one of b's
     used = host.used_bytes()
     eng.run(e)  # a b block comes down to a full disk holding only a0, a parent
-    c_ = tc.counters
-    assert c_.dropped_bottom == 1 and ka[0] not in tc.indexes[1].entries
-    assert c_.orphans_dropped == 1 and tc.stats()["orphans_dropped"] == 1
-    assert ka[1] not in tc.indexes[0].entries and not host.contains(ka[1], None)
+    c_ = tc.tiers.counters
+    assert c_.dropped_bottom == 1 and ka[0] not in tc.tiers.indexes[1].entries
+    assert c_.orphans_dropped == 1 and tc.tiers.stats()["orphans_dropped"] == 1
+    assert ka[1] not in tc.tiers.indexes[0].entries and not host.contains(ka[1], None)
     assert host.used_bytes() == used - pool.bytes_per_block  # one came in, a b block and a1 left
     all_keys = [tc.mgr.make_request("k", p).keys for p in (a, b, c, d, e)]
     assert unreachable(tc, all_keys) == []
@@ -479,7 +480,7 @@ def test_refused_demotion_takes_children_along(tmp_path: Path) -> None:
     pool = make_pool("gqa", 4)
     mgr = KVCacheManager(CacheConfig(4, BS))
     host = HostStore(pool.bytes_per_block, pool.bytes_per_block)
-    tc = TieredCache(mgr, pool, [host], TierSpec(async_io=False, calibrate=False))
+    tc = Stack(mgr, pool, [host], TierSpec(async_io=False, calibrate=False))
     eng = Engine(tc, pool)
     a, b = prompts(2, 2)
     c, d = prompts(2, 1, seed=1)
@@ -487,15 +488,15 @@ def test_refused_demotion_takes_children_along(tmp_path: Path) -> None:
     eng.run(a)
     eng.run(b)
     eng.run(c)  # device full: a1, the coldest leaf, goes to the host
-    assert list(tc.indexes[0].entries) == [ka[1]]
+    assert list(tc.tiers.indexes[0].entries) == [ka[1]]
     pending = mgr.make_request("pending", a)
     assert tc.prefetch(pending) == BS  # a0 on the device, a1 planned from the host: pinned
     eng.run(d)  # a0 leaves the device; the host's only slot is pinned: refused
-    assert tc.counters.demote_refused == 1
-    assert tc.counters.orphans_dropped == 1
-    tc.cancel_prefetch("pending")
-    assert len(tc.indexes[0]) == 0 and host.used_bytes() == 0
-    assert not any(e.ref_cnt for e in tc.indexes[0].entries.values())
+    assert tc.tiers.counters.demote_refused == 1
+    assert tc.tiers.counters.orphans_dropped == 1
+    tc.tiers.cancel("pending")
+    assert len(tc.tiers.indexes[0]) == 0 and host.used_bytes() == 0
+    assert not any(e.ref_cnt for e in tc.tiers.indexes[0].entries.values())
     assert eng.run(a) == 0
     tc.close()
 
@@ -509,13 +510,13 @@ def test_promoted_parent_keeps_children_reachable(tmp_path: Path) -> None:
     ka = tc.mgr.make_request("ka", a).keys
     eng.run(a)
     eng.run(b)  # a: two blocks on the host, two on disk
-    assert all(any(k in idx.entries for idx in tc.indexes) for k in ka)
+    assert all(any(k in idx.entries for idx in tc.tiers.indexes) for k in ka)
     assert eng.run(a[:BS + 3]) == BS  # only a0 is loaded: it leaves its tier
-    assert not any(ka[0] in idx.entries for idx in tc.indexes) and ka[0] in tc.mgr.cached
-    assert tc.counters.orphans_dropped == 0
-    assert all(any(k in idx.entries for idx in tc.indexes) for k in ka[1:])
+    assert not any(ka[0] in idx.entries for idx in tc.tiers.indexes) and ka[0] in tc.mgr.cached
+    assert tc.tiers.counters.orphans_dropped == 0
+    assert all(any(k in idx.entries for idx in tc.tiers.indexes) for k in ka[1:])
     assert eng.run(a) == 4 * BS  # a0 on the device, a1..a3 loaded from below
-    assert tc.counters.orphans_dropped == 0 and tc.counters.load_failed == 0
+    assert tc.tiers.counters.orphans_dropped == 0 and tc.tiers.counters.load_failed == 0
     tc.close()
 
 
@@ -526,8 +527,8 @@ def test_bottom_tier_evicts_leaves_first(tmp_path: Path) -> None:
     pool = make_pool("gqa", 4)
     mgr = KVCacheManager(CacheConfig(4, BS))
     host = HostStore(3 * pool.bytes_per_block, pool.bytes_per_block)
-    tc = TieredCache(mgr, pool, [host], TierSpec(async_io=False, calibrate=False))
-    idx = tc.indexes[0]
+    tc = Stack(mgr, pool, [host], TierSpec(async_io=False, calibrate=False))
+    idx = tc.tiers.indexes[0]
     eng = Engine(tc, pool)
     a = prompts(1, 2)[0]
     b = prompts(1, 4, seed=1)[0]
@@ -541,10 +542,10 @@ def test_bottom_tier_evicts_leaves_first(tmp_path: Path) -> None:
     assert set(idx.entries) == {ka[0], ka[1], kb[3]}
     eng.run(d)  # b2 comes down: LRU order a0, a1, b3; a0 has a child below: a1 goes
     assert set(idx.entries) == {ka[0], kb[3], kb[2]}
-    assert tc.counters.orphans_dropped == 0 and tc.counters.dropped_bottom == 1
+    assert tc.tiers.counters.orphans_dropped == 0 and tc.tiers.counters.dropped_bottom == 1
     eng.run(e)  # b1 comes down: a0, a leaf again, is the coldest
     assert set(idx.entries) == {kb[3], kb[2], kb[1]}
-    assert tc.counters.orphans_dropped == 0 and tc.counters.dropped_bottom == 2
+    assert tc.tiers.counters.orphans_dropped == 0 and tc.tiers.counters.dropped_bottom == 2
     tc.close()
 
 
@@ -554,18 +555,18 @@ def test_write_through_drops_children_with_the_last_copy(tmp_path: Path) -> None
     tc, pool = build("gqa", None, tmp_path, async_io=False, mode="write_through",
                      device_blocks=4, host_blocks=2, disk_blocks=1)
     eng = Engine(tc, pool)
-    host = tc.tiers[0]
+    host = tc.tiers.stores[0]
     a = prompts(1, 2)[0]
     b = prompts(1, 4, seed=1)[0]
     c = prompts(1, 1, seed=2)[0]
     ka = tc.mgr.make_request("ka", a).keys
     eng.run(a)
     eng.run(b)  # a1, a0 to both tiers; the one-entry disk keeps a0 (a1 is on the host)
-    assert list(tc.indexes[1].entries) == [ka[0]] and set(tc.indexes[0].entries) == set(ka)
+    assert list(tc.tiers.indexes[1].entries) == [ka[0]] and set(tc.tiers.indexes[0].entries) == set(ka)
     touch_below(tc, a, "t")  # host LRU: a0 colder than a1
     eng.run(c)  # b3 down: the host drops a0 (the disk has it), then the disk drops a0
-    assert ka[0] not in tc.indexes[0].entries and ka[0] not in tc.indexes[1].entries
-    assert tc.counters.orphans_dropped == 1 and ka[1] not in tc.indexes[0].entries
+    assert ka[0] not in tc.tiers.indexes[0].entries and ka[0] not in tc.tiers.indexes[1].entries
+    assert tc.tiers.counters.orphans_dropped == 1 and ka[1] not in tc.tiers.indexes[0].entries
     assert not host.contains(ka[1], None)
     tc.close()
 
@@ -582,8 +583,8 @@ def test_write_through_parent_dropped_above_keeps_children(tmp_path: Path) -> No
     eng.run(b)
     touch_below(tc, a, "t")
     eng.run(c)  # the host drops a0; the disk still has it
-    assert ka[0] not in tc.indexes[0].entries and ka[0] in tc.indexes[1].entries
-    assert tc.counters.orphans_dropped == 0
+    assert ka[0] not in tc.tiers.indexes[0].entries and ka[0] in tc.tiers.indexes[1].entries
+    assert tc.tiers.counters.orphans_dropped == 0
     assert eng.run(a) == 2 * BS
     tc.close()
 
@@ -599,7 +600,7 @@ def test_replay_leaves_no_unreachable_entries(policy: str, async_io: bool,
     mgr = KVCacheManager(CacheConfig(6, BS, policy=policy))
     host = HostStore(4 * pool.bytes_per_block, pool.bytes_per_block)
     disk = DiskStore(tmp_path / "disk", 5 * (pool.bytes_per_block + 200), fsync=False)
-    tc = TieredCache(mgr, pool, [host, disk], TierSpec(policy=policy, async_io=async_io,
+    tc = Stack(mgr, pool, [host, disk], TierSpec(policy=policy, async_io=async_io,
                                                          calibrate=False))
     eng = Engine(tc, pool)
     rng = random.Random(7)
@@ -610,20 +611,20 @@ def test_replay_leaves_no_unreachable_entries(policy: str, async_io: bool,
     for step in range(300):
         eng.run(rng.choice(ps))
         if step % 20 == 19:
-            tc.flush()
+            tc.tiers.flush()
             assert unreachable(tc, keys) == []
-            below = {k for idx in tc.indexes for k in idx.entries}
-            recs = tc.keys.records
+            below = {k for idx in tc.tiers.indexes for k in idx.entries}
+            recs = tc.tiers.lower.key_index.records
             assert set(recs) == below  # nothing in flight after flush
-            assert all(recs[k].held == len(tc.keys.where(k)) for k in below)
+            assert all(recs[k].held == len(tc.tiers.lower.key_index.where(k)) for k in below)
             # One index: each key's parent is held below or on the device, and it has the
             # key among its children.
             for k in below:
-                p = tc.keys.parent(k)
-                assert p is None or k in tc.keys.kids[p]
+                p = tc.tiers.lower.key_index.parent(k)
+                assert p is None or k in tc.tiers.lower.key_index.kids[p]
             checks += 1
-    assert checks == 15 and tc.counters.dropped_bottom > 0
-    assert tc.counters.worker_errors == 0
+    assert checks == 15 and tc.tiers.counters.dropped_bottom > 0
+    assert tc.tiers.counters.worker_errors == 0
     if not async_io:  # with the demotion thread, a load may race a disk write: a miss
-        assert tc.counters.load_failed == 0
+        assert tc.tiers.counters.load_failed == 0
     tc.close()

@@ -195,7 +195,7 @@ def test_redis_down_then_back_with_backoff(redis_server) -> None:
     redis_server.stop()  # the server dies
     assert st.get(key(0)) is None  # a miss, not an exception
     assert st.down and st.stats.went_down == 1 and st.stats.io_errors == 1
-    assert not st.available()
+    assert not st.reachable()
     assert not st.put(key(1), pool.read_block(1))  # skipped while backing off
     assert st.get_many([key(0), key(1)]) == [None, None]
     assert st.stats.skipped_down == 2 and st.stats.io_errors == 1
@@ -204,7 +204,7 @@ def test_redis_down_then_back_with_backoff(redis_server) -> None:
     assert st.stats.io_errors == 2 and st._backoff == 2 * st.backoff_initial_s
     redis_server.start()  # back, empty (no persistence)
     clock.t += 10
-    assert st.available()
+    assert st.reachable()
     assert st.get(key(0)) is None  # answered: a plain miss now
     assert not st.down and st.stats.came_back == 1
     assert st.put(key(1), pool.read_block(1))

@@ -25,7 +25,7 @@ def replica(url: str, tmp_path: Path, cluster: bool = False, redis_blocks: int =
     red = RedisStore(connect(url, cluster=cluster, timeout_s=0.5), redis_blocks * per,
                      model="tiny", layout="gqa")
     tc, pool = build("gqa", [red], tmp_path, device_blocks=device_blocks, async_io=False)
-    feed = SharedTierFeed(tc)
+    feed = SharedTierFeed(tc.tiers)
     return tc, pool, feed
 
 
@@ -38,15 +38,15 @@ def _check_sharing(url: str, tmp_path: Path, cluster: bool) -> None:
         ps = prompts(4, 4, seed=1)  # 16 blocks through an 8-block device: A demotes
         for p in ps:
             assert a.run(p, tenant="t1") == 0
-        demoted = set(a_tc.indexes[0].entries)
+        demoted = set(a_tc.tiers.indexes[0].entries)
         assert demoted
         assert wait_for(lambda: demoted <= set(b_feed.peers))
         # B has never seen these prompts: what A put in Redis is loaded, bytes checked.
         got = b.run(ps[0], tenant="t1")
         assert got == 4 * BS
-        assert b_tc.tier_hit_blocks[0] == 4 and b_tc.counters.load_failed == 0
+        assert b_tc.tiers.lower.hit_blocks[0] == 4 and b_tc.tiers.counters.load_failed == 0
         # Shared: B's load does not take A's entry away from A (or from Redis).
-        assert demoted <= set(a_tc.indexes[0].entries)
+        assert demoted <= set(a_tc.tiers.indexes[0].entries)
         # Another tenant's request never matches those keys.
         assert b.run(ps[1], tenant="t2") == 0
     finally:
@@ -78,20 +78,20 @@ def test_writer_eviction_withdraws_and_stale_entries_are_counted_misses(redis_se
         before = set(b_feed.peers)
         for p in prompts(6, 4, seed=3):  # A's 8-block Redis budget evicts the first ones
             a.run(p)
-        gone = before - set(a_tc.indexes[0].entries)
+        gone = before - set(a_tc.tiers.indexes[0].entries)
         assert gone
         assert wait_for(lambda: not (gone & set(b_feed.peers)))
         # A stale peer entry (deleted from Redis behind the announcements' back): a
         # counted miss, recomputed.
         key = next(iter(b_feed.peers))
-        a_tc.tiers[0].client.delete(*a_tc.tiers[0].client.keys(a_tc.tiers[0].prefix + "*"))
+        a_tc.tiers.stores[0].client.delete(*a_tc.tiers.stores[0].client.keys(a_tc.tiers.stores[0].prefix + "*"))
         b_feed.peers.clear()
         b_feed.peers[key] = BS
-        fails = b_tc.counters.load_failed
+        fails = b_tc.tiers.counters.load_failed
         req = b_tc.mgr.make_request("x", [0] * (4 * BS))
         req.keys[0] = key  # a request whose first block is that stale key
         b_tc.allocate(req)
-        assert req.num_cached_tokens == 0 and b_tc.counters.load_failed == fails + 1
+        assert req.num_cached_tokens == 0 and b_tc.tiers.counters.load_failed == fails + 1
         assert key not in b_feed.peers
         b_tc.mgr.free(req)
     finally:
@@ -111,8 +111,8 @@ def test_announcements_round_trip_and_garbage_is_ignored(redis_server, tmp_path)
     tc, pool, feed = replica(redis_server.url, tmp_path)
     try:
         time.sleep(0.3)
-        tc.tiers[0].client.publish(feed.channel, b"not an announcement")
-        tc.tiers[0].client.publish(feed.channel, encode_announcements(b"o" * 8, [(1, b"q" * 16, 16)]))
+        tc.tiers.stores[0].client.publish(feed.channel, b"not an announcement")
+        tc.tiers.stores[0].client.publish(feed.channel, encode_announcements(b"o" * 8, [(1, b"q" * 16, 16)]))
         assert wait_for(lambda: b"q" * 16 in feed.peers)
         assert feed.bad == 1
     finally:

@@ -1,4 +1,4 @@
-"""Request hints below the device (`TierClient.begin` / `finish`, what KVHeatConnector's
+"""Request hints below the device (`TierManager.begin` / `finish`, what KVHeatConnector's
 worker calls with the hints its scheduler sent): each tier's policy hears a request's
 session and its end with the entries of its keys that tier holds, re-filed as the device
 cache re-files a request's blocks; a policy that takes no finish hint keeps its order
@@ -16,8 +16,7 @@ from test_tiers import random_pool
 from kvheat.cache import Node, Outcome, register_policy
 from kvheat.cache import policy as policy_registry
 from kvheat.cache.policies import LRU
-from kvheat.tiers import TierSpec
-from kvheat.tiers.client import TierClient
+from kvheat.tiers import TierManager, TierSpec
 
 torch.set_num_threads(1)
 RECORDING = "test-recording-tier-hints"
@@ -48,7 +47,7 @@ def recording() -> Iterator[None]:
         policy_registry._REGISTRY.pop(RECORDING, None)
 
 
-def _client(policy: str, host_blocks: int = 8) -> tuple[TierClient, object]:
+def _client(policy: str, host_blocks: int = 8) -> tuple[TierManager, object]:
     pool = random_pool("gqa", 8)
     return client(TierSpec(host_blocks=host_blocks, policy=policy), pool), pool
 

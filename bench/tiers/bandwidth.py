@@ -519,7 +519,7 @@ def main() -> None:
                                  rng(h[name + "_cost_x"]) + "x",  # type: ignore[arg-type]
                                  "<=1.2x" if op == "get" else "-"))
 
-    # A load's read, as `TieredCache` makes it: 8 KiB, the replay's one-layer block of 512
+    # A load's read, as `TierManager` makes it: 8 KiB, the replay's one-layer block of 512
     # tokens; 64 KiB, a 16-token block of 16 layers; 2 MiB, a 512-token block of 16 layers.
     res["host_load"] = []
     for layers, tokens, width in ((1, 512, 4), (16, 16, 64), (16, 512, 64)) if "host" in only \

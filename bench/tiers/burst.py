@@ -80,7 +80,7 @@ def main() -> None:
                 run_burst(e, heads)
                 run_burst(e, fillers)  # pushes the prefixes down to the tier
                 e.tiers.flush()
-                st = e.tiers.tiers[0]
+                st = e.tiers.stores[0]
                 g0 = st.stats.get_bytes
                 c = e.tiers.counters
                 r0, p0, plans0 = c.read_bytes, c.promoted_bytes, c.prefetch_plans

@@ -5,7 +5,7 @@
         [--repeats N] [--limit N] [--json docs/results/tiers/replay_ab.json]
 
 The real `KVCacheManager` runs the device pool (requests built with `make_hashed_request`
-from the trace's 512-token block ids) and a `TieredCache` moves real KV bytes between the
+from the trace's 512-token block ids) and a `TierManager` moves real KV bytes between the
 `DeviceKVPool`, a `HostStore` and a `DiskStore` in a temporary directory. An engine
 stand-in writes each computed block's KV (a fixed function of its key) and checks every
 block served from cache, so a wrong byte anywhere fails the run. Reported: token hit rate by
@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -40,10 +41,10 @@ if not __package__:  # run as `python bench/tiers/replay.py`: import from the re
 
 from bench._lib import RESULTS, TRACES
 from kvheat.cache import CacheConfig, KVCacheManager, make_policy
-from kvheat.cache.request import Request
 from kvheat.engine.kv_pool import DeviceKVPool
 from kvheat.replay.traces import load_trace
-from kvheat.tiers import DiskStore, HostStore, TieredCache, TierSpec
+from kvheat.tiers import DiskStore, HostStore, TierManager, TierSpec
+from kvheat.tiers.device import allocate, attach, tiers_for
 from kvheat.tiers.loads import LoadPlan
 
 torch.set_num_threads(1)
@@ -56,10 +57,11 @@ def kv_of(key: bytes, shape: tuple[int, ...], nbytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray((key * reps)[:nbytes]), dtype=torch.float16).view(shape)
 
 
-def unreachable(tc: TieredCache, parent_of: dict[bytes, bytes | None]) -> list[int]:
+def unreachable(mgr: KVCacheManager, tc: TierManager,
+                parent_of: dict[bytes, bytes | None]) -> list[int]:
     """Per lower tier, entries whose prefix has a block held by no tier nor the device:
     a match stops there, so they can never be served again."""
-    held = set(tc.mgr.cached)
+    held = set(mgr.cached)
     for idx in tc.indexes:
         held.update(idx.entries)
     ok: dict[bytes, bool] = {}
@@ -98,24 +100,24 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
         disk = DiskStore(Path(tmp) / "disk", disk_tokens // BLOCK * (bb + 128), fsync=False)
         if mac is not None:
             disk.mac = mac
-        tc = TieredCache(mgr, pool, [host, disk],
-                         TierSpec(policy=policy, async_io=async_io, calibrate=True),
-                         prefill_tokens_per_s=prefill_tps, clock=lambda: now[0])
+        tc = tiers_for(mgr, pool, TierSpec(policy=policy, async_io=async_io, calibrate=True),
+                       prefill_tokens_per_s=prefill_tps, stores=[host, disk])
+        detach = attach(tc, mgr, pool)
         wrong = 0
         parent_of: dict[bytes, bytes | None] = {}  # the trace's own prefix tree
         samples: list[int] = []
         computed_tokens = 0
         load_s = [0.0]
-        promoter_load = tc.promoter.load
+        tier_load = tc.load
 
-        def timed_load(req: Request, plan: LoadPlan) -> int:  # the loads' wall time
-            t = time.perf_counter()
+        def timed_load(plan: LoadPlan, slots: Sequence[int], device: DeviceKVPool) -> int:
+            t = time.perf_counter()  # the loads' wall time
             try:
-                return promoter_load(req, plan)
+                return tier_load(plan, slots, device)
             finally:
                 load_s[0] += time.perf_counter() - t
 
-        tc.promoter.load = timed_load  # type: ignore[method-assign]
+        setattr(tc, "load", timed_load)  # noqa: B010 (timing the real loads in place)
         t0 = time.perf_counter()
         for i, r in enumerate(trace):
             now[0] = r.timestamp_ms / 1000.0
@@ -126,8 +128,8 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
                 parent_of.setdefault(key, req.keys[j - 1] if j else None)
             if i % 500 == 499:
                 tc.flush()
-                samples.append(sum(unreachable(tc, parent_of)))
-            tc.allocate(req)
+                samples.append(sum(unreachable(mgr, tc, parent_of)))
+            allocate(tc, mgr, pool, req)
             cached = req.num_cached_tokens
             computed_tokens += sum(req.block_tokens) - cached
             done = 0
@@ -144,9 +146,10 @@ def run(trace_path: Path, policy: str, prefill_tps: float | None, device_tokens:
             mgr.free(req)
         tc.flush()
         wall = time.perf_counter() - t0
-        orphans_end = unreachable(tc, parent_of)
+        orphans_end = unreachable(mgr, tc, parent_of)
         st = tc.stats()
         tc.close()
+        detach()
     c = tc.counters
     q = max(1, c.query_tokens)
     tiers = st["tiers"]

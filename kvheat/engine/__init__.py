@@ -5,7 +5,7 @@ Where things are: engine.py (`LLMEngine`, the step loop), config.py (`EngineConf
 `SchedulerConfig`), model_config.py (`ModelConfig`), sampling.py (`SamplingParams`, the
 sampler), outputs.py (what the engine returns), scheduler.py (the batch of each step),
 sequence.py (a request as the scheduler sees it), load_classes.py (how a step's prefill
-budget is shared), swap.py (swap preemption's host copies), kv_pool.py (`DeviceKVPool`,
+budget is shared), kv_pool.py (`DeviceKVPool`,
 the paged KV buffer), attention.py / attention_metadata.py (paged attention), norm.py,
 rotary.py, linear.py, llama.py, deepseek.py (the models), runner.py (one forward pass),
 loader.py (weights and tokenizers).

@@ -18,7 +18,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256  # tokens per step, decode and prefill together
     max_num_seqs: int = 16  # running sequences at once
     prefix_caching: str = "block"  # "block": any cached prefix; "exact": whole prompt only; "off"
-    preemption: str = "recompute"  # or "swap" (needs a SwapSpace)
+    # A preempted sequence's blocks are freed and recomputed on resume; the full ones stay
+    # cached, or go down to the host tier when evicted and load back (no swap space, as
+    # in vLLM v1).
+    preemption: str = "recompute"
     # Load classes by estimated work (prompt + max new tokens, in tokens): the design
     # classes by latency, and on one engine latency grows with work.
     short_max_tokens: int = 128
@@ -43,8 +46,12 @@ class SchedulerConfig:
             raise ValueError("prefetch_queue_depth must be >= 0")
         if self.prefix_caching not in ("block", "exact", "off"):
             raise ValueError(f"prefix_caching must be block, exact or off, not {self.prefix_caching!r}")
-        if self.preemption not in ("recompute", "swap"):
-            raise ValueError(f"preemption must be recompute or swap, not {self.preemption!r}")
+        if self.preemption == "swap":
+            raise ValueError("preemption='swap' was removed: a preempted sequence's full "
+                             "blocks stay cached, or go down to the host tier "
+                             "(host_tier_blocks) and load back from it")
+        if self.preemption != "recompute":
+            raise ValueError(f"preemption must be recompute, not {self.preemption!r}")
         if set(self.class_weights) != set(LOAD_CLASSES):
             raise ValueError(f"class_weights needs exactly the classes {LOAD_CLASSES}")
         if not 0 < self.short_max_tokens < self.long_min_tokens:
@@ -60,7 +67,6 @@ class EngineConfig:
     # tenant -> share group: tenants of one group reuse each other's blocks (CacheConfig).
     share_groups: dict[str, str] = field(default_factory=dict)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    swap_space_blocks: int = 0  # host blocks for swap preemption (with preemption="swap")
     # Lower KV tiers under the device cache (kvheat.tiers.TierSpec): host memory, local
     # disk (survives a restart), Redis (shared by replicas).
     tiers: TierSpec = field(default_factory=TierSpec)
@@ -77,5 +83,3 @@ class EngineConfig:
             raise ValueError("give num_blocks or kv_memory_bytes")
         if (self.num_blocks is not None and self.num_blocks < 1) or self.block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
-        if self.scheduler.preemption == "swap" and self.swap_space_blocks <= 0:
-            raise ValueError("preemption='swap' needs swap_space_blocks > 0")

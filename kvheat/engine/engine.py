@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,7 +24,8 @@ from ..cache import (
     make_policy,
 )
 from ..cache.hints import Outcome
-from ..tiers.spec import build_tiers
+from ..tiers.device import attach, purge, tiers_for
+from ..tiers.manager import TierManager
 from .config import EngineConfig
 from .kv_pool import DeviceKVPool
 from .llama import CausalLM
@@ -33,10 +34,6 @@ from .runner import ModelRunner, SeqBatchItem
 from .sampling import RequestSampler, SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import SchedulerOutput, Seq, SeqStatus
-from .swap import HostSwapSpace
-
-if TYPE_CHECKING:
-    from ..tiers.hierarchy import TieredCache
 
 
 class _Req:
@@ -100,15 +97,17 @@ class LLMEngine:
             policy = make_policy(cfg.policy)
         self.cache = KVCacheManager(CacheConfig(pool.num_blocks, cfg.block_size, cfg.policy,
                                                 dict(cfg.share_groups)), policy=policy)
-        self.swap_space = (HostSwapSpace(pool, cfg.swap_space_blocks)
-                           if cfg.scheduler.preemption == "swap" else None)
         self._prefill_speed: float | None = None  # tokens/s, a moving average
-        self.tiers: TieredCache | None = build_tiers(
-            cfg.tiers, self.cache, pool, cfg.model_id or model_fingerprint(model),
-            self.prefill_tokens_per_s) if cfg.tiers.enabled else None
+        self.tiers: TierManager | None = None
+        self._detach_tiers: Callable[[], None] | None = None
+        if cfg.tiers.enabled:
+            # Loads from host memory always beat recomputing; slow tiers are weighed.
+            self.tiers = tiers_for(self.cache, pool, cfg.tiers,
+                                   cfg.model_id or model_fingerprint(model),
+                                   self.prefill_tokens_per_s if cfg.tiers.slow else None)
+            self._detach_tiers = attach(self.tiers, self.cache, pool)
         self.clock = clock
-        self.scheduler = Scheduler(cfg.scheduler, self.cache, self.swap_space, clock,
-                                   self.tiers)
+        self.scheduler = Scheduler(cfg.scheduler, self.cache, clock, self.tiers, pool)
         self.requests: dict[str, _Req] = {}
         self.stats = EngineStats()
         self._counter = itertools.count()
@@ -124,7 +123,7 @@ class LLMEngine:
         tier ("device", then the tiers' names)."""
         out = {"device": self.cache.flush_tenant(tenant)}
         if self.tiers is not None:
-            out.update(self.tiers.purge_tenant(tenant))
+            out.update(purge(self.tiers, self.cache, tenant))
         return out
 
     def set_tenant_quota(self, tenant: str | None, blocks: int | None) -> int:
@@ -148,6 +147,9 @@ class LLMEngine:
         """Stop the tiers' background threads (pending demotions are written first)."""
         if self.tiers is not None:
             self.tiers.close()
+        if self._detach_tiers is not None:
+            self._detach_tiers()
+            self._detach_tiers = None
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, family: str = "llama", seed: int = 0,

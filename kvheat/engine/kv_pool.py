@@ -8,7 +8,7 @@ sequence the cache manager gave it to, for every layer. Layouts:
   the compressed latent then the rotated rope key, nothing else.
 
 `read_block` / `write_block` move one block (all layers) out and in, for the lower tiers
-(kvheat.tiers) and the swap space.
+(kvheat.tiers).
 """
 
 from __future__ import annotations

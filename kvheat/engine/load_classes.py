@@ -13,13 +13,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .sequence import Seq
+from typing import Protocol, TypeVar
 
 SHORT, REGULAR, LONG = "short", "regular", "long"
 LOAD_CLASSES = (SHORT, REGULAR, LONG)
+
+
+class Candidate(Protocol):
+    """What the budget split reads of a sequence (`sequence.Seq`)."""
+
+    @property
+    def arrival(self) -> float:
+        """When it arrived (the clock of the scheduler)."""
+
+    @property
+    def load_class(self) -> str:
+        """Its load class."""
+
+    @property
+    def num_pending(self) -> int:
+        """Prompt tokens it still has to run."""
+
+
+C = TypeVar("C", bound=Candidate)
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,9 +65,9 @@ def load_class(work: int, short_max_tokens: int, long_min_tokens: int) -> str:
     return LONG if work >= long_min_tokens else REGULAR
 
 
-def share_prefill_budget(running: Sequence[Seq], waiting: Sequence[Seq], budget: int,
+def share_prefill_budget(running: Sequence[C], waiting: Sequence[C], budget: int,
                          now: float, weights: dict[str, ClassWeight], aging_s: float,
-                         try_run: Callable[[Seq, int], int]) -> int:
+                         try_run: Callable[[C, int], int]) -> int:
     """Hand `budget` prefill tokens to the candidates (running sequences with tokens to
     run, then waiting ones): aged requests first, whatever their class (the guard against
     starvation); then each class within its weighted share of the rest, running ones
@@ -71,7 +87,7 @@ def share_prefill_budget(running: Sequence[Seq], waiting: Sequence[Seq], budget:
     weight = {c: weights[c].weight(pending[c] / total) for c in LOAD_CLASSES if pending[c]}
     wsum = sum(weight.values())
     shares = {c: max(1, int(budget * w / wsum)) for c, w in weight.items()}
-    by_class: dict[str, list[Seq]] = {c: [] for c in weight}
+    by_class: dict[str, list[C]] = {c: [] for c in weight}
     for s in [*sorted(running, key=lambda s: s.arrival), *sorted(waiting, key=lambda s: s.arrival)]:
         by_class[s.load_class].append(s)
 

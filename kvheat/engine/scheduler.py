@@ -16,78 +16,49 @@ computing a copy). A sequence is never preempted in the step it was scheduled, s
 registered block of a freed sequence holds its KV. After the forward pass `update`
 clears `fresh`.
 
-Lower tiers. Given a `TieredCache` (kvheat.tiers), admission also loads the blocks that
+Lower tiers. Given a `TierManager` (kvheat.tiers), admission also loads the blocks that
 follow the device prefix from host/disk/remote into the new device blocks; they count
 as cached.
 
 Preemption. When blocks run out, the youngest running sequence not yet scheduled this
-step is preempted (the one asking, when none is left). Recompute mode frees its blocks;
-the full ones stay cached, so the resumed prefill mostly hits. Swap mode first copies its
-blocks to a host `SwapSpace` and writes them back when it resumes.
+step is preempted (the one asking, when none is left). Its blocks are freed; the full
+ones stay cached (or go down to the host tier when evicted, and load back from it), so
+the resumed prefill mostly hits. There is no separate swap space (as in vLLM v1).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ..cache import Block, KVCacheManager, OutOfBlocks, Request
 from ..cache.hashing import prompt_scope, tokens_to_bytes
 from ..cache.hints import Outcome
 from ..cache.misses import MissClassifier
+from ..tiers.device import record_prompt
 from .config import SchedulerConfig
 from .load_classes import load_class, share_prefill_budget
 from .sequence import ScheduledItem, SchedulerOutput, Seq, SeqStatus
 
 if TYPE_CHECKING:
     from ..tiers.loads import LoadPlan
-
-
-class SwapSpace(Protocol):
-    """Host copies of preempted sequences' blocks (all layers of each block)."""
-
-    def swap_out(self, seq_id: str, block_ids: list[int]) -> int:
-        """Copy the blocks out; returns how many leading blocks were saved (a full
-        store saves fewer, and the rest is recomputed)."""
-
-    def swap_in(self, seq_id: str, first_block: int, block_ids: list[int]) -> None:
-        """Write saved blocks first_block, first_block+1, ... into `block_ids`, then forget
-        the sequence's copies."""
-
-    def discard(self, seq_id: str) -> None: ...
-
-
-class LowerTiers(Protocol):
-    """What the scheduler needs of `kvheat.tiers.TieredCache`."""
-
-    def prefetch(self, req: Request) -> int: ...
-
-    def cancel_prefetch(self, request_id: str) -> None: ...
-
-    def lookup(self, req: Request, hit_blocks: int) -> LoadPlan:
-        """The blocks after the device's first `hit_blocks` the tiers load for `req`."""
-
-    def load(self, req: Request, plan: LoadPlan) -> int:
-        """Fill the newly allocated `req`'s blocks from `plan`; returns blocks loaded."""
-
-    def record_prompt(self, num_tokens: int, cached_by_tier: Mapping[str, int]) -> None:
-        """Count a prompt's hits by tier, in the tiers' counters and the cache's stats."""
+    from ..tiers.manager import TierManager
+    from ..tiers.store import DeviceBlocks
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: KVCacheManager,
-                 swap_space: SwapSpace | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 tiers: LowerTiers | None = None) -> None:
-        if config.preemption == "swap" and swap_space is None:
-            raise ValueError("preemption='swap' needs a swap_space")
+                 tiers: TierManager | None = None, device: DeviceBlocks | None = None) -> None:
+        if tiers is not None and device is None:
+            raise ValueError("lower tiers need the device pool they load into")
         self.config = config
         self.cache = cache
         self.block_size = cache.block_size
-        self.swap_space = swap_space
-        self.tiers = tiers  # lower KV tiers under the device cache (kvheat.tiers.TieredCache)
+        self.tiers = tiers  # lower KV tiers under the device cache
+        self.device = device  # the pool their loads write into
         self.clock = clock
         self.waiting: list[Seq] = []
         self.running: list[Seq] = []  # in admission order
@@ -119,7 +90,10 @@ class Scheduler:
         # the queue: a plan pins its entries on the tiers until the request runs.
         if self.tiers is not None and cfg.prefix_caching == "block" \
                 and len(self.waiting) <= cfg.prefetch_queue_depth:
-            self.tiers.prefetch(self._full_request(seq))
+            full = self._full_request(seq)
+            self.tiers.prefetch(seq.seq_id, self.cache.salt_of(full.tenant), full.keys,
+                                len(self.cache.match_prefix(full)), full.block_tokens,
+                                owner=full.tenant)
 
     def finish(self, seq: Seq, reason: str, outcome: Outcome | None = None) -> None:
         """End a sequence (done or aborted): its blocks are freed, full ones stay cached.
@@ -136,10 +110,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self._dequeued(seq)
             if self.tiers is not None:
-                self.tiers.cancel_prefetch(seq.seq_id)  # its pins, if a plan was made
-        if seq.swapped_tokens and self.swap_space is not None:
-            self.swap_space.discard(seq.seq_id)
-            seq.swapped_tokens = 0
+                self.tiers.cancel(seq.seq_id)  # its pins, if a plan was made
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
@@ -251,19 +222,18 @@ class Scheduler:
             match = match[:-1]  # compute at least the last token, for its logits
         hit = len(match) * bs
         start = hit
-        if seq.swapped_tokens > hit:
-            start = seq.swapped_tokens  # blocks after the cached prefix come back from host
         # Lower tiers: blocks after the device prefix that host/disk/remote still hold are
         # loaded into the new device blocks right after allocation (they count as cached).
         plan: LoadPlan | None = None
-        if self.tiers is not None and cfg.prefix_caching == "block" and not whole \
-                and not seq.swapped_tokens:
-            plan = self.tiers.lookup(full, len(match))
+        if self.tiers is not None and cfg.prefix_caching == "block" and not whole:
+            plan = self.tiers.lookup(cache.salt_of(full.tenant), full.keys, len(match),
+                                     full.block_tokens, owner=full.tenant,
+                                     request_id=seq.seq_id)
             # All of it below: load it all and run the last token again (its logits), its KV
             # rewritten into a block this request alone holds.
             start = min(hit + plan.tokens, len(seq.token_ids) - 1)
         elif self.tiers is not None:
-            self.tiers.cancel_prefetch(seq.seq_id)  # an early plan it does not need now
+            self.tiers.cancel(seq.seq_id)  # an early plan it does not need now
         n = min(limit, len(seq.token_ids) - start)
         if n <= 0:
             return 0
@@ -276,19 +246,13 @@ class Scheduler:
             return 0
         loaded: list[tuple[str, int]] = []
         if plan is not None and plan.keys and self.tiers is not None:
-            n_loaded = self.tiers.load(part, plan)
+            self.tiers.trim(plan, len(part.keys))
+            slots = [b.block_id for b in part.blocks[plan.start:len(part.keys)]]
+            assert self.device is not None
+            n_loaded = self.tiers.load(plan, slots, self.device)
             loaded = [(name, plan.block_tokens) for name in plan.tiers[:n_loaded]]
             start = min(hit + n_loaded * plan.block_tokens, start)  # less if a load failed
             n = part.num_tokens - start
-        if seq.swapped_tokens:
-            assert self.swap_space is not None
-            first = len(match)
-            n_saved = -(-seq.swapped_tokens // bs)
-            if start == seq.swapped_tokens:
-                self.swap_space.swap_in(seq.seq_id, first, part.block_table[first:n_saved])
-            else:
-                self.swap_space.discard(seq.seq_id)  # the cache kept them all
-            seq.swapped_tokens = 0
         if seq.num_preemptions == 0 and not seq.prompt_done:
             # The whole prompt, once: its tokens served from cache, by tier (the last one,
             # run again for its logits, is not), in one count that the cache's hit rate and
@@ -296,7 +260,7 @@ class Scheduler:
             seq.num_cached_tokens = start
             seq.cached_by_tier = _by_tier(min(hit, start), loaded, start)
             if self.tiers is not None:
-                self.tiers.record_prompt(seq.num_prompt_tokens, seq.cached_by_tier)
+                record_prompt(self.tiers, cache, seq.num_prompt_tokens, seq.cached_by_tier)
             else:
                 cache.record_prompt(seq.num_prompt_tokens, start, start // bs)
         seq.cache_req = part
@@ -320,13 +284,6 @@ class Scheduler:
     # ---- preemption -------------------------------------------------------------------
     def _preempt(self, seq: Seq) -> None:
         assert seq.cache_req is not None
-        if self.config.preemption == "swap" and seq.num_computed > 0:
-            assert self.swap_space is not None
-            n_blocks = -(-seq.num_computed // self.block_size)
-            saved = self.swap_space.swap_out(seq.seq_id, seq.cache_req.block_table[:n_blocks])
-            seq.swapped_tokens = min(seq.num_computed, saved * self.block_size)
-            if not seq.swapped_tokens:
-                self.swap_space.discard(seq.seq_id)
         self.running.remove(seq)
         # Waiting again, for the very blocks it releases: queued before they are released
         # (the cache dequeues it when `_admit` allocates it again), and released with no

@@ -27,7 +27,7 @@ class Seq:
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "max_tokens", "tenant", "session", "lora",
         "arrival", "status", "num_computed", "cache_req", "load_class", "num_cached_tokens",
-        "num_preemptions", "swapped_tokens", "admitted_seq", "prompt_done", "finish_reason",
+        "num_preemptions", "admitted_seq", "prompt_done", "finish_reason",
         "full_req", "cached_by_tier",
     )
 
@@ -53,7 +53,6 @@ class Seq:
         # taken together at admission, so the parts always add up to num_cached_tokens.
         self.cached_by_tier: dict[str, int] = {}
         self.num_preemptions = 0
-        self.swapped_tokens = 0  # tokens whose KV waits in the swap space
         self.admitted_seq = 0  # admission order; the youngest is preempted first
         self.prompt_done = False
         self.finish_reason: str | None = None

@@ -573,7 +573,7 @@ class KVHeat(EvictionPolicy):
         """The miniatures, made at the first insert (the block size is known by then)."""
         self._want_selector = False
         sel = self.selector = MultipleSelector(
-            self, lambda: KVHeat(**self._candidate),
+            self, self._make_candidate,
             self.capacity, self.penalties.block_size, math.log2(self.feedback.reuse_mult),
             self.mini_blocks)
         sel.sync()
@@ -642,6 +642,16 @@ class KVHeat(EvictionPolicy):
         """The decayed entropy of the keys under the roots (None: neither the regime nor
         drift watches them)."""
         return self.feedback.tracker
+
+    def _make_candidate(self) -> tuple[KVHeat, KVHeat]:
+        """A miniature's policy: this one's settings, its multiple held by the selector."""
+        pol = KVHeat(**self._candidate)
+        return pol, pol
+
+    @property
+    def accesses(self) -> int:
+        """Block accesses so far (the virtual clock's count)."""
+        return self.clock.accesses
 
     @property
     def half_life(self) -> float:

@@ -38,15 +38,39 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..cache.hints import Outcome
 from ..cache.manager import KVCacheManager
 from ..cache.node import Node
+from ..cache.policy import EvictionPolicy
 from ..cache.request import CacheConfig, CacheError
 
-if TYPE_CHECKING:  # (the policy builds its selector: no import at run time)
-    from .kvheat import KVHeat
+
+class Candidate(Protocol):
+    """What a miniature asks of its own policy (a `KVHeat` whose multiple it holds)."""
+
+    def set_multiple(self, mult: float, half_life: float, mode: str) -> None:
+        """Hold the multiple `mult` at this half-life and regime."""
+
+
+class Live(Protocol):
+    """What the selector reads and moves of the live policy (`KVHeat`)."""
+
+    @property
+    def half_life(self) -> float:
+        """The half-life, in block accesses."""
+
+    @property
+    def mode(self) -> str:
+        """The entropy regime."""
+
+    @property
+    def accesses(self) -> int:
+        """Block accesses so far (the policy's clock)."""
+
+    def follow_multiple(self, mult: float) -> None:
+        """Move the half-life's multiple to `mult`."""
 
 MINI_BLOCKS = 64  # blocks each miniature holds at least, by default (or the rate is 1)
 MEMORY = 16.0  # rounds: the leads' sums fade by 1 - 1/MEMORY a round without a move
@@ -76,7 +100,7 @@ class Miniature:
     """One candidate: a small cache of its own whose policy keeps `log_mult` fixed."""
 
     manager: KVCacheManager
-    policy: KVHeat
+    policy: Candidate
     log_mult: float
     hits: int = 0  # hit tokens since it was made
     requests: int = 0
@@ -119,12 +143,14 @@ class Pending:
 class MultipleSelector:
     """Chooses the live heat policy's half-life multiple by miniature simulation.
 
-    `make_policy()` builds a candidate policy (its multiple set by `sync`); `live` is the
-    policy that follows the winner (`follow_multiple`). The live policy calls `boundary`
+    `make_policy()` builds a candidate: the policy a miniature runs, and its handle on the
+    multiple (set by `sync`); `live` is the policy that follows the winner
+    (`follow_multiple`). The live policy calls `boundary`
     before each block it sees hit or inserted, `access` for the sampled ones, `session`
     and `finish` with the request hints it gets."""
 
-    def __init__(self, live: KVHeat, make_policy: Callable[[], KVHeat], capacity_blocks: int,
+    def __init__(self, live: Live, make_policy: Callable[[], tuple[EvictionPolicy, Candidate]],
+                 capacity_blocks: int,
                  block_tokens: int, log_mult: float = 0.0,
                  mini_blocks: int = MINI_BLOCKS) -> None:
         self.capacity = capacity_blocks
@@ -140,10 +166,10 @@ class MultipleSelector:
         self.pending = Pending()
         self.minis: list[Miniature] = []  # the octave below the live multiple, and above
         for step in (-1.0, 1.0):
-            pol = make_policy()
+            pol, cand = make_policy()
             mgr = KVCacheManager(CacheConfig(num_blocks=blocks, block_size=block_tokens),
                                  policy=pol, clock=self._now)
-            self.minis.append(Miniature(mgr, pol, log_mult + step))
+            self.minis.append(Miniature(mgr, cand, log_mult + step))
         self.round_len = max(1, int(ROUND_FILLS * blocks))
         self.round_accesses = 0
         self.lead = 0.0  # the high candidate's hit tokens over the low one's, summed
@@ -247,7 +273,7 @@ class MultipleSelector:
         d = self.decisions
         while len(d) >= self.max_decisions:  # keep the first half and the latest
             del d[self.max_decisions // 2]
-        d.append(Decision(self.live.clock.accesses, 2.0 ** self.log_mult, lead, moved))
+        d.append(Decision(self.live.accesses, 2.0 ** self.log_mult, lead, moved))
 
     def stats(self) -> dict[str, float]:
         out = {"mini_rate": self.rate, "mini_start_mult": 2.0 ** self.start_log, "mini_requests": float(self.served),

@@ -8,7 +8,7 @@ vLLM runs the scheduler and the model runner in two processes (its CPU build alw
 the multiprocessing executor), so the connector is two halves that talk only through
 vLLM's per-step metadata:
 
-- The worker half owns the tiers (`TierClient`: host memory, disk, Redis under kvheat's
+- The worker half owns the tiers (`TierManager`: host memory, disk, Redis under kvheat's
   heat policy) and vLLM's KV tensors (`VLLMDeviceBlocks`). Each step it loads what the
   scheduler planned into the planned device blocks (host memory: before the forward; disk
   or Redis: on a loader thread while the request waits in WAITING_FOR_REMOTE_KVS), copies
@@ -39,7 +39,7 @@ offload adapter's (`vllm_chunk.request_hints`): the session is
 outcome and finish reason come from vLLM's `Request` at `request_finished`. The scheduler
 keys the session into a digest (never the client's string past it), and the hints travel
 to the worker in the step's metadata: a request's session before its first loads and
-saves (`TierClient.begin`), its end with its keys (`TierClient.finish`). A request with no
+saves (`TierManager.begin`), its end with its keys (`TierManager.finish`). A request with no
 session that was not cancelled sends nothing, so without hints every decision is as before.
 """
 
@@ -82,7 +82,7 @@ from ..cache.policy import policy_names
 from ..cache.tenancy import TENANT_PARAM, TENANT_SECRET_ENV, VOUCH_PARAM, TenantVouch
 from ..checks import check_value, parse_size
 from ..kvevents.schema import tier_place
-from ..tiers.client import TierClient
+from ..tiers.manager import TierManager
 from ..tiers.shared import SharedTierFeed, decode_announcements
 from ..tiers.spec import MODES, TierSpec
 from .vllm_blocks import VLLMDeviceBlocks
@@ -223,7 +223,7 @@ class SaveJob:
 
 @dataclass(slots=True)
 class FinishHint:
-    """A request's end, for the tiers' policy (`TierClient.finish`)."""
+    """A request's end, for the tiers' policy (`TierManager.finish`)."""
 
     keys: list[bytes]  # its blocks' keys, prefix order
     session: str | None  # the scheduler's digest of its session
@@ -356,7 +356,7 @@ class _PeerFeed(SharedTierFeed):
     """The shared Redis tier's feed (other replicas' keys, loadable here), which also
     passes each of their announcements on as a tier change, for the scheduler's mirror."""
 
-    def __init__(self, client: TierClient,
+    def __init__(self, client: TierManager,
                  on_change: typing.Callable[[str, bytes, bytes | None, int, bool], None]
                  ) -> None:
         self._on_change = on_change
@@ -428,7 +428,7 @@ _TIER_METRICS = (
 # "ended_session.<outcome>" those naming a session and "ended.<outcome>" the others (the
 # metric's session label), and "hinted_entries", the tier entries they reached.
 _ENDED = {"ended": "false", "ended_session": "true"}
-# (our stats name, the TierClient's per-tier figure)
+# (our stats name, the TierManager's per-tier figure)
 _TIER_STATS = (("hits", "hits"), ("hit_bytes", "get_bytes"), ("faults", "faults"),
                ("puts", "puts"))
 
@@ -795,7 +795,7 @@ class KVHeatConnector(KVConnectorBase_V1):
     # ==== worker half =============================================================================
     def _init_worker(self) -> None:
         self.device: VLLMDeviceBlocks | None = None
-        self.client: TierClient | None = None
+        self.client: TierManager | None = None
         self._changes: deque[tuple[str, bytes, bool]] = deque()
         self._failed: deque[tuple[str, int]] = deque()
         self._invalid: set[int] = set()
@@ -813,9 +813,9 @@ class KVHeatConnector(KVConnectorBase_V1):
         self.device = dev = VLLMDeviceBlocks(kv_caches, kv_cache_config.num_blocks,
                                              self.block_size, self.layout)
         spec = self.config.tier_spec(dev.bytes_per_block)
-        self.client = TierClient.from_spec(spec, block_bytes=dev.bytes_per_block,
-                                           block_tokens=self.block_size, model=self.model_id,
-                                           layout=dev.describe())
+        self.client = TierManager(spec, block_bytes=dev.bytes_per_block,
+                                  block_tokens=self.block_size, model=self.model_id,
+                                  layout=dev.describe())
         self.client.index_listeners.append(self._on_tier_change)
         self._feed = _PeerFeed(self.client, self._on_tier_change) \
             if spec.redis_url and spec.redis_shared else None
@@ -924,7 +924,7 @@ class KVHeatConnector(KVConnectorBase_V1):
         # has been heard from (see SHARED_SYNC_S).
         changes = [self._changes.popleft() for _ in range(len(self._changes))]
         failed = [self._failed.popleft() for _ in range(len(self._failed))]
-        down = [st.name for st in self.client.stores if not st.available()] \
+        down = [h.name for h in self.client.health() if not h.up] \
             if self.client is not None else []
         return KVHeatWorkerMetadata(changes, failed, down)
 

@@ -1,7 +1,7 @@
 """Wiring a cache (and its lower tiers) to a `KVEventPublisher`.
 
 `attach` registers listeners on a `KVCacheManager` (`index_listeners`: a block stored
-under its key, or leaving it) and on a `TieredCache` (`index_listeners`: a tier taking or
+under its key, or leaving it) and on a `TierManager` (`index_listeners`: a tier taking or
 losing a key); `snapshot_items` lists what they hold now, for a resync. The listeners run
 on the thread changing the cache and only queue a tuple.
 """

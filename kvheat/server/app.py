@@ -149,7 +149,10 @@ class KVHeatServer:
             self.metrics.registry.register(self.net_signals)
         self.healer: SelfHealer | None = None
         if config.self_heal != "off":
-            self.healer = SelfHealer(self)
+            worker = self.worker
+            self.healer = SelfHealer(config, self.metrics, self.tracing.tracer,
+                                     lambda: {a: e.tiers for a, e in list(worker.engines.items())},
+                                     self.router.arm_for)
         self.draining = False
         assert config.max_concurrent_requests is not None  # set by the config's check
         assert isinstance(config.max_in_flight_bytes, int)

@@ -247,7 +247,7 @@ class ServerMetrics:
             self._advance(self.heat_moves, (arm,), st["mini_moves"])
 
     def _refresh_tiers(self, arm: str, st: Mapping[str, Any]) -> None:
-        """Lower-tier figures from `TieredCache.stats()`."""
+        """Lower-tier figures from `TierManager.stats()`."""
         self._advance(self.load_decisions, (arm, "load"), st.get("decisions_load", 0))
         self._advance(self.load_decisions, (arm, "recompute"), st.get("decisions_recompute", 0))
         self._advance(self.load_decisions, (arm, "partial"), st.get("decisions_partial", 0))

@@ -40,20 +40,21 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter, Gauge, generate_latest
 
 from ..doctor.causes import FLOOR, Finding, Snapshot, overload, tier_fault, tier_slow
 from ..doctor.scrape import DoctorError, Scrape, parse_metrics
+from ..tiers.manager import TierHealth
 from .arms import arm_user
-from .config import TenantConfig
+from .config import ServerConfig, TenantConfig
+from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from ..tiers.hierarchy import TieredCache
-    from .app import KVHeatServer
+    from opentelemetry.trace import Tracer
 
 log = logging.getLogger("kvheat.server.selfheal")
 
@@ -103,10 +104,38 @@ class Bypass:
     clear_since: float | None = None  # dry-run: since when the cause has been gone
 
 
+class HealedTiers(Protocol):
+    """What the healer asks of one engine's tiers (`kvheat.tiers.TierManager`)."""
+
+    def health(self) -> list[TierHealth]:
+        """Each tier's state, top first."""
+
+    def set_bypass(self, name: str, on: bool) -> bool:
+        """Skip tier `name` (its blocks are recomputed) or use it again."""
+
+    def probe(self, name: str) -> tuple[bool, float | None]:
+        """(healthy, read seconds) of tier `name` now."""
+
+    def recalibrate(self, name: str, rounds: int = 3) -> bool:
+        """Re-measure tier `name`'s transfers from scratch."""
+
+
 class SelfHealer:
-    def __init__(self, server: KVHeatServer, clock: Callable[[], float] = time.monotonic) -> None:
-        cfg = server.config
-        self.server = server
+    """Acts on the doctor's causes: tiers bypassed and restored, load shed.
+
+    It sees the server's config, its metrics (the registry it reads and reports on, the
+    waiting-queue boost it sets), a tracer, the tiers of every arm's engine now (`tiers`:
+    arm -> its tiers or None; engines may be rebuilt, so asked each time) and `arm_for`
+    (the arm a user name reaches), never the server object."""
+
+    def __init__(self, config: ServerConfig, metrics: ServerMetrics, tracer: Tracer,
+                 tiers: Callable[[], Mapping[str, HealedTiers | None]],
+                 arm_for: Callable[[str], str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        cfg = config
+        self.server_metrics = metrics
+        self.tracer = tracer
+        self.tiers = tiers
         self.clock = clock
         self.dry_run = cfg.self_heal == "dry-run"
         self.dry = "true" if self.dry_run else "false"
@@ -114,14 +143,14 @@ class SelfHealer:
         self.hold_s = cfg.self_heal_hold_s
         self.min_gap_s = cfg.self_heal_min_gap_s
         self.probe_ok = cfg.self_heal_probe_ok
-        self.metrics = HealMetrics(server.metrics.registry)
+        self.metrics = HealMetrics(metrics.registry)
         arm_priority = {a.name: a.priority for a in cfg.arm_list}
         tenants: list[TenantConfig | None] = list(cfg.tenants) or [None]
         # Each tenant's class, fixed by the config: the client's `user` picks the arm that
         # serves a request (an A/B split), never how early it is shed.
         self._class: dict[str | None, Priority] = {
             t.name if t else None: (t.priority if t else 0, arm_priority.get(
-                server.router.arm_for(arm_user(None, t.name if t else None)), 0))
+                arm_for(arm_user(None, t.name if t else None)), 0))
             for t in tenants}
         # The priority classes present, lowest first; shedding never reaches the last.
         self.classes: list[Priority] = sorted(set(self._class.values()))
@@ -170,7 +199,7 @@ class SelfHealer:
     def _error(self, exc: BaseException) -> None:
         try:
             log.error("self-heal step failed (serving goes on): %r", exc, exc_info=exc)
-            self.server.metrics.internal_errors.labels("self_heal").inc()
+            self.server_metrics.internal_errors.labels("self_heal").inc()
         except Exception:  # logging or metrics broken too: nothing more to do
             pass
 
@@ -179,13 +208,13 @@ class SelfHealer:
         """This server's series the causes use, as the doctor's scrape parses them, with
         the healer's own addition to the waiting queue taken out (else its signal to the
         autoscaler would read as overload to itself)."""
-        reg = self.server.metrics.registry.restricted_registry(
+        reg = self.server_metrics.registry.restricted_registry(
             [n + s for n in SERIES for s in ("", "_total")])
         try:
             out = parse_metrics(generate_latest(reg), "the server's registry")
         except DoctorError:  # nothing labelled yet (before the engine's first refresh)
             return {}
-        boosts = self.server.metrics.queue_boost
+        boosts = self.server_metrics.queue_boost
         for (name, labels), v in list(out.items()):
             d = dict(labels)
             if name == "kvheat_queue_length" and d.get("queue") == "waiting":
@@ -271,7 +300,7 @@ class SelfHealer:
     def _recalibrate(self, tier: str, cause: str, score: float, now: float) -> None:
         self._last_start[("recalibrate", tier)] = now
         if not self.dry_run:
-            for tc in self._tier_caches():
+            for tc in self._engine_tiers():
                 tc.recalibrate(tier)
         self._record("recalibrate", cause, tier, score, None,
                      "load-or-recompute timings measured again")
@@ -338,12 +367,12 @@ class SelfHealer:
         starts with its tiers in use, and the HPA's series follows the boost)."""
         if self.dry_run:
             return
-        for tc in self._tier_caches():
-            for st in tc.tiers:
-                tc.set_bypass(st.name, st.name in self.bypassed)
-        arms = list(self.server.worker.engines)
-        self.server.metrics.queue_boost = {a: self.boost / len(arms) for a in arms} \
-            if self.boost > 0 else {}
+        for tc in self._engine_tiers():
+            for h in tc.health():
+                tc.set_bypass(h.name, h.name in self.bypassed)
+        arms = list(self.tiers())
+        self.server_metrics.queue_boost = {a: self.boost / len(arms) for a in arms} \
+            if self.boost > 0 and arms else {}
 
     def admit(self, tenant: TenantConfig | None) -> int | None:
         """None to serve the request; else the Retry-After seconds of its refusal (its
@@ -359,24 +388,27 @@ class SelfHealer:
         return None if self.dry_run else max(1, math.ceil(self.hold_s))
 
     def _probe(self, tier: str) -> tuple[bool, float | None]:
-        tc = next((tc for tc in self._tier_caches() if tc.tier_of(tier) is not None), None)
+        tc = next((tc for tc in self._engine_tiers()
+                   if any(h.name == tier for h in tc.health())), None)
         return tc.probe(tier) if tc is not None else (False, None)
 
-    def _tier_caches(self) -> list[TieredCache]:
-        return [e.tiers for e in list(self.server.worker.engines.values()) if e.tiers is not None]
+    def _engine_tiers(self) -> list[HealedTiers]:
+        return [tc for tc in list(self.tiers().values()) if tc is not None]
+
+    def _health(self) -> list[TierHealth]:
+        return [h for tc in self._engine_tiers() for h in tc.health()]
 
     def _tier_names(self) -> set[str]:
-        return {st.name for tc in self._tier_caches() for st in tc.tiers}
+        return {h.name for h in self._health()}
 
     def _drifting_tiers(self) -> set[str]:
         """Tiers in use whose latest reads took DRIFT times their model's estimate."""
-        return {st.name for tc in self._tier_caches() for st in tc.tiers
-                if not st.inline and not st.bypassed
-                and (d := st.read_model.drift()) is not None and d >= DRIFT}
+        return {h.name for h in self._health() if h.slow and not h.bypassed
+                and h.drift is not None and h.drift >= DRIFT}
 
     def _slow_tier_names(self) -> set[str]:
         """Tiers the load-or-recompute model can judge too slow (host copies never are)."""
-        return {st.name for tc in self._tier_caches() for st in tc.tiers if not st.inline}
+        return {h.name for h in self._health() if h.slow}
 
     # ---- recording ----------------------------------------------------------------------
     def _record(self, action: str, cause: str, tier: str, score: float,
@@ -390,7 +422,7 @@ class SelfHealer:
             "kvheat.self_heal.tier": tier, "kvheat.self_heal.score": round(score, 3),
             "kvheat.self_heal.dry_run": self.dry_run, "kvheat.self_heal.detail": detail}
         try:
-            span = self.server.tracing.tracer.start_span("kvheat.self_heal", attributes=attrs)
+            span = self.tracer.start_span("kvheat.self_heal", attributes=attrs)
             span.add_event(f"self_heal.{action}", attrs)
             span.end()
         except Exception as e:  # tracing must not stop the healing

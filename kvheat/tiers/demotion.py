@@ -81,7 +81,7 @@ class Demoter:
                         copy = _private(kv)
                     self.enqueue(m.to(i, copy))
         else:
-            first = next((i for i, st in enumerate(low.stores) if st.available()), None)
+            first = next((i for i in range(len(low.stores)) if low.up(i)), None)
             if first is None:
                 low.counters.demote_refused += 1
             elif low.stores[first].inline:
@@ -139,7 +139,7 @@ class Demoter:
         nxt = m.tier + 1 if cascade and m.tier + 1 < len(low.stores) else None
         if not low.placeable(m.tier, m.key, m.parent, m.owner, m.gen):
             return
-        if not st.available():
+        if not low.up(m.tier):
             self._pass_down(m, nxt, owned)
             return
         need = st.entry_bytes(m.kv, m.key)
@@ -166,7 +166,7 @@ class Demoter:
         st = low.stores[tier]
         for vkey, tokens, salt, parent, owner in low.evict_for(tier, key, need):
             try:
-                if nxt is not None and low.stores[nxt].available():
+                if nxt is not None and low.up(nxt):
                     t = st.take(vkey, salt)
                     if t is not None:
                         self.enqueue(Move(nxt, vkey, salt, tokens, t, parent, owner,

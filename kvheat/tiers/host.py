@@ -156,10 +156,6 @@ class HostStore(KVStore):
         self._lock = threading.Lock()
         self._calls = -1  # single puts: the first is timed
 
-    def slot_node(self, slot: int) -> int | None:
-        """NUMA node holding `slot` (None when unbound)."""
-        return self.segment_nodes[slot % len(self.segments)]
-
     def used_bytes(self) -> int:
         return len(self.entries) * self.slot_bytes
 

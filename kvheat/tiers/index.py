@@ -3,7 +3,7 @@ parent, its tenant salt and the tenant that filled it (`KeyIndex`), and per tier
 its policy evicts in (`TierIndex`).
 
 Every entry keeps its parent key (taken from the device block's parent at demotion, or
-given to `TierClient.save`; None for a first block, and for entries found in a store at
+given to `TierManager.save`; None for a first block, and for entries found in a store at
 start-up, whose parent is unknown: they count as roots). A key that leaves the hierarchy
 for good (dropped at the bottom, a failed load, a refused or dropped demotion) while
 neither the device nor any tier holds it takes every lower-tier descendant with it: a

@@ -33,8 +33,8 @@ class Step:
 @dataclass(slots=True)
 class LoadPlan:
     """What the tiers can supply right after the device's prefix: `keys[i]`, held by tier
-    `tiers[i]`, in prefix order from block `start`. Made by `TierClient.lookup`, which pins
-    its entries until `TierClient.load` or `release` (the client's own bookkeeping is in
+    `tiers[i]`, in prefix order from block `start`. Made by `TierManager.lookup`, which pins
+    its entries until `TierManager.load` or `release` (the client's own bookkeeping is in
     `steps`; `keys` and `tiers` follow it)."""
 
     salt: str | None  # the tenant salt (cache/hashing.tenant_salt) the keys live under
@@ -43,6 +43,7 @@ class LoadPlan:
     block_tokens: int = 0  # tokens per block
     start: int = 0  # block index of keys[0] (the device prefix's length when made)
     owner: object = None  # the tenant of the request it is for (flushes drop its plans)
+    request_id: str | None = None  # kept under it by `TierManager.lookup`
     steps: list[Step] = field(default_factory=list, repr=False)
     pinned: bool = False  # its entries are held for it (until loaded or released)
     found_blocks: int = 0  # continuation blocks found on lower tiers before deciding

@@ -8,7 +8,9 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..cache.policy import make_policy
+from ..cache.hints import Outcome, check_reason, check_session
+from ..cache.node import Node
+from ..cache.policy import EvictionPolicy, make_policy
 from ..cache.request import hit_rate
 from .counters import TierCounters
 from .index import UNKNOWN_OWNER, Deletion, IndexListener, KeyIndex, TierEntry, TierIndex
@@ -18,7 +20,7 @@ __all__ = ["Deletion", "IndexListener", "LowerTiers"]
 
 
 class LowerTiers:
-    """`stores[i]`, top first, with `keys`, the index of what each holds (`indexes[i]`:
+    """`stores[i]`, top first, with `key_index`, the index of what each holds (`indexes[i]`:
     tier i's eviction order); `lock` guards the index. Methods not marked "lock held"
     take the lock themselves and delete from the stores after releasing it."""
 
@@ -39,16 +41,19 @@ class LowerTiers:
         self.deleted = [0] * n  # entries deleted by flushes and quota cuts
         self.load_blocks = [0] * n  # blocks loaded out of each tier into the device
         self.indexes: list[TierIndex] = []
-        self.keys = KeyIndex(self.indexes, [st.name for st in stores], self.counters)
+        self.key_index = KeyIndex(self.indexes, [st.name for st in stores], self.counters)
         # Called under the lock, from the thread doing it: keep them quick (KV events
         # queue and return).
-        self.listeners: list[IndexListener] = self.keys.listeners
+        self.listeners: list[IndexListener] = self.key_index.listeners
         # Keys other replicas put in a shared tier (tiers.shared.SharedTierFeed): found
         # after our own indexes, loaded like ours, never deleted or evicted by us.
         self.peers: Any = None
         # tenant -> flushes so far: a demotion queued before a flush of its tenant is
         # dropped when its turn comes (one entry per tenant ever flushed).
         self.flushes: dict[object, int] = {}
+        # Tiers the operator (the self-healer) skips as if down: no loads, no demotions,
+        # while their stores' own calls still work for probes.
+        self.bypassed: set[int] = set()
         salts = list(known_salts()) if known_salts is not None else []
         for i, st in enumerate(stores):
             slot = getattr(st, "slot_bytes", None)
@@ -74,12 +79,16 @@ class LowerTiers:
         for key, ns in st.stored():
             # An unknown namespace stays keyed by its digest (`KVStore.ns` takes it back).
             salt = by_ns.get(ns, ns)
-            self.keys.add(tier, key, salt, self.block_tokens,  # type: ignore[arg-type]
+            self.key_index.add(tier, key, salt, self.block_tokens,  # type: ignore[arg-type]
                           self.block_bytes, now, UNKNOWN_OWNER, None)
 
     # ---- lookups (lock held) --------------------------------------------------------------
     def tier_of(self, name: str) -> int | None:
         return next((i for i, st in enumerate(self.stores) if st.name == name), None)
+
+    def up(self, tier: int) -> bool:
+        """Is `tier` in use: reachable and not bypassed (callers skip it and recompute)?"""
+        return tier not in self.bypassed and self.stores[tier].reachable()
 
     def flushed(self, owner: object) -> int:
         """How many times `owner`'s KV was flushed so far."""
@@ -87,13 +96,13 @@ class LowerTiers:
 
     def find(self, key: bytes, salt: str | None) -> tuple[int, TierEntry] | None:
         """The first tier that is up and holds `key` in `salt`'s namespace (lock held)."""
-        rec = self.keys.record(key)
+        rec = self.key_index.record(key)
         if rec is None:
             return None
         for t, idx in enumerate(self.indexes):
             e = idx.get(key)
             st = self.stores[t]
-            if e is not None and st.ns(rec.salt) == st.ns(salt) and st.available():
+            if e is not None and st.ns(rec.salt) == st.ns(salt) and self.up(t):
                 return t, e
         return None
 
@@ -116,17 +125,17 @@ class LowerTiers:
     def hold(self, key: bytes, parent: bytes | None, salt: str | None, owner: object) -> None:
         """A copy of `key` is on its way down: it counts as held until `release`."""
         with self.lock:
-            self.keys.hold(key, parent, salt, owner)
+            self.key_index.hold(key, parent, salt, owner)
 
     def settle(self, key: bytes, salt: str | None, leaving_device: bool) -> bool:
         """After a demotion of `key`: is it held below in `salt`'s namespace? If it is held
         nowhere, nor on the device, its descendants below go (deleted here)."""
         with self.lock:
-            rec = self.keys.record(key)
+            rec = self.key_index.record(key)
             # A key found at start-up keeps its namespace digest: that tenant's or not,
             # a read checks it. Another salt's key of the same name is not this block.
             held = rec is not None and (rec.salt == salt or isinstance(rec.salt, bytes))
-            dels = self.keys.settle(key, leaving_device=leaving_device)
+            dels = self.key_index.settle(key, leaving_device=leaving_device)
         self.delete(dels)
         return held
 
@@ -139,7 +148,7 @@ class LowerTiers:
         with self.lock:
             if self.flushed(owner) != gen:
                 return False
-            if self.keys.orphan(parent):
+            if self.key_index.orphan(parent):
                 self.counters.orphans_dropped += 1
                 return False
             e = self.indexes[tier].get(key)
@@ -153,10 +162,10 @@ class LowerTiers:
         """Index a block just written to `tier`; False (counted) when its parent or its
         tenant's KV left while it was written: the caller deletes it."""
         with self.lock:
-            if self.keys.orphan(parent) or self.flushed(owner) != gen:
+            if self.key_index.orphan(parent) or self.flushed(owner) != gen:
                 self.counters.orphans_dropped += 1
                 return False
-            self.keys.add(tier, key, salt, tokens, size, self.clock(), owner, parent)
+            self.key_index.add(tier, key, salt, tokens, size, self.clock(), owner, parent)
         self.demotions[tier] += 1
         self.counters.demotions += 1
         return True
@@ -172,12 +181,12 @@ class LowerTiers:
             freed = 0
             held = idx.sizes.get(key, 0)
             while st.used_bytes() - held - freed + need > st.capacity_bytes:
-                v = self.keys.victim(tier)
-                rec = self.keys.record(v.key) if v is not None and v.key is not None else None
+                v = self.key_index.victim(tier)
+                rec = self.key_index.record(v.key) if v is not None and v.key is not None else None
                 if v is None or v.key is None or rec is None:
                     break
                 freed += idx.sizes.get(v.key, 0)
-                self.keys.remove(tier, v.key)
+                self.key_index.remove(tier, v.key)
                 out.append((v.key, v.num_tokens, rec.salt, rec.parent, rec.owner))
         return out
 
@@ -190,14 +199,14 @@ class LowerTiers:
     def release(self, key: bytes) -> None:
         """Drop one holding of `key` below, deleting what leaves with it."""
         with self.lock:
-            dels = self.keys.release(key)
+            dels = self.key_index.release(key)
         self.delete(dels)
 
     def forget(self, tier: int, key: bytes) -> None:
         """`tier` no longer holds `key` (stale or corrupt): unindex it; its descendants go
         too when nothing else holds it."""
         with self.lock:
-            dels = self.keys.release(key) if self.keys.remove(tier, key) else []
+            dels = self.key_index.release(key) if self.key_index.remove(tier, key) else []
         self.delete(dels)
 
     def take_out(self, tier: int, keys: Sequence[bytes], salt: str | None) -> None:
@@ -206,7 +215,7 @@ class LowerTiers:
         the batch: a load moves tens of blocks."""
         dels: list[Deletion] = []
         with self.lock:
-            idx = self.keys
+            idx = self.key_index
             for key in keys:
                 if idx.remove(tier, key):
                     dels += idx.release(key)
@@ -218,15 +227,15 @@ class LowerTiers:
         purpose: flush, quota cut), with its descendants. Returns what was deleted."""
         dels: list[Deletion] = []
         with self.lock:
-            rec = self.keys.record(key)
-            for t in self.keys.where(key) if rec is not None else []:
+            rec = self.key_index.record(key)
+            for t in self.key_index.where(key) if rec is not None else []:
                 st = self.stores[t]
                 assert rec is not None
                 if st.ns(rec.salt) == st.ns(salt):
-                    self.keys.remove(t, key)
+                    self.key_index.remove(t, key)
                     dels.append((t, key, rec.salt))
-                    dels += self.keys.release(key, leaving_device=True)
-            dels += self.keys.settle(key, leaving_device=True)
+                    dels += self.key_index.release(key, leaving_device=True)
+            dels += self.key_index.settle(key, leaving_device=True)
         self.delete(dels)
         self.count_deleted(dels)
         return dels
@@ -237,7 +246,7 @@ class LowerTiers:
         filled, and those found at start-up). Returns what to delete from the stores."""
         self.flushes[tenant] = self.flushed(tenant) + 1
         dels: list[Deletion] = []
-        records = self.keys.records
+        records = self.key_index.records
         for t, idx in enumerate(self.indexes):
             st = self.stores[t]
             ns = st.ns(salt)
@@ -245,10 +254,22 @@ class LowerTiers:
                     and (not shared or records[k].owner in (tenant, UNKNOWN_OWNER))]
             for k in mine:
                 rec = records.get(k)  # None: gone with an ancestor just now
-                if rec is not None and self.keys.remove(t, k) is not None:
+                if rec is not None and self.key_index.remove(t, k) is not None:
                     dels.append((t, k, rec.salt))
-                    dels += self.keys.release(k)
+                    dels += self.key_index.release(k)
         return dels
+
+    def count_loaded(self, tiers: Sequence[int], est_load_s: float,
+                     est_recompute_s: float) -> None:
+        """Count blocks written into the device out of `tiers` (one entry per block), and
+        the estimated seconds of a plan that loaded whole."""
+        c = self.counters
+        c.loaded_blocks += len(tiers)
+        c.promoted_bytes += len(tiers) * self.block_bytes
+        for t in tiers:
+            self.load_blocks[t] += 1
+        c.est_load_s += est_load_s
+        c.est_recompute_saved_s += est_recompute_s
 
     def count_hit(self, name: str, tokens: int) -> None:
         """A prompt got `tokens` from tier `name` (the engine's prompt count)."""
@@ -261,11 +282,48 @@ class LowerTiers:
         for t, _key, _salt in dels:
             self.deleted[t] += 1
 
+    # ---- request hints (kvheat/cache/hints.py) ----------------------------------------------
+    def begin(self, session: str) -> None:
+        """A request of `session` starts: each tier's policy hears it (`on_session`) before
+        the request's loads and saves, as the device cache tells its own policy."""
+        if not isinstance(check_session(session), str):
+            raise ValueError("begin needs a session")
+        with self.lock:
+            now = self.clock()
+            for idx in self.indexes:
+                idx.policy.on_session(session, now)
+
+    def finish(self, keys: Sequence[bytes], session: str | None, outcome: Outcome | str,
+               reason: str | None) -> int:
+        """A request whose blocks are `keys` (prefix order) ended: each tier's policy hears
+        how (`on_finish`, with the request's entries it holds) and re-files those entries
+        as the device cache re-files a request's blocks at its end (acquired before, then
+        released tail-first). A policy that takes no finish hint is left untouched: its
+        order is exactly as without the call. Returns the entries the policies were told of."""
+        outcome = Outcome.parse(outcome)
+        reason = check_reason(reason)
+        check_session(session)
+        told = 0
+        with self.lock:
+            now = self.clock()
+            for idx in self.indexes:
+                pol = idx.policy
+                if type(pol).on_finish is EvictionPolicy.on_finish:
+                    continue  # no use for it: no re-filing either (LRU would move them)
+                entries: list[Node] = [e for k in keys if (e := idx.get(k)) is not None]
+                free = [e for e in entries if e.ref_cnt == 0]  # a pinned one: at its unpin
+                pol.on_acquire_all(free)
+                pol.on_finish(entries, session, outcome, reason, now)
+                free.reverse()
+                pol.on_release_all(free, now)
+                told += len(entries)
+        return told
+
     # ---- introspection ----------------------------------------------------------------------
     def entries(self) -> list[tuple[str, bytes, bytes | None, int]]:
         """(tier name, key, parent key, tokens) of every entry held below now."""
         with self.lock:
-            return [(st.name, key, self.keys.parent(key), e.num_tokens)
+            return [(st.name, key, self.key_index.parent(key), e.num_tokens)
                     for st, idx in zip(self.stores, self.indexes, strict=True)
                     for key, e in idx.entries.items()]
 

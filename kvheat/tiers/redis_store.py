@@ -299,7 +299,7 @@ class RedisStore(KVStore):
     def contains(self, key: bytes, salt: str | None = None) -> bool:
         rk = self.rkey(key, salt)
         if rk in self.sizes:
-            return self.available()
+            return self.reachable()
         return bool(self._call(lambda: self.client.exists(rk), 0))
 
     def delete(self, key: bytes, salt: str | None = None) -> bool:

@@ -2,7 +2,7 @@
 
 A replica's Redis tier indexes only what it wrote itself (its budget, its evictions), so
 without this a block another replica demoted to the same Redis is never found. Here each
-`TieredCache` announces the keys its Redis tier takes and loses on a Redis pub/sub
+`TierManager` announces the keys its Redis tier takes and loses on a Redis pub/sub
 channel (named from the store's keyed prefix: only replicas of the same model, layout and
 tier secret listen), and keeps the keys the others announce as peer entries: found after
 its own indexes, loaded like its own (the value's MAC is checked against the request's
@@ -29,9 +29,8 @@ import time
 from collections import OrderedDict, deque
 
 from ..checks.bounds import Overflow
-from .client import TierClient
-from .hierarchy import TieredCache
 from .index import PeerEntry
+from .manager import TierManager
 from .redis_store import RedisStore
 
 log = logging.getLogger("kvheat.tiers")
@@ -68,15 +67,14 @@ def decode_announcements(data: bytes) -> tuple[bytes, list[tuple[int, bytes, int
 
 
 class SharedTierFeed:
-    def __init__(self, tiers: TierClient | TieredCache, tier_name: str = "redis",
+    def __init__(self, tiers: TierManager, tier_name: str = "redis",
                  max_peer_keys: int = 1 << 20, flush_s: float = 0.01) -> None:
-        client = tiers.client if isinstance(tiers, TieredCache) else tiers
-        t = client.tier_of(tier_name)
+        t = tiers.tier_of(tier_name)
         if t is None:
             raise ValueError(f"no {tier_name} tier to share")
-        self.tiers = client
+        self.tiers = tiers
         self.tier = t
-        store = client.stores[t]
+        store = tiers.stores[t]
         if not isinstance(store, RedisStore):
             raise ValueError(f"the {tier_name} tier is not a Redis store")
         self.store = store
@@ -175,7 +173,7 @@ class SharedTierFeed:
         if n:
             self.peer_overflow(n)
 
-    # ---- lookups (promotion.Promoter._find) --------------------------------------------------
+    # ---- lookups (TierManager.find) -----------------------------------------------------------
     def lookup(self, key: bytes) -> tuple[int, PeerEntry] | None:
         with self._lock:
             tokens = self.peers.get(key)

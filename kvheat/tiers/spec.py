@@ -1,20 +1,14 @@
-"""One definition of the lower KV tiers' settings (`TierSpec`) and the one place that
-builds them under a device pool (`build_tiers`). The engine embeds a spec
-(`EngineConfig.tiers`); the server fills one from its config file's and `serve` options'
-tier keys, per arm."""
+"""One definition of the lower KV tiers' settings (`TierSpec`) and the stores it names
+(`TierSpec.stores_for`; `manager.TierManager` builds its tiers from a spec). The engine
+embeds a spec (`EngineConfig.tiers`); the server fills one from its config file's and
+`serve` options' tier keys, per arm."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..checks import check_fields
 from .store import DeviceBlocks, KVStore
-
-if TYPE_CHECKING:
-    from ..cache.manager import KVCacheManager
-    from .cost import PrefillSpeed
-    from .hierarchy import TieredCache
 
 MODES = ("exclusive", "write_through")
 
@@ -75,14 +69,14 @@ class TierSpec:
             raise ValueError("remeasure_s must be positive")
 
     @property
+    def slow(self) -> bool:
+        """Does it name a tier read off the engine's thread (disk, Redis)?"""
+        return bool(self.disk_dir) or bool(self.redis_url)
+
+    @property
     def enabled(self) -> bool:
         """Is any lower tier configured?"""
         return self.host_blocks > 0 or bool(self.disk_dir) or bool(self.redis_url)
-
-    def stores(self, device: DeviceBlocks, model_id: str) -> list[KVStore]:
-        """The configured stores, top first, for blocks of `device` and KV of `model_id`
-        (names the KV on disk and in Redis, so KV of other weights is never served)."""
-        return self.stores_for(device.bytes_per_block, model_id, store_layout(device))
 
     def stores_for(self, block_bytes: int, model_id: str, layout: str) -> list[KVStore]:
         """The configured stores, top first, for blocks of `block_bytes` bytes in the
@@ -112,18 +106,3 @@ def store_layout(device: DeviceBlocks) -> str:
     of every namespace, so KV of another layout, block size or dtype is never read."""
     dtype = str(device.dtype).removeprefix("torch.")
     return f"{device.layout}-b{device.block_size}-{dtype}"
-
-
-def build_tiers(spec: TierSpec, mgr: KVCacheManager, device: DeviceBlocks, model_id: str,
-                prefill_tokens_per_s: PrefillSpeed = None) -> TieredCache | None:
-    """The tiers `spec` names under `mgr` and its `device` pool (None when it names none).
-    With a slow tier, loads are made only where they beat the engine's measured
-    `prefill_tokens_per_s`; host-only tiers always load."""
-    from .hierarchy import TieredCache
-
-    if not spec.enabled:
-        return None
-    stores = spec.stores(device, model_id)
-    slow = any(not st.inline for st in stores)
-    return TieredCache(mgr, device, stores, spec,
-                       prefill_tokens_per_s=prefill_tokens_per_s if slow else None)

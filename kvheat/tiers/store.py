@@ -214,14 +214,6 @@ class KVStore:
         return os.urandom(32)
 
     # ---- the interface ----------------------------------------------------------------
-    # Set by the server's self-healer (kvheat/server/selfheal.py): every caller skips the
-    # tier as if it were down, while `put`/`get` still work for its probes.
-    bypassed = False
-
-    def available(self) -> bool:
-        """False while the tier is down or bypassed (callers skip it and recompute)."""
-        return not self.bypassed and self.reachable()
-
     def reachable(self) -> bool:
         """False while the tier is marked down (a store that can go down overrides it)."""
         return True
