@@ -119,9 +119,13 @@ def _matched(conn: Any, req: Any) -> int:
 
 def _store_for(conn: Any, req: Any) -> None:
     """What the worker reports once it saved `req`'s blocks: its keys in the host tier."""
-    t = conn._track(req)
-    for k in t.keys_upto(len(req.block_hashes)):
-        conn.mirror.apply("host", k, True)
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvheat.integrations.vllm_connector import KVHeatWorkerMetadata
+
+    keys = conn.scheduler._track(req).keys_upto(len(req.block_hashes))
+    report = KVHeatWorkerMetadata(changes=[("host", k, True) for k in keys])
+    conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
 
 
 @pytest.mark.vllm
@@ -134,7 +138,7 @@ def test_a_tenant_the_client_names_never_reaches_that_tenants_tier_blocks(
     v = TenantVouch(SECRET)
     salt = v.cache_salt("tenant:acme")  # what the router sends acme's requests
     _store_for(conn, _request(PROMPT, salt, v.params("acme", salt)))
-    assert len(conn.mirror) == 6
+    assert len(conn.scheduler.mirror) == 6
     want = 6 * BS  # whole blocks (never the prompt's last token: vLLM computes that)
     assert _matched(conn, _request(PROMPT, salt, v.params("acme", salt))) == want
     # The claims: the tenant alone, with a forged or another tenant's MAC, a MAC moved to
@@ -159,7 +163,7 @@ def test_without_a_tenant_secret_the_connector_accepts_no_tenant(vllm_parts,
     assert _matched(conn, _request(PROMPT, "s", None)) == 6 * BS
     v = TenantVouch(SECRET)
     req = _request(PROMPT, "s", v.params("acme", "s"))
-    assert _matched(conn, req) == 0 and not conn._track(req).usable
+    assert _matched(conn, req) == 0 and not conn.scheduler._track(req).usable
     assert conn.get_kv_connector_stats().data.get("refused_tenant.unvouched") == 1
 
 

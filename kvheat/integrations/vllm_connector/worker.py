@@ -1,0 +1,212 @@
+"""The connector's worker half (`KVHeatConnectorWorker`), in vLLM's model-runner process:
+owns the tiers (`TierManager`: host memory, disk, Redis under kvheat's heat policy) and
+vLLM's KV tensors (`VLLMDeviceBlocks`).
+
+Each step it applies the scheduler's request hints (`TierManager.begin` / `finish`), loads
+what the scheduler planned into the planned device blocks (host memory: before the forward;
+disk or Redis: on a loader thread while the request waits in WAITING_FOR_REMOTE_KVS),
+copies out each block that became full during the step, and reports back which keys its
+tiers took or lost, which loads failed and which tiers are down.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import typing
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from ...tiers.manager import TierManager
+from ...tiers.shared import SharedTierFeed, decode_announcements
+from ..vllm_blocks import VLLMDeviceBlocks
+from .config import ConnectorSetup, log
+from .metadata import KVHeatConnectorMetadata, KVHeatWorkerMetadata, LoadJob
+from .metrics import Counts, KVHeatConnectorStats, TierCounters
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# How often the worker reads its tiers' counters for the metrics.
+STATS_EVERY_S = 1.0
+_ANNOUNCED_PUT = 1  # tiers/shared.py's record op for a key put (2: deleted)
+
+
+class _PeerFeed(SharedTierFeed):
+    """The shared Redis tier's feed (other replicas' keys, loadable here), which also
+    passes each of their announcements on as a tier change, for the scheduler's mirror."""
+
+    def __init__(self, tiers: TierManager,
+                 on_change: typing.Callable[[str, bytes, bytes | None, int, bool], None]
+                 ) -> None:
+        self._on_change = on_change
+        super().__init__(tiers)
+
+    def _apply(self, data: bytes) -> None:
+        super()._apply(data)
+        try:
+            writer, items = decode_announcements(data)
+        except ValueError:
+            return
+        if writer != self.writer:
+            for op, key, tokens in items:
+                self._on_change(self.store.name, key, None, tokens, op == _ANNOUNCED_PUT)
+
+
+class KVHeatConnectorWorker:
+    """The worker half: vLLM's worker-side connector hooks, loading and saving through a
+    `TierManager` over vLLM's KV tensors."""
+
+    def __init__(self, setup: ConnectorSetup, kv_cache_config: KVCacheConfig) -> None:
+        self.config = setup.config
+        self.block_size = setup.block_size
+        self.layout = setup.layout
+        self.model_id = setup.model_id
+        self._kv_cache_config = kv_cache_config  # its num_blocks: vLLM's device blocks
+        self.device: VLLMDeviceBlocks | None = None
+        self.tiers: TierManager | None = None
+        self._changes: deque[tuple[str, bytes, bool]] = deque()
+        self._failed: deque[tuple[str, int]] = deque()
+        self._invalid: set[int] = set()
+        self._lock = threading.Lock()
+        self._done_loading: set[str] = set()
+        self._done_invalid: dict[str, list[int]] = {}
+        self._loaders: ThreadPoolExecutor | None = None
+        self._feed: _PeerFeed | None = None
+        self._counts = Counts()
+        self._stats_at = time.monotonic()
+        self._tier_counters = TierCounters()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Open the tiers over vLLM's KV tensors, sized in its blocks."""
+        self.device = dev = VLLMDeviceBlocks(kv_caches, self._kv_cache_config.num_blocks,
+                                             self.block_size, self.layout)
+        spec = self.config.tier_spec(dev.bytes_per_block)
+        self.tiers = TierManager(spec, block_bytes=dev.bytes_per_block,
+                                 block_tokens=self.block_size, model=self.model_id,
+                                 layout=dev.describe())
+        self.tiers.index_listeners.append(self._on_tier_change)
+        self._feed = _PeerFeed(self.tiers, self._on_tier_change) \
+            if spec.redis_url and spec.redis_shared else None
+        self._loaders = ThreadPoolExecutor(max(1, spec.load_workers),
+                                           thread_name_prefix="kvheat-vllm-load")
+        log.info("KVHeatConnector: %d layers, %d-token blocks of %d bytes (%s), tiers %s",
+                 dev.num_layers, self.block_size, dev.bytes_per_block, dev.describe(),
+                 ", ".join(n for n, on in (("host", spec.host_blocks), ("disk", spec.disk_dir),
+                                           ("redis", spec.redis_url)) if on))
+
+    def _on_tier_change(self, tier: str, key: bytes, parent: bytes | None, tokens: int,
+                        stored: bool) -> None:
+        self._changes.append((tier, key, stored))  # any thread; sent with the next step
+
+    def start_load_kv(self, meta: KVHeatConnectorMetadata) -> None:
+        """Apply the step's hints, then start its loads (on loader threads, or now)."""
+        if meta.sessions or meta.finished:
+            self._apply_hints(meta)  # before this step's loads and saves
+        for job in meta.loads:
+            if job.background:
+                assert self._loaders is not None
+                self._loaders.submit(self._load_background, job)
+            else:
+                self._invalid.update(self._load(job))
+
+    def _apply_hints(self, meta: KVHeatConnectorMetadata) -> None:
+        tiers = self.tiers
+        if tiers is None:
+            return
+        try:
+            for session in meta.sessions:
+                tiers.begin(session)
+            for f in meta.finished:
+                told = tiers.finish(f.keys, f.session, f.outcome, f.reason)
+                self._counts.add(("ended_session." if f.session is not None else "ended.")
+                                 + f.outcome)
+                self._counts.add("hinted_entries", told)
+        except Exception:  # a hint is never worth the engine
+            log.exception("KVHeatConnector: passing request hints to the tiers failed")
+
+    def _load(self, job: LoadJob) -> list[int]:
+        """Load `job`; the device blocks that did not load (vLLM recomputes from there)."""
+        tiers, device = self.tiers, self.device
+        loaded = 0
+        try:
+            assert tiers is not None and device is not None
+            plan = tiers.lookup(job.salt, job.keys, 0)
+            if plan.keys:
+                with device.writing_back():
+                    loaded = tiers.load(plan, job.slots[:len(plan.keys)], device)
+            for tier in plan.tiers[:loaded]:
+                self._counts.add("loaded." + tier)
+        except Exception:  # a tier's bug must cost a recompute, never the engine
+            log.exception("KVHeatConnector: loading %d blocks for %s failed", len(job.keys),
+                          job.req_id)
+        failed = job.slots[loaded:]
+        if failed:
+            self._counts.add("load_failed", len(failed))
+            self._failed.append((job.req_id, job.first + loaded))
+        return failed
+
+    def _load_background(self, job: LoadJob) -> None:
+        failed = self._load(job)
+        with self._lock:
+            self._done_loading.add(job.req_id)
+            if failed:
+                self._done_invalid[job.req_id] = failed
+
+    def wait_for_save(self, meta: KVHeatConnectorMetadata) -> None:
+        """Copy the step's full blocks out to the tiers (whole blocks, all layers)."""
+        tiers, device = self.tiers, self.device
+        for job in meta.saves:
+            try:
+                assert tiers is not None and device is not None
+                self._counts.add("offered", len(job.keys))
+                tiers.save(job.salt, job.keys, job.parents, job.slots, device)
+            except Exception:
+                log.exception("KVHeatConnector: saving %d blocks failed", len(job.keys))
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """(None, requests whose background loads finished since the last call)."""
+        with self._lock:
+            done, self._done_loading = self._done_loading, set()
+            # Failed blocks are reported in the same step as their request's finish.
+            for req_id in done:
+                self._invalid.update(self._done_invalid.pop(req_id, ()))
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The device blocks that failed to load since the last call."""
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVHeatWorkerMetadata:
+        """The step's report for the scheduler: tier changes, failed loads, tiers down."""
+        # Sent every step, even empty: it is also the scheduler's news that the worker
+        # has been heard from (see the scheduler's SHARED_SYNC_S).
+        changes = [self._changes.popleft() for _ in range(len(self._changes))]
+        failed = [self._failed.popleft() for _ in range(len(self._failed))]
+        down = [h.name for h in self.tiers.health() if not h.up] \
+            if self.tiers is not None else []
+        return KVHeatWorkerMetadata(changes, failed, down)
+
+    def get_stats(self) -> KVHeatConnectorStats | None:
+        """The worker's counters since the last call, with the tiers' own at most once
+        per STATS_EVERY_S."""
+        data: dict[str, int | float] = dict(self._counts.take())
+        if self.tiers is not None and time.monotonic() - self._stats_at >= STATS_EVERY_S:
+            self._stats_at = time.monotonic()
+            data.update(self._tier_counters.read(self.tiers.stats().get("tiers")))
+        return KVHeatConnectorStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        """Stop the loaders and the shared feed, flush the tiers and close them."""
+        if self._loaders is not None:
+            self._loaders.shutdown(wait=True)
+        if self._feed is not None:
+            self._feed.close()
+        if self.tiers is not None:
+            try:
+                self.tiers.flush(timeout_s=5.0)
+            finally:
+                self.tiers.close()
