@@ -68,7 +68,7 @@ def test_saved_blocks_load_into_other_slots_byte_identical(layout: str, where: s
         assert tc.save(SALT_B, keys[:1], [None], [5], pool) == 0
         assert tc.holds(SALT_B, keys[0]) is None and tc.holds(SALT_A, keys[0]) == "host"
     plan = tc.lookup(SALT_A, keys, 1)
-    assert plan.keys == keys[1:] and len(plan.tiers) == 3 and plan.tokens == 3 * pool.block_size
+    assert plan.keys == keys[1:] and len(plan.tier_names) == 3 and plan.tokens == 3 * pool.block_size
     tc.release(plan)
     plan = tc.lookup(SALT_A, keys, 0)
     assert isinstance(plan, LoadPlan) and plan.salt == SALT_A and plan.keys == keys
@@ -101,7 +101,7 @@ def test_plan_pins_until_release_and_hand_made_plans_load(tmp_path: Path) -> Non
     assert all(idx.entries[k].ref_cnt == 0 for k in keys) and plan.keys == []
     # A plan rebuilt from its keys (another process made it) is looked up at load time.
     want = [pool.read_block(s) for s in range(3)]
-    hand = LoadPlan(SALT_A, keys=list(keys), tiers=["host"] * 3, block_tokens=pool.block_size)
+    hand = LoadPlan(SALT_A, keys=list(keys), tier_names=["host"] * 3, block_tokens=pool.block_size)
     assert tc.load(hand, [5, 6, 7], pool) == 3
     assert all(same_bytes(pool.block_view(s), w) for s, w in zip([5, 6, 7], want, strict=True))
     tc.release(hand)  # loaded: nothing left to release
@@ -166,7 +166,7 @@ def test_load_stops_when_redis_dies(redis_server, tmp_path: Path) -> None:
     # Redis is marked down: lookups skip it, the host tier's blocks still load.
     assert tc.lookup(SALT_A, keys, 0).keys == []
     plan = tc.lookup(SALT_A, keys, 2)
-    assert plan.tiers == ["host", "host"]
+    assert plan.tier_names == ["host", "host"]
     assert tc.load(plan, [10, 11], pool) == 2
     assert same_bytes(pool.block_view(10), want[2]) and same_bytes(pool.block_view(11), want[3])
     tc.close()

@@ -250,7 +250,7 @@ class Scheduler:
             slots = [b.block_id for b in part.blocks[plan.start:len(part.keys)]]
             assert self.device is not None
             n_loaded = self.tiers.load(plan, slots, self.device)
-            loaded = [(name, plan.block_tokens) for name in plan.tiers[:n_loaded]]
+            loaded = [(name, plan.block_tokens) for name in plan.tier_names[:n_loaded]]
             start = min(hit + n_loaded * plan.block_tokens, start)  # less if a load failed
             n = part.num_tokens - start
         if seq.num_preemptions == 0 and not seq.prompt_done:

@@ -33,13 +33,13 @@ class Step:
 @dataclass(slots=True)
 class LoadPlan:
     """What the tiers can supply right after the device's prefix: `keys[i]`, held by tier
-    `tiers[i]`, in prefix order from block `start`. Made by `TierManager.lookup`, which pins
+    `tier_names[i]`, in prefix order from block `start`. Made by `TierManager.lookup`, which pins
     its entries until `TierManager.load` or `release` (the client's own bookkeeping is in
-    `steps`; `keys` and `tiers` follow it)."""
+    `steps`; `keys` and `tier_names` follow it)."""
 
     salt: str | None  # the tenant salt (cache/hashing.tenant_salt) the keys live under
     keys: list[bytes] = field(default_factory=list)
-    tiers: list[str] = field(default_factory=list)
+    tier_names: list[str] = field(default_factory=list)
     block_tokens: int = 0  # tokens per block
     start: int = 0  # block index of keys[0] (the device prefix's length when made)
     owner: object = None  # the tenant of the request it is for (flushes drop its plans)
@@ -58,7 +58,7 @@ class LoadPlan:
     def set_steps(self, steps: list[Step]) -> None:
         self.steps = steps
         self.keys = [s.key for s in steps]
-        self.tiers = [s.name for s in steps]
+        self.tier_names = [s.name for s in steps]
 
 
 class Slot:

@@ -137,7 +137,7 @@ class KVHeatConnectorWorker:
             if plan.keys:
                 with device.writing_back():
                     loaded = tiers.load(plan, job.slots[:len(plan.keys)], device)
-            for tier in plan.tiers[:loaded]:
+            for tier in plan.tier_names[:loaded]:
                 self._counts.add("loaded." + tier)
         except Exception:  # a tier's bug must cost a recompute, never the engine
             log.exception("KVHeatConnector: loading %d blocks for %s failed", len(job.keys),
