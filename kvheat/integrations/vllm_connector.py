@@ -76,9 +76,9 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..cache.eviction import policy_names
 from ..cache.hashing import chain_key, root_key, tenant_salt
 from ..cache.hints import Outcome, session_digest
-from ..cache.policy import policy_names
 from ..cache.tenancy import TENANT_PARAM, TENANT_SECRET_ENV, VOUCH_PARAM, TenantVouch
 from ..checks import check_value, parse_size
 from ..kvevents.schema import tier_place

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from ..cache.eviction import EvictionPolicy
 from ..cache.hints import Outcome, check_reason, check_session
 from ..cache.node import Node
-from ..cache.policy import EvictionPolicy
 from .cost import LoadCost, PrefillSpeed
 from .counters import TierCounters
 from .demotion import Demoter

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..cache.policy import make_policy
+from ..cache.eviction import make_policy
 from ..cache.request import hit_rate
 from .counters import TierCounters
 from .index import UNKNOWN_OWNER, Deletion, IndexListener, KeyIndex, TierEntry, TierIndex
