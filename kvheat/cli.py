@@ -269,9 +269,10 @@ def replay(ctx: click.Context, trace: str, capacity: str, policies: str | None,
            session_names: str | None, max_sessions: int | None, copies: int,
            subagents: bool, hints: bool, lookahead: int, jobs: int, curve: bool,
            curve_points: int, explain: bool) -> None:
-    """Replay TRACE (a Mooncake JSONL file, vLLM's KV events or request log, or 'builtin'
-    for the generator) through the cache, or with --replicas through a cluster of caches
-    behind each routing policy.
+    """Replay TRACE through the cache, or with --replicas through a cluster of caches.
+
+    TRACE is a Mooncake JSONL file, vLLM's KV events or request log, or 'builtin' for the
+    generator; with --replicas the cluster runs behind each routing policy.
 
     Every line of TRACE is checked (a Mooncake line: hash_ids a non-empty list of integer
     block ids in [0, 2**64), input_length an integer that fits them, output_length an
@@ -469,7 +470,7 @@ def _write(fn: Callable[[dict, str], None], what: dict, path: str | None, option
 def _cluster_options(pols: list[str], routers: str, shared_capacity: str | None,
                      block_tokens: int) -> tuple[list[str], int]:
     """The routers and the shared tier's tokens of a --replicas run, checked."""
-    from .router.policy import ROUTING_POLICIES
+    from .router.routing import ROUTING_POLICIES
 
     names = _names(routers, "--router", "router")
     unknown = [r for r in names if r not in ROUTING_POLICIES]
@@ -491,8 +492,8 @@ def _replay_cluster(pt, name: str, caps: list[int], pols: list[str], names: list
                     decode_tps: float, time_scale: float, json_path: str | None,
                     plot_path: str | None, overload_guard: bool = False) -> None:
     from .replay.replayer import pool_blocks
-    from .router.policy import make_routing_policy
     from .router.report import plot, print_table, summarize, write_json
+    from .router.routing import make_routing_policy
     from .router.simulate import ClusterConfig, simulate
 
     results = []

@@ -9,7 +9,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +16,9 @@ from typing import NoReturn
 
 import pytest
 
-# Bench helpers the tests share (bench/_lib: workloads, the vLLM replay) import as `bench`
-# from the repo root, whatever directory pytest runs from.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The shared Mooncake and agentic traces beside the checkout, when present (where the
+# benches read them too: `bench._lib.TRACES`).
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 # Deployments that share a Redis or a disk folder configure one tier secret (it keys the
 # MAC of every value read back); the tests run as one such deployment.

@@ -193,7 +193,7 @@ def test_engine_table_hit_rates_rerun_as_committed() -> None:
 def test_offload_builtin_cell_reruns_as_committed() -> None:
     """vLLM's offload manager under each policy on the generator, 1M tokens, scale 1."""
     pytest.importorskip("vllm", reason="vLLM is not installed (make vllm)")
-    from bench._lib.vllm_replay import replay_offload, request_keys
+    from kvheat.integrations.vllm_replay import replay_offload, request_keys
     from kvheat.replay import generate_workload
 
     rel = "vllm/offload_synthetic_builtin.json"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvheat.cache import Node, Outcome
-from kvheat.cache.policies import LRU
+from kvheat.cache.classic import LRU
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvheat.cache import CacheConfig, KVCacheManager, Node, Outcome, make_policy, policy_names
-from kvheat.cache.policies import LRU
+from kvheat.cache.classic import LRU
 
 BS = 4
 

@@ -10,9 +10,9 @@ import pytest
 
 from kvheat.cache import CacheConfig, KVCacheManager, OutOfBlocks, make_policy, policy_names
 from kvheat.cache.block import Block
+from kvheat.cache.eviction import EvictionPolicy
 from kvheat.cache.lecar import LeCaR
 from kvheat.cache.lirs import LIRS, LIRSEntry
-from kvheat.cache.policy import EvictionPolicy
 from kvheat.replay import TraceRequest, WorkloadConfig, generate_workload, replay
 
 BT = 16  # tokens per block in the replays

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvheat.cache.policy import make_policy
+from kvheat.cache.eviction import make_policy
 from kvheat.cli import main
 from kvheat.heat import KVHeat
 from kvheat.heat.miniature import MIN_CAPACITY, MIN_RATE, MINI_BLOCKS, sample_rate

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvheat.cache import CacheConfig, KVCacheManager, make_policy, policy_names
-from kvheat.cache.policies import Belady
+from kvheat.cache.classic import Belady
 
 BS = 2
 
@@ -44,7 +44,7 @@ def test_registry_lists_all_baselines() -> None:
 
 
 def test_heat_policies_are_found_without_importing_kvheat_heat() -> None:
-    """`make_policy` loads the plugin policies by name (kvheat/cache/policy.py): a fresh
+    """`make_policy` loads the plugin policies by name (kvheat/cache/eviction.py): a fresh
     interpreter that imports only kvheat.cache gets `kvheat`, `lruk` and `fused`."""
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""The queued-blocks hint in kvheat (kvheat/heat/kvheat.py `victim`, `on_dequeue`), through
+"""The queued-blocks hint in kvheat (kvheat/heat/heat_policy.py `victim`, `on_dequeue`), through
 the cache's public API: a block a queued request needs is kept back from eviction, and
 once the request leaves the queue it is evictable again, in its place by heat."""
 

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvheat.cache import Outcome
+from kvheat.cache.classic import LRU
 from kvheat.cache.node import Node
-from kvheat.cache.policies import LRU
 from kvheat.cli import main
 from kvheat.replay import PreparedTrace, TraceRequest, replay, save_trace
 

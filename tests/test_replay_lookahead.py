@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 from click.testing import CliRunner
 
-from kvheat.cache.policies import LRU
+from kvheat.cache.classic import LRU
 from kvheat.cli import main
 from kvheat.replay import PreparedTrace, replay
 from kvheat.replay.traces import TraceRequest

@@ -18,7 +18,7 @@ from kvheat.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvheat.replay import PreparedTrace, generate_workload, load_trace
 from kvheat.replay.traces import WorkloadConfig
 from kvheat.router.index import DEVICE, LOCAL_TIER, SHARED_TIER, PrefixIndex
-from kvheat.router.policy import (
+from kvheat.router.routing import (
     KVHeatRouting,
     KVHeatRoutingConfig,
     LeastLoad,

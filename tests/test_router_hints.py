@@ -27,8 +27,8 @@ from test_router_e2e import (
 from test_server import MODEL, SYSTEM, Served, start, stop
 
 from kvheat.cache import Node, Outcome, register_policy
-from kvheat.cache import policy as policy_registry
-from kvheat.cache.policies import LRU
+from kvheat.cache import eviction as policy_registry
+from kvheat.cache.classic import LRU
 from kvheat.router.config import ReplicaSpec, RouterConfig, RouterConfigError
 from kvheat.router.hints import SESSION_PARAM, SessionHints, vllm_body
 from kvheat.router.proxy import RouterError

@@ -17,7 +17,7 @@ from kvheat.cache.hashing import block_keys, root_key
 from kvheat.kvevents import BlockRemoved, BlockStored, KVEventBatch
 from kvheat.kvevents.schema import tier_place
 from kvheat.router.index import PrefixIndex
-from kvheat.router.policy import KVHeatRouting, KVHeatRoutingConfig, ReplicaState, RouteRequest
+from kvheat.router.routing import KVHeatRouting, KVHeatRoutingConfig, ReplicaState, RouteRequest
 
 BS = 32
 SALT = "tenant:acme"

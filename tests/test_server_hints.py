@@ -14,8 +14,8 @@ import pytest
 from test_server import MODEL, SYSTEM, Served, start, stop
 
 from kvheat.cache import Node, Outcome, register_policy
-from kvheat.cache import policy as policy_registry
-from kvheat.cache.policies import LRU
+from kvheat.cache import eviction as policy_registry
+from kvheat.cache.classic import LRU
 from kvheat.server.config import ArmConfig, ServerConfig, TenantConfig
 
 RECORDING = "test-recording-hints"

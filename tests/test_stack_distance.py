@@ -8,10 +8,10 @@ from functools import cache
 
 import numpy as np
 import pytest
+from conftest import TRACES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench._lib import TRACES
 from kvheat.replay import (
     PreparedTrace,
     TraceRequest,

@@ -63,7 +63,7 @@ def vllm_parts(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from bench._lib.models import save_tiny_model
+    from kvheat.engine.loader import save_tiny_model
 
     model = tmp_path_factory.mktemp("trust") / "model"
     save_tiny_model(model, seed=0)

@@ -32,14 +32,12 @@ pytestmark = pytest.mark.vllm
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
-from conftest import require_binary  # noqa: E402
+from conftest import RedisServer, free_port, require_binary  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from bench._lib.models import save_tiny_model  # noqa: E402
-from bench._lib.peers import vllm_env  # noqa: E402
-from bench._lib.procs import Redis, free_port, stop, wait_ready  # noqa: E402
 from kvheat.cache.hints import SESSION_PARAM  # noqa: E402
 from kvheat.cache.tenancy import TenantVouch  # noqa: E402
+from kvheat.engine.loader import save_tiny_model  # noqa: E402
 from kvheat.integrations.vllm_blocks import VLLMDeviceBlocks  # noqa: E402
 from kvheat.integrations.vllm_connector import ConnectorConfig, TierMirror  # noqa: E402
 
@@ -198,12 +196,41 @@ class Server:
     log: Path
 
 
+def _wait_ready(s: Server, timeout_s: float) -> None:
+    """Until `s` answers 200 on /health; fails at once, with the end of its log, when its
+    process exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if s.proc.poll() is not None:
+            raise RuntimeError(f"{s.name} exited with {s.proc.returncode}: "
+                               + s.log.read_text(errors="replace")[-2000:])
+        try:
+            if httpx.get(s.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{s.name} did not become ready: "
+                       + s.log.read_text(errors="replace")[-2000:])
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (a server drains), SIGKILL if it has not exited within 20 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 @dataclass
 class Cluster:
     plain: Server
     shared: Server
     layered: Server
-    redis: Redis
+    redis: RedisServer
     disk_dir: Path
     events: str  # the layered server's KV event socket (vLLM's ZMQ PUB binds it)
 
@@ -226,8 +253,12 @@ def _start(name: str, tmp: Path, extra: list[str]) -> Server:
            str(MAX_LEN), "--max-num-seqs", "8", "--seed", "0",
            # Chunked prefill: a prompt takes several steps, each saving what it filled.
            "--enable-chunked-prefill", "--max-num-batched-tokens", str(STEP_TOKENS), *extra]
-    env = {**vllm_env(1, tmp / name), "PYTHONPATH": str(ROOT), "KVHEAT_TIER_SECRET": SECRET,
-           "KVHEAT_TENANT_SECRET": SECRET}
+    # vLLM's CPU backend: its OpenMP threads bound to one core, a small KV space, offline.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1",
+           "VLLM_CACHE_ROOT": str(tmp / name / "vllm-cache"), "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(ROOT),
+           "KVHEAT_TIER_SECRET": SECRET, "KVHEAT_TENANT_SECRET": SECRET}
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
                             cwd=str(tmp))
     return Server(name, f"http://127.0.0.1:{port}", proc, log)
@@ -235,10 +266,11 @@ def _start(name: str, tmp: Path, extra: list[str]) -> Server:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    require_binary("redis-server")
     tmp = tmp_path_factory.mktemp("vllm_connector")
     save_tiny_model(tmp / "model", seed=0)
-    redis = Redis(tmp / "redis").start()
+    (tmp / "redis").mkdir()
+    redis = RedisServer(require_binary("redis-server"), tmp / "redis")
+    redis.start()
     disk_dir = tmp / "disk"
     events = f"tcp://*:{free_port()}"  # vLLM binds a wildcard endpoint (and connects to others)
     common = {"redis_tier_url": redis.url, "redis_tier_size": "256MiB", "tier_secret": SECRET}
@@ -255,12 +287,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     ]
     try:
         for s in servers:
-            wait_ready(s.url, s.proc, timeout_s=600, log=s.log)
+            _wait_ready(s, timeout_s=600)
         yield Cluster(*servers, redis=redis, disk_dir=disk_dir, events=events)
     finally:
         for s in servers:
-            stop(s.proc)
-        redis.kill()
+            _stop(s.proc)
+        redis.stop()
 
 
 @dataclass
@@ -389,7 +421,7 @@ def test_a_second_server_serves_a_prefix_the_first_computed(cluster) -> None:
     assert plain.tokens == first.tokens and plain.cached == 0
 
 
-def _redis_keys(redis: Redis) -> int:
+def _redis_keys(redis: RedisServer) -> int:
     import socket
 
     with socket.create_connection(("127.0.0.1", redis.port), timeout=2) as s:
@@ -532,7 +564,7 @@ def test_redis_killed_mid_load_changes_no_output_and_no_status(cluster) -> None:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futs = [pool.submit(_complete, s, p) for p in prompts]
         time.sleep(0.05)
-        cluster.redis.kill()  # while those loads run
+        cluster.redis.stop()  # while those loads run
         got = [f.result() for f in futs]  # _complete asserts status 200
     assert [a.tokens for a in got] == [a.tokens for a in ref[8:]]
     # Redis back (empty): the tier comes back and is written again.

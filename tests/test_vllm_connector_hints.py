@@ -14,8 +14,8 @@ from test_tier_client import SALT_A, chain, client
 from test_tiers import random_pool
 
 from kvheat.cache import Node, Outcome, register_policy
-from kvheat.cache import policy as policy_registry
-from kvheat.cache.policies import LRU
+from kvheat.cache import eviction as policy_registry
+from kvheat.cache.classic import LRU
 from kvheat.tiers import TierManager, TierSpec
 
 torch.set_num_threads(1)

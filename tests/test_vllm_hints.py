@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
 from kvheat.cache import Node, Outcome  # noqa: E402
-from kvheat.heat.kvheat import KVHeat  # noqa: E402
+from kvheat.heat.heat_policy import KVHeat  # noqa: E402
 from kvheat.integrations.vllm import KVHeatCachePolicy, record_outcome  # noqa: E402
 
 

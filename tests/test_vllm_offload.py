@@ -4,6 +4,7 @@ CI installs it, so these run there)."""
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,8 +27,8 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus  # noqa: E402
 
-from bench._lib.vllm_replay import replay_offload, request_keys  # noqa: E402
 from kvheat.integrations.vllm import KVHeatCachePolicy  # noqa: E402
+from kvheat.integrations.vllm_replay import replay_offload, request_keys  # noqa: E402
 from kvheat.replay import WorkloadConfig, generate_workload, load_trace  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -288,7 +289,7 @@ def test_hold_keeps_a_loaded_chunk_until_its_request_ends(monkeypatch) -> None:
         kept[hold] = {k for k in cold + hot if pol.get(k) is not None}
         mgr.on_request_finished(ctx)
         if hold:  # its end puts them back in the heap, at their heat
-            assert all(pol.get(k).parked is None and pol.get(k).heap_ver == pol.get(k).heap_ver
+            assert all(pol.get(k).parked is None and not math.isnan(pol.get(k).heap_slot)
                        for k in cold)
             assert pol.fallbacks == 0
     # The reuse in flight loses its tail, the hot chain its tail too (the cold root outranks
@@ -576,7 +577,7 @@ def test_chunks_that_leave_drop_their_self_reference() -> None:
 
 
 def test_side_by_side_replays_each_policy_as_alone() -> None:
-    from bench._lib.vllm_replay import replay_side_by_side
+    from kvheat.integrations.vllm_replay import replay_side_by_side
 
     trace = generate_workload(WorkloadConfig(num_conversations=120, arrival_rate=3.0, seed=5))
     keys = request_keys(trace, 512)

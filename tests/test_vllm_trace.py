@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from kvheat.cli import main
 from kvheat.replay import TraceError
-from kvheat.replay.vllm_trace import detect_format, load_kv_events, load_vllm_log
+from kvheat.replay.vllm_trace import detect_format, iter_vllm_log, load_kv_events
 
 
 def _stored(hashes, parent, size=16, medium="GPU"):
@@ -84,7 +84,7 @@ def _log(tmp_path: Path) -> Path:
 def test_request_log_hashes_prompts_into_chained_blocks(tmp_path: Path) -> None:
     f = _log(tmp_path)
     assert detect_format(f) == "vllm-log"
-    reqs = load_vllm_log(f, block_tokens=16)
+    reqs = list(iter_vllm_log(f, block_tokens=16))
     assert [r.timestamp_ms for r in reqs] == [0.0, 30_000.0]
     assert [r.input_length for r in reqs] == [40, 34]
     a, b = (r.hash_ids for r in reqs)
@@ -113,7 +113,7 @@ def test_real_vllm_request_logger_lines_are_read(tmp_path: Path) -> None:
         log.removeHandler(handler)
         log.setLevel(old)
         handler.close()
-    reqs = load_vllm_log(f, block_tokens=16)
+    reqs = list(iter_vllm_log(f, block_tokens=16))
     assert [len(r.hash_ids) for r in reqs] == [2, 2]
     assert reqs[0].hash_ids[0] == reqs[1].hash_ids[0] != reqs[0].hash_ids[1]
 

@@ -1,6 +1,6 @@
 """Test models for the benches, built from a config with seeded random weights (nothing is
 downloaded) and saved as Hugging Face directories that `kvheat serve`, transformers and
-vLLM's CPU build all load."""
+vLLM's CPU build all load (the built-in tiny one: `kvheat.engine.loader.save_tiny_model`)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,7 @@ from pathlib import Path
 import torch
 
 from kvheat.engine import ModelConfig
-from kvheat.engine.loader import Tokenizer, build_model, init_random_weights, load_model, save_model
-
-
-def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0) -> Path:
-    """Write the engine's built-in tiny model of `family` as a Hugging Face directory."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model, tok, _ = load_model(None, family, seed=seed)
-    save_model(model, tok, path)
-    return path
+from kvheat.engine.loader import Tokenizer, build_model, init_random_weights, save_model
 
 
 def wide_llama(layers: int, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:

@@ -1,4 +1,4 @@
-"""Does `sglang-like` (kvheat/router/policy.py) route as sglang-router's cache_aware does?
+"""Does `sglang-like` (kvheat/router/routing.py) route as sglang-router's cache_aware does?
 
 One seeded request stream goes through the real router (`smg`, sglang-router 0.3.2 in its
 own venv) in front of stub workers that hold every request until the driver finishes it,
@@ -37,7 +37,7 @@ if not __package__:  # run as `python bench/cluster/sglang_fidelity.py`: import 
 
 from bench._lib import RESULTS
 from bench._lib.procs import free_port
-from kvheat.router.policy import ReplicaState, RouteRequest, SglangLike
+from kvheat.router.routing import ReplicaState, RouteRequest, SglangLike
 
 COMPLETION = {"id": "x", "object": "text_completion", "model": "m",
               "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],

@@ -61,7 +61,7 @@ if not __package__:  # run as `python bench/cluster/sim.py`: import from the rep
 
 from bench._lib import RESULTS, TRACES
 from kvheat.replay import PreparedTrace, load_trace
-from kvheat.router import policy as P
+from kvheat.router import routing as P
 from kvheat.router.report import plot
 from kvheat.router.simulate import ClusterConfig, simulate
 

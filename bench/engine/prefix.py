@@ -48,7 +48,7 @@ import torch
 if not __package__:  # run as `python bench/engine/prefix.py`: import from the repo root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from bench._lib.models import save_tiny_model, save_wide_model, wide_llama
+from bench._lib.models import save_wide_model, wide_llama
 from bench._lib.peers import (
     check_quiet,
     find_vllm_python,
@@ -60,7 +60,7 @@ from bench._lib.peers import (
 )
 from bench._lib.procs import cpu_seconds
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from kvheat.engine.loader import load_model
+from kvheat.engine.loader import load_model, save_tiny_model
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 

@@ -35,7 +35,7 @@ if not __package__:  # run as `python bench/server/chat.py`: import from the rep
 
 from bench._lib import RESULTS
 from bench._lib.load import Conversation, LoadSpec, UserTurn, from_list, run_conversations
-from bench._lib.models import save_tiny_model, save_wide_model
+from bench._lib.models import save_wide_model
 from bench._lib.peers import check_quiet, find_vllm_python, fmt_ratio, paired_ratio, spread
 from bench._lib.procs import (
     cpu_seconds,
@@ -45,6 +45,7 @@ from bench._lib.procs import (
     stop,
     wait_ready,
 )
+from kvheat.engine.loader import save_tiny_model
 
 _TEXT = ("the cache keeps hot blocks on the device while cold ones move to host memory "
          "disk or redis and every request that shares a prefix reuses its keys and values "

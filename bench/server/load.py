@@ -244,7 +244,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvheat-load-") as tmp:
         model_dir = None
         if vllm_python:
-            from bench._lib.models import save_tiny_model
+            from kvheat.engine.loader import save_tiny_model
 
             model_dir = str(save_tiny_model(Path(tmp) / "tiny-llama"))
         servers: dict[str, tuple[str, subprocess.Popen[bytes], Path, str]] = {}

@@ -52,7 +52,7 @@ def _skip_reason() -> str | None:
 
 def transfer_config(policy: str, cpu_bytes: int) -> dict:
     """The --kv-transfer-config JSON that runs `policy` in vLLM's CPU offloading tier."""
-    from bench._lib.vllm_replay import VLLM_OFFLOAD_POLICIES  # imports vLLM: only here
+    from kvheat.integrations.vllm_replay import VLLM_OFFLOAD_POLICIES  # imports vLLM: only here
 
     name, module = VLLM_OFFLOAD_POLICIES[policy]
     extra: dict = {"cpu_bytes_to_use": cpu_bytes, "eviction_policy": name}

@@ -2,7 +2,7 @@
 Belady bound) inside vLLM's own CPUOffloadingManager, at equal capacity (chunks).
 
 Replays the Mooncake traces (when ../shared/traces has them) and the built-in generator
-through `bench/_lib/vllm_replay.py`'s `replay_offload` at several offload capacities and
+through `kvheat.integrations.vllm_replay.replay_offload` at several offload capacities and
 time scales, prints the offload prefix hit rate of each policy and the time per manager
 call, and writes JSON. Needs the `vllm` extra.
 
@@ -37,7 +37,7 @@ if not __package__:  # run as `python bench/vllm/offload.py`: import from the re
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 try:
-    from bench._lib.vllm_replay import replay_offload, replay_side_by_side, request_keys
+    from kvheat.integrations.vllm_replay import replay_offload, replay_side_by_side, request_keys
 except ImportError as e:  # pragma: no cover - the extra is missing
     sys.exit(f"needs vLLM (pip install -e '.[vllm]'): {e}")
 from bench._lib import RESULTS, TRACES

@@ -1,18 +1,18 @@
 """The block cache: blocks, prefix hashing, the manager, the policy interface (with the
 plugin registry that finds kvheat.heat's policies by name) and baseline eviction policies
-(policies.py, lirs.py, lecar.py).
+(classic.py, lirs.py, lecar.py).
 
 No torch here: this layer runs anywhere, including the trace replayer.
 """
 
-from . import lecar, lirs, policies  # noqa: F401  (register the baseline policies)
+from . import classic, lecar, lirs  # noqa: F401  (register the baseline policies)
 from .block import Block
+from .eviction import PARKED, EvictionPolicy, make_policy, policy_names, register_policy
 from .ghost import Ghost
 from .hashing import block_keys, chain_key, root_key, tokens_to_bytes
 from .hints import Outcome
 from .manager import KVCacheManager
 from .node import Node, NodeQueue, PolicyRecord
-from .policy import PARKED, EvictionPolicy, make_policy, policy_names, register_policy
 from .request import (
     CacheConfig,
     CacheError,

@@ -10,6 +10,8 @@ from .node import Node
 
 
 class Block(Node):
+    """A device block: a `Node` with its id, its own tokens and the tenant that filled it."""
+
     __slots__ = ("block_id", "content", "tenant")
 
     def __init__(self, block_id: int) -> None:

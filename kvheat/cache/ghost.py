@@ -13,10 +13,13 @@ V = TypeVar("V")
 
 
 class Ghost(Generic[V]):
+    """Keys of recently evicted blocks, oldest first, each with what its policy keeps of it."""
+
     def __init__(self) -> None:
         self.entries: OrderedDict[bytes, V] = OrderedDict()
 
     def add(self, key: bytes, value: V, limit: int) -> None:
+        """Remember `key` with `value`, dropping the oldest keys beyond `limit`."""
         self.entries[key] = value
         while len(self.entries) > max(limit, 0):
             self.entries.popitem(last=False)

@@ -22,6 +22,7 @@ def root_key(salt: str | None = None, lora: str | None = None) -> bytes:
 
 
 def chain_key(parent: bytes, content: bytes) -> bytes:
+    """The key of a block: the digest of its parent's key and its own content."""
     return _digest(parent + content)
 
 
@@ -60,8 +61,9 @@ def block_keys(
 
 
 def tenant_salt(tenant: str | None, share_groups: Mapping[str, str]) -> str | None:
-    """The salt of a tenant's keys: its share group's when it has one (tenants of a group
-    see each other's blocks), else its own; None for no tenant."""
+    """The salt of a tenant's keys: its share group's when it has one, else its own.
+
+    Tenants of a group see each other's blocks. None for no tenant."""
     if tenant is None:
         return None
     group = share_groups.get(tenant)
@@ -69,8 +71,9 @@ def tenant_salt(tenant: str | None, share_groups: Mapping[str, str]) -> str | No
 
 
 def trace_block_keys(root: bytes, block_ids: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
-    """Keys and contents of a trace's blocks: each block id (a trace names every prefix
-    block by an integer) is the block's content, chained under `root` like tokens."""
+    """Keys and contents of a trace's blocks, chained under `root` like tokens.
+
+    A trace names every prefix block by an integer: that block id is the block's content."""
     keys: list[bytes] = []
     contents: list[bytes] = []
     h = root
@@ -83,8 +86,9 @@ def trace_block_keys(root: bytes, block_ids: Sequence[int]) -> tuple[list[bytes]
 
 
 def prompt_scope(prompt: Sequence[int] | bytes) -> bytes:
-    """The scope of one whole prompt ("exact" prefix caching keys a prompt's blocks in it,
-    so they match only the very same prompt); `prompt` as token ids or their bytes."""
+    """The scope of one whole prompt, given as token ids or their bytes.
+
+    "Exact" prefix caching keys a prompt's blocks in it, so they match only the very same prompt."""
     return _digest(prompt if isinstance(prompt, bytes) else tokens_to_bytes(list(prompt)))
 
 

@@ -25,9 +25,11 @@ SESSION_PARAM = "kvheat_session"
 
 
 def session_digest(key: bytes, kind: str, *parts: str) -> str:
-    """A session as a policy may hold it: `kind:` and a keyed BLAKE2b digest of `parts`
-    (length-prefixed: no two part lists collide). Keyed by a secret the client does not
-    know, so an id seen in a log or a metric says nothing of the prompt it came from."""
+    """A session as a policy may hold it: `kind:` and a keyed digest of `parts`.
+
+    The digest is BLAKE2b, its parts length-prefixed (no two part lists collide), keyed by a
+    secret the client does not know, so an id seen in a log or a metric says nothing of the
+    prompt it came from."""
     h = hashlib.blake2b(key=key, digest_size=16)
     for part in parts:
         b = part.encode("utf-8", "surrogatepass")
@@ -36,13 +38,16 @@ def session_digest(key: bytes, kind: str, *parts: str) -> str:
 
 
 class Outcome(enum.Enum):
+    """How a request ended: its answer delivered, or cancelled."""
+
     FINISHED = "finished"  # the answer was delivered
     CANCELLED = "cancelled"  # the client went away / aborted
 
     @classmethod
     def parse(cls, value: Outcome | str) -> Outcome:
-        """An `Outcome`, or its value ("finished", "cancelled"); anything else a ValueError
-        naming the choices."""
+        """An `Outcome` from itself or its value ("finished", "cancelled").
+
+        Anything else raises a ValueError naming the choices."""
         if isinstance(value, Outcome):
             return value
         if isinstance(value, str):

@@ -33,9 +33,9 @@ import random
 from collections import OrderedDict
 from typing import Any
 
+from .eviction import EvictionPolicy, register_policy
 from .links import Link, LinkList
 from .node import Node, NodeQueue
-from .policy import EvictionPolicy, register_policy
 
 BY_LRU, BY_LFU, BY_BOTH = 0, 1, 2
 

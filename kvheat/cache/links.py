@@ -26,8 +26,9 @@ class Link(PolicyRecord):
 
 
 class LinkList:
-    """Circular doubly-linked list around a sentinel: `end.next` is the cold (oldest)
-    end, `end.prev` the hot (newest) end."""
+    """A circular doubly-linked list of `Link` records around a sentinel.
+
+    `end.next` is the cold (oldest) end, `end.prev` the hot (newest) end."""
 
     __slots__ = ("end", "size")
 
@@ -68,6 +69,7 @@ class LinkList:
         self.size += 1
 
     def remove(self, e: Link) -> None:
+        """Unlink `e` from this list."""
         prev, nxt = e.prev, e.next
         prev.next = nxt
         nxt.prev = prev
@@ -76,6 +78,7 @@ class LinkList:
         self.size -= 1
 
     def first(self) -> Link | None:
+        """The link at the cold end, or None when the list is empty."""
         e = self.end.next
         return None if e is self.end else e
 

@@ -46,16 +46,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from .eviction import EvictionPolicy, register_policy
 from .links import Link, LinkList
 from .node import Node, NodeQueue
-from .policy import EvictionPolicy, register_policy
 
 LIR, HIR = 1, 2
 
 
 class LIRSEntry(Link):
-    """A block's place in S (`Node.rec`); after its block is evicted, a non-resident
-    entry (`node` None) kept under its key while it stays in S."""
+    """A block's place in LIRS's stack S (`Node.rec`).
+
+    After its block is evicted it stays, non-resident (`node` None), under its key while it is in
+    S."""
 
     __slots__ = ("key", "node", "lir")
 

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from .block import Block
+from .eviction import EvictionPolicy
 from .hashing import block_keys, chain_key, root_key, tenant_salt, tokens_to_bytes, trace_block_keys
 from .hashing import scoped_root as _scoped_root
 from .hints import Outcome, check_reason, check_session
-from .policy import EvictionPolicy
 from .pool import BlockPool, check_invariants
 from .request import (
     CacheConfig,
@@ -30,6 +30,11 @@ from .tenants import TenantQuotas
 
 
 class KVCacheManager:
+    """Requests on one block pool: made, matched, allocated, grown, freed and pinned.
+
+    The manager holds the pool and uses its public methods only; tenant quotas and queued
+    requests are kept here too."""
+
     def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -49,18 +54,22 @@ class KVCacheManager:
 
     @property
     def blocks(self) -> list[Block]:
+        """Every block of the pool, by block id."""
         return self.pool.blocks
 
     @property
     def cached(self) -> dict[bytes, Block]:
+        """The cached blocks, by key."""
         return self.pool.cached
 
     @property
     def stats(self) -> CacheStats:
+        """The pool's counters: prompts, hits, inserts, evictions."""
         return self.pool.stats
 
     @property
     def clock(self) -> Callable[[], float]:
+        """The cache clock (seconds)."""
         return self.pool.clock
 
     @property
@@ -70,22 +79,27 @@ class KVCacheManager:
 
     @property
     def drop_listeners(self) -> list[Callable[[Block], None]]:
+        """Callbacks given each block whose KV is deleted on purpose (a flush, a quota cut)."""
         return self.pool.drop_listeners
 
     @property
     def index_listeners(self) -> list[Callable[[Block, bool], None]]:
+        """Callbacks given (block, True) once it is cached, (block, False) as it leaves."""
         return self.pool.index_listeners
 
     @property
     def num_free(self) -> int:
+        """Blocks in the free stack: uncached and unreferenced."""
         return self.pool.num_free
 
     @property
     def num_cached(self) -> int:
+        """Blocks cached under a key."""
         return self.pool.num_cached
 
     @property
     def num_referenced(self) -> int:
+        """Blocks held by at least one request or pin."""
         return self.pool.num_referenced
 
     @property
@@ -95,6 +109,7 @@ class KVCacheManager:
 
     @property
     def quotas(self) -> dict[str | None, int]:
+        """Each tenant's block quota, for the tenants that have one."""
         return self.tenants.quotas
 
     def evict(self, n: int) -> int:
@@ -106,15 +121,19 @@ class KVCacheManager:
         self.pool.touch(blocks)
 
     def set_cluster_entropy(self, bits: float) -> None:
-        """The entropy of all the traffic a router spreads over this cache and its peers,
-        for every policy here that reads an entropy regime; others ignore it."""
+        """Give the policies the entropy of the traffic a router spreads over the cluster.
+
+        That is the traffic of this cache and its peers: every policy here that reads an entropy
+        regime uses it, others ignore it."""
         self.pool.set_cluster_entropy(bits)
 
     # ---- keys and requests --------------------------------------------------------------
     def salt_of(self, tenant: str | None) -> str | None:
+        """The salt of `tenant`'s keys (its share group's when the config gives it one)."""
         return tenant_salt(tenant, self.config.share_groups)
 
     def root_for(self, tenant: str | None, lora: str | None = None) -> bytes:
+        """The root key of the blocks of `tenant` (and `lora`), made once per pair."""
         r = self._roots.get((tenant, lora))
         if r is None:
             r = self._roots[(tenant, lora)] = root_key(self.salt_of(tenant), lora)
@@ -125,15 +144,18 @@ class KVCacheManager:
         return list(dict.fromkeys(t for t, _lora in self._roots))
 
     def scoped_root(self, tenant: str | None, lora: str | None, scope: bytes | None) -> bytes:
-        """The root of `tenant`'s keys, or of a scope within it (e.g. one whole prompt, for
-        exact-prompt caching): the tenant stays the tenant, and nothing per scope is kept."""
+        """The root of `tenant`'s keys, or of a scope within it.
+
+        A scope is e.g. one whole prompt, for exact-prompt caching: the tenant stays the tenant,
+        and nothing per scope is kept."""
         return _scoped_root(self.root_for(tenant, lora), scope)
 
     def make_request(self, request_id: str, tokens: Sequence[int], tenant: str | None = None,
                      lora: str | None = None, session: str | None = None,
                      scope: bytes | None = None) -> Request:
-        """A request from token ids; its full blocks are hashed here, once. `scope`: see
-        `scoped_root`."""
+        """A request from token ids; its full blocks are hashed here, once.
+
+        `scope`: see `scoped_root`."""
         check_session(session)
         raw = bytearray(tokens_to_bytes(list(tokens)))
         root = self.scoped_root(tenant, lora, scope)
@@ -146,8 +168,9 @@ class KVCacheManager:
 
     def make_hashed_request(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
                             tenant: str | None = None, session: str | None = None) -> Request:
-        """A request from a trace's block ids (each already names a prefix); the last block
-        holds the remaining, possibly partial, token count and is cacheable too."""
+        """A request from a trace's block ids, each of which already names a prefix.
+
+        The last block holds the remaining, possibly partial, token count and is cacheable too."""
         check_session(session)
         bs = self.block_size
         n_blocks = len(block_ids)
@@ -160,9 +183,10 @@ class KVCacheManager:
 
     def make_keyed_request(self, request_id: str, keys: list[bytes], num_tokens: int,
                            tenant: str | None = None, session: str | None = None) -> Request:
-        """`make_hashed_request` for blocks keyed already (a spooled trace, whose keys were
-        made once, as that method makes them): each key, naming its whole prefix, stands
-        for the block's content too."""
+        """A request from block keys made already (a spooled trace's).
+
+        This is `make_hashed_request` for keys that were made once, as that method makes them:
+        each key, naming its whole prefix, stands for the block's content too."""
         check_session(session)
         bs = self.block_size
         n_blocks = len(keys)
@@ -175,6 +199,7 @@ class KVCacheManager:
     # ---- lookup and lifetime -----------------------------------------------------------
     def match_prefix(self, req: Request) -> list[Block]:
         """The cached blocks of the request's longest cached prefix (no side effects).
+
         A key hit whose tokens differ (a hash collision) ends the match."""
         cached = self.pool.cached
         out: list[Block] = []
@@ -196,8 +221,10 @@ class KVCacheManager:
 
     def allocate(self, req: Request, matched: list[Block] | None = None,
                  count_stats: bool = True) -> list[int]:
-        """Give `req` its blocks: its cached prefix, shared, then new blocks for the rest
-        (evicting when the free pool is empty). Returns the block table."""
+        """Give `req` its blocks and return its block table.
+
+        Its cached prefix comes first, shared, then new blocks for the rest (evicting when the
+        free pool is empty)."""
         if req.request_id in self.requests:
             raise CacheError(f"request {req.request_id!r} already holds blocks")
         pool = self.pool
@@ -233,8 +260,10 @@ class KVCacheManager:
         return [b.block_id for b in blocks]
 
     def record_prompt(self, num_tokens: int, hit_tokens: int, hit_blocks: int) -> None:
-        """Count one prompt in the hit statistics: for a caller that allocates a prompt in
-        pieces (`allocate(..., count_stats=False)`) and knows its hits only at the end."""
+        """Count one prompt in the hit statistics.
+
+        For a caller that allocates a prompt in pieces (`allocate(..., count_stats=False)`) and
+        knows its hits only at the end."""
         st = self.pool.stats
         st.requests += 1
         st.query_tokens += num_tokens
@@ -243,6 +272,7 @@ class KVCacheManager:
 
     def append_tokens(self, req: Request, tokens: Sequence[int]) -> list[int]:
         """Grow a token request by decoded tokens; blocks that fill up become cached.
+
         Returns the ids of newly taken blocks. On OutOfBlocks nothing changes."""
         if req.raw is None:
             raise CacheError("append_tokens needs a request made from tokens")
@@ -287,11 +317,12 @@ class KVCacheManager:
         return new_ids
 
     def discard(self, req: Request, from_block: int) -> int:
-        """Un-cache `req.blocks[from_block:]`, registered but never given their KV (the
-        forward pass that was to write it failed): their keys go, without eviction
-        listeners, and they stay held by `req` as private blocks that `free` releases
-        uncached. Returns how many were un-cached. Raises CacheError and changes nothing
-        when another holder or a block outside the tail depends on one of them."""
+        """Un-cache the blocks of `req` from `from_block` on, whose KV was never written.
+
+        The forward pass that was to write it failed: their keys go, without eviction listeners,
+        and they stay held by `req` as private blocks that `free` releases uncached. Returns how
+        many were un-cached. Raises CacheError and changes nothing when another holder or a block
+        outside the tail depends on one of them."""
         if self.requests.get(req.request_id) is not req:
             raise UnknownRequest(f"request {req.request_id!r} holds no blocks")
         tail = req.blocks[max(from_block, 0):]
@@ -310,9 +341,10 @@ class KVCacheManager:
     def free(self, req: Request | str, outcome: Outcome | str = Outcome.FINISHED,
              finish_reason: str | None = None) -> None:
         """Release a request's blocks, tail-first, so its first block ends most recent.
-        `outcome` (delivered or cancelled) and `finish_reason` (the model's stop reason as
-        the server knows it: "stop", "length", "tool_use", "end_turn", ...) reach the
-        policy (`on_finish`) with the request's session, when any of them is a hint."""
+
+        `outcome` (delivered or cancelled) and `finish_reason` (the model's stop reason as the
+        server knows it: "stop", "length", "tool_use", "end_turn", ...) reach the policy
+        (`on_finish`) with the request's session, when any of them is a hint."""
         outcome = Outcome.parse(outcome)
         finish_reason = check_reason(finish_reason)
         rid = req if isinstance(req, str) else req.request_id
@@ -327,9 +359,10 @@ class KVCacheManager:
 
     # ---- the waiting queue (a hint) -----------------------------------------------------
     def queue(self, req: Request) -> None:
-        """`req` waits for admission and will need its blocks: the policy learns their keys
-        (`on_queue`) until `dequeue` or `allocate` of the same request id. Queuing an id
-        again replaces the earlier entry."""
+        """Record that `req` waits for admission and will need its blocks.
+
+        The policy learns their keys (`on_queue`) until `dequeue` or `allocate` of the same
+        request id. Queuing an id again replaces the earlier entry."""
         if not isinstance(req, Request):
             raise TypeError(f"queue takes a Request, got {type(req).__name__}")
         if req.request_id in self.queued:
@@ -338,9 +371,10 @@ class KVCacheManager:
         self.pool.policy.on_queue(req.request_id, req.keys, req.session)
 
     def dequeue(self, request_id: str) -> bool:
-        """The queued request was admitted, cancelled or dropped; returns whether it was
-        queued (dequeuing an id that is not is harmless: an engine may call it for every
-        request it admits)."""
+        """End a queued request's wait (admitted, cancelled or dropped).
+
+        Returns whether it was queued: dequeuing an id that is not is harmless, so an engine may
+        call it for every request it admits."""
         if self.queued.pop(request_id, None) is None:
             return False
         self.pool.policy.on_dequeue(request_id)
@@ -348,8 +382,9 @@ class KVCacheManager:
 
     # ---- tenants and pins ---------------------------------------------------------------
     def set_tenant_quota(self, tenant: str | None, blocks: int | None) -> int:
-        """`TenantQuotas.set_quota`: cap a tenant's blocks (None lifts the cap); returns
-        how many of its blocks were deleted to fit."""
+        """Cap a tenant's blocks (None lifts the cap); returns how many were deleted to fit.
+
+        See `TenantQuotas.set_quota`."""
         return self.tenants.set_quota(tenant, blocks)
 
     def tenant_usage(self, tenant: str | None) -> int:
@@ -363,6 +398,7 @@ class KVCacheManager:
     def pin_prefix(self, tokens: Sequence[int], tenant: str | None = None,
                    lora: str | None = None, scope: bytes | None = None) -> int:
         """Hold the cached prefix of `tokens` so it is never evicted; returns tokens pinned.
+
         Pinning twice is harmless; only what is cached now can be pinned. `scope`: as in
         `make_request` (exact-prompt caching keys each prompt in a scope of its own)."""
         probe = self.make_request("", tokens, tenant, lora, scope=scope)

@@ -35,15 +35,19 @@ _PLAIN_ROOT = root_key(None, None)
 
 
 def public_misses(misses: dict[str, int]) -> dict[str, int]:
+    """The miss counts as reported: isolation misses counted as compulsory."""
     out = {k: misses.get(k, 0) for k in PUBLIC_MISS_KINDS}
     out["compulsory"] += misses.get("isolation", 0)
     return out
 
 
 class SeenKeys(Protocol):
+    """The keys a `MissClassifier` has seen: a set, or a `SeenBitmap`."""
+
     def __contains__(self, key: bytes, /) -> bool: ...
 
-    def add(self, key: bytes) -> None: ...
+    def add(self, key: bytes) -> None:
+        """Remember `key` as seen."""
 
 
 class SeenBitmap:
@@ -58,6 +62,7 @@ class SeenBitmap:
         return bool(self.words[i >> 3] & (1 << (i & 7)))
 
     def add(self, key: bytes) -> None:
+        """Set the bit of `key`."""
         i = int.from_bytes(key[:8], "little") & self.mask
         self.words[i >> 3] |= 1 << (i & 7)
 
@@ -96,9 +101,11 @@ class MissClassifier:
 
     def prepare(self, cache: KVCacheManager, prompt: Sequence[int], tenant: str | None,
                 scope: bytes | None = None) -> list[str]:
-        """`prepare_keys` for a token prompt, keyed as `cache` keys it: in `scope` when the
-        engine keys it so (exact-prompt caching: `Scheduler.prompt_scope`), else a block
-        of another prompt's prefix would read as seen, or as cached, for this one."""
+        """`prepare_keys` for a token prompt, keyed as `cache` keys it.
+
+        The keys are in `scope` when the engine keys the prompt so (exact-prompt caching:
+        `Scheduler.prompt_scope`); else a block of another prompt's prefix would read as seen, or
+        as cached, for this one."""
         keys = cache.make_request("", prompt, tenant, scope=scope).keys
         plain = keys if tenant is None else \
             block_keys(list(prompt), self.block_size, scoped_root(_PLAIN_ROOT, scope))[0]
@@ -106,9 +113,10 @@ class MissClassifier:
 
     def count(self, kinds: Sequence[str], block_tokens: Sequence[int], n_hit: int,
               out: dict[str, int] | None = None) -> dict[str, int]:
-        """Add the missed tokens of blocks `n_hit`.. by class to `out` (a new dict if None).
-        `block_tokens`: tokens of each of the prompt's blocks; `kinds` covers the keyed
-        ones (a block past them has no key: a partial last block the cache cannot hold)."""
+        """Add the missed tokens of blocks `n_hit` on, by class, to `out` (a new dict if None).
+
+        `block_tokens`: tokens of each of the prompt's blocks; `kinds` covers the keyed ones (a
+        block past them has no key: a partial last block the cache cannot hold)."""
         if out is None:
             out = dict.fromkeys(MISS_KINDS, 0)
         last = len(block_tokens) - 1

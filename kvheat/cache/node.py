@@ -5,8 +5,8 @@ tier's entry (`kvheat.tiers.index.TierEntry`), a vLLM offload chunk
 (`kvheat.integrations.vllm_chunk.Chunk`). It carries the prefix tree a policy may read
 (`key`, `parent`, `depth`, `num_children`), whether it is held (`ref_cnt`), the links of
 the queue it sits in, and the fields that mean the same to every policy (`state`,
-`freq`, `heap_ver`, the access times); whatever else a policy keeps per node is its own
-`PolicyRecord` in `rec`.
+`freq`, `heap_version`, `heap_slot`, the access times); whatever else a policy keeps per
+node is its own `PolicyRecord` in `rec`.
 
 A queue's links live on the nodes themselves, so any node is unlinked in O(1) without
 searching (as vLLM's free-block queue). The queue is circular around one sentinel end;
@@ -15,21 +15,26 @@ a node in no queue links to `DETACHED`, so a link is always a node, never None.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
 
 class PolicyRecord:
-    """Base of what one policy keeps per node beyond the shared fields (KVHeat's
-    `HeatRecord`, LRU-K's `LRUKHistory`): the policy subclasses it."""
+    """What one policy keeps per node beyond the shared fields.
+
+    Each policy subclasses it: KVHeat's `HeatRecord`, LRU-K's `LRUKHistory`."""
 
     __slots__ = ()
 
 
 class Node:
+    """One thing an eviction policy ranks: a block, a tier entry or a vLLM chunk."""
+
     __slots__ = (
         "key", "parent", "num_children", "ref_cnt", "num_tokens", "depth", "prev", "next",
-        "queue", "parked", "state", "freq", "last_access", "inserted_at", "heap_ver", "rec",
+        "queue", "parked", "state", "freq", "last_access", "inserted_at", "heap_version",
+        "heap_slot", "rec",
     )
 
     def __init__(self) -> None:
@@ -47,8 +52,15 @@ class Node:
         self.freq = 0  # accesses counted by the policy (LFU, S3-FIFO's 2 bits, Fused)
         self.last_access = 0.0  # cache clock of the last insert or hit (set by the cache)
         self.inserted_at = 0.0
-        # Which heap entry of the policy is live (Belady: a version, heat heaps: a slot).
-        self.heap_ver: float = 0
+        # A heap's entries for a node are not removed, they go stale; these two fields say
+        # which one is live. `heap_version` (Belady's heap): an entry is live while it
+        # carries the node's current version; raising it (at each push, acquire, eviction
+        # and forget, and by the pool whenever the node loses its key) makes every older
+        # entry stale. `heap_slot` (a `kvheat.heat.heap.BlockHeap`): the key of the bucket
+        # holding the node's live entry; NaN while it has none (never pushed, or taken or
+        # forgotten since its last push).
+        self.heap_version = 0
+        self.heap_slot = math.nan
         # The policy's own record (a `PolicyRecord`, or None before its first insert),
         # reused across keys. Typed Any: each policy knows its own record, and reads it
         # by a plain annotated assignment (a `cast` is a function call on every access).
@@ -56,8 +68,10 @@ class Node:
 
 
 class QueueEnd(Node):
-    """The sentinel a `NodeQueue` is linked around (its `next` is the cold end, its
-    `prev` the hot end); never cached, never a victim."""
+    """The sentinel a `NodeQueue` is linked around.
+
+    Its `next` is the cold end, its `prev` the hot end; it is never cached, never a
+    victim."""
 
     __slots__ = ()
 
@@ -104,6 +118,7 @@ class NodeQueue:
         self.size += 1
 
     def remove(self, b: Node) -> None:
+        """Unlink `b` from this queue."""
         b.prev.next = b.next
         b.next.prev = b.prev
         b.prev = b.next = DETACHED
@@ -111,10 +126,12 @@ class NodeQueue:
         self.size -= 1
 
     def first(self) -> Node | None:
+        """The node at the cold end, or None when the queue is empty."""
         b = self.end.next
         return None if b is self.end else b
 
     def popleft(self) -> Node | None:
+        """Remove and return the node at the cold end (None when empty)."""
         b = self.end.next
         if b is self.end:
             return None

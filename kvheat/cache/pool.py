@@ -15,12 +15,17 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from .block import Block
+from .eviction import EvictionPolicy, make_policy
 from .node import Node
-from .policy import EvictionPolicy, make_policy
 from .request import CacheConfig, CacheStats, OutOfBlocks, Request
 
 
 class BlockPool:
+    """The blocks, their prefix index and the eviction policy that frees them.
+
+    The pool's mechanism: a free stack, the index of cached blocks by key, eviction through one
+    policy's hooks, and the listeners told of every change; no tenant branches."""
+
     def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -46,8 +51,10 @@ class BlockPool:
         self.index_listeners: list[Callable[[Block, bool], None]] = []
 
     def set_policy(self, policy: EvictionPolicy) -> None:
-        """Run `policy` from now on (bound already, and already holding the cached
-        blocks: `TenantQuotas` swaps the shared policy and its partitions in and out)."""
+        """Run `policy` from now on.
+
+        It is bound already and already holds the cached blocks: `TenantQuotas` swaps the shared
+        policy and its partitions in and out."""
         self.policy = policy
         # Skip the per-block call where the policy does not use the hook.
         pol = type(policy)
@@ -95,11 +102,12 @@ class BlockPool:
     def allocate_blocks(self, blocks: list[Block], n_need: int, owner: str | None,
                         keys: Sequence[bytes], contents: Sequence[bytes],
                         block_tokens: Sequence[int], now: float) -> None:
-        """Grow `blocks` (a cached prefix, acquired) to `n_need` blocks held once by
-        `owner`: block i holds `block_tokens[i]` tokens and is cached under `keys[i]` when
-        there is one. Evicts when the free stack is empty. The new blocks count against
-        `owner` from the start (a quota's choice of victims sees them). On OutOfBlocks
-        everything is undone, the prefix released too, and the error raised."""
+        """Grow `blocks` (a cached prefix, acquired) to `n_need` blocks held once by `owner`.
+
+        Block i holds `block_tokens[i]` tokens and is cached under `keys[i]` when there is one.
+        Evicts when the free stack is empty. The new blocks count against `owner` from the start
+        (a quota's choice of victims sees them). On OutOfBlocks everything is undone, the prefix
+        released too, and the error raised."""
         n_hit = len(blocks)
         n_new = n_need - n_hit
         parent: Block | None = blocks[-1] if blocks else None
@@ -125,8 +133,9 @@ class BlockPool:
         self.num_referenced += n_new
 
     def take_free_blocks(self, n: int, owner: str | None) -> list[Block]:
-        """`n` free blocks, evicting for `owner` as needed, not yet held (`hold`); on
-        OutOfBlocks the ones taken go back to the free stack."""
+        """Take `n` free blocks, evicting for `owner` as needed, not yet held (`hold`).
+
+        On OutOfBlocks the ones taken go back to the free stack."""
         taken: list[Block] = []
         free_stack = self.free_stack
         try:
@@ -167,8 +176,10 @@ class BlockPool:
                 policy.on_release(b, now)
 
     def release(self, blocks: list[Block]) -> None:
-        """Drop one reference to each block, tail-first (so a request's first block ends
-        most recent); uncached blocks left unreferenced go back to the free stack."""
+        """Drop one reference to each block, tail-first.
+
+        So a request's first block ends most recent; uncached blocks left unreferenced go back to
+        the free stack."""
         now = self.clock()
         if self._release_all is not None:
             done: list[Node] = []
@@ -226,8 +237,9 @@ class BlockPool:
             self._on_insert(b, now)
 
     def unregister(self, b: Block) -> None:
-        """Un-cache held leaf `b`, whose KV was never written (its forward pass failed):
-        its key goes without eviction listeners, and it stays held, private."""
+        """Un-cache held leaf `b`, whose KV was never written (its forward pass failed).
+
+        Its key goes without eviction listeners, and it stays held, private."""
         for listener in self.index_listeners:
             listener(b, False)
         self.policy.forget(b)
@@ -239,9 +251,10 @@ class BlockPool:
             self._lost_child(parent)
 
     def uncache(self, b: Block, drop: bool = False) -> None:
-        """Take refcount-0 leaf `b`, which the policy has let go of (its victim, or
-        forgotten), out of the cache into the free stack. `drop`: its KV is deleted on
-        purpose (a flush, a quota cut), not demoted."""
+        """Move refcount-0 leaf `b` out of the cache into the free stack.
+
+        The policy has let go of it already (its victim, or forgotten). `drop`: its KV is deleted
+        on purpose (a flush, a quota cut), not demoted."""
         self._unlink(b, drop=drop)
 
     def _unlink(self, b: Block, evicted: bool = True, drop: bool = False) -> None:
@@ -278,14 +291,14 @@ class BlockPool:
             self.policy.on_leaf(parent)
 
     def _forget_key(self, b: Block) -> None:
-        """Clear what `b` had as a cached block (a new heap version: entries go stale)."""
+        """Clear what `b` had as a cached block (a new `heap_version`: its entries go stale)."""
         b.key = None
         b.content = None
         b.parent = None
         b.state = 0
         b.freq = 0
         b.parked = None
-        b.heap_ver += 1
+        b.heap_version += 1
 
     def _reset(self, b: Block) -> None:
         """Return `b` to the free state, uncounted against its owner (`_forget_key`, and
@@ -300,12 +313,14 @@ class BlockPool:
         b.freq = 0
         b.parked = None
         b.tenant = None
-        b.heap_ver += 1
+        b.heap_version += 1
 
     # ---- eviction ---------------------------------------------------------------------
     def set_cluster_entropy(self, bits: float) -> None:
-        """The entropy of all the traffic a router spreads over this cache and its peers,
-        for a policy that reads an entropy regime; others ignore it."""
+        """Give the policy the entropy of the traffic a router spreads over the cluster.
+
+        That is the traffic of this cache and its peers, for a policy that reads an entropy
+        regime; others ignore it."""
         fn = getattr(self.policy, "set_cluster_entropy", None)
         if fn is not None:
             fn(bits)
@@ -356,16 +371,19 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
+        """Blocks in the free stack: uncached and unreferenced."""
         return len(self.free_stack)
 
     @property
     def num_cached(self) -> int:
+        """Blocks cached under a key."""
         return len(self.cached)
 
 
 def check_invariants(pool: BlockPool, holders: Iterable[Request]) -> None:
-    """Full consistency check of a pool and the requests holding its blocks (O(pool));
-    for tests."""
+    """Check the whole consistency of a pool and of the requests holding its blocks.
+
+    O(pool); for tests."""
     n = len(pool.blocks)
     free_ids = {b.block_id for b in pool.free_stack}
     assert len(free_ids) == len(pool.free_stack), "a block is twice in the free pool"

@@ -13,19 +13,21 @@ class CacheError(Exception):
 
 
 class PromptTooLong(CacheError):
-    pass
+    """The request needs more blocks than the whole pool has."""
 
 
 class OutOfBlocks(CacheError):
-    pass
+    """No free or evictable block is left for the request."""
 
 
 class UnknownRequest(CacheError):
-    pass
+    """The request holds no blocks in this cache."""
 
 
 @dataclass(slots=True)
 class CacheConfig:
+    """The cache's size, block size, eviction policy and tenant share groups."""
+
     num_blocks: int
     block_size: int = 16
     policy: str = "lru"
@@ -38,18 +40,21 @@ class CacheConfig:
 
 
 def hit_rate(hit_tokens: int, prompt_tokens: int) -> float:
-    """THE prefix hit rate, wherever one is reported (the cache's stats, the tiers' stats,
-    the server's arms): prompt tokens served from cache, on the device or loaded from a
-    lower tier, over all prompt tokens of all requests counted. An engine never counts
-    the last prompt token as served (it runs again, for its logits), so a fully cached
+    """The prefix hit rate: prompt tokens served from cache over all prompt tokens.
+
+    THE hit rate, wherever one is reported (the cache's stats, the tiers' stats, the server's
+    arms). Served from cache means on the device or loaded from a lower tier. An engine never
+    counts the last prompt token as served (it runs again, for its logits), so a fully cached
     prompt of n tokens is n - 1 hits."""
     return hit_tokens / prompt_tokens if prompt_tokens else 0.0
 
 
 @dataclass(slots=True)
 class CacheStats:
-    """Prompts counted once each (an engine: at a request's first admission), with the
-    tokens served from cache: from the device, and (with lower tiers) loaded from them."""
+    """The cache's counters: prompts, the tokens served from cache, inserts, evictions.
+
+    Prompts are counted once each (an engine: at a request's first admission), with the tokens
+    served from cache: from the device, and (with lower tiers) loaded from them."""
 
     requests: int = 0
     query_tokens: int = 0
@@ -61,12 +66,15 @@ class CacheStats:
 
     @property
     def hit_rate(self) -> float:
+        """Hit tokens over prompt tokens (`hit_rate`)."""
         return hit_rate(self.hit_tokens, self.query_tokens)
 
 
 class Request:
-    """A sequence holding blocks. Token requests hash their full blocks once, at creation;
-    trace requests come with precomputed keys and per-block token counts."""
+    """A sequence holding blocks.
+
+    Token requests hash their full blocks once, at creation; trace requests come with precomputed
+    keys and per-block token counts."""
 
     __slots__ = (
         "request_id", "tenant", "session", "root", "keys", "contents", "block_tokens",
@@ -92,11 +100,13 @@ class Request:
 
     @property
     def block_table(self) -> list[int]:
+        """The ids of the blocks the request holds, in order."""
         return [b.block_id for b in self.blocks]
 
     def head(self, n_tokens: int, block_size: int) -> Request:
-        """A request for this one's first `n_tokens` tokens, reusing its block keys (a
-        chunk of a chunked prefill)."""
+        """A request for this one's first `n_tokens` tokens, reusing its block keys.
+
+        For a chunk of a chunked prefill."""
         n_full = n_tokens // block_size
         bt = [block_size] * n_full
         if n_tokens % block_size:

@@ -75,7 +75,9 @@ class TenantVouch:
         return {TENANT_PARAM: tenant, VOUCH_PARAM: self.vouch(tenant, cache_salt)}
 
     def vouched(self, tenant: str, cache_salt: str | None, mac: Any) -> bool:
-        """Did this secret's holder vouch for `tenant` on a request salted `cache_salt`?"""
+        """Whether this secret's holder vouched for `tenant` on a request salted `cache_salt`.
+
+        Did this secret's holder vouch for `tenant` on a request salted `cache_salt`?"""
         return self.configured and isinstance(mac, str) and \
             hmac.compare_digest(mac.encode("utf-8", "surrogatepass"),
                                 self.vouch(tenant, cache_salt).encode())

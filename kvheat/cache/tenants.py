@@ -12,16 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .block import Block
+from .eviction import EvictionPolicy, make_policy, policy_names
 from .hints import Outcome
 from .node import Node
-from .policy import EvictionPolicy, make_policy, policy_names
 from .pool import BlockPool
 from .request import OutOfBlocks
 
 
 class TenantPartitions(EvictionPolicy):
-    """The shared policy, plus one partition policy per tenant with a quota; each hook
-    goes to the policy of the block's owner (`Block.tenant`), and victims are chosen by
+    """The shared policy plus one partition policy per tenant with a quota.
+
+    Each hook goes to the policy of the block's owner (`Block.tenant`), and victims are chosen by
     who needs the block and how far each tenant is over its quota."""
 
     name = "tenants"
@@ -112,8 +113,9 @@ class TenantPartitions(EvictionPolicy):
         return over + [self.shared] + rest
 
     def set_cluster_entropy(self, bits: float) -> None:
-        """Every policy here that reads an entropy regime gets it (the shared one and
-        each partition's); others ignore it."""
+        """Give the cluster's entropy to every policy here that reads an entropy regime.
+
+        The shared one and each partition's; others ignore it."""
         for pol in self._all():
             fn = getattr(pol, "set_cluster_entropy", None)
             if fn is not None:
@@ -124,8 +126,9 @@ class TenantPartitions(EvictionPolicy):
 
 
 class TenantQuotas:
-    """The quota operations over a pool: its partitions, run on the pool while any
-    tenant has a quota."""
+    """The quota operations over a pool.
+
+    Its partitions run on the pool while any tenant has a quota."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
@@ -133,10 +136,12 @@ class TenantQuotas:
 
     @property
     def quotas(self) -> dict[str | None, int]:
+        """Each tenant's block quota, for the tenants that have one."""
         return self.policy.quotas
 
     @property
     def partitions(self) -> dict[str | None, EvictionPolicy]:
+        """The policy of each tenant with a quota."""
         return self.policy.partitions
 
     def set_quota(self, tenant: str | None, blocks: int | None) -> int:
@@ -200,8 +205,9 @@ class TenantQuotas:
         return make_policy(policy.name) if policy.name in policy_names() else type(policy)()
 
     def flush(self, tenant: str | None) -> int:
-        """Delete every unreferenced cached block the tenant owns (not demoted: the drop
-        listeners delete the keys from the lower tiers too); returns how many."""
+        """Delete every unreferenced cached block the tenant owns; returns how many.
+
+        They are not demoted: the drop listeners delete the keys from the lower tiers too."""
         pool = self.pool
         mine = sorted((b for b in pool.cached.values() if b.tenant == tenant and b.ref_cnt == 0),
                       key=lambda b: -b.depth)

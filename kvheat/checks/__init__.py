@@ -20,8 +20,9 @@ from typing import Any
 
 def check_fields(obj: Any, what: str = "", error: type[Exception] = ValueError,
                  skip: tuple[str, ...] = ()) -> None:
-    """Raise `error` naming the first field of dataclass `obj` whose value is not of its
-    declared type (see `type_ok`), prefixed by `what` (e.g. "tenant 'acme'")."""
+    """Raise `error` naming the first field of dataclass `obj` not of its declared type.
+
+    See `type_ok`; the message is prefixed by `what` (e.g. "tenant 'acme'")."""
     hints = _hints(type(obj))
     for f in fields(obj):
         if f.name not in skip:
@@ -30,18 +31,21 @@ def check_fields(obj: Any, what: str = "", error: type[Exception] = ValueError,
 
 def check_value(value: Any, tp: Any, name: str, what: str = "",
                 error: type[Exception] = ValueError) -> None:
-    """Raise `error` ("[what: ]name must be <tp>, not <value's type>") unless `value` is
-    of type `tp`. The message names the value's type, never the value (it may be a
-    secret)."""
+    """Raise `error` unless `value` is of type `tp`.
+
+    The message reads "[what: ]name must be <tp>, not <value's type>": it names the value's type,
+    never the value (it may be a secret)."""
     if not type_ok(value, tp):
         raise error(f"{what + ': ' if what else ''}{name} must be {describe_type(tp)}, "
                     f"not {_what_is(value, tp)}")
 
 
 def type_ok(value: Any, tp: Any) -> bool:
-    """Is `value` of type hint `tp`? int: an int, never a bool; float: a finite int or
-    float, never a bool; bool: True or False only; str; None; X | Y; list[X];
-    tuple[X, ...]; dict[K, V]; Any; any other class: an instance of it."""
+    """Whether `value` is of type hint `tp`.
+
+    int: an int, never a bool; float: a finite int or float, never a bool; bool: True or
+    False only; str; None; X | Y; list[X]; tuple[X, ...]; dict[K, V]; Any; any other
+    class: an instance of it."""
     if tp is Any or tp is object:
         return True
     if tp is None or tp is type(None):

@@ -10,8 +10,10 @@ from collections.abc import Callable
 
 
 class Overflow:
-    """Counts one structure's overflows (`count`; `on_count(n)` too, e.g. a Prometheus
-    counter's `inc`) and warns on `log` at most once every `every_s` seconds."""
+    """Counts one structure's overflows and warns of them, at most once every `every_s`.
+
+    `count`, and `on_count(n)` too (e.g. a Prometheus counter's `inc`); the warning goes to
+    `log`."""
 
     def __init__(self, log: logging.Logger, what: str, every_s: float = 10.0,
                  on_count: Callable[[int], object] | None = None) -> None:

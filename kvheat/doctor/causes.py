@@ -104,12 +104,15 @@ class Snapshot:
 
     # ---- figures several causes use ---------------------------------------------------
     def finished(self) -> float:
+        """Requests finished in the window."""
         return self.delta("kvheat_requests_total")
 
     def rejected(self) -> float:
+        """Requests rejected in the window."""
         return self.delta("kvheat_rejected_requests_total")
 
     def arms_admin(self, which: str) -> dict[str, Any]:
+        """The arms of /admin/stats at scrape `which` ("a" or "b"); empty without it."""
         st = self.admin_a if which == "a" else self.admin_b
         arms = (st or {}).get("arms")
         return arms if isinstance(arms, dict) else {}
@@ -117,12 +120,15 @@ class Snapshot:
 
 @dataclass
 class Finding:
+    """One possible cause: its score, the evidence behind it and what to do."""
+
     cause: str
     score: float
     evidence: dict[str, float] = field(default_factory=dict)
     action: str = ""
 
     def as_json(self) -> dict[str, Any]:
+        """The finding as `kvheat doctor --json` prints it."""
         return {"cause": self.cause, "score": round(self.score, 3),
                 "evidence": [{"series": k, "value": v} for k, v in self.evidence.items()],
                 "action": self.action}
@@ -132,8 +138,10 @@ Cause = Callable[[Snapshot], Finding]
 
 
 def capacity(s: Snapshot) -> Finding:
-    """Capacity misses (blocks evicted, then asked for again) dominate the misses and cost
-    a real share of the prompt tokens, while the device pool keeps evicting."""
+    """Score capacity misses: blocks evicted, then asked for again.
+
+    They must dominate the misses and cost a real share of the prompt tokens, while the
+    device pool keeps evicting."""
     miss = s.deltas("kvheat_prefix_miss_tokens_total", "kind")
     cap, all_miss = miss.get("capacity", 0.0), sum(miss.values())
     prompt = s.delta("kvheat_prompt_tokens_total")
@@ -215,8 +223,10 @@ def _replay_action(replays: list[CapacityReplay]) -> str:
 
 
 def tenant_quota(s: Snapshot) -> Finding:
-    """One named tenant takes most of the preemptions (its quota or its share of the pool
-    runs out), and preemptions are frequent relative to the requests finished."""
+    """Score one named tenant taking most of the preemptions.
+
+    Its quota or its share of the pool runs out, and preemptions are frequent relative to
+    the requests finished."""
     pre = {t: v for t, v in s.deltas("kvheat_preemptions_total", "tenant").items() if v > 0}
     total = sum(pre.values())
     if not pre:
@@ -253,9 +263,11 @@ def _hit_rate_drop(s: Snapshot) -> tuple[float, float, float]:
 
 
 def entropy_drift(s: Snapshot) -> Finding:
-    """The heat policy's regime flipped or its traffic entropy moved a lot in the window,
-    and the hit rate dropped with it (a young server's regime settling is not a cause).
-    Only /admin/stats reports the regime (no /metrics series): needs --admin-url."""
+    """Score a move of the heat policy's entropy regime that cost hits.
+
+    The regime flipped or its traffic entropy moved a lot in the window, and the hit rate
+    dropped with it (a young server's regime settling is not a cause). Only /admin/stats
+    reports the regime (no /metrics series): needs --admin-url."""
     signal, ev = 0.0, {}
     arms_a, arms_b = s.arms_admin("a"), s.arms_admin("b")
     for name, b in arms_b.items():
@@ -287,8 +299,9 @@ def entropy_drift(s: Snapshot) -> Finding:
 
 
 def tier_fault(s: Snapshot) -> Finding:
-    """A lower tier is down or refuses writes, or its fault counters rise relative to the
-    traffic."""
+    """Score a lower tier that is down or refuses writes.
+
+    Or its fault counters rise relative to the traffic."""
     faults = s.deltas("kvheat_tier_faults_total", "tier")
     load_faults = s.deltas("kvheat_tier_load_faults_total", "kind")
     n_faults = sum(faults.values()) + sum(load_faults.values())
@@ -316,9 +329,11 @@ def tier_fault(s: Snapshot) -> Finding:
 
 
 def tier_slow(s: Snapshot) -> Finding:
-    """Loads from a lower tier got slow: its fitted read bandwidth fell severalfold over
-    the window while blocks were read from it, or blocks found there are mostly
-    recomputed (loading was judged slower than recomputing)."""
+    """Score loads from a lower tier that got slow.
+
+    Its fitted read bandwidth fell severalfold over the window while blocks were read from
+    it, or blocks found there are mostly recomputed (loading was judged slower than
+    recomputing)."""
     dec = s.deltas("kvheat_load_decisions_total", "decision")
     n = sum(dec.values())
     rec = dec.get("recompute", 0.0)
@@ -359,8 +374,10 @@ def _loopback(peer: str) -> bool:
 
 
 def network(s: Snapshot) -> Finding:
-    """Retransmits per peer relative to its traffic, or a peer RTT that is a real share of
-    the time to first token (from kvheat_net_*, the server's netsignals)."""
+    """Score network trouble: retransmits, or a peer RTT costly to the first token.
+
+    Retransmits per peer relative to its traffic, or a peer RTT that is a real share of the
+    time to first token (from kvheat_net_*, the server's netsignals)."""
     rtx_a = {k: v for k, v in s.a.items() if k[0] == "kvheat_net_peer_retransmitted_segments"}
     score, ev = 0.0, {}
     bytes_b = s.values("kvheat_net_peer_bytes", "peer")
@@ -412,8 +429,9 @@ def network(s: Snapshot) -> Finding:
 
 
 def overload(s: Snapshot) -> Finding:
-    """More work than the server takes: 503 refusals, and a waiting queue held above the
-    running one through the window."""
+    """Score more work than the server takes.
+
+    503 refusals, and a waiting queue held above the running one through the window."""
     rej = s.deltas("kvheat_rejected_requests_total", "status")
     r503 = rej.get("503", 0.0)
     offered = s.finished() + sum(rej.values())
@@ -433,8 +451,10 @@ def overload(s: Snapshot) -> Finding:
 
 
 def long_prompts(s: Snapshot) -> Finding:
-    """Prompts grew (the window's mean prompt against the mean before it), or requests are
-    refused as too long (HTTP 400: context_length_exceeded is the usual one)."""
+    """Score prompts that grew, or requests refused as too long.
+
+    The window's mean prompt against the mean before it; a refusal is an HTTP 400
+    (context_length_exceeded is the usual one)."""
     fin_b = s.finished()
     fin_before = sum(v for (n, _), v in s.a.items() if n == "kvheat_requests_total")
     mean_now = _ratio(s.delta("kvheat_prompt_tokens_total"), fin_b)
@@ -484,8 +504,10 @@ def _long_pauses(s: Snapshot, name: str, **want: str) -> tuple[float, float]:
 
 
 def stall(s: Snapshot) -> Finding:
-    """The event loop woke late, or garbage collections held the GIL, for long pauses that
-    add up to a real share of the window (a single pause is not a cause: it must recur)."""
+    """Score event-loop stalls and long garbage collections.
+
+    The event loop woke late, or garbage collections held the GIL, for long pauses that add
+    up to a real share of the window (a single pause is not a cause: it must recur)."""
     dt = max(s.dt, 1e-3)
     n_lag, lost_lag = _long_pauses(s, "kvheat_event_loop_lag_seconds")
     n_gc, lost_gc = _long_pauses(s, "kvheat_gc_pause_seconds")

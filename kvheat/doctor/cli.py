@@ -22,8 +22,9 @@ def run_doctor(url: str, window: float, token: str | None = None,
                admin_url: str | None = None, admin_token: str | None = None,
                floor: float = FLOOR, max_bytes: int = MAX_BYTES,
                timeout_s: float = TIMEOUT_S) -> list[Finding]:
-    """Scrape twice, `window` seconds apart; the findings, most likely first. A URL with
-    no path is the server's address: its /metrics (and /admin/stats) is read."""
+    """Scrape twice, `window` seconds apart, and return the findings, most likely first.
+
+    A URL with no path is the server's address: its /metrics (and /admin/stats) is read."""
     url = with_path(url, "/metrics")
     admin_url = with_path(admin_url, "/admin/stats") if admin_url else None
     adm_a = admin_stats(admin_url, admin_token, max_bytes, timeout_s) if admin_url else None
@@ -108,10 +109,11 @@ def doctor_command(url: str | None, token: str | None, window: float | None,
                    start: str, end: str, selector: str | None, prometheus_token: str | None,
                    as_json: bool, fail_on_findings: bool, max_bytes: int,
                    timeout_s: float) -> None:
-    """Rank the likely causes of an SLO breach or a hit-rate drop: on a live server, from
-    two scrapes of its /metrics URL `--window` seconds apart (a URL with no path, like
-    http://host:8000, means its /metrics); or, with `--prometheus`, from that server's
-    samples of kvheat's series at `--start` and `--end`.
+    """Rank the likely causes of an SLO breach or a hit-rate drop.
+
+    On a live server, from two scrapes of its /metrics URL `--window` seconds apart (a URL
+    with no path, like http://host:8000, means its /metrics); or, with `--prometheus`, from
+    that server's samples of kvheat's series at `--start` and `--end`.
 
     Exit codes: 0 done, 1 findings with --fail-on-findings, 2 an unusable input (one
     `error:` line)."""

@@ -56,8 +56,10 @@ def parse_time(text: str, now: float) -> float:
 
 
 def selector(match: str | None) -> str:
-    """The PromQL selector of kvheat's series; `match` is label matchers
-    (`job="kvheat",instance=~"a.*"`) or a bare instance (`10.0.0.5:8000`)."""
+    """The PromQL selector of kvheat's series.
+
+    `match` is label matchers (`job="kvheat",instance=~"a.*"`) or a bare instance
+    (`10.0.0.5:8000`)."""
     inner = f'__name__=~"{SERIES}"'
     m = (match or "").strip().strip("{}").strip()
     if not m:
@@ -104,8 +106,9 @@ def query(base: str, promql: str, at: float, token: str | None = None,
 
 def kvheat_scrape(base: str, at: float, match: str | None = None, token: str | None = None,
                   max_bytes: int = MAX_BYTES, timeout_s: float = TIMEOUT_S) -> Scrape:
-    """Every kvheat series the selector matches at `at`, as a /metrics scrape would give them
-    (`_created` samples left out, as parse_metrics does)."""
+    """Every kvheat series the selector matches at `at`, as a /metrics scrape gives them.
+
+    `_created` samples are left out, as parse_metrics does."""
     out: Scrape = {}
     for labels, v in query(base, selector(match), at, token, max_bytes, timeout_s):
         name = labels.pop("__name__", "")
@@ -122,9 +125,10 @@ def _iso(t: float) -> str:
 def snapshot(base: str, start: float, end: float, match: str | None = None,
              token: str | None = None, max_bytes: int = MAX_BYTES,
              timeout_s: float = TIMEOUT_S) -> Snapshot:
-    """The two scrapes, at `start` and at `end`, as a Snapshot (no /admin/stats: it is live
-    state, not history). A series missing at `start` (the server started inside the range)
-    counts from zero, as a fresh server's counters do."""
+    """The two scrapes, at `start` and at `end`, as a Snapshot.
+
+    No /admin/stats: it is live state, not history. A series missing at `start` (the server
+    started inside the range) counts from zero, as a fresh server's counters do."""
     if not end > start:
         raise DoctorError(f"bad range: the end ({_iso(end)}) is not after the start "
                           f"({_iso(start)})")

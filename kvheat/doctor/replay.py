@@ -30,6 +30,7 @@ RECOVER = 0.9  # the share of the gap to an unbounded cache a recommended size m
 
 class RecentKeys:
     """The last admitted prompts of one arm, as block keys, bounded in prompts and keys.
+
     Keeping a prompt costs no hashing: the keys are the ones its request already made."""
 
     def __init__(self, max_requests: int = MAX_REQUESTS, max_keys: int = MAX_KEYS) -> None:
@@ -38,6 +39,7 @@ class RecentKeys:
         self.num_keys = 0
 
     def add(self, t: float, keys: list[bytes]) -> None:
+        """Keep one admitted prompt's keys, dropping the oldest prompts beyond the bounds."""
         ks = keys if len(keys) <= self.max_keys else keys[:self.max_keys]
         if not ks:  # shorter than a block: nothing the cache could hold
             return
@@ -49,8 +51,10 @@ class RecentKeys:
             self.num_keys -= len(self.entries.popleft()[1])
 
     def export(self) -> list[dict[str, Any]]:
-        """`[{"t": seconds since the first, "blocks": [id, ...]}]`, oldest first; an id
-        stands for one distinct key within this answer only."""
+        """The prompts kept, oldest first, as `{"t", "blocks"}` objects.
+
+        `[{"t": seconds since the first, "blocks": [id, ...]}]`; an id stands for one
+        distinct key within this answer only."""
         ids: dict[bytes, int] = {}
         t0 = self.entries[0][0] if self.entries else 0.0
         return [{"t": round(t - t0, 3), "blocks": [ids.setdefault(k, len(ids)) for k in ks]}
@@ -59,6 +63,8 @@ class RecentKeys:
 
 @dataclass(frozen=True, slots=True)
 class CapacityReplay:
+    """One arm's prompts replayed at several pool sizes, and the size recommended."""
+
     arm: str
     policy: str
     block_size: int
@@ -72,6 +78,7 @@ class CapacityReplay:
 
     @property
     def current(self) -> float:
+        """The replayed hit rate at the pool's current size."""
         return self.hit_rates[self.blocks]
 
 
@@ -86,6 +93,7 @@ def recent_keys_url(admin_url: str) -> str:
 
 def fetch_recent_keys(admin_url: str, token: str | None = None,
                       max_bytes: int = MAX_BYTES, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
+    """The server's recent-keys record (every arm's recent prompts), from its admin API."""
     url = recent_keys_url(admin_url)
     out = loads_json(fetch(url, token, max_bytes, timeout_s), url)
     if not isinstance(out, dict) or not isinstance(out.get("arms"), dict):
@@ -96,8 +104,9 @@ def fetch_recent_keys(admin_url: str, token: str | None = None,
 def with_recent_keys(admin: dict[str, Any] | None, admin_url: str | None, token: str | None,
                      max_bytes: int = MAX_BYTES,
                      timeout_s: float = TIMEOUT_S) -> dict[str, Any] | None:
-    """/admin/stats with the recent-keys record added as "recent_keys" (for `capacity`);
-    a server without the endpoint (older) leaves it out, and the estimate is used."""
+    """/admin/stats with the recent-keys record added as "recent_keys" (for `capacity`).
+
+    A server without the endpoint (older) leaves it out, and the estimate is used."""
     if admin is None or not admin_url:
         return admin
     try:
@@ -122,11 +131,12 @@ def _trace(requests: object, block_size: int) -> list[TraceRequest]:
 
 def replay_arm(arm: str, record: dict[str, Any],
                factors: Sequence[float] = FACTORS) -> CapacityReplay | None:
-    """Replay one arm's record at its pool size and at each factor of it; None when the
-    record is empty or malformed. The replay runs one prompt at a time and holds the
-    prompts' full blocks only (not the decoded ones, nor the blocks of requests in flight),
-    so its hit rate at the current size can be above the server's: compare sizes with it,
-    not with /metrics."""
+    """Replay one arm's record at its pool size and at each factor of it.
+
+    None when the record is empty or malformed. The replay runs one prompt at a time and
+    holds the prompts' full blocks only (not the decoded ones, nor the blocks of requests in
+    flight), so its hit rate at the current size can be above the server's: compare sizes
+    with it, not with /metrics."""
     bs, blocks, policy = record.get("block_size"), record.get("blocks"), record.get("policy")
     if not (isinstance(bs, int) and bs > 0 and isinstance(blocks, int) and blocks > 0
             and isinstance(policy, str)):
@@ -155,6 +165,7 @@ def replay_arm(arm: str, record: dict[str, Any],
 
 
 def replay_all(recent: dict[str, Any]) -> list[CapacityReplay]:
+    """`replay_arm` of every arm of a recent-keys record that can be replayed."""
     arms = recent.get("arms")
     out = [replay_arm(str(a), r) for a, r in (arms.items() if isinstance(arms, dict) else [])
            if isinstance(r, dict)]

@@ -34,14 +34,17 @@ Scrape = dict[Key, float]
 
 
 class DoctorError(Exception):
-    """A scrape that cannot be used: unreachable, refused, too slow, too large or not
-    parseable."""
+    """A scrape that cannot be used.
+
+    Unreachable, refused, too slow, too large or not parseable."""
 
 
 def sample_value(v: float, series: str, where: str) -> float:
-    """A parsed sample, checked: NaN passes (legal in Prometheus: "no data", which
-    `Snapshot` drops); ±Inf, or a magnitude above `MAX_VALUE` (an overflowing number
-    parses as Inf), is no figure kvheat exports and makes the answer unusable."""
+    """A parsed sample, checked: NaN or a finite value within `MAX_VALUE`.
+
+    NaN passes (legal in Prometheus: "no data", which `Snapshot` drops); ±Inf, or a
+    magnitude above `MAX_VALUE` (an overflowing number parses as Inf), is no figure kvheat
+    exports and makes the answer unusable."""
     if math.isnan(v) or abs(v) <= MAX_VALUE:
         return v
     raise DoctorError(f"{where}: {series} = {v:g} is not a finite value (at most "
@@ -66,9 +69,10 @@ def _json_constant(name: str, where: str) -> float:
 
 
 def loads_json(body: bytes, where: str) -> Any:
-    """JSON with every number finite and at most `MAX_VALUE` (Python's json reads NaN,
-    Infinity and 1e999 as floats and any integer, however long); a bad one raises
-    DoctorError, as does text that is not JSON."""
+    """JSON with every number finite and at most `MAX_VALUE`.
+
+    Python's json reads NaN, Infinity and 1e999 as floats and any integer, however long; a
+    bad one raises DoctorError, as does text that is not JSON."""
     try:
         return json.loads(body, parse_float=functools.partial(_json_number, where=where),
                           parse_int=functools.partial(_json_int, where=where),
@@ -161,8 +165,9 @@ def _error_detail(e: urllib.error.HTTPError) -> str:
 
 
 def with_path(url: str, path: str) -> str:
-    """`url` with `path` put in when it has none ("http://host:8000" or ".../"): an
-    operator gives the server's address, the doctor knows where its endpoint is."""
+    """`url` with `path` put in when it has none ("http://host:8000" or ".../").
+
+    An operator gives the server's address, the doctor knows where its endpoint is."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme and parts.netloc and parts.path in ("", "/"):
         return urllib.parse.urlunsplit(parts._replace(path=path))
@@ -172,9 +177,10 @@ def with_path(url: str, path: str) -> str:
 def fetch(url: str, token: str | None = None, max_bytes: int = MAX_BYTES,
           timeout_s: float = TIMEOUT_S, accept: str = "text/plain", where: str | None = None,
           expect: str = "") -> bytes:
-    """The answer's body, at most `max_bytes`, whole within `timeout_s` seconds; `where`
-    names the URL in errors (a query URL is long), `expect` says what the URL should be
-    when it answers 404."""
+    """The answer's body, at most `max_bytes`, whole within `timeout_s` seconds.
+
+    `where` names the URL in errors (a query URL is long), `expect` says what the URL should
+    be when it answers 404."""
     where = where or url
     req = urllib.request.Request(url, headers={"Accept": accept})
     if token:
@@ -207,8 +213,9 @@ def _too_slow(where: str, timeout_s: float) -> DoctorError:
 
 
 def parse_metrics(body: bytes, where: str = "/metrics") -> Scrape:
-    """Prometheus text -> {(name, labels): value}; `_created` samples are left out, every
-    value is checked (`sample_value`)."""
+    """Prometheus text as {(name, labels): value}.
+
+    `_created` samples are left out, every value is checked (`sample_value`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -233,11 +240,13 @@ METRICS_EXPECTED = "a `kvheat serve` /metrics URL, e.g. http://host:8000/metrics
 
 def scrape(url: str, token: str | None = None, max_bytes: int = MAX_BYTES,
            timeout_s: float = TIMEOUT_S) -> Scrape:
+    """One /metrics scrape of `url`, parsed."""
     return parse_metrics(fetch(url, token, max_bytes, timeout_s, expect=METRICS_EXPECTED), url)
 
 
 def admin_stats(url: str, token: str | None = None, max_bytes: int = MAX_BYTES,
                 timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
+    """The JSON object a server's /admin/stats at `url` answers."""
     out = loads_json(fetch(url, token, max_bytes, timeout_s,
                            expect="the server's /admin/stats URL, e.g. "
                                   "http://host:8000/admin/stats"), url)

@@ -44,6 +44,7 @@ PREFILL_CHUNK = 256  # query rows per attention call in a prefill on a cached pr
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of L new tokens, on top of the earlier tokens whose keys lead k/v.
+
     q [H, L, D]; k/v [KVH, S, *] with KVH dividing H (grouped heads share a K/V head,
     no copy); prefix_mask: None when S == L (no earlier tokens), else bool [L, S] (query
     i sees keys up to S - L + i), or that mask as an additive bias. Returns [H, L, Dv].
@@ -81,6 +82,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def latent_attention(q: torch.Tensor, ctx: torch.Tensor, value_width: int, scale: float,
                      mask: torch.Tensor | None) -> torch.Tensor:
     """Attention with one K/V head shared by all query heads: MLA in absorbed form.
+
     q [B, R, C] (heads x queries as rows), ctx [B, S, C] the cached latents (keys; their
     first `value_width` numbers are the values), mask bool broadcastable to [B, R, S].
     Returns [B, R, value_width]. Plain batched matmuls: SDPA on CPU takes its math path
@@ -105,9 +107,10 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
 def paged_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] for the step's new tokens; k_cache/v_cache
-    [num_blocks, block_size, KVH, D] of this layer. Writes k/v into the pool, returns
-    the attention output [T, H, D]."""
+    """Write the step's new K/V into the pool and attend over it (GQA).
+
+    q [T, H, D], k/v [T, KVH, D] for the step's new tokens; k_cache/v_cache [num_blocks,
+    block_size, KVH, D] of this layer. Returns the attention output [T, H, D]."""
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
@@ -163,9 +166,10 @@ def _gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale + bias) v and the rows' log-sum-exp, q [B, H, L, d],
-    k/v [B, H, S, d]. On CPU torch's flash kernel returns both (the public SDPA drops the
-    log-sum-exp); elsewhere plain matmuls."""
+    """softmax(q k^T * scale + bias) v, and the rows' log-sum-exp.
+
+    q [B, H, L, d], k/v [B, H, S, d]. On CPU torch's flash kernel returns both (the public
+    SDPA drops the log-sum-exp); elsewhere plain matmuls."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=bias, scale=scale)
@@ -189,9 +193,10 @@ def paged_mla_attention(
     expand_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     w_uk: torch.Tensor, w_uv: torch.Tensor, absorb_prefill: bool = False,
 ) -> torch.Tensor:
-    """Multi-head latent attention over the pool. q_nope [T, H, dn], q_rope [T, H, dr],
-    latent [T, r + dr] (normalised c_kv then rotated k_rope) for the new tokens.
-    Returns [T, H, dv].
+    """Multi-head latent attention over the pool; returns [T, H, dv].
+
+    q_nope [T, H, dn], q_rope [T, H, dr], latent [T, r + dr] (normalised c_kv then rotated
+    k_rope) for the new tokens.
 
     Prefills expand the latent into per-head K/V (`expand_kv`: c_kv [S, r] -> k_nope
     [S, H, dn], v [S, H, dv]) since their queries are many. Decodes use the absorbed form:

@@ -24,6 +24,8 @@ def _additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass(slots=True)
 class SeqSpan:
+    """One sequence's part of a step: its new tokens, its KV so far and its block table."""
+
     q_start: int  # offset of the sequence's first new token in the flat token list
     q_len: int
     num_computed: int  # KV already in the pool before this step
@@ -36,8 +38,10 @@ class SeqSpan:
     prefix_bias: torch.Tensor | None = None  # the mask as 0 / -inf of the model's dtype
 
     def attention_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """prefix_mask as an additive bias, made on the first layer and reused by the
-        others (SDPA converts a bool mask on every call)."""
+        """`prefix_mask` as an additive bias of `dtype` (None without a prefix).
+
+        Made on the first layer and reused by the others (SDPA converts a bool mask on every
+        call)."""
         if self.prefix_mask is None:
             return None
         if self.prefix_bias is None or self.prefix_bias.dtype != dtype:
@@ -46,6 +50,7 @@ class SeqSpan:
 
     @property
     def context_len(self) -> int:
+        """Tokens the sequence's new tokens attend to: its KV so far plus themselves."""
         return self.num_computed + self.q_len
 
     @property
@@ -58,9 +63,10 @@ class SeqSpan:
 
 @dataclass(slots=True)
 class SharedPrefix:
-    """Decode sequences whose block tables begin with the same blocks (a shared system
-    prompt, one conversation's turns): the prefix's K/V is gathered once and all their
-    queries attend to it in one call, instead of once per sequence."""
+    """Decode sequences whose block tables begin with the same blocks.
+
+    A shared system prompt, one conversation's turns: the prefix's K/V is gathered once and
+    all their queries attend to it in one call, instead of once per sequence."""
     rows: torch.Tensor  # int64 [m]: rows of these sequences in the decode batch
     blocks: torch.Tensor  # int64 [P]: the shared blocks, in order
 
@@ -89,6 +95,7 @@ class AttentionMetadata:
 
     @property
     def num_decodes(self) -> int:
+        """Decode sequences in the step."""
         return int(self.decode_index.numel())
 
     def decode_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -102,10 +109,11 @@ class AttentionMetadata:
 
 def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device,
                    share_prefixes: bool = False) -> AttentionMetadata:
-    """Slot mapping and per-path views of a step. Plain Python arithmetic: a decode step
-    is many one-token sequences, for which tensor ops per sequence cost more than the
-    step's attention. `share_prefixes`: find decodes whose tables start alike
-    (`SharedPrefix`); only the GQA decode path reads them."""
+    """The slot mapping and per-path views of a step's spans.
+
+    Plain Python arithmetic: a decode step is many one-token sequences, for which tensor ops
+    per sequence cost more than the step's attention. `share_prefixes`: find decodes whose
+    tables start alike (`SharedPrefix`); only the GQA decode path reads them."""
     slots: list[int] = []
     prefills: list[SeqSpan] = []
     decodes: list[tuple[SeqSpan, list[int]]] = []
@@ -183,7 +191,9 @@ def _shared_prefixes(decodes: list[tuple[SeqSpan, list[int]]], bs: int
 
 def causal_offset_mask(q_len: int, num_computed: int, device: torch.device,
                         first: int = 0) -> torch.Tensor:
-    """bool [q_len, num_computed + first + q_len]: new token `first + i` (at position
+    """The causal mask of `q_len` new tokens after `num_computed + first` earlier ones.
+
+    bool [q_len, num_computed + first + q_len]: new token `first + i` (at position
     num_computed + first + i) sees keys up to its own position."""
     end = num_computed + first + q_len
     q_pos = torch.arange(num_computed + first, end, device=device)

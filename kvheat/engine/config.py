@@ -15,6 +15,8 @@ from .load_classes import LOAD_CLASSES, ClassWeight, default_class_weights
 
 @dataclass(slots=True)
 class SchedulerConfig:
+    """How the scheduler batches: token and sequence limits, prefix caching, preemption."""
+
     max_num_batched_tokens: int = 256  # tokens per step, decode and prefill together
     max_num_seqs: int = 16  # running sequences at once
     prefix_caching: str = "block"  # "block": any cached prefix; "exact": whole prompt only; "off"
@@ -60,6 +62,8 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
+    """The engine's KV pool, block size, eviction policy, scheduler and lower tiers."""
+
     num_blocks: int | None = 512  # device KV blocks; or size the pool by kv_memory_bytes
     kv_memory_bytes: int | None = None
     block_size: int = 16

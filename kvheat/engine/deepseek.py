@@ -26,6 +26,8 @@ from .rotary import apply_rope, apply_rope_interleaved
 
 
 class MLAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (MLA) layer over the paged KV pool."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -60,6 +62,7 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, pool: DeviceKVPool) -> torch.Tensor:
+        """Attention of the step's tokens `x`; writes their latents into the pool."""
         t = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(t, self.heads, self.dn + self.dr)
@@ -105,6 +108,7 @@ class MoEGate(nn.Module):
             choice.shape[0], -1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts and their weights, as DeepSeek's router picks them."""
         logits = torch.nn.functional.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(-1)
         per_group = self.n_experts // self.n_group
@@ -132,6 +136,8 @@ class MoEGate(nn.Module):
 
 
 class MoE(nn.Module):
+    """DeepSeek's mixture of experts: routed experts, plus shared ones when the config has them."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate = MoEGate(cfg)
@@ -143,6 +149,7 @@ class MoE(nn.Module):
                                         cfg.hidden_act) if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run each token through its chosen experts (and the shared ones) and mix their outputs."""
         idx, weights = self.gate(x)
         out = torch.zeros_like(x)
         # Group the (token, slot) pairs by expert so each expert runs once on its tokens.
@@ -165,6 +172,8 @@ class MoE(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
+    """One DeepSeek decoder layer: MLA, then a dense MLP or a mixture of experts."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg, layer)
@@ -175,17 +184,21 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, pool: DeviceKVPool) -> torch.Tensor:
+        """The layer's output for the step's tokens `x` (pre-norm residual blocks)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekForCausalLM(CausalLM):
+    """A DeepSeek (V2/V3 family) causal LM over the paged KV pool."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         if not cfg.is_mla:
             raise ValueError(f"{cfg.model_type} is not a DeepSeek config; use LlamaForCausalLM")
         super().__init__(cfg, [DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
 
     def set_absorb_prefill(self, on: bool) -> None:
+        """Run prefills in MLA's absorbed form too (`on`), or expanded (the default)."""
         for m in self.modules():
             if isinstance(m, MLAttention):
                 m.absorb_prefill = on

@@ -77,6 +77,8 @@ class _Req:
 
 
 class LLMEngine:
+    """A model, its paged KV pool, the block cache, the scheduler and the lower tiers."""
+
     def __init__(self, model: CausalLM, tokenizer: Any = None,
                  config: EngineConfig | None = None, policy: EvictionPolicy | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -118,9 +120,10 @@ class LLMEngine:
 
     # ---- tenants (the admin API calls these between steps) -------------------------------
     def flush_tenant(self, tenant: str | None) -> dict[str, int]:
-        """Delete a tenant's KV everywhere: its unreferenced device blocks (deleted, not
-        demoted) and what every lower tier holds of it. Returns the entries deleted per
-        tier ("device", then the tiers' names)."""
+        """Delete a tenant's KV everywhere; returns the entries deleted per tier.
+
+        Its unreferenced device blocks (deleted, not demoted) and what every lower tier
+        holds of it; the counts are keyed "device", then the tiers' names."""
         out = {"device": self.cache.flush_tenant(tenant)}
         if self.tiers is not None:
             out.update(purge(self.tiers, self.cache, tenant))
@@ -131,16 +134,21 @@ class LLMEngine:
         return self.cache.set_tenant_quota(tenant, blocks)
 
     def pin_prefix(self, tokens: Sequence[int], tenant: str | None = None) -> int:
-        """Pin the cached prefix of `tokens` as this engine's scheduler keys it (a whole
-        prompt in "exact" mode); returns tokens pinned."""
+        """Pin the cached prefix of `tokens`; returns the tokens pinned.
+
+        The prefix is keyed as this engine's scheduler keys it (a whole prompt in "exact"
+        mode)."""
         return self.cache.pin_prefix(tokens, tenant, scope=self.scheduler.prompt_scope(tokens))
 
     def unpin_prefix(self, tokens: Sequence[int], tenant: str | None = None) -> int:
+        """Unpin a prefix `pin_prefix` pinned; returns the tokens unpinned."""
         return self.cache.unpin_prefix(tokens, tenant, scope=self.scheduler.prompt_scope(tokens))
 
     def prefill_tokens_per_s(self) -> float | None:
-        """Measured prompt throughput of the forward pass (a moving average over steps
-        that prefill at least 32 tokens); None before the first such step."""
+        """The forward pass's measured prompt throughput in tokens/s.
+
+        A moving average over steps that prefill at least 32 tokens; None before the
+        first such step."""
         return self._prefill_speed
 
     def close(self) -> None:
@@ -186,8 +194,9 @@ class LLMEngine:
 
     def abort(self, request_id: str, reason: str = "abort",
               outcome: Outcome = Outcome.CANCELLED) -> None:
-        """End a request now: its blocks are freed (full ones stay cached). By default it
-        was cancelled (the client went away); a caller that ends it because the answer is
+        """End a request now: its blocks are freed (full ones stay cached).
+
+        By default it was cancelled (the client went away); a caller that ends it because the answer is
         complete (a stop string matched) says so: `reason` "stop", `outcome` FINISHED, which
         the cache policy sees as it sees a request the model ended."""
         r = self.requests.get(request_id)
@@ -207,10 +216,12 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
+        """True while requests are waiting or running."""
         return self.scheduler.has_work
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
+        """Run one scheduled batch through the model; returns the tokens it made."""
         if self._failed is not None:
             raise RuntimeError("the engine failed in an earlier step; make a new one") \
                 from self._failed
@@ -350,12 +361,15 @@ class LLMEngine:
         return [self.release(i) for i in ids]
 
     def check_accounting(self) -> None:
+        """Raise when the blocks of the running sequences do not balance (tests)."""
         self.scheduler.check_accounting()
 
 
 class ContextLengthExceeded(ValueError):
-    """A request longer than the model's context; `param` names the request field at fault
-    ("prompt" or "max_tokens"), for the server's 400 `context_length_exceeded`."""
+    """A request longer than the model's context.
+
+    `param` names the request field at fault ("prompt" or "max_tokens"), for the server's
+    400 `context_length_exceeded`."""
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
@@ -363,9 +377,11 @@ class ContextLengthExceeded(ValueError):
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int, context_length: int) -> None:
-    """The one context-length check of a request (`add_request` raises it, the server
-    answers it with a 400): the prompt leaves room for at least one new token, and the
-    prompt plus `max_tokens` fits the context."""
+    """Check that a request fits the model's context.
+
+    The one context-length check (`add_request` raises it, the server answers it with a
+    400): the prompt leaves room for at least one new token, and the prompt plus
+    `max_tokens` fits the context."""
     n, ctx = num_prompt_tokens, context_length
     if n >= ctx:
         raise ContextLengthExceeded(f"the prompt has {n} tokens; this model's context "
@@ -385,9 +401,11 @@ def _check_prompt(prompt: list[int], max_tokens: int, model_config: Any) -> None
 
 
 def model_fingerprint(model: torch.nn.Module, sample_bytes: int = 1 << 16) -> str:
-    """A short digest naming these weights: every tensor's name, shape and dtype, and its
-    first, middle and last `sample_bytes`. KV stored on disk or in Redis under one
-    fingerprint is never read by an engine running other weights."""
+    """A short digest naming these weights.
+
+    It covers every tensor's name, shape and dtype, and its first, middle and last
+    `sample_bytes`. KV stored on disk or in Redis under one fingerprint is never read by
+    an engine running other weights."""
     import xxhash
 
     h = xxhash.xxh3_128()

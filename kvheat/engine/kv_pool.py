@@ -30,6 +30,8 @@ class _KVShape(Protocol):  # what the pool needs of a model config
 
 
 class DeviceKVPool:
+    """The device's paged KV memory: one tensor of blocks for every layer."""
+
     def __init__(self, layout: str, num_layers: int, num_blocks: int, block_size: int,
                  token_shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
@@ -70,12 +72,14 @@ class DeviceKVPool:
     def for_model(cls, cfg: Any, num_blocks: int, block_size: int = 16,
                   dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu") -> DeviceKVPool:
+        """A pool of `num_blocks` blocks laid out for the model of config `cfg`."""
         layout, token_shape = cls._layout_of(cfg)
         return cls(layout, cfg.num_hidden_layers, num_blocks, block_size, token_shape,
                    dtype, device)
 
     @classmethod
     def block_bytes(cls, cfg: Any, block_size: int, dtype: torch.dtype) -> int:
+        """The bytes one block of the model of config `cfg` takes, all layers."""
         layout, token_shape = cls._layout_of(cfg)
         per_token = 1
         for s in token_shape:
@@ -111,6 +115,7 @@ class DeviceKVPool:
 
     @property
     def total_bytes(self) -> int:
+        """The bytes the pool's KV tensor takes."""
         return self.kv.numel() * self.kv.element_size()
 
     # ---- one block, all layers: for tier transfers -------------------------------------
@@ -129,17 +134,20 @@ class DeviceKVPool:
         return views[block_id]
 
     def read_block(self, block_id: int) -> torch.Tensor:
-        """A contiguous copy of one block's KV, all layers: GQA
-        [layers, 2, block_size, kv_heads, head_dim], MLA [layers, block_size, width]."""
+        """A contiguous copy of one block's KV, all layers.
+
+        GQA [layers, 2, block_size, kv_heads, head_dim], MLA [layers, block_size, width]."""
         return self.block_view(block_id).contiguous()
 
     def read_block_bytes(self, block_id: int) -> bytes:
+        """One block's KV as bytes (`read_block`, on the host)."""
         t = self.read_block(block_id).cpu()
         return t.view(torch.uint8).numpy().tobytes()
 
     def write_block(self, block_id: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
-        """Overwrite one block's KV with `data` as `read_block` (or `read_block_bytes`)
-        returned it; a wrong size or shape raises and leaves the pool unchanged."""
+        """Overwrite one block's KV with `data` as `read_block` (or `read_block_bytes`) returned it.
+
+        A wrong size or shape raises and leaves the pool unchanged."""
         view = self.block_view(block_id)
         if isinstance(data, (bytes, bytearray, memoryview)):
             if len(data) != self.bytes_per_block:

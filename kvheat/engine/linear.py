@@ -32,8 +32,10 @@ EXACT_ROWS = 16
 
 
 def padded_rows(rows: int) -> int:
-    """The row count a GEMM of `rows` rows runs at: `rows` up to EXACT_ROWS, else rounded
-    up to a multiple of 1/16 of the next power of two (at most 1/8 more rows)."""
+    """The row count a GEMM of `rows` rows runs at.
+
+    `rows` up to EXACT_ROWS, else rounded up to a multiple of 1/16 of the next power of two
+    (at most 1/8 more rows)."""
     if rows <= EXACT_ROWS:
         return rows
     step = (1 << (rows - 1).bit_length()) >> 4
@@ -41,13 +43,16 @@ def padded_rows(rows: int) -> int:
 
 
 def packable(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can pack `weight`: float32, on the CPU, with oneDNN available."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
             and torch.backends.mkldnn.is_available())
 
 
 class PackedGemm:
-    """y = x [W_1; W_2; ...]^T + [b_1; b_2; ...]: the parts' outputs side by side, from one
-    GEMM on their weights concatenated and packed for oneDNN."""
+    """Several linear layers' outputs side by side, from one packed GEMM.
+
+    y = x [W_1; W_2; ...]^T + [b_1; b_2; ...]: the parts' weights concatenated and packed
+    for oneDNN."""
 
     def __init__(self, parts: list[nn.Linear]) -> None:
         self.parts = parts
@@ -81,12 +86,14 @@ def fused_projection(x: torch.Tensor, gemm: PackedGemm | None,
 
 
 def project(x: torch.Tensor, gemm: PackedGemm | None, layer: nn.Linear) -> torch.Tensor:
+    """`layer(x)`, through its packed GEMM when it has one."""
     return layer(x) if gemm is None else gemm(x)
 
 
 def make_gemm(parts: list[nn.Linear]) -> PackedGemm | None:
-    """A packed GEMM over `parts`, or None where oneDNN packing does not apply (GPU,
-    half precision, no oneDNN): then the layers run as they are."""
+    """A packed GEMM over `parts`, or None where oneDNN packing does not apply.
+
+    GPU, half precision, no oneDNN: then the layers run as they are."""
     if not all(packable(p.weight) for p in parts):
         return None
     return PackedGemm(parts)

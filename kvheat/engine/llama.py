@@ -28,6 +28,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation function of a config's `hidden_act` name."""
     if name not in ACTIVATIONS:
         raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[name]
@@ -46,15 +47,19 @@ class GatedMLP(nn.Module):
         self.down: PackedGemm | None = None
 
     def pack(self) -> None:
+        """Pack the projections for the CPU's GEMM, where packing applies."""
         self.gate_up = make_gemm([self.gate_proj, self.up_proj])
         self.down = make_gemm([self.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(act(gate(x)) * up(x))."""
         gate, up = fused_projection(x, self.gate_up, [self.gate_proj, self.up_proj])
         return project(self.act(gate) * up, self.down, self.down_proj)
 
 
 class LlamaAttention(nn.Module):
+    """Llama-family attention (GQA, RoPE, optional q/k norms) over the paged KV pool."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -74,11 +79,13 @@ class LlamaAttention(nn.Module):
         self.out: PackedGemm | None = None
 
     def pack(self) -> None:
+        """Pack the projections for the CPU's GEMM, where packing applies."""
         self.qkv = make_gemm([self.q_proj, self.k_proj, self.v_proj])
         self.out = make_gemm([self.o_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, pool: DeviceKVPool) -> torch.Tensor:
+        """Attention of the step's tokens `x`; writes their K/V into the pool."""
         t = x.shape[0]
         q, k, v = fused_projection(x, self.qkv, [self.q_proj, self.k_proj, self.v_proj])
         q = q.view(t, self.heads, self.head_dim)
@@ -93,6 +100,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """One Llama-family decoder layer: attention, then a gated MLP."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer)
@@ -102,6 +111,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, pool: DeviceKVPool) -> torch.Tensor:
+        """The layer's output for the step's tokens `x` (pre-norm residual blocks)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -118,6 +128,7 @@ class DecoderBody(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, pool: DeviceKVPool) -> torch.Tensor:
+        """The final hidden states of the step's tokens: embedded, through every layer, normed."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
@@ -126,8 +137,10 @@ class DecoderBody(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A decoder plus its LM head; `forward` returns final hidden states of all new
-    tokens, `compute_logits` projects the rows the caller picks."""
+    """A decoder plus its LM head.
+
+    `forward` returns final hidden states of all new tokens, `compute_logits` projects the
+    rows the caller picks."""
 
     def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
         super().__init__()
@@ -138,28 +151,34 @@ class CausalLM(nn.Module):
         self.tie_weights()
 
     def pack_weights(self) -> None:
-        """Prepack the projections for the CPU's GEMM (kvheat.engine.linear); call again
-        after the weights change. A no-op where packing does not apply."""
+        """Prepack the projections for the CPU's GEMM (kvheat.engine.linear).
+
+        Call again after the weights change. A no-op where packing does not apply."""
         for m in self.modules():
             if isinstance(m, (LlamaAttention, GatedMLP)):
                 m.pack()
         self.head = make_gemm([self.lm_head])
 
     def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (again after
-        any re-materialisation, which unties)."""
+        """Share the embedding with the LM head when the config says so.
+
+        Again after any re-materialisation, which unties."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, pool: DeviceKVPool) -> torch.Tensor:
+        """The final hidden states of the step's new tokens."""
         return self.model(input_ids, positions, meta, pool)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float logits of the hidden-state rows `hidden`."""
         return project(hidden, self.head, self.lm_head).float()
 
 
 class LlamaForCausalLM(CausalLM):
+    """A Llama-family causal LM (Llama, Mistral, Qwen2/3) over the paged KV pool."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         if cfg.is_mla:
             raise ValueError(f"{cfg.model_type} is a DeepSeek config; use DeepseekForCausalLM")

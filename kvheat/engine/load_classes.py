@@ -47,11 +47,13 @@ class ClassWeight:
     cap: float | None = None
 
     def weight(self, load_ratio: float) -> float:
+        """The class's weight at `load_ratio`: base plus the load term, capped."""
         w = self.base + self.load_coef * load_ratio
         return w if self.cap is None else min(w, self.cap)
 
 
 def default_class_weights() -> dict[str, ClassWeight]:
+    """The design's weights of the short, regular and long load classes."""
     # The design's table: short 1.8 (+0.5 x load), long-tail 0.3 (+0.2 x load, at most
     # 0.45); regular is its calcWeight base 1.0 with the same +0.5 x load compensation.
     return {SHORT: ClassWeight(1.8, 0.5), REGULAR: ClassWeight(1.0, 0.5),
@@ -68,12 +70,13 @@ def load_class(work: int, short_max_tokens: int, long_min_tokens: int) -> str:
 def share_prefill_budget(running: Sequence[C], waiting: Sequence[C], budget: int,
                          now: float, weights: dict[str, ClassWeight], aging_s: float,
                          try_run: Callable[[C, int], int]) -> int:
-    """Hand `budget` prefill tokens to the candidates (running sequences with tokens to
-    run, then waiting ones): aged requests first, whatever their class (the guard against
-    starvation); then each class within its weighted share of the rest, running ones
-    first, oldest first; then what a class left unused to the others, heaviest class
-    first. `try_run(seq, limit)` schedules up to `limit` tokens of `seq` and returns how
-    many it did. Returns the budget left."""
+    """Hand `budget` prefill tokens to the candidates; returns the budget left.
+
+    The candidates are the running sequences with tokens to run, then waiting ones: aged
+    requests first, whatever their class (the guard against starvation); then each class
+    within its weighted share of the rest, running ones first, oldest first; then what a
+    class left unused to the others, heaviest class first. `try_run(seq, limit)` schedules
+    up to `limit` tokens of `seq` and returns how many it did."""
     cands = [*running, *waiting]
     if not cands:
         return budget

@@ -64,8 +64,9 @@ def _tiny_tokenizer_json(vocab_size: int) -> str:
 
 
 class Tokenizer:
-    """A `tokenizers` tokenizer plus what an engine needs of tokenizer_config.json:
-    special tokens and the chat template."""
+    """A `tokenizers` tokenizer plus what an engine needs of tokenizer_config.json.
+
+    Its special tokens and its chat template."""
 
     def __init__(self, tokenizer_json: str, bos_token: str | None = None,
                  eos_token: str | list[str] | None = None, chat_template: str | None = None,
@@ -88,6 +89,7 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        """The tokenizer of a Hugging Face model directory."""
         path = Path(path)
         tj = path / "tokenizer.json"
         if not tj.is_file():
@@ -106,16 +108,20 @@ class Tokenizer:
 
     @classmethod
     def tiny(cls, vocab_size: int = 1024) -> Tokenizer:
+        """The built-in tiny models' tokenizer, of `vocab_size` tokens."""
         return cls(_tiny_tokenizer_json(vocab_size), "<|bos|>", "<|eos|>", TINY_CHAT_TEMPLATE)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of `text`."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of token ids `ids`."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[dict[str, str]],
                     add_generation_prompt: bool = True) -> str:
+        """The prompt text of chat `messages`, by the chat template (or a plain format)."""
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("each chat message needs a 'role' and a 'content'")
@@ -128,11 +134,13 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of chat `messages`, rendered by the chat template."""
         # The template writes the special tokens itself (as transformers does).
         return self.encode(self.render_chat(messages, add_generation_prompt),
                            add_special_tokens=False)
 
     def save(self, path: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json into folder `path`."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "tokenizer.json").write_text(self._tok.to_str())
@@ -165,8 +173,10 @@ def _jinja_env() -> Any:
 
 # ---- tiny default configs ---------------------------------------------------------------
 def tiny_config(family: str = "llama") -> ModelConfig:
-    """The built-in tiny model of a family: small enough for CPU tests and benches,
-    shaped so that vLLM's CPU build accepts it (head_dim 64; MLA latent + rope = 576)."""
+    """The built-in tiny model of a family.
+
+    Small enough for CPU tests and benches, shaped so that vLLM's CPU build accepts it
+    (head_dim 64; MLA latent + rope = 576)."""
     if family == "llama":
         return ModelConfig(model_type="llama", vocab_size=1024, hidden_size=256,
                            intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -191,6 +201,7 @@ def tiny_config(family: str = "llama") -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:
+    """An uninitialised model of config `cfg`: DeepSeek for an MLA config, else Llama."""
     if cfg.is_mla:
         from .deepseek import DeepseekForCausalLM
 
@@ -199,8 +210,10 @@ def build_model(cfg: ModelConfig) -> CausalLM:
 
 
 def init_random_weights(model: nn.Module, seed: int = 0) -> None:
-    """Seeded weights with O(1) activations: embeddings N(0, 1), each matrix
-    N(0, 1/fan_in), biases N(0, 0.02), norms near one, router bias near zero."""
+    """Draw seeded weights with O(1) activations.
+
+    Embeddings N(0, 1), each matrix N(0, 1/fan_in), biases N(0, 0.02), norms near one,
+    router bias near zero."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -261,6 +274,7 @@ def _remap_weights(cfg: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[str, 
 
 def load_weights(model: CausalLM, weights: dict[str, torch.Tensor]) -> None:
     """Copy checkpoint tensors into the model by name; every parameter must be given.
+
     Everything is checked before anything is copied."""
     cfg: ModelConfig = model.config
     weights = _remap_weights(cfg, weights)
@@ -315,8 +329,10 @@ def _eos_ids(path: Path, cfg: ModelConfig) -> list[int]:
 def load_model(path: str | Path | None = None, family: str = "llama",
                dtype: torch.dtype = torch.float32, seed: int = 0,
                device: torch.device | str = "cpu") -> tuple[CausalLM, Tokenizer, ModelConfig]:
-    """(model, tokenizer, config). `path=None`: the built-in tiny model of `family` with
-    weights drawn from `seed`; otherwise a local Hugging Face directory."""
+    """A model, its tokenizer and its config.
+
+    `path=None`: the built-in tiny model of `family` with weights drawn from `seed`;
+    otherwise a local Hugging Face directory."""
     if path is None:
         cfg = tiny_config(family)
         seeded = _empty_model(cfg, torch.float32, "cpu")  # every tensor is drawn below
@@ -337,6 +353,7 @@ def load_model(path: str | Path | None = None, family: str = "llama",
 
 
 def save_model(model: CausalLM, tok: Tokenizer, path: str | Path) -> None:
+    """Write the model and its tokenizer as a Hugging Face directory at `path`."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -352,3 +369,15 @@ def save_model(model: CausalLM, tok: Tokenizer, path: str | Path) -> None:
         {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
          "do_sample": False}, indent=2))
     tok.save(path)
+
+
+def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0) -> Path:
+    """Write the built-in tiny model of `family` (weights drawn from `seed`) to `path`.
+
+    The folder is a Hugging Face model directory, which `load_model`, `kvheat serve`,
+    transformers and vLLM's CPU build all load; returns `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model, tok, _ = load_model(None, family, seed=seed)
+    save_model(model, tok, path)
+    return path

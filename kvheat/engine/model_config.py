@@ -18,6 +18,8 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 @dataclass(slots=True)
 class ModelConfig:
+    """A model's shape, as config.json gives it (Llama and DeepSeek families)."""
+
     model_type: str = "llama"
     vocab_size: int = 512
     hidden_size: int = 64
@@ -78,32 +80,39 @@ class ModelConfig:
     # ---- derived ----------------------------------------------------------------------
     @property
     def family(self) -> str:
+        """The model family: "deepseek" or "llama"."""
         return "deepseek" if self.model_type in DEEPSEEK_TYPES else "llama"
 
     @property
     def is_mla(self) -> bool:
+        """Whether the model uses multi-head latent attention (DeepSeek)."""
         return self.model_type in DEEPSEEK_TYPES
 
     @property
     def qk_head_dim(self) -> int:
+        """MLA's query/key head width: its no-RoPE part plus its RoPE part."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def rope_dim(self) -> int:
+        """The width RoPE rotates per head."""
         return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def eos_token_ids(self) -> list[int]:
+        """The end-of-sequence token ids (none, one or several)."""
         e = self.eos_token_id
         return [] if e is None else [e] if isinstance(e, int) else list(e)
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a mixture of experts."""
         return (self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
                 and layer % max(self.moe_layer_freq, 1) == 0)
 
     # ---- config.json ------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """The config of a Hugging Face config.json (a supported model type only)."""
         mt = d.get("model_type")
         if mt not in LLAMA_TYPES + DEEPSEEK_TYPES:
             raise ValueError(f"config.json model_type {mt!r} is not supported; supported: "

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class TokenOutput:
+    """One generated token of a request, as the engine streams it."""
+
     request_id: str
     token_id: int
     index: int  # 0 for the first generated token
@@ -24,6 +26,8 @@ class TokenOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
+    """One request's timings and the prompt tokens its cache served."""
+
     arrival: float
     num_prompt_tokens: int
     first_token: float | None = None
@@ -39,16 +43,20 @@ class RequestMetrics:
 
     @property
     def ttft(self) -> float | None:
+        """Seconds from arrival to the first token (None before it)."""
         return None if self.first_token is None else self.first_token - self.arrival
 
     @property
     def inter_token_latencies(self) -> list[float]:
+        """Seconds between consecutive generated tokens."""
         t = self.token_times
         return [b - a for a, b in itertools.pairwise(t)]
 
 
 @dataclass(slots=True)
 class RequestOutput:
+    """A finished request: its prompt, its output tokens, why it ended, its metrics."""
+
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -60,6 +68,8 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class EngineStats:
+    """The engine's counters: steps and their time, tokens run, preemptions, failures."""
+
     steps: int = 0
     step_seconds: float = 0.0  # whole steps: scheduling, forward pass, sampling
     schedule_seconds: float = 0.0  # the scheduler with the block cache's bookkeeping
@@ -83,6 +93,7 @@ class EngineStats:
         self.physical_blocks += num_referenced
 
     def count_tokens(self, items: Iterable[ScheduledItem]) -> None:
+        """Count a step's items as prefill or decode tokens."""
         for it in items:  # decode: one token after the whole prompt's KV
             if it.num_computed >= it.seq.num_prompt_tokens and len(it.token_ids) == 1:
                 self.decode_tokens += 1
@@ -91,5 +102,6 @@ class EngineStats:
 
     @property
     def kv_memory_saved(self) -> float:
+        """The share of logical blocks that sharing saved (1 - physical / logical)."""
         return 1.0 - self.physical_blocks / self.logical_blocks if self.logical_blocks else 0.0
 

@@ -13,13 +13,15 @@ from .model_config import ModelConfig
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context stretched `scale` times (1 when not stretched)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scale of the config's RoPE variant
-    (default, linear, llama3, yarn), as transformers computes them; fp32, on the CPU
-    (also while a model is built on the meta device)."""
+    """Inverse frequencies and the cos/sin scale of the config's RoPE variant.
+
+    Default, linear, llama3 or yarn, as transformers computes them; fp32, on the CPU (also
+    while a model is built on the meta device)."""
     dim = cfg.rope_dim
     base = cfg.rope_theta
     rs = cfg.rope_scaling
@@ -71,6 +73,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos and sin tables of rotary position embeddings for given positions."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         # A plain attribute, not a buffer: `model.to(bfloat16)` must not round it.
@@ -99,8 +103,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's interleaved pairs (x0, x1), (x2, x3) ...; the output is laid out
-    de-interleaved (evens then odds), exactly as transformers does, which keeps q.k."""
+    """Rotate DeepSeek's interleaved pairs (x0, x1), (x2, x3) ...
+
+    The output is laid out de-interleaved (evens then odds), exactly as transformers does,
+    which keeps q.k."""
     half = cos.shape[-1] // 2
     cos, sin = cos[:, None, :half], sin[:, None, :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]

@@ -22,12 +22,16 @@ from .model_config import ModelConfig
 
 @dataclass(slots=True)
 class SeqBatchItem:
+    """One sequence's part of a forward pass: its new tokens, its KV so far, its blocks."""
+
     token_ids: list[int]  # new tokens to run: a prefill chunk or one decode token
     num_computed: int  # tokens of this sequence whose KV is already in the pool
     block_table: list[int]  # pool blocks covering positions [0, num_computed + len(token_ids))
 
 
 class ModelRunner:
+    """Runs a model's forward passes over a batch of sequences on the paged KV pool."""
+
     def __init__(self, model: CausalLM, kv_pool: DeviceKVPool) -> None:
         cfg: ModelConfig = model.config
         layout = "mla" if cfg.is_mla else "gqa"
@@ -47,7 +51,7 @@ class ModelRunner:
         self.config = cfg
         self.block_size = kv_pool.block_size
         self.device = kv_pool.device
-        self.num_forward_tokens = 0  # tokens run through the model so far (for benches)
+        self.num_forward_tokens = 0  # tokens run through the model so far
 
     # ---- input checking -----------------------------------------------------------------
     def _spans(self, batch: Sequence[SeqBatchItem]) -> tuple[list[int], list[int], list[SeqSpan]]:
@@ -84,6 +88,7 @@ class ModelRunner:
 
     def prepare(self, batch: Sequence[SeqBatchItem]) -> tuple[torch.Tensor, torch.Tensor,
                                                               AttentionMetadata]:
+        """The input ids, positions and attention metadata of a batch."""
         ids, positions, spans = self._spans(batch)
         meta = build_metadata(spans, self.block_size, self.device,  # checks slot clashes
                               share_prefixes=not self.config.is_mla)

@@ -19,6 +19,8 @@ GREEDY_BELOW = 1e-5
 
 @dataclass(slots=True)
 class SamplingParams:
+    """How a request's tokens are drawn: length, temperature, top-p/top-k, seed, stops, bias."""
+
     max_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -40,8 +42,10 @@ class SamplingParams:
 
 
 class RequestSampler:
-    """One request's sampling state: its params, its generator (None when greedy) and its
-    logit bias as index / value tensors on the logits' device."""
+    """One request's sampling state.
+
+    Its params, its generator (None when greedy) and its logit bias as index / value tensors
+    on the logits' device."""
 
     __slots__ = ("params", "generator", "bias_ids", "bias_values")
 
@@ -64,8 +68,9 @@ class RequestSampler:
 
 
 def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int]:
-    """One token for each row of `logits` [rows, vocab], row i by `samplers[i]`. Adds the
-    logit biases in place: `logits` must be the caller's own copy."""
+    """One token for each row of `logits` [rows, vocab], row i by `samplers[i]`.
+
+    Adds the logit biases in place: `logits` must be the caller's own copy."""
     for i, s in enumerate(samplers):
         if s.bias_ids is not None:
             assert s.bias_values is not None

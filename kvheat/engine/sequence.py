@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 
 class SeqStatus(enum.Enum):
+    """Where a sequence is: waiting, running or finished."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -22,6 +24,7 @@ class SeqStatus(enum.Enum):
 
 class Seq:
     """One request as the scheduler sees it: its tokens so far and how many have KV.
+
     (`Seq`, not `Sequence`: that name is `collections.abc.Sequence` throughout kvheat.)"""
 
     __slots__ = (
@@ -59,10 +62,12 @@ class Seq:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The tokens generated so far."""
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
+        """How many tokens were generated so far."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -77,6 +82,8 @@ class Seq:
 
 @dataclass(slots=True)
 class ScheduledItem:
+    """One sequence's work in a step: the tokens to run, its KV so far, its blocks."""
+
     seq: Seq
     token_ids: list[int]  # the tokens to run this step
     num_computed: int  # KV already in the pool before them
@@ -86,10 +93,13 @@ class ScheduledItem:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step's schedule: the items to run, the sequences preempted, the tokens batched."""
+
     items: list[ScheduledItem]
     preempted: list[Seq]
     num_batched_tokens: int
 
     @property
     def empty(self) -> bool:
+        """Whether nothing is scheduled."""
         return not self.items

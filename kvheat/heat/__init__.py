@@ -1,7 +1,7 @@
 """Heat: decayed access entropy, drift, tuning and the heat eviction policies.
 
 The policies (`kvheat`, `lruk`, `fused`) need no import to be found: `make_policy` loads
-them by name (kvheat/cache/policy.py).
+them by name (kvheat/cache/eviction.py).
 """
 
 from .counts import HeatClock, HeatRecord
@@ -9,7 +9,7 @@ from .drift import DriftDetector
 from .entropy import EntropyTracker, shannon_bits
 from .fused import Fused, fused_score
 from .heap import BlockHeap
-from .kvheat import KVHeat
+from .heat_policy import KVHeat
 from .lruk import LRUK, LRUKHistory
 from .penalties import Penalties
 from .regime import Regime

@@ -24,8 +24,10 @@ from .entropy import LN2
 
 
 class HeatFields(Protocol):
-    """What KVHeat reads and writes of a node's record: a `HeatRecord`, or a node that is
-    its own record with these fields (vLLM's offload `Chunk`)."""
+    """What KVHeat reads and writes of a node's record.
+
+    A `HeatRecord`, or a node that is its own record with these fields (vLLM's offload
+    `Chunk`)."""
 
     count: float
     last: float
@@ -53,9 +55,10 @@ SHARED = object()  # `HeatRecord.owner` of a block two sessions used
 
 
 class HeatClock:
-    """Virtual time, the weight of an access now, and the generations counts are
-    relative to. `on_new_gen` is called at each new generation (every count's scale
-    changed: the policy re-keys its heap)."""
+    """Virtual time, the weight of an access now, and the generations counts are relative to.
+
+    `on_new_gen` is called at each new generation (every count's scale changed: the policy
+    re-keys its heap)."""
 
     __slots__ = ("half_life", "lam", "base", "gen", "gens", "t", "v", "accesses", "weight",
                  "cap", "max_count", "retunes", "on_new_gen", "rebase_at")
@@ -85,8 +88,9 @@ class HeatClock:
         self.gens[self.gen] = (self.base, self.lam)
 
     def advance(self, now: float) -> None:
-        """A new timestamp: virtual time moves to the accesses so far, and the weight of an
-        access now follows (moving the base if needed)."""
+        """Move to a new timestamp: virtual time to the accesses so far.
+
+        The weight of an access now follows (moving the base if needed)."""
         v = float(self.accesses)
         x = self.lam * (v - self.base)
         if x > self.rebase_at:
@@ -113,14 +117,16 @@ class HeatClock:
         self.on_new_gen()  # heap keys convert at the next victim, other counts on next touch
 
     def convert(self, m: float, gen: int, v: float) -> float:
-        """A sum relative to generation `gen`, last access `v`, in the current one: the
-        count at `v` is kept (in the old λ), then weighted as of `v` in the new one."""
+        """A sum relative to generation `gen`, last access `v`, in the current generation.
+
+        The count at `v` is kept (in the old λ), then weighted as of `v` in the new one."""
         base, lam = self.gens[gen]
         return m * math.exp(lam * (base - v) + self.lam * (v - self.base))
 
     def rescale(self, r: HeatFields) -> None:
-        """Bring `r`'s count to the current generation (`convert`, written out: this runs
-        per block touched after each new generation)."""
+        """Bring `r`'s count to the current generation.
+
+        `convert`, written out: this runs per block touched after each new generation."""
         base, lam = self.gens[r.gen]
         v = r.last
         r.count = r.count * math.exp(lam * (base - v) + self.lam * (v - self.base))

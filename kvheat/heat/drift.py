@@ -15,6 +15,8 @@ from .entropy import shannon_bits
 
 
 class DriftDetector:
+    """Signals a drop of the access entropy between consecutive windows (workload drift)."""
+
     def __init__(self, window: int = 2048, threshold: float = 1.0, min_count: int = 512,
                  window_s: float | None = None) -> None:
         if window <= 0 or min_count <= 0 or (window_s is None and min_count > window):
@@ -29,7 +31,6 @@ class DriftDetector:
         self.n = 0
         self.start: float | None = None
         self.prev_bits: float | None = None  # None: no previous window with enough accesses
-        self.last_bits: float | None = None
         self.drifts = 0
 
     def observe(self, key: Hashable, now: float | None = None) -> bool:
@@ -60,7 +61,6 @@ class DriftDetector:
         prev, self.prev_bits = self.prev_bits, bits
         if bits is None:
             return False
-        self.last_bits = bits
         if prev is not None and prev - bits > self.threshold:
             self.drifts += 1
             return True

@@ -148,11 +148,13 @@ class EntropyTracker:
         return max(0.0, math.log(U) - self.V.s / U)
 
     def bits(self) -> float:
+        """Current entropy in bits (0 for no accesses)."""
         return self.entropy() / LN2
 
     def samples(self) -> float:
-        """The decayed number of accesses recorded (each weighs 1 now): about their count
-        early on, the window's length (half-life / ln 2) in steady state."""
+        """The decayed number of accesses recorded (each weighs 1 now).
+
+        About their count early on, the window's length (half-life / ln 2) in steady state."""
         return self.U.s / math.exp(self.lam * (self.clock - self.base))
 
     def entropy_from_scratch(self) -> float:
@@ -168,6 +170,7 @@ class EntropyTracker:
         return max(0.0, math.log(U) - math.fsum((u * np.log(u)).tolist()) / U)
 
     def probability(self, key: Hashable) -> float:
+        """The decayed share of the accesses that went to `key` (0 for a key not seen)."""
         i = self.slot.get(key)
         return self._weight(i) / self.U.s if i is not None and self.U.s > 0 else 0.0
 

@@ -24,8 +24,10 @@ MULT_LO, MULT_HI = -2.0, 3.0
 
 
 class Feedback:
-    """KVHeat's adaptation: it sets the clock's half-life, the penalties' scale and
-    regime flags, and re-keys the heap when the keys' order changes."""
+    """KVHeat's adaptation of its half-life, penalties and regime to the traffic.
+
+    It sets the clock's half-life, the penalties' scale and regime flags, and re-keys the
+    heap when the keys' order changes."""
 
     def __init__(self, clock: HeatClock, penalties: Penalties, heap: BlockHeap,
                  gaps: ReuseGapEstimator, half_life: float | None, reuse_mult: float,
@@ -73,14 +75,16 @@ class Feedback:
         self._set_mode(MID)
 
     def bind(self, capacity_blocks: int, horizon: int) -> None:
+        """Size the feedback for a cache of `capacity_blocks`; medians over `horizon` victims."""
         self.capacity = capacity_blocks
         self.horizon = max(1, horizon)
         self.mult_step = (MULT_HI - MULT_LO) / max(capacity_blocks, 1)
 
     # -- the half-life and its multiple ----------------------------------------------
     def reuse_gap_moved(self) -> None:
-        """The reuse-gap estimate moved: follow it when the half-life it implies is more
-        than a quarter octave away (each change re-keys the heap once)."""
+        """Follow a moved reuse-gap estimate, if the half-life it implies moved enough.
+
+        That is more than a quarter octave away; each change re-keys the heap once."""
         est = self.gaps.estimate
         if est is None:
             return
@@ -93,10 +97,11 @@ class Feedback:
             self.clock.set_half_life(hl)
 
     def victim_heat(self, m: float, gen: int, last: float, n_ev: int) -> None:
-        """The `n_ev`-th victim had count `m` (generation `gen`, last access `last`): the
-        median victim's heat, by stochastic approximation over about `horizon` evictions,
-        so that returns of a random sample of victims step up and down equally often,
-        whatever the spread's skew."""
+        """Take the `n_ev`-th victim's count `m` into the median victim's heat.
+
+        The count is of generation `gen`, last access `last`. The median is followed by
+        stochastic approximation over about `horizon` evictions, so that returns of a random
+        sample of victims step up and down equally often, whatever the spread's skew."""
         # (`HeatClock.log2_at_last`, written out: this runs per eviction)
         base, lam = self.clock.gens[gen]
         x = math.log2(m) - lam * (last - base) / LN2
@@ -111,9 +116,11 @@ class Feedback:
         self.victim_median += spread / 32 if d > 0 else -spread / 32
 
     def victim_returned(self, m: float, gen: int, v: float, evictions: int) -> None:
-        """A victim came back: one hotter than the median victim (both by heat at the last
-        access) asks for more frequency (a longer multiple), a colder one for more
-        recency. At a balanced multiple, returns come from both halves equally often."""
+        """Move the multiple on a victim that came back: hotter asks for longer, colder for shorter.
+
+        One hotter than the median victim (both by heat at the last access) asks for more
+        frequency (a longer multiple), a colder one for more recency. At a balanced
+        multiple, returns come from both halves equally often."""
         if m <= 0:
             return
         base, lam = self.clock.gens[gen]  # (`HeatClock.log2_at_last`, written out)
@@ -127,8 +134,10 @@ class Feedback:
             self.set_mult(2.0 ** x)
 
     def set_mult(self, mult: float) -> None:
-        """A new multiple: the penalties, stated in half-lives at the starting multiple,
-        keep their length in reuse gaps, and the heap is re-keyed once."""
+        """Set a new multiple of the reuse gap, and re-key the heap once.
+
+        The penalties, stated in half-lives at the starting multiple, keep their length in
+        reuse gaps."""
         self.reuse_mult = mult
         self.keyed_log = math.log2(mult)
         self.penalties.scale = self.base_reuse_mult / mult
@@ -140,8 +149,9 @@ class Feedback:
 
     # -- the tuner, the entropy regime and drift -------------------------------------
     def observe(self, b: Node, hit: bool) -> bool:
-        """Feedback for the optional tuner, entropy regime and drift detector; True when
-        the detector saw drift."""
+        """Feed one access to the optional tuner, entropy regime and drift detector.
+
+        True when the detector saw drift."""
         if self.tuner is not None and self.tuner.record(hit):
             if self.fixed_half_life is None:
                 self.reuse_gap_moved()
@@ -171,8 +181,10 @@ class Feedback:
         return False
 
     def set_cluster_entropy(self, bits: float) -> None:
-        """The entropy (bits) of the keys under the roots over all the traffic a router
-        spreads across this cache and its peers, as one cache of all of it would measure.
+        """Take the entropy (bits) of the keys under the roots over all the cluster's traffic.
+
+        That is all the traffic a router spreads across this cache and its peers, as one
+        cache of all of it would measure.
 
         A router that keeps each prefix on one replica hands each cache a shard of the
         keys, log2(replicas) bits fewer than the whole: a replica of a high-entropy

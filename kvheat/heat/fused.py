@@ -9,8 +9,8 @@ import random
 import numpy as np
 from numpy.typing import NDArray
 
+from ..cache.eviction import EvictionPolicy, register_policy
 from ..cache.node import Node
-from ..cache.policy import EvictionPolicy, register_policy
 
 
 def fused_score(entropy: float | NDArray[np.float64], ts_norm: float | NDArray[np.float64],
@@ -36,11 +36,12 @@ def _fused_scalar(h: float, ts: float, alpha: float, beta: float) -> float:
 
 @register_policy("fused")
 class Fused(EvictionPolicy):
-    """Sampled eviction by the fused score: among `sample` random evictable leaves evict
-    the lowest fused_score(H_b, ts_b), where H_b is the block's self-information
-    -log2 p(b) normalised by log2(#blocks) (a rarely used block has high entropy) and ts_b
-    its recency normalised over the sample. `slot` maps a candidate to its index in
-    `cands`; `freq` counts a block's accesses."""
+    """Sampled eviction by the fused score of entropy and recency.
+
+    Among `sample` random evictable leaves evict the lowest fused_score(H_b, ts_b), where
+    H_b is the block's self-information -log2 p(b) normalised by log2(#blocks) (a rarely
+    used block has high entropy) and ts_b its recency normalised over the sample. `slot`
+    maps a candidate to its index in `cands`; `freq` counts a block's accesses."""
 
     name = "fused"
 

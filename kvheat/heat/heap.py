@@ -2,7 +2,7 @@
 
 A policy holds one `BlockHeap` and gives it its key function; the coldest evictable leaf
 goes first. Blocks that are referenced or still have cached children when met are parked
-and pushed again when they become evictable (see kvheat/cache/policy.py).
+and pushed again when they become evictable (see kvheat/cache/eviction.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import heapq
 import math
 from collections.abc import Callable, Container, Iterable, Sequence
 
+from ..cache.eviction import PARKED
 from ..cache.node import Node
-from ..cache.policy import PARKED
 
 
 class BlockHeap:
@@ -23,7 +23,7 @@ class BlockHeap:
     key (a request's blocks, inserted at one time) share one bucket and one heap entry;
     other equal keys step to the next float up. Ties thus go to the earlier push (the cache
     releases a request tail-first, so a chain's tail leaves before its head). An entry is
-    live while it equals `block.heap_ver` (lazy invalidation: a newer push supersedes it;
+    live while it equals `block.heap_slot` (lazy invalidation: a newer push supersedes it;
     NaN: none). `key(block)` is the policy's key, read at each push and at a re-key;
     `keys(blocks)`, where the policy gives it, is `key` of each block in one call (a push
     gets a request's keys without a call per block)."""
@@ -47,6 +47,7 @@ class BlockHeap:
         self.capacity = 0
 
     def bind(self, capacity_blocks: int, compact_at: int | None = None) -> None:
+        """Size the heap for `capacity_blocks`, and set the entries past which a push compacts."""
         self.capacity = capacity_blocks
         if compact_at is not None:
             self.compact_at = compact_at
@@ -56,9 +57,10 @@ class BlockHeap:
         return len(self.heap)
 
     def push(self, blocks: Iterable[Node]) -> None:
-        """Enter each block at its key, in order (superseding any entry it had): a
-        released block, a parked one that became evictable, or the whole heap re-keyed.
-        A request's blocks come in one call; the loop is every access's hot path."""
+        """Enter each block at its key, in order, superseding any entry it had.
+
+        A released block, a parked one that became evictable, or the whole heap re-keyed. A
+        request's blocks come in one call; the loop is every access's hot path."""
         if not isinstance(blocks, (list, tuple)):
             blocks = list(blocks)
         owner, heap = self.owner, self.heap
@@ -71,7 +73,7 @@ class BlockHeap:
             b.parked = None
             if k == last_k and bucket is not None:  # as the previous push: its bucket
                 bucket.append(b)
-                b.heap_ver = last_u
+                b.heap_slot = last_u
                 entries += 1
                 continue
             u = k
@@ -80,7 +82,7 @@ class BlockHeap:
             last_k = k
             last_u = u
             bucket = owner[u] = [b]
-            b.heap_ver = u
+            b.heap_slot = u
             heappush(heap, u)
             entries += 1
             if entries > compact_at:
@@ -96,7 +98,7 @@ class BlockHeap:
     # the old one.
     def forget(self, b: Node) -> None:
         """`b` leaves: any entry it has reads as stale."""
-        b.heap_ver = math.nan
+        b.heap_slot = math.nan
         b.parked = None
 
     def rekey(self) -> None:
@@ -126,25 +128,26 @@ class BlockHeap:
             while i < n:
                 b = cur[i]
                 i += 1
-                if u != b.heap_ver or b.key is None:
+                if u != b.heap_slot or b.key is None:
                     continue
                 if b.ref_cnt or b.num_children:
                     b.parked = PARKED
                     continue
                 self.cur_i = i
-                b.heap_ver = math.nan
+                b.heap_slot = math.nan
                 return b
             self.cur_i = i
 
     def take_lazy(self, n: int, protected: Container[object]
                   ) -> tuple[list[Node], list[Node]]:
-        """Up to `n` blocks in one call, for a caller that does not push a block again
-        when its key rises (a hit, a cleared flag, a raised head): between re-keys keys
-        only rise, so a block's entry is a lower bound of its key, and a block met with a
-        key above its entry is pushed back at its key instead of taken. The blocks are the
-        coldest, as `pop` with a push at every access would give (ties aside). Blocks
-        whose key (`Node.key`) is in `protected` are taken and returned apart, for the
-        caller to push back; fewer than `n` when the heap runs dry."""
+        """Take up to `n` coldest blocks for a caller that does not push a block when its key rises.
+
+        Such a caller skips the push at a hit, a cleared flag or a raised head: between
+        re-keys keys only rise, so a block's entry is a lower bound of its key, and a block
+        met with a key above its entry is pushed back at its key instead of taken. The
+        blocks are the coldest, as `pop` with a push at every access would give (ties
+        aside). Blocks whose key (`Node.key`) is in `protected` are taken and returned
+        apart, for the caller to push back; fewer than `n` when the heap runs dry."""
         if self.stale:
             self.rebuild()
         heap, owner, heappop, key = self.heap, self.owner, heapq.heappop, self.key
@@ -169,7 +172,7 @@ class BlockHeap:
             while i < m:
                 b = cur[i]
                 i += 1
-                if u != b.heap_ver or b.key is None:
+                if u != b.heap_slot or b.key is None:
                     continue
                 if b.ref_cnt or b.num_children:
                     b.parked = PARKED
@@ -177,7 +180,7 @@ class BlockHeap:
                 if key(b) > u:  # hotter since its entry: back in at its key (above this one)
                     self.push((b,))
                     continue
-                b.heap_ver = math.nan
+                b.heap_slot = math.nan
                 if b.key in protected:
                     skipped.append(b)
                     continue
@@ -210,22 +213,23 @@ class BlockHeap:
     def live(self) -> list[Node]:
         """The blocks with a live entry, in heap-entry order (not key order)."""
         self._park_bucket()
-        # A block is live in one bucket at most (the one its `heap_ver` names), perhaps
+        # A block is live in one bucket at most (the one its `heap_slot` names), perhaps
         # twice there: keep its first entry, in bucket order.
         live: list[Node] = []
         for u, bucket in self.owner.items():
             start = len(live)
             for b in bucket:
-                if u == b.heap_ver and b.key is not None:
-                    b.heap_ver = math.inf  # taken: a later entry of it reads as stale
+                if u == b.heap_slot and b.key is not None:
+                    b.heap_slot = math.inf  # taken: a later entry of it reads as stale
                     live.append(b)
             for i in range(start, len(live)):
-                live[i].heap_ver = u
+                live[i].heap_slot = u
         return live
 
     def rebuild(self) -> None:
-        """Re-key now: every live block pushed again at its current key (runs over every
-        evictable block: at most once per new generation or half-life)."""
+        """Re-key now: every live block pushed again at its current key.
+
+        This runs over every evictable block: at most once per new generation or half-life."""
         self.stale = False
         live = self.live()
         self.heap = []
@@ -235,8 +239,10 @@ class BlockHeap:
         self.push(live)
 
     def compact(self) -> None:
-        """Drop superseded entries (keys unchanged, so one heapify): keeps the heap, and
-        the log n of every push, near the number of evictable blocks."""
+        """Drop superseded entries (keys unchanged, so one heapify).
+
+        This keeps the heap, and the log n of every push, near the number of evictable
+        blocks."""
         if self.stale:  # a rebuild compacts too
             self.rebuild()
             return
@@ -245,13 +251,13 @@ class BlockHeap:
         kept = 0
         for u, bucket in self.owner.items():
             for b in bucket:
-                if u != b.heap_ver or b.key is None:
+                if u != b.heap_slot or b.key is None:
                     break
             else:  # all live (most buckets): the same list, nothing allocated
                 owner[u] = bucket
                 kept += len(bucket)
                 continue
-            live = [b for b in bucket if u == b.heap_ver and b.key is not None]
+            live = [b for b in bucket if u == b.heap_slot and b.key is not None]
             if live:
                 owner[u] = live
                 kept += len(live)

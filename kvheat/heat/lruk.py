@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..cache.eviction import EvictionPolicy, register_policy
 from ..cache.ghost import Ghost
 from ..cache.node import Node, PolicyRecord
-from ..cache.policy import EvictionPolicy, register_policy
 from .heap import BlockHeap
 
 
 @dataclass(slots=True)
 class LRUKHistory(PolicyRecord):
-    """LRUK's per-block record (`Node.rec`): the block's last K access times, oldest
+    """LRU-K's per-block record (`Node.rec`): the block's last K access times, oldest first.
+
+    LRUK's per-block record (`Node.rec`): the block's last K access times, oldest
     first."""
 
     times: list[float]
@@ -21,9 +23,10 @@ class LRUKHistory(PolicyRecord):
 
 @register_policy("lruk")
 class LRUK(EvictionPolicy):
-    """LRU-K: evict the block whose K-th most recent access is oldest (fewer than K
-    accesses counts as infinitely old, LRU among those). History survives eviction in a
-    ghost map (a key's last access), as LRU-K's retained-information period."""
+    """LRU-K: evict the block whose K-th most recent access is oldest.
+
+    Fewer than K accesses counts as infinitely old, LRU among those. History survives
+    eviction in a ghost map (a key's last access), as LRU-K's retained-information period."""
 
     name = "lruk"
 
@@ -37,6 +40,7 @@ class LRUK(EvictionPolicy):
         self.heap = BlockHeap(self.key, self.keys)
 
     def key(self, b: Node) -> float:
+        """The block's eviction key: its K-th most recent access time."""
         return self.keys((b,))[0]
 
     def keys(self, blocks: Sequence[Node]) -> list[float]:

@@ -40,10 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..cache.eviction import EvictionPolicy
 from ..cache.hints import Outcome
 from ..cache.manager import KVCacheManager
 from ..cache.node import Node
-from ..cache.policy import EvictionPolicy
 from ..cache.request import CacheConfig, CacheError
 
 
@@ -87,8 +87,10 @@ MAX_PENDING = 1 << 16  # sampled accesses one pending request keeps at most
 
 
 def sample_rate(capacity_blocks: int, mini_blocks: int = MINI_BLOCKS) -> float:
-    """The sampling rate for a live cache of `capacity_blocks`: a power of two, at least
-    2^-16, leaving each miniature at least `mini_blocks` blocks (1 for a small cache)."""
+    """The sampling rate of the miniatures of a live cache of `capacity_blocks`.
+
+    A power of two, at least 2^-16, leaving each miniature at least `mini_blocks` blocks (1
+    for a small cache)."""
     rate = 1.0
     while rate > MIN_RATE and capacity_blocks * rate / 2 >= mini_blocks:
         rate /= 2
@@ -107,8 +109,9 @@ class Miniature:
 
     def serve(self, keys: list[bytes], num_tokens: int, session: str | None,
               outcome: Outcome, reason: str | None, rid: str) -> int:
-        """One request of sampled keys: allocated and released at once. Returns the
-        hit tokens (0 when the miniature cannot hold it)."""
+        """Serve one request of sampled keys, allocated and released at once.
+
+        Returns the hit tokens (0 when the miniature cannot hold it)."""
         mgr = self.manager
         try:
             req = mgr.make_keyed_request(rid, keys, num_tokens, session=session)
@@ -184,8 +187,9 @@ class MultipleSelector:
 
     # -- the feed --------------------------------------------------------------------
     def access(self, key: bytes, b: Node) -> None:
-        """Sampled block `b` (`key[1] < threshold`) was hit or inserted, after `boundary`
-        saw its timestamp and depth."""
+        """Add sampled block `b` (`key[1] < threshold`), hit or inserted, to the pending request.
+
+        Called after `boundary` saw its timestamp and depth."""
         self.access_key(key, b.depth, b.num_tokens)
 
     def access_key(self, key: bytes, depth: int, tokens: int) -> None:
@@ -200,8 +204,9 @@ class MultipleSelector:
             keys[key] = (depth, tokens)
 
     def boundary(self, now: float) -> None:
-        """A block was met at `now` at depth 0, or at a new timestamp: another request
-        starts (the caller checks before each block it sees, sampled or not)."""
+        """Start another request when a block is met at depth 0 or at a new timestamp.
+
+        The caller checks before each block it sees, sampled or not."""
         if self.pending.keys:
             self.flush(Outcome.FINISHED, None)
         self.pending.now = now
@@ -213,6 +218,7 @@ class MultipleSelector:
         self.pending.session = session
 
     def finish(self, outcome: Outcome, reason: str | None) -> None:
+        """End the pending request with `outcome` and `reason`."""
         if self.pending.keys:
             self.flush(outcome, reason)
         else:
@@ -241,9 +247,10 @@ class MultipleSelector:
 
     # -- the decision ----------------------------------------------------------------
     def decide(self) -> None:
-        """A round's end: the live multiple moves an octave towards the candidate that
-        leads by more than `Z` standard errors (within the bounds), the candidates with
-        it; otherwise the sums fade."""
+        """End a round: move the live multiple an octave toward a candidate that leads.
+
+        It must lead by more than `Z` standard errors (within the bounds), the candidates
+        moving with it; otherwise the sums fade."""
         z = self.lead / math.sqrt(self.square) if self.square > 0 else 0.0
         step = 1.0 if z > Z else -1.0 if z < -Z else 0.0
         if step == 0.0 or not LOG_LO <= self.log_mult + step <= LOG_HI:
@@ -262,8 +269,10 @@ class MultipleSelector:
         self._record(z, True)
 
     def sync(self) -> None:
-        """Each miniature's policy to its multiple, and to the live half-life scaled to
-        the miniature's clock (its accesses are `rate` of the live ones)."""
+        """Set each miniature's policy to its multiple and to the live half-life.
+
+        The half-life scaled to the miniature's clock (its accesses are `rate` of the live
+        ones)."""
         hl, mode = self.live.half_life, self.live.mode
         for m in self.minis:
             m.policy.set_multiple(2.0 ** m.log_mult,
@@ -276,6 +285,7 @@ class MultipleSelector:
         d.append(Decision(self.live.accesses, 2.0 ** self.log_mult, lead, moved))
 
     def stats(self) -> dict[str, float]:
+        """The selector's counters and each miniature's multiple and hits, for reports."""
         out = {"mini_rate": self.rate, "mini_start_mult": 2.0 ** self.start_log, "mini_requests": float(self.served),
                "mini_moves": float(sum(d.moved for d in self.decisions)),
                "mini_dropped": float(self.dropped)}

@@ -35,8 +35,9 @@ FLAG_BITS = 16
 
 
 class Penalties:
-    """The factors a block's count is multiplied by to make its key (`flag[flags]`, and
-    `tail` for a block shorter than `block_size`), and what sets them."""
+    """The factors a block's count is multiplied by to make its key, and what sets them.
+
+    `flag[flags]`, and `tail` for a block shorter than `block_size`."""
 
     def __init__(self, tail_penalty: float, admit_penalty: float, pin_bonus: float,
                  extension_penalty: float, adapt_extension: bool, fade: float,
@@ -98,7 +99,8 @@ class Penalties:
         self.flag = [x for row in rows for x in row] if len(rows) > 1 else f
 
     def follow_regime(self, mode: str) -> bool:
-        """The entropy regime's flags: one-offs charged when high, roots pinned when low.
+        """Set the entropy regime's flags: one-offs charged when high, roots pinned when low.
+
         True when the factors of blocks already cached changed (the heap needs a re-key)."""
         if not self.admit_now:
             self.pin_roots = mode == LOW
@@ -114,9 +116,11 @@ class Penalties:
         return True
 
     def update(self, gap: float | None, evictions: int, evict_age: float) -> None:
-        """Every 64 first-seen inserts: the extension penalty ∝ how much rarer extension
-        reuse is, fading with the cache's eviction age (`evict_age` accesses, against the
-        reuse gap `gap`); the admission penalty in full once the cache has evicted."""
+        """Update the learned penalties (every 64 first-seen inserts).
+
+        The extension penalty ∝ how much rarer extension reuse is, fading with the cache's
+        eviction age (`evict_age` accesses, against the reuse gap `gap`); the admission
+        penalty in full once the cache has evicted."""
         r = self.reuse
         r[1] += self.ext_seen
         r[3] += self.first_seen - self.ext_seen

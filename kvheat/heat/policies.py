@@ -1,7 +1,7 @@
 """The heat eviction policies, one module each; importing this module registers them
 (`make_policy` imports it the first time it meets a name it does not know).
 
-- `kvheat` (kvheat.py): the default heat policy. A block's key (`KVHeat.key`) is its
+- `kvheat` (heat_policy.py): the default heat policy. A block's key (`KVHeat.key`) is its
   exponentially decayed access count on a virtual clock (counts.py: the per-block record
   and the generations of `HeatClock`; the policy's ghost history lets a returning prefix
   resume its count) times penalty factors (penalties.py: one-hit suffix demotion of
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .counts import HeatRecord
 from .fused import Fused
-from .kvheat import KVHeat
+from .heat_policy import KVHeat
 from .lruk import LRUK, LRUKHistory
 from .penalties import EXTENSION, FRESH, ONE_OFF, PINNED
 from .sae import SAE, SAEParams

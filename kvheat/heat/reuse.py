@@ -24,6 +24,8 @@ import math
 
 
 class ReuseGapEstimator:
+    """The workload's reuse gap in block accesses, on a spatial sample of the keys."""
+
     def __init__(self, rate: float = 1 / 16, quantile: float = 0.5, window: int = 64,
                  smoothing: float = 0.95, bins_per_octave: int = 4, max_keys: int = 1 << 14) -> None:
         if not 0 < rate <= 1:
@@ -45,6 +47,7 @@ class ReuseGapEstimator:
         self.estimate: float | None = None  # the quantile, in block accesses; None until known
 
     def sampled(self, key: bytes) -> bool:
+        """Whether `key` is in the sample (its first byte below the threshold)."""
         return key[0] < self.threshold
 
     def observe(self, key: bytes, vtime: float) -> bool:

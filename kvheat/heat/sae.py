@@ -62,8 +62,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from ..cache.eviction import EvictionPolicy, register_policy
 from ..cache.node import Node, PolicyRecord
-from ..cache.policy import EvictionPolicy, register_policy
 from ..checks import check_fields
 
 
@@ -151,6 +151,7 @@ class SAE(EvictionPolicy):
 
     # ---- the score -------------------------------------------------------------------
     def score(self, s: Session) -> float:
+        """A session's score from its recency, hits and prefix depth; the lowest goes first."""
         p = self.p
         return (s.last_touch + p.touch_weight * s.hits * self.scale
                 + p.depth_bonus / (1.0 + s.prefix_depth / p.depth_half))

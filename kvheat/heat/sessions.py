@@ -62,8 +62,10 @@ class GapHistogram:
         return min(len(self.hist) - 1, max(0, int(math.log2(gap) * self.bpo))) if gap >= 1 else 0
 
     def add(self, gap: float) -> bool:
-        """One gap (> 0); True when the median was recomputed (every `window` gaps, and at
-        the first `window // 4`, so a class is charged early)."""
+        """Add one gap (> 0); True when the median was recomputed.
+
+        That is every `window` gaps, and at the first `window // 4`, so a class is charged
+        early."""
         return self.add_bin(self.bin_of(gap))
 
     def add_bin(self, i: int) -> bool:
@@ -105,8 +107,10 @@ class GapHistogram:
 
 
 class SessionBook:
-    """Per session: virtual time and class of its last request's end (two generations of
-    dicts, bounded like the ghost history); per class: its return gaps; the charges."""
+    """What KVHeat knows of sessions, their request ends' classes, and the charges.
+
+    Per session: virtual time and class of its last request's end (two generations of dicts,
+    bounded like the ghost history); per class: its return gaps; the charges."""
 
     def __init__(self, max_sessions: int = 1 << 16, use_rate: bool = True,
                  track_own: bool = True) -> None:
@@ -140,8 +144,9 @@ class SessionBook:
         self.track_own = track_own
 
     def class_of(self, outcome: Outcome, reason: str | None) -> int:
-        """The class of a request's end (1..MAX_CLASSES-1; the last one takes every class
-        beyond the first ones seen)."""
+        """The class of a request's end (1..MAX_CLASSES-1).
+
+        The last one takes every class beyond the first ones seen."""
         by_reason = self.finished if outcome is Outcome.FINISHED else self.by_reason[outcome]
         c = by_reason.get(reason)
         if c is None:
@@ -152,8 +157,10 @@ class SessionBook:
         return c
 
     def came_back(self, session: str, v: float) -> bool:
-        """`session` sends a request at virtual time `v`: one gap sample of the class its
-        last request ended in. True when the charges changed."""
+        """Record that `session` sends a request at virtual time `v`.
+
+        One gap sample of the class its last request ended in. True when the charges
+        changed."""
         # (runs at every request of a session: kept to a dict pop unless it came back)
         last = self.ended.pop(session, None)
         if last is None:
@@ -187,8 +194,9 @@ class SessionBook:
         return moved
 
     def ended_now(self, session: str, v: float, c: int) -> bool:
-        """`session`'s request ended in class `c` at virtual time `v`; True when the
-        charges changed (every 64 ends, as the returns' share moved)."""
+        """Record that `session`'s request ended in class `c` at virtual time `v`.
+
+        True when the charges changed (every 64 ends, as the returns' share moved)."""
         ends = self.ends
         ends[c] += 1.0
         ends[0] += 1.0

@@ -13,6 +13,8 @@ from collections import deque
 
 
 class OnlineTuner:
+    """A hill climber on one parameter, in log space, driven by hit/miss feedback."""
+
     def __init__(self, value: float, lo: float, hi: float, step: float = 0.2,
                  step_events: int = 2048, window: int = 64, smoothing: float = 0.95,
                  min_step: float = 0.05) -> None:
@@ -33,9 +35,11 @@ class OnlineTuner:
 
     @property
     def value(self) -> float:
+        """The parameter's current value."""
         return math.exp(self.log_value)
 
     def smoothed_gradient(self) -> float:
+        """The exponentially smoothed sum of the recent gradient samples."""
         a = self.smoothing
         return sum(a ** i * g for i, g in enumerate(reversed(self.grads)))
 

@@ -59,6 +59,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Sequence
+from math import isnan
+from operator import attrgetter
 from typing import Any, cast
 
 try:
@@ -74,7 +76,7 @@ except Exception as e:  # a broken torchvision says what to run, not a traceback
 
 from ..cache.hints import Outcome
 from ..cache.node import NodeQueue
-from ..heat.kvheat import KVHeat
+from ..heat.heat_policy import KVHeat
 from .vllm_chunk import Chunk, Placement, RequestHints, record_outcome, request_hints
 
 __all__ = ["KVHeatCachePolicy", "RequestHints", "record_outcome", "request_hints"]
@@ -101,13 +103,14 @@ def _loose(heat: KVHeat, evicted: int, evict_age: float) -> bool:
 
 
 class KVHeatCachePolicy(CachePolicy):
-    """vLLM `CachePolicy` driven by kvheat's `KVHeat`. Extra keyword arguments go to
-    `KVHeat` (vLLM itself passes only `cache_capacity`).
+    """vLLM `CachePolicy` driven by kvheat's `KVHeat`.
+
+    Extra keyword arguments go to `KVHeat` (vLLM itself passes only `cache_capacity`).
 
     By default `monotone` and `early_hits` run `gated`: only while the cache is tight
     (docs/vllm.md has the grid: each rule alone loses where the cache holds nearly every
-    reuse). `gated=False` runs them always; `finish_inserts` stays off. `hold` (on) keeps
-    a loaded chunk out of the heap while its request runs, under the gate's complement."""
+    reuse). `gated=False` runs them always; `finish_inserts` stays off. `hold` (on) keeps a
+    loaded chunk out of the heap while its request runs, under the gate's complement."""
 
     def __init__(self, cache_capacity: int, finish_inserts: bool = False,
                  monotone: bool = True, early_hits: bool = True, gated: bool = True,
@@ -127,9 +130,6 @@ class KVHeatCachePolicy(CachePolicy):
         self.gated = gated
         self._heat_kwargs = heat_kwargs
         self.chunks: dict[OffloadKey, Chunk] = {}
-        # The manager's most frequent call, at C speed (an instance attribute shadows the
-        # method; same answer).
-        self.get = self.chunks.get  # type: ignore[method-assign,assignment]
         # Evictable chunks are those whose kvheat ref_cnt is 0; only their count is kept
         # (a set beside the chunk dict cost a hash-set update on every mark).
         self._free = 0
@@ -149,11 +149,13 @@ class KVHeatCachePolicy(CachePolicy):
         self.evict_age = 0.0  # the gate's mean eviction age, accesses (gated)
 
     # -- lookups ---------------------------------------------------------------------
-    def get(self, key: OffloadKey) -> ChunkStatus | None:
-        return cast("ChunkStatus | None", self.chunks.get(key))  # a Chunk is its ChunkStatus
+    # `get(key)`, the manager's most frequent call, is the chunk dict's own `get` (C speed,
+    # no Python frame between): a Chunk is its ChunkStatus.
+    get = property(attrgetter("chunks.get"))
 
     # -- stores ----------------------------------------------------------------------
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Begin a request's stores: remember it, so `insert` places its chunks in its prefix."""
         # Not a use (the base class would touch): the inserts that follow are the accesses.
         # Remember the request, so `insert` can place its chunks in their prefix.
         if self._pend:
@@ -166,6 +168,7 @@ class KVHeatCachePolicy(CachePolicy):
             self.heat.on_session(session, self._tick)
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        """Cache a newly allocated chunk, as kvheat's heat policy inserts a block."""
         c = Chunk(key, chunk)
         self.chunks[key] = c
         self.placement.place(c)
@@ -178,6 +181,7 @@ class KVHeatCachePolicy(CachePolicy):
             self._pend.append(c)
 
     def remove(self, key: OffloadKey) -> None:
+        """Forget a chunk whose store failed."""
         c = self.chunks.pop(key)
         if not c.ref_cnt:
             self._free -= 1
@@ -203,6 +207,7 @@ class KVHeatCachePolicy(CachePolicy):
                 heat.on_release(c, now)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Count one request-scoped access of `keys` (an older scheduler's call)."""
         # vLLM 0.32's scheduler no longer calls touch (accesses arrive through
         # on_request_finished); an older caller's touch is one request-scoped access.
         ordered = order_request_keys([list(keys)], req_context)
@@ -211,6 +216,7 @@ class KVHeatCachePolicy(CachePolicy):
     def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]],
                             insertion_only_keys: set[OffloadKey], reused_keys: set[OffloadKey],
                             req_context: ReqContext) -> None:
+        """Count a request's reuse and put its evictable chunks back in the heap."""
         # The manager sorts each group head-to-tail already; only several groups need
         # merging into one order.
         ordered = key_groups[0] if len(key_groups) == 1 else order_request_keys(
@@ -255,7 +261,7 @@ class KVHeatCachePolicy(CachePolicy):
         heat.observe_request(ordered, hints.session, hints.outcome, hints.reason, now)
         if not self.monotone or (self.gated and not _tight(self.heat, self.evicted, self.evict_age)):
             heat.release_all([c for c in reversed(present) if not c.ref_cnt
-                              and (c.parked is not None or c.heap_ver != c.heap_ver)])
+                              and (c.parked is not None or isnan(c.heap_slot))])
             return
         # Every use of a chunk is a use of its whole prefix, so a head is at least as hot
         # as any chunk after it; where its count says otherwise its history was lost
@@ -269,13 +275,14 @@ class KVHeatCachePolicy(CachePolicy):
                 heat.raise_key(c, top)
             else:
                 top = k
-            if not c.ref_cnt and (c.parked is not None or c.heap_ver != c.heap_ver):
+            if not c.ref_cnt and (c.parked is not None or isnan(c.heap_slot)):
                 back.append(c)
         heat.release_all(back)
 
     # vLLM's manager calls these exactly when a chunk's ref_cnt reaches 0 / leaves 0, and
     # keeps the count itself (on the chunk `get` returned).
     def mark_evictable(self, key: OffloadKey) -> None:
+        """Record that the chunk's ref_cnt reached 0: it may be evicted again."""
         self._free += 1
         c = self.chunks[key]
         if c.stored and self.hold and _loose(self.heat, self.evicted, self.evict_age):
@@ -283,7 +290,7 @@ class KVHeatCachePolicy(CachePolicy):
             # request that loaded it, as kvheat's own cache keeps a running request's
             # blocks referenced; back in the heap when a request listing it ends.
             c.parked = _HELD
-            c.heap_ver = math.nan  # its entry from before the load is stale
+            c.heap_slot = math.nan  # its entry from before the load is stale
             self._held[c] = None
         else:
             c.stored = True
@@ -297,10 +304,11 @@ class KVHeatCachePolicy(CachePolicy):
         each was pushed when marked, less `busy`, being made non-evictable."""
         pend, self._pend = self._pend, []
         self.heat.release_all([c for c in reversed(pend) if c.ref_cnt == 0 and c.key is not None
-                               and (c.parked is not None or c.heap_ver != c.heap_ver)
+                               and (c.parked is not None or isnan(c.heap_slot))
                                and c is not busy])
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
+        """Record that the chunk's ref_cnt left 0 (a load begins)."""
         # Its heap entry stays and is parked when met (ref_cnt > 0 by then: kvheat's rule).
         self._free -= 1
         # `_tight`, inlined (this runs at every load's start)
@@ -324,6 +332,7 @@ class KVHeatCachePolicy(CachePolicy):
     # -- eviction --------------------------------------------------------------------
     def evict(self, n: int, protected: set[OffloadKey]
               ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        """Remove and return the `n` coldest evictable, unprotected chunks (None: too few)."""
         if n <= 0:
             return []
         free = self._free
@@ -384,6 +393,7 @@ class KVHeatCachePolicy(CachePolicy):
         return self._held
 
     def clear(self) -> None:
+        """Forget every chunk and start a fresh heat policy."""
         for c in self.chunks.values():
             c.key = c.rec = None
         self.chunks.clear()
@@ -398,10 +408,13 @@ class KVHeatCachePolicy(CachePolicy):
         return {k for k, c in self.chunks.items() if not c.ref_cnt}
 
     def num_evictable(self) -> int:
+        """Chunks whose ref_cnt is 0."""
         return self._free
 
     def ghost_size(self) -> int:
+        """Keys the heat policy's ghost history holds."""
         return self.heat.ghost_size()
 
     def stats(self) -> dict[str, float]:
+        """The heat policy's counters (`KVHeat.stats`)."""
         return self.heat.stats()

@@ -67,6 +67,7 @@ class VLLMDeviceBlocks:
 
     @property
     def num_layers(self) -> int:
+        """The KV tensors a block spans."""
         return len(self._layers)
 
     def describe(self) -> str:
@@ -81,9 +82,10 @@ class VLLMDeviceBlocks:
 
     @contextlib.contextmanager
     def writing_back(self) -> Iterator[None]:
-        """Within it (on this thread), each tensor `block_view` hands out is written back
-        into its block at the end, as filled by then; a `write_block` of that block
-        meanwhile supersedes it."""
+        """Write back, at the end, each tensor `block_view` hands out within it.
+
+        On this thread: each one is written into its block as filled by then; a
+        `write_block` of that block meanwhile supersedes it."""
         lent: dict[int, torch.Tensor] = {}
         self._local.lent = lent
         try:

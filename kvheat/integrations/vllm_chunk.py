@@ -66,18 +66,21 @@ def request_hints(ctx: ReqContext) -> RequestHints:
 
 def record_outcome(ctx: ReqContext, outcome: Outcome | str,
                    reason: str | None = None) -> None:
-    """How the request ended, for the policy's `on_request_finished` (vLLM 0.32 does not
-    tell a cache policy): for a connector's `request_finished`, from vLLM's `Request`
-    (an aborted request: CANCELLED; else FINISHED with its finish reason)."""
+    """Record how the request ended, for the policy's `on_request_finished`.
+
+    vLLM 0.32 does not tell a cache policy: a connector's `request_finished` records it from
+    vLLM's `Request` (an aborted request: CANCELLED; else FINISHED with its finish reason)."""
     h = request_hints(ctx)
     h.outcome = Outcome.parse(outcome)
     h.reason = check_reason(reason)
 
 
 def request_end(request: Request) -> tuple[Outcome, str | None]:
-    """How a finished vLLM `Request` ended, for `record_outcome`: aborted (the client went
-    away) is CANCELLED with reason "abort", as kvheat's server records a cancel; any other
-    end is FINISHED with vLLM's finish reason ("stop", "length", "error", "repetition")."""
+    """How a finished vLLM `Request` ended, for `record_outcome`.
+
+    Aborted (the client went away) is CANCELLED with reason "abort", as kvheat's server
+    records a cancel; any other end is FINISHED with vLLM's finish reason ("stop", "length",
+    "error", "repetition")."""
     if request.status == RequestStatus.FINISHED_ABORTED:
         return Outcome.CANCELLED, "abort"
     reason = request.get_finished_reason()
@@ -85,12 +88,13 @@ def request_end(request: Request) -> tuple[Outcome, str | None]:
 
 
 class Chunk(Node, PolicyRecord):
-    """A node KVHeat orders, standing for one vLLM offload chunk, and that chunk's status too:
-    it has `ChunkStatus`'s `ref_cnt` (-1 while being written), `chunk_id` and `is_ready`,
+    """A node KVHeat orders, standing for one vLLM offload chunk, and that chunk's status too.
+
+    It has `ChunkStatus`'s `ref_cnt` (-1 while being written), `chunk_id` and `is_ready`,
     and `get` / `evict` hand it to the manager in place of the `ChunkStatus` it inserted
     (vLLM's manager reads and writes a stored chunk only through `get`). One long-lived
-    object per chunk instead of two: fewer objects for the garbage collector to promote
-    and scan. kvheat's heap reads the same `ref_cnt` (non-zero: skip, as vLLM's rule)."""
+    object per chunk instead of two: fewer objects for the garbage collector to promote and
+    scan. kvheat's heap reads the same `ref_cnt` (non-zero: skip, as vLLM's rule)."""
 
     # count, last, gen, flags: KVHeat's per-block record, kept on the chunk itself (`rec`
     # is the chunk, a `PolicyRecord` with HeatRecord's fields): no second object per
@@ -112,7 +116,6 @@ class Chunk(Node, PolicyRecord):
         self.key = key
         self.num_tokens = 1  # vLLM offloads whole chunks only: no partial-tail demotion
         self.ref_cnt = status.ref_cnt
-        self.heap_ver = math.nan
         self.w_ins = 0.0  # weight of the insert's access while the storing request runs
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
         self.stored = False  # its store completed: a later mark_evictable ends a load
@@ -120,12 +123,14 @@ class Chunk(Node, PolicyRecord):
 
     @property
     def is_ready(self) -> bool:
+        """Whether the chunk is written and may be read (`ref_cnt` >= 0)."""
         return self.ref_cnt >= 0
 
 
 class KnownPrefix(Node):
-    """A stand-in parent for a chunk whose predecessor this request did not store: the
-    cache knew that prefix before (vLLM stores a request's chunks head-to-tail)."""
+    """A stand-in parent for a chunk whose predecessor this request did not store.
+
+    The cache knew that prefix before (vLLM stores a request's chunks head-to-tail)."""
 
     __slots__ = ()
 
@@ -150,8 +155,9 @@ class _Stores:
 
 
 class Placement:
-    """Depth and parent of each chunk the storing request inserts (`begin` names the
-    request at its store misses, `place` each chunk as it is inserted)."""
+    """Depth and parent of each chunk the storing request inserts.
+
+    `begin` names the request at its store misses, `place` each chunk as it is inserted."""
 
     __slots__ = ("ctx", "pos", "stores", "chunk_tokens")
 
@@ -162,6 +168,7 @@ class Placement:
         self.chunk_tokens = 0  # tokens per chunk: gcd of the positions seen
 
     def begin(self, ctx: ReqContext) -> None:
+        """Name the request whose chunks are inserted next."""
         self.ctx = ctx
         self.stores = None
         positions = getattr(ctx, "_offload_key_positions", None)
@@ -169,10 +176,11 @@ class Placement:
             ctx.get_offload_key_position)
 
     def place(self, c: Chunk) -> None:
-        """Set `c`'s depth from its position in the storing request, and its parent to a
-        stand-in that gives KVHeat's extension rule the answer kvheat's own cache would:
-        a chunk after this request's previous new chunk inherits that chunk's flag; one
-        after a chunk the request did not store extends a prefix known before it."""
+        """Set `c`'s depth from its position in the storing request, and its parent.
+
+        The parent is a stand-in that gives KVHeat's extension rule the answer kvheat's own
+        cache would: a chunk after this request's previous new chunk inherits that chunk's
+        flag; one after a chunk the request did not store extends a prefix known before it."""
         key = c.key
         assert key is not None  # a chunk is placed as it is inserted, under its key
         pos = self.pos(OffloadKey(key)) if self.pos is not None else None

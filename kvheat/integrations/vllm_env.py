@@ -23,8 +23,10 @@ class BrokenTorchExtras(ImportError):
 
 
 def check_torch_extras(packages: tuple[str, ...] = TORCH_EXTRAS) -> None:
-    """Import each installed package of `packages`; the first that is installed but does
-    not load raises `BrokenTorchExtras` naming it and the command that fixes it."""
+    """Import each installed package of `packages`.
+
+    The first that is installed but does not load raises `BrokenTorchExtras` naming it and
+    the command that fixes it."""
     for name in packages:
         try:
             importlib.import_module(name)
@@ -37,8 +39,10 @@ def check_torch_extras(packages: tuple[str, ...] = TORCH_EXTRAS) -> None:
 
 
 def import_error(e: BaseException) -> ImportError:
-    """What a failed vLLM import raises: `BrokenTorchExtras` when a torch extension is
-    the cause, else the error itself as an ImportError."""
+    """What a failed vLLM import raises.
+
+    `BrokenTorchExtras` when a torch extension is the cause, else the error itself as an
+    ImportError."""
     try:
         check_torch_extras()
     except BrokenTorchExtras as broken:
@@ -57,8 +61,9 @@ def _message(name: str, e: BaseException) -> str:
 
 
 def check_vllm() -> str:
-    """The one-line verdict on this environment: vLLM imports (its version), else raises
-    ImportError saying what is wrong: not installed, or what breaks its import."""
+    """The one-line verdict on this environment: vLLM imports, at this version.
+
+    Else raises ImportError saying what is wrong: not installed, or what breaks its import."""
     check_torch_extras()  # first: it names the fix where vLLM's own error would not
     try:
         import vllm

@@ -52,8 +52,9 @@ def attach(pub: KVEventPublisher, mgr: KVCacheManager, tiers: Any = None,
 
 def snapshot_items(mgr: KVCacheManager, tiers: Any = None, rank: int = 0,
                    with_tokens: bool = False) -> list[tuple]:
-    """Every key `mgr` and `tiers` hold now, parents before children. Run it on the thread
-    that owns the cache (the engine loop), between steps."""
+    """Every key `mgr` and `tiers` hold now, parents before children.
+
+    Run it on the thread that owns the cache (the engine loop), between steps."""
     out: list[tuple] = []
     for b in sorted(mgr.cached.values(), key=lambda b: b.depth):
         parent = b.parent.key if b.parent is not None else None

@@ -48,6 +48,8 @@ Snapshot = Callable[[], Iterable[_Item]]
 
 @dataclass(slots=True)
 class PublisherConfig:
+    """Where and how a publisher sends its events, and how much it keeps for replay."""
+
     endpoint: str = "tcp://*:5557"  # the PUB socket's address, bound here
     connect: bool = False  # connect the PUB socket to `endpoint` instead (a broker's)
     replay_endpoint: str | None = None  # ROUTER for replay and snapshot requests (bound)
@@ -85,6 +87,8 @@ class PublisherConfig:
 
 @dataclass(slots=True)
 class PublisherStats:
+    """A publisher's counters: events and batches sent, dropped, resynced, replayed."""
+
     events: int = 0  # events sent (a coalesced store of k blocks counts k)
     batches: int = 0
     dropped: int = 0  # events dropped on a full queue
@@ -96,6 +100,8 @@ class PublisherStats:
 
 
 class KVEventPublisher:
+    """Publishes a cache's KV events over ZMQ from its own thread, with replay and resync."""
+
     def __init__(self, config: PublisherConfig | None = None,
                  snapshot: Snapshot | None = None,
                  context: zmq.Context | None = None) -> None:
@@ -165,6 +171,7 @@ class KVEventPublisher:
 
     # ---- recording (any thread; never blocks) ---------------------------------------------
     def record(self, item: _Item) -> None:
+        """Queue one event (never blocks); on a full queue drop it and resync later."""
         q = self._queue
         if len(q) >= self._max:
             self.stats.dropped += 1
@@ -173,9 +180,11 @@ class KVEventPublisher:
         q.append(item)
 
     def add_rank(self, rank: int) -> None:
+        """Add `rank` to the ranks a resync clears."""
         self.ranks.add(rank)
 
     def request_resync(self) -> None:
+        """Ask the publisher thread to send a resync on its next turn."""
         self._resync_asked = True
 
     def _start_auth(self) -> None:
@@ -340,6 +349,7 @@ class KVEventPublisher:
 
     # ---- lifecycle ------------------------------------------------------------------------
     def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the publisher thread and close its sockets."""
         if not self._running:
             return
         self._running = False
@@ -360,6 +370,7 @@ class KVEventPublisher:
 
     @property
     def queued(self) -> int:
+        """Events waiting for the publisher thread."""
         return len(self._queue)
 
 

@@ -50,6 +50,8 @@ MAX_BATCH_BYTES = 64 << 20
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A batch of events: its time, its events and the publisher's data-parallel rank."""
+
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
@@ -60,6 +62,8 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 
 class BlockStored(KVCacheEvent):
+    """Blocks stored: their keys, their parent's key and what vLLM's event carries of them."""
+
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
@@ -77,6 +81,8 @@ class BlockStored(KVCacheEvent):
 
 
 class BlockRemoved(KVCacheEvent):
+    """Blocks removed from a medium."""
+
     block_hashes: list[BlockHash]
     medium: str | None
     group_idx: int | None = None
@@ -85,10 +91,12 @@ class BlockRemoved(KVCacheEvent):
 
 
 class AllBlocksCleared(KVCacheEvent):
-    pass
+    """Every block of the publisher (or rank) is gone."""
 
 
 class KVEventBatch(EventBatch):
+    """A batch of kvheat's (and vLLM's) KV cache events."""
+
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
@@ -97,12 +105,15 @@ _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
+    """The msgpack bytes of `batch`."""
     return _encoder.encode(batch)
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """A batch from its msgpack bytes; anything else raises `msgspec.DecodeError` (a
-    subclass of ValueError). msgpack carries data only: nothing is executed on decode."""
+    """A batch from its msgpack bytes.
+
+    Anything else raises `msgspec.DecodeError` (a subclass of ValueError). msgpack carries
+    data only: nothing is executed on decode."""
     return _decoder.decode(payload)
 
 

@@ -74,16 +74,18 @@ class EventSecret:
 
     # ---- a router's prewarms ----------------------------------------------------------------
     def prewarm_mark(self, tokens: Sequence[int]) -> str:
-        """The `x-kvheat-prewarm` value of a router's prewarm of `tokens`: a MAC under this
-        secret, so a client (who lacks it) cannot pass its requests off as prewarms, which
-        a replica counts apart from its clients' traffic."""
+        """The `x-kvheat-prewarm` value of a router's prewarm of `tokens`.
+
+        A MAC under this secret, so a client (who lacks it) cannot pass its requests off as
+        prewarms, which a replica counts apart from its clients' traffic."""
         h = hashlib.blake2b(key=self._prewarm_key, digest_size=16)
         h.update(",".join(map(str, tokens)).encode())
         return h.hexdigest()
 
     def is_prewarm(self, tokens: Sequence[int], mark: str | None) -> bool:
-        """Is `mark` this secret's prewarm mark of `tokens`? Never for a random
-        per-process secret (no router shares it)."""
+        """Whether `mark` is this secret's prewarm mark of `tokens`.
+
+        Never for a random per-process secret (no router shares it)."""
         return bool(mark) and self.configured and isinstance(mark, str) and \
             hmac.compare_digest(mark.encode(errors="replace"), self.prewarm_mark(tokens).encode())
 
@@ -107,7 +109,9 @@ def _derive(secret: bytes, purpose: bytes) -> bytes:
 
 
 def is_private_endpoint(endpoint: str) -> bool:
-    """Is a ZMQ endpoint reachable from this machine only (ipc, inproc, loopback)?"""
+    """Whether a ZMQ endpoint is reachable from this machine only (ipc, inproc, loopback).
+
+    Is a ZMQ endpoint reachable from this machine only (ipc, inproc, loopback)?"""
     if endpoint.startswith(("ipc://", "inproc://")):
         return True
     m = re.fullmatch(r"tcp://(.+):[0-9*]+", endpoint)

@@ -52,13 +52,15 @@ _SOCKET_HWM = 1
 
 
 class ResyncNeeded(Exception):
-    """Raised by a batch handler whose view went past one of its bounds (and was cut back):
-    the subscriber resets and asks for a snapshot, without counting a handler error."""
+    """Raised by a batch handler whose view went past one of its bounds (and was cut back).
+
+    The subscriber resets and asks for a snapshot, without counting a handler error."""
 
 
 class Inbox:
-    """Received batches (their frames) waiting for the handler, bounded in messages and
-    bytes; `put` refuses what does not fit (the caller counts it)."""
+    """Received batches (their frames) waiting for the handler, bounded in messages and bytes.
+
+    `put` refuses what does not fit (the caller counts it)."""
 
     def __init__(self, max_messages: int, max_bytes: int) -> None:
         if max_messages < 1 or max_bytes < 1:
@@ -70,6 +72,7 @@ class Inbox:
         self._cond = threading.Condition()
 
     def put(self, frames: list[bytes]) -> bool:
+        """Queue one batch's frames; False, queuing nothing, when they do not fit."""
         size = sum(len(f) for f in frames)
         with self._cond:
             if len(self._q) >= self.max_messages or self.bytes + size > self.max_bytes:
@@ -80,6 +83,7 @@ class Inbox:
         return True
 
     def get(self, timeout_s: float) -> list[bytes] | None:
+        """The oldest batch's frames, waiting up to `timeout_s` for one (None: none came)."""
         with self._cond:
             if not self._q:
                 self._cond.wait(timeout_s)
@@ -95,6 +99,8 @@ class Inbox:
 
 @dataclass(slots=True)
 class SubscriberStats:
+    """A subscriber's counters: batches, gaps, resets, bad payloads, errors, overflows."""
+
     batches: int = 0
     replayed: int = 0  # batches received through the replay socket
     gaps: int = 0
@@ -109,6 +115,8 @@ class SubscriberStats:
 
 
 class KVEventSubscriber:
+    """Follows one publisher's KV events, repairing gaps by replay or by a reset and snapshot."""
+
     def __init__(self, name: str, endpoint: str, replay_endpoint: str | None,
                  on_batch: Callable[[str, KVEventBatch], None],
                  on_reset: Callable[[str], None], topic: str = "",
@@ -147,12 +155,14 @@ class KVEventSubscriber:
         return self._synced.wait(timeout_s)
 
     def close(self, timeout_s: float = 2.0) -> None:
+        """Stop both threads."""
         self._running = False
         self._thread.join(timeout_s)
         self._receiver.join(timeout_s)
 
     @property
     def alive(self) -> bool:
+        """Whether both threads still run."""
         return self._thread.is_alive() and self._receiver.is_alive()
 
     def resync(self) -> None:

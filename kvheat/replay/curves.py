@@ -27,36 +27,39 @@ MIN_MINI_BLOCKS = 512  # a miniature cache holds at least this many blocks
 
 @dataclass(slots=True)
 class CurvePoint:
+    """One point of a hit-rate curve: a capacity, its hit rate and how it was found."""
+
     capacity_tokens: int
     hit_rate: float
     method: str  # "stack distance" (exact), "replay" (the whole trace) or "miniature"
     sample_rate: float = 1.0
 
     def as_dict(self) -> dict:
+        """The point as the JSON report writes it."""
         return {"capacity_tokens": self.capacity_tokens, "hit_rate": self.hit_rate,
                 "method": self.method, "sample_rate": self.sample_rate}
 
 
 @dataclass(slots=True)
 class PolicyCurve:
+    """One policy's hit-rate curve, its knee, and the full replays checked against it."""
+
     policy: str
     points: list[CurvePoint]
     knee_tokens: int | None  # the smallest capacity reaching KNEE x unbounded (interpolated)
     checks: list[dict] = field(default_factory=list)
 
-    def rate_at(self, capacity_tokens: int) -> float | None:
-        return next((p.hit_rate for p in self.points if p.capacity_tokens == capacity_tokens),
-                    None)
-
     def as_dict(self) -> dict:
+        """The curve as the JSON report writes it."""
         return {"policy": self.policy, "points": [p.as_dict() for p in self.points],
                 "knee_tokens": self.knee_tokens, "checks": self.checks}
 
 
 def capacity_grid(spool: Spool, points: int = 12) -> list[int]:
-    """`points` capacities (tokens, whole blocks), evenly spaced in log from the longest
-    request (a smaller cache cannot hold it) or 1/1024 of the trace's footprint, whichever
-    is larger, to the footprint (the cache that never evicts)."""
+    """`points` capacities (tokens, whole blocks), evenly spaced in log up to the footprint.
+
+    From the longest request (a smaller cache cannot hold it) or 1/1024 of the trace's
+    footprint, whichever is larger, to the footprint (the cache that never evicts)."""
     bt = spool.block_tokens
     hi = max(spool.footprint_blocks(), 1)
     lo = min(max(spool.summary.max_blocks, hi // 1024, 1), hi)
@@ -69,9 +72,11 @@ def capacity_grid(spool: Spool, points: int = 12) -> list[int]:
 
 def sample_rate(spool: Spool, capacity_tokens: int, budget_refs: int = BUDGET_REFS,
                 min_blocks: int = MIN_MINI_BLOCKS) -> float:
-    """The sampling rate of a miniature at this capacity: 1 when the trace is within the
-    budget, else the budget's share of it, raised so the miniature cache keeps
-    `min_blocks` blocks; a power of two (miniatures of one rate are shared)."""
+    """The sampling rate of a miniature at this capacity, a power of two.
+
+    1 when the trace is within the budget, else the budget's share of it, raised so the
+    miniature cache keeps `min_blocks` blocks; a power of two, so miniatures of one rate are
+    shared."""
     refs = max(spool.summary.refs, 1)
     blocks = max(capacity_tokens // spool.block_tokens, 1)
     want = max(budget_refs / refs, min_blocks / blocks)
@@ -81,8 +86,10 @@ def sample_rate(spool: Spool, capacity_tokens: int, budget_refs: int = BUDGET_RE
 
 
 def adjusted_hit_rate(mini: ReplayResult, rate: float, total_tokens: int) -> float:
-    """SHARDS_adj for a miniature's replay: hit tokens plus the sample's token shortfall
-    against `rate` x all tokens, over that expected total (clipped to [0, 1])."""
+    """SHARDS_adj for a miniature's replay, clipped to [0, 1].
+
+    Hit tokens plus the sample's token shortfall against `rate` x all tokens, over that
+    expected total."""
     expected = rate * total_tokens
     if expected <= 0:
         return 0.0
@@ -92,8 +99,10 @@ def adjusted_hit_rate(mini: ReplayResult, rate: float, total_tokens: int) -> flo
 
 def knee(points: Sequence[tuple[int, float]], unbounded: float, share: float = KNEE
          ) -> int | None:
-    """The smallest capacity whose hit rate reaches `share` x `unbounded`, interpolated in
-    log capacity between the two points around it (points ascending); None: not within."""
+    """The smallest capacity whose hit rate reaches `share` x `unbounded`.
+
+    Interpolated in log capacity between the two points around it (points ascending); None:
+    not within."""
     target = share * unbounded
     if target <= 0:
         return None
@@ -126,12 +135,13 @@ def policy_curves(spool: Spool, policies: Sequence[str], capacities: Sequence[in
                   checks: Sequence[ReplayResult] = (), jobs: int = 1, seed: int = 0,
                   budget_refs: int = BUDGET_REFS, options: dict | None = None,
                   on_done: Callable[[ReplayTask], None] | None = None) -> list[PolicyCurve]:
-    """Each policy's curve at `capacities` (ascending tokens). `checks`: full replays
-    (e.g. the table's) to set beside this method's estimate at their capacities.
-    `options`: `replay`'s keyword arguments (hints, time scale) for every replay.
-    LRU is exact by stack distance where the longest request fits and requests run one at
-    a time (the stack model describes neither `hold` nor `lookahead`): elsewhere it is
-    replayed like the others."""
+    """Each policy's hit-rate curve at `capacities` (ascending tokens).
+
+    `checks`: full replays (e.g. the table's) to set beside this method's estimate at their
+    capacities. `options`: `replay`'s keyword arguments (hints, time scale) for every
+    replay. LRU is exact by stack distance where the longest request fits and requests run
+    one at a time (the stack model describes neither `hold` nor `lookahead`): elsewhere it
+    is replayed like the others."""
     opts = dict(options or {})
     bt = spool.block_tokens
 

@@ -21,6 +21,8 @@ from .spool import Spool
 
 @dataclass(frozen=True, slots=True)
 class ReplayTask:
+    """One replay to run: a spool (by index), a policy, a capacity and `replay`'s options."""
+
     spool: int  # index into the spools given to `run_replays`
     policy: str
     capacity_tokens: int
@@ -37,8 +39,10 @@ def _run(task: ReplayTask) -> ReplayResult:
 
 def run_replays(spools: Sequence[Spool], tasks: Sequence[ReplayTask], jobs: int = 1,
                 on_done: Callable[[ReplayTask], None] | None = None) -> list[ReplayResult]:
-    """The result of each task, in the tasks' order; `jobs` > 1 runs them in that many
-    forked processes (largest spools first, so the longest tasks do not come last)."""
+    """The result of each task, in the tasks' order.
+
+    `jobs` > 1 runs them in that many forked processes (largest spools first, so the longest
+    tasks do not come last)."""
     global _SPOOLS
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")

@@ -47,11 +47,14 @@ class MissBreakdown:
     too_long: int = 0  # the request did not fit the whole cache
 
     def as_dict(self) -> dict[str, int]:
+        """The counts by kind, as a dict."""
         return {k: getattr(self, k) for k in self.__slots__}
 
 
 @dataclass(slots=True)
 class ReplayResult:
+    """What one replay of a trace through the cache counted."""
+
     policy: str
     capacity_tokens: int
     block_tokens: int
@@ -71,9 +74,11 @@ class ReplayResult:
 
     @property
     def hit_rate(self) -> float:
+        """Hit tokens over prompt tokens (`hit_rate`)."""
         return hit_rate(self.hit_tokens, self.total_tokens)
 
     def as_dict(self) -> dict:
+        """The result as the JSON report writes it."""
         return {
             "policy": self.policy, "capacity_tokens": self.capacity_tokens,
             "hit_rate": self.hit_rate, "hit_tokens": self.hit_tokens,
@@ -87,10 +92,11 @@ class ReplayResult:
 
 
 class PreparedTrace:
-    """A trace in memory with every request's chained keys computed once, as the cache
-    names them (`trace_block_keys` under each tenant's root, share groups included), for
-    the oracle, the bound and the cluster simulation. `spool` is the same trace as a
-    `Spool`, what `replay` walks (made on first use, from these keys)."""
+    """A trace in memory with every request's chained keys computed once, as the cache names them.
+
+    The keys are `trace_block_keys` under each tenant's root, share groups included, for the
+    oracle, the bound and the cluster simulation. `spool` is the same trace as a `Spool`,
+    what `replay` walks (made on first use, from these keys)."""
 
     def __init__(self, trace: list[TraceRequest], block_tokens: int = 512,
                  share_groups: dict[str, str] | None = None) -> None:
@@ -112,29 +118,34 @@ class PreparedTrace:
 
     @property
     def spool(self) -> Spool:
+        """The trace as a `Spool` (made on first use, from the keys)."""
         if self._spool is None:
             self._spool = Spool.build(self.trace, self.block_tokens, self.share_groups,
                                       keys=self.keys)
         return self._spool
 
     def footprint_blocks(self, hold: bool = False) -> int:
-        """The most blocks a replay of this trace can ever have in use, at any capacity:
-        each distinct (tenant-salted) prefix block cached once, plus the private copies
-        requests in flight may hold (one request at a time, or with `hold` all of them).
-        A cache of more blocks never runs out of free ones, so never evicts."""
+        """The most blocks a replay of this trace can ever have in use, at any capacity.
+
+        Each distinct (tenant-salted) prefix block cached once, plus the private copies
+        requests in flight may hold (one request at a time, or with `hold` all of them). A
+        cache of more blocks never runs out of free ones, so never evicts."""
         return self.spool.footprint_blocks(hold)
 
     @property
     def sessions(self) -> list[str]:
-        """Each request's session: the trace's `session_id`, else the session of the
-        earlier request whose whole prompt (its full blocks) this one extends, the longest
-        such, else a session of its own ("prompt:<index>"). A prompt is continued once: a
-        second request extending it (another conversation on a shared system prompt, a
-        branch) opens a session of its own. A hint a server has too: the chat history's
-        own prefix names the conversation. (Derived by the spool's forward pass.)"""
+        """Each request's session: the trace's own, else one derived from the prompts.
+
+        The trace's `session_id`, else the session of the earlier request whose whole prompt
+        (its full blocks) this one extends, the longest such, else a session of its own
+        ("prompt:<index>"). A prompt is continued once: a second request extending it
+        (another conversation on a shared system prompt, a branch) opens a session of its
+        own. A hint a server has too: the chat history's own prefix names the conversation.
+        (Derived by the spool's forward pass.)"""
         return [r.session for r in self.spool.requests()]
 
     def infinite_hit_rate(self) -> float:
+        """The hit rate of a cache that never evicts."""
         return self.spool.infinite_hit_rate()
 
 
@@ -142,8 +153,10 @@ MAX_TOKENS = 10**15  # a token count beyond any cache: a typo, not a size
 
 
 def parse_tokens(text: str) -> int:
-    """'1M' -> 1_000_000, '512K' -> 512_000, '3.5M', '1G', '1e6', or a plain integer: a
-    whole, positive, finite number of tokens (at most `MAX_TOKENS`), read exactly."""
+    """A token count from text: '1M' -> 1_000_000, '512K' -> 512_000, '3.5M', '1G', '1e6'.
+
+    Or a plain integer: a whole, positive, finite number of tokens (at most `MAX_TOKENS`),
+    read exactly."""
     s = text.strip().upper() if isinstance(text, str) else ""
     mult = {"K": 1_000, "M": 1_000_000, "G": 1_000_000_000}.get(s[-1:], 1)
     num = s[:-1] if mult > 1 else s
@@ -172,8 +185,9 @@ BLOCK_BYTES = 512
 
 
 def available_memory() -> int | None:
-    """Bytes this process can still allocate, as best the OS tells (MemAvailable, capped
-    by a cgroup's limit); None when it does not."""
+    """Bytes this process can still allocate, as best the OS tells.
+
+    MemAvailable, capped by a cgroup's limit; None when the OS does not tell."""
     avail: int | None = None
     try:
         with open("/proc/meminfo") as f:
@@ -201,8 +215,9 @@ def available_memory() -> int | None:
 
 
 def pool_blocks(trace: PreparedTrace | Spool, capacity_tokens: int, hold: bool = False) -> int:
-    """Blocks a replay at `capacity_tokens` allocates: the capacity's, clamped to the trace's
-    `footprint_blocks` (more could never be used)."""
+    """Blocks a replay at `capacity_tokens` allocates.
+
+    The capacity's, clamped to the trace's `footprint_blocks` (more could never be used)."""
     return min(capacity_tokens // trace.block_tokens, max(trace.footprint_blocks(hold), 1))
 
 
@@ -224,8 +239,10 @@ def replay(trace: Spool | PreparedTrace | list[TraceRequest], policy: PolicySpec
            prefill_tps: float = 20_000.0, decode_tps: float = 50.0,
            progress: Callable[[int], None] | None = None, time_scale: float = 1.0,
            hints: bool | None = None, lookahead: int = 0) -> ReplayResult:
-    """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks
-    (allocated only up to the trace's `footprint_blocks`: the results are the same).
+    """Replay `trace` through a `KVCacheManager` of `capacity_tokens // block_tokens` blocks.
+
+    The pool is allocated only up to the trace's `footprint_blocks`: the results are the
+    same.
 
     `time_scale` multiplies every timestamp: the same requests in the same order, with
     traffic `1 / time_scale` times as fast (0.1: ten times the request rate).
@@ -379,4 +396,5 @@ def _explain(pol: EvictionPolicy) -> list[dict[str, float | bool]]:
 
 def replay_grid(trace: PreparedTrace, policies: Iterable[str], capacities: Iterable[int],
                 **kw) -> list[ReplayResult]:
+    """`replay` of every policy at every capacity, capacities outermost."""
     return [replay(trace, p, c, trace.block_tokens, **kw) for c in capacities for p in policies]

@@ -21,13 +21,15 @@ GAP_LEGEND = ("gap: the share of the LRU→Belady gap a policy closes at that ca
 
 
 def gap_closed(rate: float, lru: float, belady: float) -> float | None:
-    """Fraction of the LRU -> Belady gap a policy closes; None where that gap is under
-    `MIN_GAP` (hit rates as fractions)."""
+    """The fraction of the LRU -> Belady gap a policy closes.
+
+    None where that gap is under `MIN_GAP` (hit rates as fractions)."""
     return (rate - lru) / (belady - lru) if belady - lru >= MIN_GAP else None
 
 
 def summarize(trace_name: str, block_tokens: int, infinite: float,
               results: list[ReplayResult]) -> dict:
+    """The replay report: each result, with the share of the LRU -> Belady gap it closes."""
     by = {(r.policy, r.capacity_tokens): r for r in results}
     rows = []
     for r in results:
@@ -40,15 +42,19 @@ def summarize(trace_name: str, block_tokens: int, infinite: float,
 
 
 def table_console() -> Console:
-    """Where tables go: the terminal, at its width; anything else (a pipe, a log file, CI)
-    unbounded, since rich would otherwise assume 80 columns and cut cells."""
+    """Where tables go: the terminal, at its width, else an unbounded console.
+
+    A pipe, a log file or CI get an unbounded width, since rich would otherwise assume 80
+    columns and cut cells."""
     con = Console()
     return con if con.is_terminal else Console(width=100_000)
 
 
 def print_uncut(table: Table, console: Console | None = None) -> None:
-    """Print `table` with no cell cut: cells wrap (fold) where a terminal is narrower
-    than the table, and a non-terminal is as wide as the table (`table_console`)."""
+    """Print `table` with no cell cut.
+
+    Cells wrap (fold) where a terminal is narrower than the table, and a non-terminal is as
+    wide as the table (`table_console`)."""
     for col in table.columns:
         col.overflow = "fold"
         col.no_wrap = False
@@ -56,6 +62,7 @@ def print_uncut(table: Table, console: Console | None = None) -> None:
 
 
 def print_table(summary: dict, console: Console | None = None) -> None:
+    """Print the report's hit rates: a row per policy, a column per capacity."""
     caps = sorted({r["capacity_tokens"] for r in summary["results"]})
     pols = list(dict.fromkeys(r["policy"] for r in summary["results"]))
     cell = {(r["policy"], r["capacity_tokens"]): r for r in summary["results"]}
@@ -84,6 +91,7 @@ def print_table(summary: dict, console: Console | None = None) -> None:
 
 
 def print_misses(summary: dict, console: Console | None = None) -> None:
+    """Print why prompt tokens missed, by policy and capacity."""
     t = Table(title="Why prompt tokens missed (share of all prompt tokens)")
     for col in ("policy", "capacity", "compulsory", "capacity miss", "sub-block", "isolation", "too long"):
         t.add_column(col, justify="right" if col != "policy" else "left")
@@ -95,8 +103,10 @@ def print_misses(summary: dict, console: Console | None = None) -> None:
 
 
 def print_curves(summary: dict, console: Console | None = None) -> None:
-    """The curves of `summary["curves"]` (`kvheat replay --curve`): hit rate by capacity
-    and policy, each policy's knee, and each estimate's error against a full replay."""
+    """Print the curves of `summary["curves"]` (`kvheat replay --curve`).
+
+    Hit rate by capacity and policy, each policy's knee, and each estimate's error against a
+    full replay."""
     cv = summary["curves"]
     pols = cv["policies"]
     share = cv["knee_share"]
@@ -128,11 +138,13 @@ def print_curves(summary: dict, console: Console | None = None) -> None:
 
 
 def write_json(summary: dict, path: str | Path) -> None:
+    """Write the report as indented JSON at `path`."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def plot(summary: dict, path: str | Path) -> None:
+    """Write a PNG of each policy's hit rate against capacity at `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,8 +203,10 @@ def _fmt_tokens(n: int, exact: bool = True) -> str:
 
 
 def print_explain(summary: dict, console: Console | None = None) -> None:
-    """What each adaptive policy followed over the trace: its multiple at the start, each
-    move (when, to what, on what lead) and where it ended, with its candidates' hits."""
+    """Print what each adaptive policy followed over the trace.
+
+    Its multiple at the start, each move (when, to what, on what lead) and where it ended,
+    with its candidates' hits."""
     con = console or table_console()
     t = Table(title=f"{summary['trace']}: what the adaptive policies learned")
     for col in ("policy", "capacity", "rounds", "moves", "multiple over the trace", "candidates (an octave either side, at the end): "

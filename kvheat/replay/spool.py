@@ -45,6 +45,8 @@ CHUNK_REFS = 1 << 20  # block references read back at a time (about 5-13 MB)
 
 
 class SpooledRequest(NamedTuple):
+    """One request as a spool gives it back: its keys, their static miss classes and its hints."""
+
     position: int  # in the trace (the request id a replay gives it)
     timestamp_ms: float
     input_length: int
@@ -116,8 +118,10 @@ class Spool:
     def build(cls, requests: Iterable[TraceRequest], block_tokens: int,
               share_groups: dict[str, str] | None = None, folder: str | Path | None = None,
               keys: Iterable[Sequence[bytes]] | None = None) -> Spool:
-        """Spool `requests` (read once, in order). `keys`: each request's chained keys, when
-        the caller has them already (`PreparedTrace.keys`)."""
+        """Spool `requests` (read once, in order).
+
+        `keys`: each request's chained keys, when the caller has them already
+        (`PreparedTrace.keys`)."""
         owned = folder is None
         path = Path(tempfile.mkdtemp(prefix="kvheat-spool-")) if folder is None else Path(folder)
         path.mkdir(parents=True, exist_ok=True)
@@ -142,25 +146,24 @@ class Spool:
             self._finalizer()
 
     # ---- what replays read --------------------------------------------------------------
-    @property
-    def requests_count(self) -> int:
-        return self.summary.requests
-
     def footprint_blocks(self, hold: bool = False) -> int:
         """As `PreparedTrace.footprint_blocks`: the most blocks a replay can have in use."""
         s = self.summary
         return s.distinct + (s.refs if hold else s.max_blocks)
 
     def infinite_hit_rate(self) -> float:
+        """The hit rate of a cache that never evicts."""
         s = self.summary
         return s.infinite_hit_tokens / s.total_tokens if s.total_tokens else 0.0
 
     def session_name(self, code: int) -> str:
+        """The session of code `code` (a derived one for a negative code)."""
         return self.session_names[code] if code >= 0 else f"prompt:{-code - 1}"
 
     def requests(self, next_use: bool = False) -> Iterator[SpooledRequest]:
-        """Every request, in order, with its keys (and, with `next_use`, Belady's next use
-        of each), read back chunk by chunk."""
+        """Every request, in order, with its keys, read back chunk by chunk.
+
+        With `next_use`, Belady's next use of each key too."""
         if next_use:
             self.prepare_next_use()
         table = self.keys
@@ -184,12 +187,13 @@ class Spool:
                 index += 1
 
     def sample(self, rate: float, seed: int = 0) -> Spool:
-        """A miniature of the trace: only the blocks whose key falls in `rate` of the key
-        space (SHARDS' spatial sampling, by `seed`), so every request keeps the same kept
-        keys and the reuse among them is intact; a request keeps its kept blocks, in order,
-        as its prompt (one left with none is dropped). Replayed through a cache `rate`
-        times the size, it estimates that cache's hit rate. Vectorized over chunks: a
-        pass costs seconds however long the trace."""
+        """A miniature of the trace: only the blocks whose key falls in `rate` of the key space.
+
+        SHARDS' spatial sampling, by `seed`: every request keeps the same kept keys and the
+        reuse among them is intact; a request keeps its kept blocks, in order, as its prompt
+        (one left with none is dropped). Replayed through a cache `rate` times the size, it
+        estimates that cache's hit rate. Vectorized over chunks: a pass costs seconds
+        however long the trace."""
         if not 0 < rate <= 1:
             raise ValueError(f"sample rate must be in (0, 1], got {rate}")
         if rate == 1:
@@ -280,8 +284,9 @@ class Spool:
         return [(int(a), int(b)) for a, b in data]
 
     def prepare_next_use(self) -> None:
-        """Belady's next use of every reference, by one backward pass over the ids, chunk
-        by chunk (memory: one float per distinct key and one chunk)."""
+        """Compute Belady's next use of every reference, by one backward pass over the ids.
+
+        Chunk by chunk (memory: one float per distinct key and one chunk)."""
         if self._has_next:
             return
         sizes = self._chunk_sizes()
@@ -319,9 +324,10 @@ class Spool:
 
 
 def key_hash(keys: list[bytes], seed: int = 0) -> np.ndarray:
-    """A uniform 32-bit hash of each key for `seed` (SHARDS' filter): bytes 8..15 of the
-    key (KVHeat samples by byte 0, so a sample stays independent of it) through
-    splitmix64's finalizer with the seed mixed in."""
+    """A uniform 32-bit hash of each key for `seed` (SHARDS' filter).
+
+    Bytes 8..15 of the key (KVHeat samples by byte 0, so a sample stays independent of it)
+    through splitmix64's finalizer with the seed mixed in."""
     x = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 16)[:, 8:16].copy()
     with np.errstate(over="ignore"):
         h = mix64(x.view("<u8").ravel() + np.uint64((seed * 0x9E3779B97F4A7C15) % 2**64))

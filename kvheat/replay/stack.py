@@ -68,8 +68,9 @@ popcount = getattr(np, "bitwise_count", _popcount_bytes)
 
 
 def splitmix64(x: np.ndarray, seed: int = 0) -> np.ndarray:
-    """Vigna's splitmix64 finaliser of `x + (seed + 1) * golden` (uint64, wrapping): the
-    fixed integer hash SHARDS samples dense key ids with."""
+    """Vigna's splitmix64 finaliser of `x + (seed + 1) * golden` (uint64, wrapping).
+
+    The fixed integer hash SHARDS samples dense key ids with."""
     return mix64(x.astype(np.uint64) + np.uint64(((seed + 1) * _GOLDEN) & _MASK64))
 
 
@@ -119,14 +120,16 @@ class LRUCurve:
         return int(self._cum[min(cut, len(self._cum) - 1)])
 
     def hit_rate(self, capacity_blocks: int) -> float:
-        """Token-weighted prefix hit rate of LRU at `capacity_blocks` blocks (an estimate
-        when sampled; exact for `rate` 1 and capacity >= `exact_from_blocks`)."""
+        """Token-weighted prefix hit rate of LRU at `capacity_blocks` blocks.
+
+        An estimate when sampled; exact for `rate` 1 and capacity >= `exact_from_blocks`."""
         return _hit_rate(self._sampled_hits(capacity_blocks), self.sampled_tokens)
 
     def hit_tokens(self, capacity_blocks: int) -> int:
-        """Prompt tokens served from cache at `capacity_blocks` (`replay(..., "lru", C *
-        block_tokens, ...).hit_tokens` exactly, for rate 1 and C >= exact_from_blocks;
-        sampled: the hit rate times all tokens)."""
+        """Prompt tokens served from cache at `capacity_blocks`.
+
+        `replay(..., "lru", C * block_tokens, ...).hit_tokens` exactly, for rate 1 and C >=
+        exact_from_blocks; sampled: the hit rate times all tokens."""
         hits = self._sampled_hits(capacity_blocks)
         if self.rate == 1.0:
             return hits
@@ -138,8 +141,9 @@ class LRUCurve:
         return _hit_rate(int(self._cum[-1]), self.sampled_tokens)
 
     def blocks_for(self, fraction: float) -> int | None:
-        """The smallest capacity (blocks) reaching `fraction` of the unbounded hit rate
-        (e.g. 0.9: the knee operators size to); None when nothing ever hits."""
+        """The smallest capacity (blocks) reaching `fraction` of the unbounded hit rate.
+
+        E.g. 0.9: the knee operators size to. None when nothing ever hits."""
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
         top = int(self._cum[-1])
@@ -164,8 +168,10 @@ class LRUCurve:
         return [(int(c), self.hit_rate(int(c))) for c in capacities]
 
     def as_dict(self, capacities: Iterable[int] = (), histogram: bool = False) -> dict:
-        """JSON-ready summary; `capacities`: the curve at those (each point says whether it
-        is exact); `histogram`: the nonzero entries of `tokens_by_distance` too."""
+        """A JSON-ready summary of the curve.
+
+        `capacities`: the curve at those (each point says whether it is exact); `histogram`:
+        the nonzero entries of `tokens_by_distance` too."""
         out: dict = {
             "policy": "lru", "method": "stack distance" if self.rate == 1.0 else "SHARDS",
             "block_tokens": self.block_tokens, "rate": self.rate, "seed": self.seed,
@@ -363,10 +369,12 @@ class LRUStackDistance:
         self._pending_refs += rev.size
 
     def add_chunk(self, ids: np.ndarray, counts: np.ndarray, input_lengths: np.ndarray) -> None:
-        """Many requests at once, in trace order: `ids` their blocks' ids back to back,
-        `counts[i]` request i's blocks, `input_lengths[i]` its tokens (a spool chunk's ids
-        and its records' `n` and `input`). As `add` on each, without Python per request;
-        bad input raises ValueError and changes nothing."""
+        """Add many requests at once, in trace order.
+
+        `ids` their blocks' ids back to back, `counts[i]` request i's blocks,
+        `input_lengths[i]` its tokens (a spool chunk's ids and its records' `n` and
+        `input`). As `add` on each, without Python per request; bad input raises ValueError
+        and changes nothing."""
         ids, counts, lengths = np.asarray(ids), np.asarray(counts), np.asarray(input_lengths)
         if (ids.ndim != 1 or counts.ndim != 1 or lengths.shape != counts.shape
                 or any(a.dtype.kind not in "iu" for a in (ids, counts, lengths))):
@@ -438,11 +446,14 @@ class LRUStackDistance:
 
     @property
     def time_slots(self) -> int:
-        """The length of the time axis the live-times bitmap covers (about twice the
-        tracked keys, renumbered as it fills): what bounds the memory, with the keys."""
+        """The length of the time axis the live-times bitmap covers.
+
+        About twice the tracked keys, renumbered as it fills: what bounds the memory, with
+        the keys."""
         return self._live.slots
 
     def extend(self, requests: Iterable[tuple[Sequence[int] | np.ndarray, int]]) -> LRUStackDistance:
+        """`add` each `(ids, input_length)` request in order; returns self."""
         for ids, input_length in requests:
             self.add(ids, input_length)
         return self
@@ -613,9 +624,10 @@ class LRUStackDistance:
 
 def dense_requests(keys: Iterable[Sequence[bytes]], input_lengths: Iterable[int]
                    ) -> Iterator[tuple[np.ndarray, int]]:
-    """`(ids, input_length)` per request from each request's block keys (e.g.
-    `PreparedTrace.keys`), numbering keys densely in order of first appearance (a dict of
-    the distinct keys)."""
+    """`(ids, input_length)` per request, from each request's block keys.
+
+    The keys are e.g. `PreparedTrace.keys`; they are numbered densely in order of first
+    appearance (a dict of the distinct keys)."""
     ids: dict[bytes, int] = {}
     for ks, n in zip(keys, input_lengths, strict=True):
         yield np.fromiter((ids.setdefault(k, len(ids)) for k in ks), np.uint32, len(ks)), n
@@ -623,6 +635,7 @@ def dense_requests(keys: Iterable[Sequence[bytes]], input_lengths: Iterable[int]
 
 def lru_curve(requests: Iterable[tuple[Sequence[int] | np.ndarray, int]], block_tokens: int,
               rate: float = 1.0, seed: int = 0) -> LRUCurve:
-    """LRU's hit-rate curve of a stream of `(ids, input_length)` requests, in one pass
-    (`LRUStackDistance`)."""
+    """LRU's hit-rate curve of a stream of `(ids, input_length)` requests, in one pass.
+
+    See `LRUStackDistance`."""
     return LRUStackDistance(block_tokens, rate, seed).extend(requests).result()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 @dataclass(slots=True)
 class TraceRequest:
+    """One request of a trace: its time, its lengths, its blocks' ids, and its hints."""
+
     timestamp_ms: float
     input_length: int
     output_length: int
@@ -29,7 +31,7 @@ class TraceRequest:
 
 
 class TraceError(ValueError):
-    pass
+    """A trace that cannot be read: its file, line and field named."""
 
 
 # Bounds on what a trace line may hold. A line of 32 Mi characters is far beyond any real
@@ -43,9 +45,10 @@ _BAD_BYTES = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of non-
 
 
 def read_lines(path: str | Path, strict_utf8: bool = True) -> Iterator[tuple[int, str]]:
-    """(line number, line) for each non-blank line of a text file, each line bounded by
-    `MAX_LINE_CHARS`; with `strict_utf8` a line that is not UTF-8 is an error naming it
-    (otherwise bad bytes read as U+FFFD)."""
+    """(line number, line) for each non-blank line of a text file.
+
+    Each line is bounded by `MAX_LINE_CHARS`; with `strict_utf8` a line that is not UTF-8 is
+    an error naming it (otherwise bad bytes read as U+FFFD)."""
     errors = "surrogateescape" if strict_utf8 else "replace"
     with open(path, encoding="utf-8", errors=errors) as f:
         lineno = 0
@@ -106,6 +109,7 @@ def check_time(where: str, name: str, v: object) -> float:
 
 
 def positive_int(v: object, name: str) -> int:
+    """`v` if it is a positive integer (not a bool), else a ValueError naming `name`."""
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be a positive integer, not {v!r}")
     return v
@@ -125,11 +129,11 @@ def _stop(where: str, v: object) -> str | None:
 
 
 def parse_request(where: str, d: object, block_tokens: int) -> TraceRequest:
-    """One Mooncake request (a decoded JSON line), every field type- and range-checked:
-    `hash_ids` a non-empty list of block ids in [0, 2**64), `input_length` an integer
-    that fits them, `output_length` an integer >= 0, `timestamp` (ms) a finite number
-    >= 0, `session_id`, `tenant` and `stop` (the finish reason) strings. Other fields are
-    ignored."""
+    """One Mooncake request (a decoded JSON line), every field type- and range-checked.
+
+    `hash_ids` a non-empty list of block ids in [0, 2**64), `input_length` an integer that
+    fits them, `output_length` an integer >= 0, `timestamp` (ms) a finite number >= 0,
+    `session_id`, `tenant` and `stop` (the finish reason) strings. Other fields are ignored."""
     if not isinstance(d, dict):
         raise TraceError(f"{where}: a request is a JSON object, not {_show(d)}")
     for k in ("hash_ids", "input_length"):
@@ -153,10 +157,11 @@ def parse_request(where: str, d: object, block_tokens: int) -> TraceRequest:
 
 def iter_trace(path: str | Path, block_tokens: int = 512,
                limit: int | None = None) -> Iterator[TraceRequest]:
-    """The requests of a Mooncake-format JSONL trace (`timestamp`, `input_length`,
-    `output_length`, `hash_ids`, optionally `session_id` and `tenant`), one line at a time
-    (memory: one line), each checked (`parse_request`); a bad line is a `TraceError`
-    naming the file, line and field."""
+    """The requests of a Mooncake-format JSONL trace, one line at a time.
+
+    The fields are `timestamp`, `input_length`, `output_length`, `hash_ids`, optionally
+    `session_id` and `tenant` (memory: one line); each line is checked (`parse_request`),
+    and a bad one is a `TraceError` naming the file, line and field."""
     block_tokens = positive_int(block_tokens, "block_tokens")
     if limit is not None:
         limit = positive_int(limit, "limit")
@@ -173,8 +178,9 @@ def load_trace(path: str | Path, block_tokens: int = 512, limit: int | None = No
 
 def iter_copies(path: str | Path, block_tokens: int, copies: int, seed: int = 0,
                 limit: int | None = None) -> Iterator[TraceRequest]:
-    """`copies` plays of a Mooncake trace at once, merged in time order as a stream (one
-    reader per copy, one request of each in memory): copy c starts at a seeded offset in
+    """`copies` plays of a Mooncake trace at once, merged in time order as a stream.
+
+    One reader per copy, one request of each in memory: copy c starts at a seeded offset in
     [0, the trace's span), has block ids of its own (shifted past the file's largest) and
     its own sessions ("<session>#c"), as `copies` users sending the same kind of traffic.
     Copy 0 is the trace itself, unshifted. `limit` counts the file's requests, per copy."""
@@ -205,6 +211,7 @@ def iter_copies(path: str | Path, block_tokens: int, copies: int, seed: int = 0,
 
 
 def save_trace(trace: list[TraceRequest], path: str | Path) -> None:
+    """Write `trace` as a Mooncake-format JSONL file."""
     with open(path, "w", encoding="utf-8") as f:
         for r in trace:
             d = {"timestamp": r.timestamp_ms, "input_length": r.input_length,
@@ -271,12 +278,14 @@ class SessionDraw:
 
     @property
     def block_tokens(self) -> int:
+        """Tokens per block: `group` kv-cache-tester blocks of 64 tokens."""
         return KV_TESTER_BLOCK * self.group
 
 
 def session_files(path: str | Path) -> list[Path]:
-    """The session files of a kv-cache-tester folder (its `raw/` subfolder when it has
-    one), or the one file given, in name order."""
+    """The session files of a kv-cache-tester folder, in name order.
+
+    Its `raw/` subfolder when it has one, or the one file given."""
     p = Path(path)
     if p.is_file():
         return [p]
@@ -291,14 +300,16 @@ def session_files(path: str | Path) -> list[Path]:
 
 
 def load_kv_cache_tester(path: str | Path, draw: SessionDraw | None = None) -> list[TraceRequest]:
-    """kv-cache-tester session files (a folder, its `raw/`, or one file) as one trace in
-    time order: each top-level session (and, with `draw.subagents`, each nested sub-agent,
-    started at its `t` in its parent's clock) is a session of its own (`session`:
-    "<file stem>" or "<file stem>/<agent_id>"), all started at `draw`'s seeded offsets.
-    Block ids are grouped `draw.group` to a block (full groups only) and renumbered, one
-    id space per file (a file's sub-agents share its ids, e.g. their system prompt; two
-    files never share a block). Every field is type- and range-checked: a bad one is a
-    `TraceError` naming the file and the request (`requests[3].requests[0]`)."""
+    """kv-cache-tester session files as one trace in time order.
+
+    The path is a folder, its `raw/`, or one file. Each top-level session (and, with
+    `draw.subagents`, each nested sub-agent, started at its `t` in its parent's clock) is a
+    session of its own (`session`: "<file stem>" or "<file stem>/<agent_id>"), all started
+    at `draw`'s seeded offsets. Block ids are grouped `draw.group` to a block (full groups
+    only) and renumbered, one id space per file (a file's sub-agents share its ids, e.g.
+    their system prompt; two files never share a block). Every field is type- and
+    range-checked: a bad one is a `TraceError` naming the file and the request
+    (`requests[3].requests[0]`)."""
     draw = draw or SessionDraw()
     import random
 
@@ -415,8 +426,10 @@ def _session_requests(where: str, d: dict, session: str, start: float, base: flo
 
 @dataclass(slots=True)
 class WorkloadConfig:
-    """A multi-turn chat workload: conversations open on one of a few shared system
-    prompts (Zipf popularity), come back after a think time, and grow turn by turn."""
+    """A multi-turn chat workload for the built-in generator.
+
+    Conversations open on one of a few shared system prompts (Zipf popularity), come back
+    after a think time, and grow turn by turn."""
 
     num_conversations: int = 3000
     num_system_prompts: int = 12

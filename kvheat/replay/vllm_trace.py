@@ -44,12 +44,12 @@ from .traces import (
     read_lines,
 )
 
-FORMATS = ("mooncake", "vllm-events", "vllm-log")
-
 
 def detect_format(path: str | Path) -> str:
-    """'vllm-log' for a vLLM log, 'vllm-events' for a KV event file, else 'mooncake'.
-    Only the first non-blank line is read, and at most `MAX_LINE_CHARS` of it."""
+    """A trace file's format: 'vllm-log', 'vllm-events' or else 'mooncake'.
+
+    'vllm-log' for a vLLM log, 'vllm-events' for a KV event file. Only the first non-blank
+    line is read, and at most `MAX_LINE_CHARS` of it."""
     with open(path, encoding="utf-8", errors="replace") as f:
         while True:
             line = f.readline(MAX_LINE_CHARS)
@@ -200,14 +200,10 @@ def _log_request(line: str) -> tuple[tuple[str | None, ...], str] | None:
     return None
 
 
-def load_vllm_log(path: str | Path, block_tokens: int = 512) -> list[TraceRequest]:
-    """`iter_vllm_log` as a list."""
-    return list(iter_vllm_log(path, block_tokens))
-
-
 def iter_vllm_log(path: str | Path, block_tokens: int = 512) -> Iterator[TraceRequest]:
-    """Requests from a vLLM server log written with --enable-log-requests at DEBUG, read
-    as a stream (memory: one id per distinct block)."""
+    """Requests from a vLLM server log written with --enable-log-requests at DEBUG.
+
+    Read as a stream (memory: one id per distinct block)."""
     block_tokens = positive_int(block_tokens, "block_tokens")
     root = root_key(None)
     ids: dict[bytes, int] = {}
@@ -246,8 +242,9 @@ def iter_vllm_log(path: str | Path, block_tokens: int = 512) -> Iterator[TraceRe
 
 def record_kv_events(endpoint: str, path: str | Path, topic: str = "",
                      limit: int | None = None) -> int:
-    """Subscribe to a vLLM server's KV events (ZMQ PUB at `endpoint`) and append each
-    batch to `path` as one JSON line, until `limit` batches or Ctrl-C. Needs pyzmq and
+    """Append a vLLM server's KV event batches to `path`, one JSON line each.
+
+    Subscribes to its ZMQ PUB at `endpoint` until `limit` batches or Ctrl-C. Needs pyzmq and
     msgspec (both come with vLLM). Returns the number of batches written."""
     import msgspec
     import zmq

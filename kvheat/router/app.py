@@ -48,7 +48,10 @@ from .hints import SessionHints, vllm_body
 from .index import PrefixIndex
 from .keys import PromptKeys
 from .metrics import RouterMetrics
-from .policy import (
+from .proxy import Forwarder, Receive, RouterError, Send, read_body, send_error
+from .regime import ClusterEntropy
+from .replicas import Replica, ReplicaRegistry
+from .routing import (
     Decision,
     KVHeatRouting,
     NoReplica,
@@ -56,9 +59,6 @@ from .policy import (
     RoutingPolicy,
     make_routing_policy,
 )
-from .proxy import Forwarder, Receive, RouterError, Send, read_body, send_error
-from .regime import ClusterEntropy
-from .replicas import Replica, ReplicaRegistry
 
 log = logging.getLogger("kvheat.router")
 
@@ -81,6 +81,8 @@ def _error(status: int, message: str, type_: str = "invalid_request_error",
 
 
 class KVHeatRouter:
+    """The router: keys each prompt, chooses a replica from the prefix index and proxies to it."""
+
     def __init__(self, config: RouterConfig, span_exporter: Any = None) -> None:
         self.config = config
         # The replicas' events secret: keys are matched in its published form, and kvheat
@@ -129,6 +131,7 @@ class KVHeatRouter:
     # ---- one proxied request --------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send,
                      endpoint: str) -> None:
+        """Answer one OpenAI request on `endpoint`: route it, or refuse it when at capacity."""
         held = self.in_flight.admit(scope, self.config.max_body_bytes)
         try:
             if held is None:
@@ -271,11 +274,12 @@ class KVHeatRouter:
     def maybe_prewarm(self, rreq: RouteRequest, body: dict[str, Any], tokens: list[int] | None,
                       authorization: str, chosen: Replica, user: str | None = None,
                       tenant: str | None = None) -> None:
-        """Send the request's hot head to the replicas that lack it on their devices, in
-        the arm the request's user reaches (an "exact" arm matches whole prompts only: a
+        """Send the request's hot head to the replicas that lack it on their devices.
+
+        In the arm the request's user reaches (an "exact" arm matches whole prompts only: a
         head would never be reused there, so none is sent); to vLLM replicas under the
-        tenant's keyed salt, as the request itself (never into the unsalted namespace
-        every direct client shares)."""
+        tenant's keyed salt, as the request itself (never into the unsalted namespace every
+        direct client shares)."""
         pol = self.policy
         if not self.config.prewarm or not tokens or not isinstance(pol, KVHeatRouting):
             return
@@ -311,6 +315,9 @@ class KVHeatRouter:
 
     # ---- the app --------------------------------------------------------------------------
     def check_admin(self, authorization: str) -> None:
+        """Raise a RouterError unless `authorization` carries the admin token.
+
+        A 404 when the admin API is off, a 401 for a missing or wrong token."""
         token = self.config.admin_token
         if not token:
             raise RouterError(404, "the admin API is off (start the router with an admin "

@@ -10,7 +10,7 @@ import click
 
 from ..server.config import EVENTS_SECRET_ENV, ConfigError, load_config, secret_from_env
 from .config import ReplicaSpec, RouterConfig, RouterConfigError
-from .policy import ROUTING_POLICIES
+from .routing import ROUTING_POLICIES
 
 
 @click.command("route")

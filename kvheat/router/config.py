@@ -13,7 +13,7 @@ from ..kvevents.subscriber import MAX_QUEUE_BYTES, MAX_QUEUE_MESSAGES
 from ..server.concurrency import MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES
 from ..server.config import check_secret, secret_from_env
 from .index import MAX_BLOCKS
-from .policy import ROUTING_POLICIES
+from .routing import ROUTING_POLICIES
 
 KINDS = ("kvheat", "vllm", "openai")
 # HTTP requests of any kind held at once (kvheat/server/concurrency.py), unless given:
@@ -22,14 +22,16 @@ CONCURRENT_HEADROOM = 1024
 
 
 class RouterConfigError(ValueError):
-    pass
+    """A router configuration that cannot be used."""
 
 
 @dataclass(slots=True)
 class ReplicaSpec:
-    """One replica. `kvheat` replicas say where their KV events are (GET /kv_events);
-    `vllm` ones need `events` (and `replay`) given, and get the tenant's salt as
-    `cache_salt`; `openai`: any other OpenAI-compatible server (no events: load only)."""
+    """One replica: its URL, its kind, and where its KV events are.
+
+    `kvheat` replicas say where their KV events are (GET /kv_events); `vllm` ones need
+    `events` (and `replay`) given, and get the tenant's salt as `cache_salt`; `openai`: any
+    other OpenAI-compatible server (no events: load only)."""
 
     url: str
     kind: str = "kvheat"
@@ -57,6 +59,7 @@ class ReplicaSpec:
 
     @property
     def host(self) -> str:
+        """The host name of the replica's URL."""
         return urlsplit(self.url).hostname or ""
 
     @classmethod
@@ -82,6 +85,8 @@ class ReplicaSpec:
 
 @dataclass(slots=True)
 class RouterConfig:
+    """The router's configuration: its replicas, policy, tokenizer, tenants and limits."""
+
     replicas: list[ReplicaSpec] = field(default_factory=list)
     policy: str = "kvheat"
     # The tokenizer the replicas use (their model directory; None: the built-in tiny

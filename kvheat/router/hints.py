@@ -26,9 +26,11 @@ from .proxy import RouterError
 
 
 class SessionHints:
-    """Session digests for vLLM replicas: keyed by `secret` (routers in front of the same
-    replicas given one key the same session alike; None: a key drawn at start) and by the
-    tenant's salt (`share_groups`, as the replicas group tenants)."""
+    """Session digests for vLLM replicas.
+
+    Keyed by `secret` (routers in front of the same replicas given one key the same session
+    alike; None: a key drawn at start) and by the tenant's salt (`share_groups`, as the
+    replicas group tenants)."""
 
     def __init__(self, share_groups: dict[str, str], secret: str | None = None) -> None:
         key = hashlib.blake2b(secret.encode(), digest_size=32,
@@ -53,13 +55,14 @@ class SessionHints:
 
 def vllm_body(body: dict[str, Any], raw: bytes, cache_salt: str | None,
               session: str | None, tenant: dict[str, str] | None = None) -> bytes:
-    """The body a vLLM replica gets: the client's, with the tenant's keyed `cache_salt`,
-    the router's vouched `tenant` (`cache/tenancy.py`) and the session in
-    `kv_transfer_params`. What only the operator assigns is the client's claim and goes:
-    a tenant or its MAC in `kv_transfer_params`, and `priority` (vLLM's scheduling class).
-    A session the client put there itself is kept, as is every other parameter; a
-    `kv_transfer_params` that is not an object is left for vLLM to refuse. `raw`
-    unchanged when there is nothing to change."""
+    """The body a vLLM replica gets: the client's, with the router's tenant and session.
+
+    The tenant's keyed `cache_salt`, the router's vouched `tenant` (`cache/tenancy.py`) and
+    the session in `kv_transfer_params`. What only the operator assigns is the client's
+    claim and goes: a tenant or its MAC in `kv_transfer_params`, and `priority` (vLLM's
+    scheduling class). A session the client put there itself is kept, as is every other
+    parameter; a `kv_transfer_params` that is not an object is left for vLLM to refuse.
+    `raw` unchanged when there is nothing to change."""
     out = dict(body)
     changed = out.pop("priority", None) is not None
     if cache_salt is not None:

@@ -70,10 +70,12 @@ class Match:
 
     @property
     def blocks(self) -> int:
+        """Blocks of the prompt the replica holds anywhere: device, lower tiers, shared tier."""
         return self.device_blocks + self.local_blocks + self.shared_blocks
 
 
 def place_of(medium: str | None, locality: str | None) -> int:
+    """Where an event's block lives: the shared tier, the device, or a local lower tier."""
     if locality == REMOTE:
         return SHARED_TIER
     if medium is None or medium == MEDIUM_GPU:
@@ -82,7 +84,9 @@ def place_of(medium: str | None, locality: str | None) -> int:
 
 
 class PrefixIndex:
-    """Replicas are indexed per arm: a kvheat replica's A/B arms (its events'
+    """Which replicas hold each prefix key, and where, from their KV events.
+
+    Replicas are indexed per arm: a kvheat replica's A/B arms (its events'
     `data_parallel_rank`) are caches of their own, and a request reaches one of them (the
     user's), so each (replica, rank) is a unit with its own bit. A foreign (vLLM) replica's
     data-parallel ranks are one unit (vLLM picks the rank), whose key stays while any rank
@@ -131,6 +135,7 @@ class PrefixIndex:
 
     # ---- replicas -------------------------------------------------------------------------
     def add_replica(self, name: str, foreign_hashes: bool = False) -> int:
+        """Index replica `name` (`foreign_hashes`: a vLLM one); returns its rank 0 unit's bit."""
         with self._lock:
             if name in self._units:
                 return self._units[name][0]
@@ -157,6 +162,7 @@ class PrefixIndex:
         return bit
 
     def remove_replica(self, name: str) -> None:
+        """Forget replica `name` and everything it held."""
         with self._lock:
             ranks = self._units.pop(name, None)
             if ranks is None:
@@ -177,13 +183,15 @@ class PrefixIndex:
             self.foreign.discard(name)
 
     def clear_replica(self, name: str) -> None:
-        """Forget what `name` holds, on every rank, and what it evicted (it restarted, or
-        its events are lost: a snapshot refills it)."""
+        """Forget what `name` holds, on every rank, and what it evicted.
+
+        It restarted, or its events are lost: a snapshot refills it."""
         with self._lock:
             for bit in self._units.get(name, {}).values():
                 self._clear(bit)
 
     def bit_of(self, name: str, rank: int = 0) -> int | None:
+        """The bit of replica `name`'s arm `rank` (rank 0 for a foreign one); None if unknown."""
         ranks = self._units.get(name)
         if ranks is None:
             return None
@@ -191,9 +199,11 @@ class PrefixIndex:
 
     @property
     def replicas(self) -> list[str]:
+        """The indexed replicas' names."""
         return list(self._units)
 
     def blocks_of(self, name: str, place: int = DEVICE) -> int:
+        """Distinct keys replica `name` holds at `place`, over its ranks and tiers."""
         bits = self._units.get(name, {}).values()
         return len(set().union(*(s for b in bits for (p, _t, _r), s in self._held[b].items()
                                  if p == place)))
@@ -205,12 +215,14 @@ class PrefixIndex:
     # ---- updates --------------------------------------------------------------------------
     def stored(self, name: str, keys: Iterable[bytes], place: int = DEVICE,
                tier: str | None = None, rank: int = 0) -> None:
+        """Record that `name`'s arm `rank` holds `keys` at `place` (on `tier`)."""
         with self._lock:
             if name in self._units:
                 self._store(self._unit(name, rank), keys, place, tier, rank)
 
     def removed(self, name: str, keys: Iterable[bytes], place: int = DEVICE,
                 tier: str | None = None, rank: int = 0) -> None:
+        """Record that `name`'s arm `rank` no longer holds `keys` at `place` (on `tier`)."""
         with self._lock:
             if name in self._units:
                 self._remove(self._unit(name, rank), keys, place, tier, rank)
@@ -408,6 +420,9 @@ class PrefixIndex:
                     del alias[hk]
 
     def expect(self, name: str, keys: Iterable[bytes], rank: int = 0) -> None:
+        """Count `keys` as on `name`'s device until their own events arrive.
+
+        For a request routed there: a burst on one new prefix then lands together."""
         with self._lock:
             bit = self.bit_of(name, rank)
             if bit is None:
@@ -421,6 +436,7 @@ class PrefixIndex:
                     exp[k] = exp.get(k, 0) | flag
 
     def unexpect(self, name: str, keys: Iterable[bytes], rank: int = 0) -> None:
+        """Undo one `expect` of `keys` on `name` (the request finished)."""
         with self._lock:
             bit = self.bit_of(name, rank)
             if bit is None:
@@ -442,8 +458,10 @@ class PrefixIndex:
     # ---- lookup ---------------------------------------------------------------------------
     def match(self, keys: Sequence[bytes], block_tokens: Sequence[int],
               names: Sequence[str], rank: int = 0) -> list[Match]:
-        """For each replica in `names` (its arm `rank`): its device prefix of `keys`, then
-        what its lower tiers hold after that, then what the shared tier holds after that."""
+        """For each replica in `names` (its arm `rank`), how much of `keys` it holds, and where.
+
+        Its device prefix of `keys`, then what its lower tiers hold after that, then what
+        the shared tier holds after that."""
         with self._lock:
             dev, loc, shr = self.masks
             bits = [self.bit_of(n, rank) for n in names]

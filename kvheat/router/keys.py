@@ -22,23 +22,27 @@ from ..cache.hashing import (
 from ..cache.tenancy import TenantVouch
 from ..server.arms import arm_user, user_bucket
 from .config import RouterConfig
-from .policy import RouteRequest
+from .routing import RouteRequest
 
 MODES = ("block", "exact", "off")
 
 
 @dataclass(frozen=True, slots=True)
 class ArmLayout:
-    """A kvheat replica's A/B arms, as its `GET /kv_events` says: the arm (event rank) each
-    of the 100 user buckets reaches, and how each arm keys prompts (`prefix_caching`)."""
+    """A kvheat replica's A/B arms, as its `GET /kv_events` says.
+
+    The arm (event rank) each of the 100 user buckets reaches, and how each arm keys prompts
+    (`prefix_caching`)."""
 
     ranks: tuple[int, ...]  # bucket -> rank
     modes: tuple[str, ...]  # rank -> "block", "exact" or "off"
 
     @classmethod
     def from_info(cls, arms: Any) -> ArmLayout | None:
-        """From `/kv_events`' "arms" ([{"rank", "share", "prefix_caching"}] in config
-        order); None when absent or malformed (then every request is keyed as rank 0)."""
+        """The layout from `/kv_events`' "arms", or None when absent or malformed.
+
+        "arms" is [{"rank", "share", "prefix_caching"}] in config order; without a layout
+        every request is keyed as rank 0."""
         if not isinstance(arms, list) or not 1 <= len(arms) <= 100:
             return None
         ranks: list[int] = []
@@ -57,10 +61,13 @@ class ArmLayout:
         return cls(tuple(ranks), tuple(modes))
 
     def rank_for(self, user: str) -> int:
+        """The arm (event rank) that `user` reaches."""
         return self.ranks[user_bucket(user)]
 
 
 class PromptKeys:
+    """Keys prompts as the replicas' caches key them: tokenizer, tenant salts, arms."""
+
     def __init__(self, config: RouterConfig,
                  keyer: Callable[[bytes], bytes] | None = None,
                  tenancy: TenantVouch | None = None) -> None:
@@ -75,6 +82,7 @@ class PromptKeys:
 
     @property
     def tokenizer(self) -> Any:
+        """The replicas' tokenizer (loaded on first use, its chat template compiled once)."""
         if self._tokenizer is None:
             from ..engine.loader import Tokenizer, _jinja_env, tiny_config
 
@@ -88,8 +96,9 @@ class PromptKeys:
         return self._tokenizer
 
     def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
-        """What `Tokenizer.apply_chat_template(messages, True)` gives, from the compiled
-        template (the tests check they agree)."""
+        """What `Tokenizer.apply_chat_template(messages, True)` gives, from the compiled template.
+
+        The tests check they agree."""
         tok = self.tokenizer
         if self._template is None:
             return tok.apply_chat_template(messages, True)
@@ -98,27 +107,31 @@ class PromptKeys:
         return tok.encode(text, add_special_tokens=False)
 
     def salt(self, tenant: str | None) -> str | None:
-        """The cache salt of a tenant's keys, as kvheat replicas' caches derive it (its
-        share group's when it has one)."""
+        """The cache salt of a tenant's keys, as kvheat replicas' caches derive it.
+
+        Its share group's when it has one."""
         return tenant_salt(tenant, self.config.share_groups)
 
     def cache_salt(self, tenant: str | None) -> str | None:
-        """The `cache_salt` a vLLM replica gets for a tenant: its salt keyed by the tenant
-        secret, never a string a client could send itself."""
+        """The `cache_salt` a vLLM replica gets for a tenant.
+
+        Its salt keyed by the tenant secret, never a string a client could send itself."""
         salt = self.salt(tenant)
         return None if salt is None else self.tenancy.cache_salt(salt)
 
     def vllm_tenant(self, tenant: str | None) -> tuple[str | None, dict[str, str] | None]:
-        """(cache_salt, vouched kv_transfer_params) for a vLLM replica's request; the
-        params only with a configured secret (a drawn key vouches to nobody)."""
+        """(cache_salt, vouched kv_transfer_params) for a vLLM replica's request.
+
+        The params only with a configured secret (a drawn key vouches to nobody)."""
         salt = self.cache_salt(tenant)
         if tenant is None or not self.tenancy.configured:
             return salt, None
         return salt, self.tenancy.params(tenant, salt)
 
     def tenant_of(self, authorization: str) -> tuple[str | None, bool]:
-        """(tenant, known): the tenant of the request's API key; without a tenant map the
-        API is open (None, True)."""
+        """(tenant, known): the tenant of the request's API key.
+
+        Without a tenant map the API is open (None, True)."""
         if not self.config.tenants:
             return None, True
         scheme, _, key = authorization.partition(" ")
@@ -126,8 +139,9 @@ class PromptKeys:
         return t, t is not None
 
     def prompt_tokens(self, body: dict[str, Any], endpoint: str) -> list[int] | None:
-        """The prompt as the replicas tokenize it, or None when the body is not one the
-        router can key (the replica then answers it, with its own 400 if it is bad)."""
+        """The prompt as the replicas tokenize it, or None when the router cannot key the body.
+
+        The replica then answers it, with its own 400 if it is bad."""
         tok = self.tokenizer
         try:
             if endpoint == "chat":
@@ -160,9 +174,10 @@ class PromptKeys:
     def route_request(self, tokens: Sequence[int] | None, tenant: str | None,
                       block_size: int, user: str | None = None,
                       arms: ArmLayout | None = None, vllm: bool = False) -> RouteRequest:
-        """The request's keys as the arm it reaches keys them (`arms`: the replicas'
-        layout; the user picks the arm as the replicas pick it); `vllm`: as vLLM
-        replicas' events give them (rooted at the keyed `cache_salt`)."""
+        """The request's keys as the arm it reaches keys them.
+
+        `arms`: the replicas' layout (the user picks the arm as the replicas pick it);
+        `vllm`: as vLLM replicas' events give them (rooted at the keyed `cache_salt`)."""
         rank = arms.rank_for(arm_user(user, tenant)) if arms is not None else 0
         mode = arms.modes[rank] if arms is not None else "block"
         if not tokens or mode == "off":

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 
 class RouterMetrics:
+    """The router's Prometheus metrics, in a registry of its own."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.net_signals: NetSignalsCollector | None = None  # see watch_network
@@ -104,8 +106,9 @@ class RouterMetrics:
 
     def watch_network(self, upstreams: Callable[[], Iterable[tuple[str, int, str]]],
                       ebpf: bool = True) -> None:
-        """Kernel network signals per peer (the replicas: `upstreams`), read at scrape
-        time (kvheat/server/netsignals.py); `ebpf`: retransmits from eBPF too."""
+        """Add kernel network signals per peer (the replicas: `upstreams`), read at scrape time.
+
+        See kvheat/server/netsignals.py; `ebpf`: retransmits from eBPF too."""
         from ..server.netsignals import NetSignalsCollector
 
         self.net_signals = NetSignalsCollector(upstreams, ebpf=ebpf)
@@ -117,6 +120,7 @@ class RouterMetrics:
             self.net_signals.close()
 
     def of(self, replica: str) -> ReplicaMetrics:
+        """The metrics of `replica` (made on first use)."""
         m = self._replicas.get(replica)
         if m is None:
             m = self._replicas[replica] = ReplicaMetrics(
@@ -126,6 +130,7 @@ class RouterMetrics:
         return m
 
     def decision(self, replica: str, mode: str, regime: str) -> Counter:
+        """The decisions counter of (replica, mode, regime), made on first use."""
         key = (replica, mode, regime)
         c = self._decisions.get(key)
         if c is None:
@@ -133,6 +138,7 @@ class RouterMetrics:
         return c
 
     def answered(self, endpoint: str, status: int) -> None:
+        """Count a request answered on `endpoint` with `status`."""
         key = (endpoint, str(status))
         c = self._requests.get(key)
         if c is None:

@@ -19,8 +19,8 @@ from yarl import URL
 from ..server.protocol import PREWARM_HEADER
 from .index import PrefixIndex
 from .metrics import RouterMetrics
-from .policy import Decision, RouteRequest
 from .replicas import Replica, ReplicaRegistry
+from .routing import Decision, RouteRequest
 
 log = logging.getLogger("kvheat.router")
 _PASSED_BACK = ("retry-after", "cache-control")
@@ -36,15 +36,18 @@ class RouterError(Exception):
             status, message, type_, code, param
 
     def body(self) -> bytes:
+        """The error as an OpenAI error body."""
         return json.dumps({"error": {"message": self.message, "type": self.type,
                                      "param": self.param, "code": self.code}}).encode()
 
     def headers(self) -> dict[str, str] | None:
+        """The extra headers of the error's answer (WWW-Authenticate for a 401)."""
         return {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
 
 
 async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Send one whole HTTP answer on an ASGI `send`."""
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", content_type),
                             (b"content-length", b"%d" % len(body)), *(headers or ())]})
@@ -52,11 +55,13 @@ async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes,
 
 
 async def send_error(send: Send, e: RouterError) -> None:
+    """Send `e` as the HTTP answer."""
     extra = [(k.lower().encode(), v.encode()) for k, v in (e.headers() or {}).items()]
     await send_bytes(send, e.status, e.body(), b"application/json", extra)
 
 
 def sse_error(message: str, code: str) -> bytes:
+    """An error as a stream's last server-sent events (the error, then [DONE])."""
     return (b"data: " + json.dumps({"error": {"message": message, "type": "server_error",
                                               "param": None, "code": code}}).encode()
             + b"\n\ndata: [DONE]\n\n")
@@ -98,6 +103,7 @@ class Forwarder:
         self._urls: dict[tuple[str, str], URL] = {}
 
     def url(self, r: Replica, path: str) -> URL:
+        """The URL of `path` on replica `r` (made once)."""
         u = self._urls.get((r.name, path))
         if u is None:
             u = self._urls[(r.name, path)] = URL(r.name + path)
@@ -106,8 +112,10 @@ class Forwarder:
     async def forward(self, send: Send, receive: Receive, r: Replica, rreq: RouteRequest,
                       d: Decision, path: str, headers: dict[str, str], content: bytes,
                       stream: bool, span: Any) -> int | None:
-        """Send the request to `r` and its answer to the client: the status answered, or
-        None when `r` failed before answering (the caller tries another)."""
+        """Send the request to `r` and its answer to the client.
+
+        Returns the status answered, or None when `r` failed before answering (the caller
+        tries another)."""
         assert self.client is not None
         rid = self._next_id = self._next_id + 1
         r.state.in_flight += 1
@@ -244,12 +252,13 @@ class Forwarder:
     async def prewarm(self, r: Replica, model: str, tokens: list[int],
                       authorization: str, user: str | None = None,
                       extra: dict[str, Any] | None = None, mark: str | None = None) -> None:
-        """Send a hot prefix to a replica that lacks it (max_tokens 1), so the first real
-        request there finds it cached: as the request's `user` (it picks the arm to warm),
-        marked as a prewarm (`PREWARM_HEADER`: `mark`, the events secret's MAC of
-        `tokens`), which a kvheat replica counts apart from its clients' requests;
-        `extra`: body fields a vLLM replica needs to key it as the request (its tenant's
-        `cache_salt`, the vouched tenant)."""
+        """Send a hot prefix to a replica that lacks it (max_tokens 1).
+
+        The first real request there then finds it cached. It goes as the request's `user`
+        (it picks the arm to warm), marked as a prewarm (`PREWARM_HEADER`: `mark`, the
+        events secret's MAC of `tokens`), which a kvheat replica counts apart from its
+        clients' requests; `extra`: body fields a vLLM replica needs to key it as the
+        request (its tenant's `cache_salt`, the vouched tenant)."""
         if r.prewarming or self.client is None:
             return
         r.prewarming = True

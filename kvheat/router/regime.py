@@ -22,9 +22,10 @@ WINDOW = 1024.0
 
 
 class ClusterEntropy:
-    """Decayed entropy of each routed request's depth-1 key (the block right under its
-    root). Keys are never forgotten by the tracker, so past `max_keys` a fresh one starts,
-    and the old one answers until the fresh one has seen two windows of requests."""
+    """Decayed entropy of each routed request's depth-1 key (the block right under its root).
+
+    Keys are never forgotten by the tracker, so past `max_keys` a fresh one starts, and the
+    old one answers until the fresh one has seen two windows of requests."""
 
     def __init__(self, window: float = WINDOW, max_keys: int = 1 << 18) -> None:
         self.window = window
@@ -33,6 +34,7 @@ class ClusterEntropy:
         self.answering = self.live
 
     def observe(self, keys: Sequence[bytes]) -> None:
+        """Take one routed request's keys (its depth-1 key, when it has one)."""
         if len(keys) < 2:
             return  # no block under the root: nothing a replica's regime reads either
         live = self.live
@@ -44,8 +46,9 @@ class ClusterEntropy:
             self.answering = live
 
     def bits(self) -> float | None:
-        """The entropy in bits, as one cache of all the traffic reads it from its first
-        request on; None before the first request with a depth-1 key. (A router that has
-        just started reads few keys, so low; a replica never reads less than its own.)"""
+        """The entropy in bits, as one cache of all the traffic reads it from its first request on.
+
+        None before the first request with a depth-1 key. (A router that has just started
+        reads few keys, so low; a replica never reads less than its own.)"""
         t = self.answering
         return t.bits() if t.updates else None

@@ -20,7 +20,7 @@ from .config import ReplicaSpec, RouterConfig
 from .index import DEVICE, LOCAL_TIER, SHARED_TIER, PrefixIndex
 from .keys import ArmLayout
 from .metrics import EVENT_ERRORS, RouterMetrics
-from .policy import ReplicaState, RoutingPolicy
+from .routing import ReplicaState, RoutingPolicy
 
 log = logging.getLogger("kvheat.router")
 _MAX_INFO_BYTES = 64 << 10  # the largest /kv_events answer read
@@ -29,6 +29,8 @@ _PLACES = ((DEVICE, "device"), (LOCAL_TIER, "local"), (SHARED_TIER, "shared"))
 
 @dataclass(slots=True)
 class Replica:
+    """One replica as the router tracks it: health, load, events, arms."""
+
     spec: ReplicaSpec
     state: ReplicaState
     block_size: int
@@ -47,6 +49,7 @@ class Replica:
 
     @property
     def name(self) -> str:
+        """The replica's URL."""
         return self.spec.url
 
 
@@ -69,6 +72,7 @@ class ReplicaRegistry:
             self.add(spec)
 
     def add(self, spec: ReplicaSpec) -> Replica:
+        """Add a replica (once per URL), subscribing to a vLLM replica's events."""
         if spec.url in self.replicas:
             return self.replicas[spec.url]
         r = Replica(spec, ReplicaState(spec.url, healthy=False),
@@ -80,6 +84,7 @@ class ReplicaRegistry:
         return r
 
     def remove(self, url: str) -> bool:
+        """Remove the replica of `url` from the registry, the index, the policy and the metrics."""
         r = self.replicas.pop(url, None)
         if r is None:
             return False
@@ -91,6 +96,7 @@ class ReplicaRegistry:
         return True
 
     def close(self) -> None:
+        """Close every replica's event subscription."""
         for r in self.replicas.values():
             if r.events is not None:
                 r.events.close(timeout_s=0.5)
@@ -144,9 +150,11 @@ class ReplicaRegistry:
             self._subscribe(r, ep, rp)
 
     async def check_all(self) -> None:
+        """Check every replica's health at once."""
         await asyncio.gather(*(self.check(r) for r in list(self.replicas.values())))
 
     async def health_loop(self) -> None:
+        """Discover, check and refresh the replicas forever, one round per interval."""
         while True:
             try:
                 if self.config.discover:
@@ -160,6 +168,7 @@ class ReplicaRegistry:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def check(self, r: Replica) -> None:
+        """Check one replica's /health: in rotation when it answers, out after failures."""
         assert self.client is not None
         try:
             async with self.client.get(r.name + "/health", timeout=aiohttp.ClientTimeout(
@@ -185,9 +194,10 @@ class ReplicaRegistry:
                 self._out(r)
 
     async def report_entropy(self, r: Replica, bits: float, token: str) -> bool:
-        """PUT the cluster's entropy to one replica's admin API; False when it did not
-        take it (logged once per replica, never raised: a replica without the admin API,
-        or another token, keeps its own regime)."""
+        """PUT the cluster's entropy to one replica's admin API; False when it did not take it.
+
+        Logged once per replica, never raised: a replica without the admin API, or another
+        token, keeps its own regime."""
         assert self.client is not None
         try:
             async with self.client.put(
@@ -243,14 +253,17 @@ class ReplicaRegistry:
                     self.remove(u)
 
     def routed_to(self, r: Replica) -> None:
+        """Count a request routed to `r`."""
         r.routed += 1
         if r.first_routed_at is None:
             r.first_routed_at = time.monotonic()
 
     def check_events(self, r: Replica) -> None:
-        """Are `r`'s events arriving? A replica that has been sent requests and published
-        no batch within `events_grace_s` is routed blind: say so once, loudly, with the
-        usual cause (a vLLM publisher given a connect address)."""
+        """Check whether `r`'s events arrive, and warn once if they do not.
+
+        A replica that has been sent requests and published no batch within `events_grace_s`
+        is routed blind: say so once, loudly, with the usual cause (a vLLM publisher given a
+        connect address)."""
         if r.spec.kind == "openai":
             return
         ev = r.events
@@ -279,11 +292,14 @@ class ReplicaRegistry:
                     self.config.events_grace_s, endpoint or "unknown", hint)
 
     def events_ready(self) -> bool:
-        """Do the events of every healthy replica that publishes them arrive?"""
+        """Whether the events of every healthy replica that publishes them arrive.
+
+        Do the events of every healthy replica that publishes them arrive?"""
         return all(r.events is not None and r.events.stats.batches > 0
                    for r in self.replicas.values() if r.healthy and r.spec.kind != "openai")
 
     def refresh_gauges(self) -> None:
+        """Set the per-replica gauges: health, load, events, indexed blocks."""
         m = self.metrics
         for r in self.replicas.values():
             self.check_events(r)
@@ -301,6 +317,7 @@ class ReplicaRegistry:
                     m.event_errors.labels(r.name, kind).set(getattr(st, kind))
 
     def describe(self, r: Replica) -> dict[str, Any]:
+        """The replica's state, as the router's admin API shows it."""
         sub = r.events
         return {"url": r.name, "kind": r.spec.kind, "healthy": r.healthy,
                 "events_flowing": r.events_flowing if r.spec.kind != "openai" else None,

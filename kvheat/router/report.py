@@ -14,10 +14,12 @@ from .simulate import ClusterResult
 
 
 def summarize(trace_name: str, results: list[ClusterResult], **extra: object) -> dict:
+    """The cluster report: the trace's name, the extra fields and each router's result."""
     return {"trace": trace_name, **extra, "results": [r.as_dict() for r in results]}
 
 
 def print_table(summary: dict, console: Console | None = None) -> None:
+    """Print the cluster report: hit rate against the bound, and load per replica."""
     console = console or table_console()
     rows = summary["results"]
     if not rows:
@@ -42,13 +44,16 @@ def print_table(summary: dict, console: Console | None = None) -> None:
 
 
 def write_json(summary: dict, path: str | Path) -> None:
+    """Write the report as indented JSON at `path`."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def plot(summaries: list[dict], path: str | Path) -> None:
-    """Per trace: hit rate as a share of the N·C bound (bars) and max/mean prefill tokens
-    (markers), by capacity and router."""
+    """Write a PNG per trace of each router's share of the bound and its prefill imbalance.
+
+    Hit rate as a share of the N·C bound (bars) and max/mean prefill tokens (markers), by
+    capacity and router."""
     import matplotlib
 
     matplotlib.use("Agg")

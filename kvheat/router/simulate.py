@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 from ..cache import Block, CacheConfig, KVCacheManager, hit_rate, make_policy
 from ..replay.replayer import PreparedTrace, replay
 from .index import DEVICE, SHARED_TIER, PrefixIndex
-from .policy import KVHeatRouting, RouteRequest, RoutingPolicy, make_routing_policy
 from .regime import ClusterEntropy
+from .routing import KVHeatRouting, RouteRequest, RoutingPolicy, make_routing_policy
 
 
 @dataclass(slots=True)
 class ClusterConfig:
+    """A simulated cluster: replicas, their capacity and policy, a shared tier, speeds."""
+
     replicas: int = 4
     capacity_tokens: int = 1_000_000  # per replica
     cache_policy: str = "kvheat"
@@ -65,6 +67,8 @@ class ClusterConfig:
 
 @dataclass(slots=True)
 class ReplicaTotals:
+    """One simulated replica's counts: requests, prompt tokens, hits."""
+
     requests: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0  # device hits
@@ -72,11 +76,14 @@ class ReplicaTotals:
 
     @property
     def prefill_tokens(self) -> int:
+        """Prompt tokens the replica computed (not hit on its device or the shared tier)."""
         return self.prompt_tokens - self.hit_tokens - self.shared_hit_tokens
 
 
 @dataclass(slots=True)
 class ClusterResult:
+    """What one simulated cluster counted, with the single-cache bound."""
+
     router: str
     replicas: int
     capacity_tokens: int
@@ -96,23 +103,28 @@ class ClusterResult:
 
     @property
     def hit_rate(self) -> float:
+        """Device and shared-tier hit tokens over prompt tokens."""
         return hit_rate(self.hit_tokens + self.shared_hit_tokens, self.total_tokens)
 
     @property
     def imbalance_requests(self) -> float:
+        """The busiest replica's requests over the mean."""
         return _max_over_mean([r.requests for r in self.per_replica])
 
     @property
     def imbalance_prefill(self) -> float:
+        """The busiest replica's prefill tokens over the mean."""
         return _max_over_mean([r.prefill_tokens for r in self.per_replica])
 
     @property
     def of_bound(self) -> float | None:
+        """The hit rate as a share of the single-cache bound (None without it)."""
         if not self.bound_hit_rate:
             return None
         return self.hit_rate / self.bound_hit_rate
 
     def as_dict(self) -> dict:
+        """The result as the JSON report writes it."""
         return {
             "router": self.router, "replicas": self.replicas,
             "capacity_tokens": self.capacity_tokens, "shared_tokens": self.shared_tokens,
@@ -171,6 +183,7 @@ def simulate(pt: PreparedTrace,
              router: str | RoutingPolicy | Callable[[PrefixIndex], RoutingPolicy],
              cfg: ClusterConfig,
              bound: bool = True) -> ClusterResult:
+    """Replay the trace through N caches behind `router`, on a modelled clock."""
     bt = pt.block_tokens
     n_blocks = cfg.capacity_tokens // bt
     if n_blocks <= 0:
@@ -196,7 +209,7 @@ def simulate(pt: PreparedTrace,
         if shared is not None:
             mgr.evict_listeners.append(_to_shared(shared, i))
         caches.append(mgr)
-    from .policy import ReplicaState
+    from .routing import ReplicaState
 
     hints = ClusterEntropy() if cfg.regime_hints == "all" or (
         cfg.regime_hints == "kvheat" and isinstance(policy, KVHeatRouting)) else None
@@ -268,9 +281,10 @@ _bounds: dict[tuple, float] = {}
 
 
 def single_cache_bound(pt: PreparedTrace, cfg: ClusterConfig) -> float:
-    """Hit rate of one cache of N x C tokens (plus the shared tier's budget: all the
-    memory the cluster has) with the same eviction policy: what N caches could reach if
-    routing cost nothing."""
+    """Hit rate of one cache of N x C tokens with the same eviction policy.
+
+    Plus the shared tier's budget: all the memory the cluster has. What N caches could reach
+    if routing cost nothing."""
     key = (id(pt), cfg.replicas * cfg.capacity_tokens + cfg.shared_tokens, cfg.cache_policy)
     if key not in _bounds:
         _bounds[key] = replay(pt, cfg.cache_policy, key[1], pt.block_tokens,

@@ -47,12 +47,15 @@ class AdminHost(Protocol):
     model_name: str
     max_model_len: int
 
-    def check_admin(self, authorization: str) -> None: ...
+    def check_admin(self, authorization: str) -> None:
+        """Raise an ApiError unless `authorization` carries the admin token."""
 
-    async def offload(self, fn: Callable[..., T], *args: Any) -> T: ...
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, run off the event loop."""
 
 
 def admin_router(server: AdminHost) -> APIRouter:
+    """The /admin API over `server`: stats, arms, recent keys, quotas, flushes, pins, cluster."""
     router = APIRouter(prefix="/admin", tags=["admin"])
     worker = server.worker
 

@@ -166,20 +166,23 @@ class KVHeatServer:
 
     # ---- lifecycle --------------------------------------------------------------------
     def freeze_startup_heap(self) -> None:
-        """Once, in a server process, before it serves: compile the chat template (else
-        the first chat request imports jinja2 and compiles it), then collect and freeze
-        what start-up made (imports, the model, the tokenizer), which lives as long as the
-        process. Frozen, it is left out of every later full collection; unfrozen, the first
-        one came on the first request and scanned it all for about 160 ms holding the GIL,
-        the engine thread stalled behind it (a first TTFT of 300 ms against 120 ms now,
-        docs/cluster.md). vLLM freezes its engine core's heap the same way. Not for
-        tests: what is frozen is not collected again."""
+        """Freeze what start-up made, once, before the server serves.
+
+        In a server process: compile the chat template (else the first chat request imports
+        jinja2 and compiles it), then collect and freeze what start-up made (imports, the
+        model, the tokenizer), which lives as long as the process. Frozen, it is left out of
+        every later full collection; unfrozen, the first one came on the first request and
+        scanned it all for about 160 ms holding the GIL, the engine thread stalled behind it
+        (a first TTFT of 300 ms against 120 ms now, docs/cluster.md). vLLM freezes its
+        engine core's heap the same way. Not for tests: what is frozen is not collected
+        again."""
         with contextlib.suppress(Exception):  # a template that fails now fails per request
             self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], True)
         gc.collect()
         gc.freeze()
 
     def start(self) -> None:
+        """Start the engine thread (and the self-healer)."""
         self.worker.start()
         if self.healer is not None:
             self.healer.start()
@@ -194,9 +197,10 @@ class KVHeatServer:
         return _DrainingServer(cfg, self)
 
     async def begin_drain(self) -> None:
-        """Shutdown started (uvicorn no longer accepts connections): new requests get 503,
-        requests in flight get `drain_timeout_s` to finish, then end with a 503 error
-        (a stream: a final error event and [DONE])."""
+        """Drain on shutdown (uvicorn no longer accepts connections).
+
+        New requests get 503, requests in flight get `drain_timeout_s` to finish, then end
+        with a 503 error (a stream: a final error event and [DONE])."""
         if self.draining:
             return
         self.draining = True
@@ -208,6 +212,7 @@ class KVHeatServer:
             self.worker.end_all("the server is shutting down; retry on another replica")
 
     def stop(self) -> None:
+        """Stop the engine thread, the watchers and the event publisher."""
         self.stalls.stop()
         if self.healer is not None:
             self.healer.stop()
@@ -227,6 +232,7 @@ class KVHeatServer:
         return self.tenant_for(request.headers.get("authorization", ""))
 
     def tenant_for(self, authorization: str) -> TenantConfig | None:
+        """The tenant of the request's API key (None when the API is open); a bad key is a 401."""
         if not self.keys:
             return None
         scheme, _, key = authorization.partition(" ")
@@ -237,6 +243,9 @@ class KVHeatServer:
         return tenant
 
     def check_admin(self, authorization: str) -> None:
+        """Raise an ApiError unless `authorization` carries the admin token.
+
+        A 404 when the admin API is off, a 401 for a missing or wrong token."""
         token = self.config.admin_token
         if not token:
             raise ApiError(404, "the admin API is off (start the server with an admin token)",
@@ -259,11 +268,13 @@ class KVHeatServer:
         return None
 
     def body_too_large(self, declared: int) -> JSONResponse:
+        """The 413 answer to a body that declares `declared` bytes, counted."""
         self.count_rejected(413)
         return error_response(413, f"the request body has {declared} bytes; this server's "
                               f"limit is {self.config.max_body_bytes}", code="body_too_large")
 
     def count_rejected(self, status: int) -> None:
+        """Count a request refused with `status` (never failing)."""
         with contextlib.suppress(Exception):  # metrics never fail a request
             self.metrics.rejected.labels(str(status)).inc()
 
@@ -273,17 +284,20 @@ class KVHeatServer:
             self.metrics.concurrency_refused.inc(n)
 
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run CPU work (tokenizing, checking token ids) off the event loop, so one big
-        prompt never stalls /health or other requests."""
+        """Run CPU work (tokenizing, checking token ids) off the event loop.
+
+        So one big prompt never stalls /health or other requests."""
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     def check_model(self, model: str) -> None:
+        """Raise a 404 ApiError unless `model` is the one this server serves."""
         if model != self.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
     def sampling(self, body: SamplingFields, tenant: TenantConfig | None, n_prompt: int,
                  max_tokens: int | None) -> tuple[SamplingParams, dict[int, float]]:
+        """The request's sampling params and logit bias, with the tenant's defaults, checked."""
         if n_prompt == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
         ctx = self.max_model_len
@@ -331,14 +345,18 @@ class KVHeatServer:
     # ---- generation -------------------------------------------------------------------
     def session_of(self, request: Request, body: SamplingFields, tenant: TenantConfig | None,
                    messages: list[ChatMessage] | None = None) -> str | None:
-        """The request's session for the cache policy (sessions.py); a bad X-Session-Id
-        header is a 400."""
+        """The request's session for the cache policy (sessions.py).
+
+        A bad X-Session-Id header is a 400."""
         return self.sessions.session_of(request.headers.get(SESSION_HEADER), body.user,
                                         tenant.name if tenant else None, messages)
 
     async def generate(self, request: Request, body: SamplingFields, prompt: list[int],
                        tenant: TenantConfig | None, kind: str,
                        max_tokens: int | None, session: str | None = None) -> Response:
+        """Run a prompt on the engine and answer it, streamed or whole.
+
+        A 503 when the server is draining or at capacity."""
         params, bias = self.sampling(body, tenant, len(prompt), max_tokens)
         if self.draining:
             raise ApiError(503, "the server is shutting down; retry on another replica",

@@ -26,8 +26,9 @@ def user_bucket(user: str) -> int:
 
 
 def arm_user(user: str | None, tenant: str | None) -> str:
-    """Whom a request's arm is chosen by: its `user` field, else its tenant, else one
-    shared bucket (the server and the router both pick arms by this)."""
+    """Whom a request's arm is chosen by: its `user` field, else its tenant, else one bucket.
+
+    The server and the router both pick arms by this."""
     return user or tenant or "anonymous"
 
 
@@ -43,11 +44,13 @@ class ArmRouter:
             self._by_bucket += [a.name] * a.share
 
     def arm_for(self, user: str) -> str:
+        """The arm that `user` reaches."""
         return self._by_bucket[user_bucket(user)]
 
 
 class ArmStats:
     """Per-arm TTFT window and hit counts; written by the engine thread, read by handlers.
+
     The hit counts are the cache's (each request the cache counted, with the tokens it
     counted), summed once requests finish: the arm's hit rate is its cache's."""
 
@@ -61,8 +64,10 @@ class ArmStats:
 
     def record(self, arm: str, ttft: float | None, prompt_tokens: int, cached_tokens: int,
                prewarm: bool = False) -> None:
-        """A finished request the cache counted. A prewarm's tokens are the cache's like
-        any other's; it is counted apart from the clients' requests and their TTFTs."""
+        """Count a finished request the cache counted.
+
+        A prewarm's tokens are the cache's like any other's; it is counted apart from the
+        clients' requests and their TTFTs."""
         with self._lock:
             self.prompt_tokens[arm] += prompt_tokens
             self.cached_tokens[arm] += cached_tokens

@@ -190,6 +190,7 @@ def arms_command(url: str, admin_token: str, as_json: bool, timeout_s: float) ->
 
 
 def format_arms(rows: list[dict]) -> str:
+    """The per-arm table `kvheat serve` prints: requests, prewarms, hit rate, TTFT."""
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1000:.1f}"
 

@@ -43,9 +43,11 @@ _HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"%d" % 
 
 
 def declared_bytes(scope: Scope, body_limit: int) -> int:
-    """The body bytes a request may bring: its Content-Length; `body_limit` (the most the
-    body guard lets through) when it is chunked or its length is not a number; 0 when it
-    declares no body (HTTP/1.1: neither header)."""
+    """The body bytes a request may bring, as it declares them.
+
+    Its Content-Length; `body_limit` (the most the body guard lets through) when it is
+    chunked or its length is not a number; 0 when it declares no body (HTTP/1.1: neither
+    header)."""
     length: bytes | None = None
     chunked = False
     for k, v in scope["headers"]:
@@ -59,11 +61,13 @@ def declared_bytes(scope: Scope, body_limit: int) -> int:
 
 
 class InFlight:
-    """Requests held at once, bounded in count and, unless `max_bytes` is None, in the body
-    bytes they declare (`declared_bytes`): `admit` reserves a request's share or refuses
-    it (counted in `overflow.count` and `on_count`, logged at most once per interval),
-    `release` gives it back. The router holds its proxied requests in one
-    (`max_in_flight`, `max_in_flight_bytes`); `ConcurrencyLimit` holds every request in one."""
+    """Requests held at once, bounded in count and in the body bytes they declare.
+
+    The bytes are bounded unless `max_bytes` is None (`declared_bytes`): `admit` reserves a
+    request's share or refuses it (counted in `overflow.count` and `on_count`, logged at
+    most once per interval), `release` gives it back. The router holds its proxied requests
+    in one (`max_in_flight`, `max_in_flight_bytes`); `ConcurrencyLimit` holds every request
+    in one."""
 
     def __init__(self, max_requests: int = MAX_IN_FLIGHT,
                  max_bytes: int | None = MAX_IN_FLIGHT_BYTES,
@@ -87,14 +91,17 @@ class InFlight:
         return n
 
     def release(self, n: int) -> None:
+        """Give back one request's share (`n` declared bytes)."""
         self.requests -= 1
         self.bytes -= n
 
 
 class ConcurrencyLimit:
-    """At most `limit` HTTP requests at once (`active`) and, with `max_bytes`, at most that
-    many body bytes declared by them (`bytes`), held in one `InFlight`; `wrap(app)` is the
-    ASGI app that enforces it in front of `app`. Refusals: `overflow.count`, `on_count(n)`."""
+    """At most `limit` HTTP requests at once and, with `max_bytes`, that many body bytes.
+
+    The requests (`active`) and the bytes they declare (`bytes`) are held in one `InFlight`;
+    `wrap(app)` is the ASGI app that enforces it in front of `app`. Refusals:
+    `overflow.count`, `on_count(n)`."""
 
     def __init__(self, limit: int, log: logging.Logger, what: str,
                  on_count: Callable[[int], object] | None = None,
@@ -108,25 +115,31 @@ class ConcurrencyLimit:
 
     @property
     def limit(self) -> int:
+        """The most requests held at once."""
         return self.held.max_requests
 
     @property
     def max_bytes(self) -> int | None:
+        """The most declared body bytes held at once (None: no bound)."""
         return self.held.max_bytes
 
     @property
     def active(self) -> int:
+        """Requests held now."""
         return self.held.requests
 
     @property
     def bytes(self) -> int:
+        """Declared body bytes held now."""
         return self.held.bytes
 
     @property
     def overflow(self) -> Overflow:
+        """The refusals' counter."""
         return self.held.overflow
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
+        """`app` behind the limit: a request past it gets a 503 (health and metrics exempt)."""
         async def limited(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
                 await app(scope, receive, send)

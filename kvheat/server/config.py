@@ -100,6 +100,8 @@ def secret_from_env(name: str = EVENTS_SECRET_ENV,
 
 @dataclass(slots=True)
 class TenantConfig:
+    """One tenant: its API keys, block quota, sampling defaults, metrics label, priority."""
+
     name: str
     api_keys: list[str]
     quota_blocks: int | None = None  # per arm; None: no quota
@@ -159,6 +161,8 @@ class TenantConfig:
 
 @dataclass(slots=True)
 class ArmConfig:
+    """One A/B arm: its share of users, eviction policy, pool and prefix caching."""
+
     name: str
     share: int  # percent of users (the arms' shares add up to 100)
     policy: str = "kvheat"
@@ -185,6 +189,8 @@ class ArmConfig:
 
 @dataclass(slots=True)
 class ServerConfig:
+    """The server's configuration: model, pool, tiers, arms, tenants, limits, listeners."""
+
     model: str | None = None  # a local Hugging Face directory; None: the built-in tiny model
     family: str = "llama"  # the built-in model's family (llama, qwen3, deepseek)
     served_model_name: str | None = None
@@ -361,9 +367,9 @@ class ServerConfig:
                 raise ConfigError(f"the arms' shares add up to {total}, not 100")
 
     def arm_tiers(self, arm: ArmConfig) -> TierSpec:
-        """An arm's tiers: its own host tier size when it sets one, and a disk folder and
-        Redis namespace of its own (arms never share lower-tier KV: it would blur the A/B
-        comparison)."""
+        """An arm's tiers: its own host tier size, disk folder and Redis namespace.
+
+        Arms never share lower-tier KV: it would blur the A/B comparison."""
         t = self.tiers
         return replace(t, host_blocks=t.host_blocks if arm.host_tier_blocks is None
                        else arm.host_tier_blocks,
@@ -371,17 +377,20 @@ class ServerConfig:
                        namespace=arm.name)
 
     def tenant_labels(self) -> dict[str, str]:
-        """Tenant name -> its label value in /metrics: the name when a metrics token
-        guards /metrics, else its `metrics_label`, else tenant-<i> (its position here).
-        Requests without a tenant are labelled NO_TENANT_LABEL ("none")."""
+        """Tenant name -> its label value in /metrics.
+
+        The name when a metrics token guards /metrics, else its `metrics_label`, else
+        tenant-<i> (its position here). Requests without a tenant are labelled
+        NO_TENANT_LABEL ("none")."""
         if self.metrics_token:
             return {t.name: t.name for t in self.tenants}
         return {t.name: t.metrics_label or f"tenant-{i}" for i, t in enumerate(self.tenants)}
 
     @property
     def share_groups(self) -> dict[str, str]:
-        """Tenant name -> its share group, for the tenants in one (as `CacheConfig` and a
-        router take them)."""
+        """Tenant name -> its share group, for the tenants in one.
+
+        As `CacheConfig` and a router take them."""
         return {t.name: t.share_group for t in self.tenants if t.share_group is not None}
 
     @property
@@ -391,6 +400,7 @@ class ServerConfig:
 
     @property
     def model_name(self) -> str:
+        """The name the server answers to: the configured one, else the model folder's."""
         if self.served_model_name:
             return self.served_model_name
         if self.model:
@@ -424,12 +434,8 @@ def parse_size(value: int | str, name: str) -> int:
     return checks_parse_size(value, name, ConfigError)
 
 
-def _kind(value: Any) -> str:
-    return "a boolean" if isinstance(value, bool) else f"a {type(value).__name__}"
-
-
 def parse_cores(text: str) -> list[int]:
-    """"0", "0,2", "0-3" or "0-1,4" -> the CPU numbers."""
+    """The CPU numbers of a list such as "0", "0,2", "0-3" or "0-1,4"."""
     out: list[int] = []
     try:
         for part in text.split(","):
@@ -442,10 +448,12 @@ def parse_cores(text: str) -> list[int]:
 
 def load_config(path: str | Path | None = None, *, this_host: bool = True,
                 **overrides: Any) -> ServerConfig:
-    """A `ServerConfig` from a TOML, YAML or JSON file, then `overrides` (options given
-    on the command line; None values are skipped). `this_host=False`: the config is read
-    elsewhere (a router reading its replicas' tenants), so what only the serving host can
-    check (engine_cores against this process's CPUs) is checked for its type only."""
+    """A `ServerConfig` from a TOML, YAML or JSON file, then `overrides`.
+
+    `overrides` are options given on the command line; None values are skipped.
+    `this_host=False`: the config is read elsewhere (a router reading its replicas'
+    tenants), so what only the serving host can check (engine_cores against this process's
+    CPUs) is checked for its type only."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -495,8 +503,9 @@ TIER_KEYS = {"host_tier_blocks": "host_blocks", "disk_tier_dir": "disk_dir",
 
 
 def tier_spec(keys: dict[str, Any]) -> TierSpec:
-    """A `TierSpec` from flat tier keys (TIER_KEYS), sizes read with `parse_size`, each
-    key type-checked (and named in errors) as the config spells it."""
+    """A `TierSpec` from flat tier keys (TIER_KEYS), sizes read with `parse_size`.
+
+    Each key is type-checked (and named in errors) as the config spells it."""
     hints = typing.get_type_hints(TierSpec)
     for k, v in keys.items():
         if not k.endswith("_bytes"):

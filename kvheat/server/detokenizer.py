@@ -6,14 +6,15 @@ from typing import Any
 
 
 class TextAssembler:
-    """Generated token ids to text deltas, incrementally as vLLM's detokenizer and
-    transformers' `TextStreamer` do: each step decodes only a short window (the tokens
-    since the last emitted text, after a few tokens of context for tokenizers that
-    render a token differently at the start), and text that ends inside a multi-byte
-    character (U+FFFD) is held back until the character is complete. A character still
-    incomplete when the request ends is dropped, never sent as U+FFFD: a client that
-    resends the history must get the same tokens back. Also holds back text that could
-    still become a stop string, and ends the text at a stop string."""
+    """Generated token ids to text deltas, incrementally, held back at stops and split characters.
+
+    As vLLM's detokenizer and transformers' `TextStreamer` do: each step decodes only a
+    short window (the tokens since the last emitted text, after a few tokens of context for
+    tokenizers that render a token differently at the start), and text that ends inside a
+    multi-byte character (U+FFFD) is held back until the character is complete. A character
+    still incomplete when the request ends is dropped, never sent as U+FFFD: a client that
+    resends the history must get the same tokens back. Also holds back text that could still
+    become a stop string, and ends the text at a stop string."""
 
     def __init__(self, tokenizer: Any, stops: list[str]) -> None:
         self.tokenizer = tokenizer
@@ -27,6 +28,7 @@ class TextAssembler:
         self.stopped = False
 
     def add(self, token_id: int) -> str:
+        """The text one more token adds that can be sent now (maybe none)."""
         if self.stopped:
             return ""
         self.ids.append(token_id)
@@ -46,8 +48,9 @@ class TextAssembler:
         return self._take(len(self.text) - self.hold)
 
     def flush(self) -> str:
-        """The rest of the text, once the request is over (without an incomplete
-        character at the end)."""
+        """The rest of the text, once the request is over.
+
+        Without an incomplete character at the end."""
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:

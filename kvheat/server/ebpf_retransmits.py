@@ -21,8 +21,9 @@ log = logging.getLogger("kvheat.netsignals")
 
 
 def ip_text(ip: str) -> str:
-    """An address as every kvheat network series labels it (IPv4-mapped IPv6 as IPv4, no
-    zone): the same peer from sock_diag and from eBPF."""
+    """An address as every kvheat network series labels it.
+
+    IPv4-mapped IPv6 as IPv4, no zone: the same peer from sock_diag and from eBPF."""
     addr = ipaddress.ip_address(ip.split("%")[0])
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
         return str(addr.ipv4_mapped)
@@ -100,8 +101,10 @@ def _die_with_parent() -> None:
 
 
 class RetransmitFeed:
-    """One collector's view of the process's RetransmitTracer: what it counted since this
-    feed's last `drain()` (bounded: EBPF_MAX_PENDING keys, the rest dropped)."""
+    """One collector's view of the process's RetransmitTracer.
+
+    What it counted since this feed's last `drain()` (bounded: EBPF_MAX_PENDING keys, the
+    rest dropped)."""
 
     def __init__(self, tracer: RetransmitTracer) -> None:
         self.tracer = tracer
@@ -109,26 +112,29 @@ class RetransmitFeed:
         self.dropped = 0
 
     def drain(self) -> dict[tuple[str, int, int], int]:
+        """The retransmits counted since the last drain, by (address, remote port, local port)."""
         with self.tracer.lock:
             out, self.pending = self.pending, {}
         return out
 
     def close(self) -> None:
+        """Stop receiving (the tracer stops with its last feed)."""
         self.tracer.unsubscribe(self)
 
 
 class RetransmitTracer:
-    """TCP retransmits per (remote address, remote port, local port), host-wide, from one
-    long-lived bpftrace process read by a daemon thread. One per process
-    (`subscribe_shared()`),
-    whatever the number of collectors: each reads it through its own RetransmitFeed,
-    whose `drain()` never waits for bpftrace. The last feed closed stops it."""
+    """TCP retransmits per (remote address, remote port, local port), host-wide, from bpftrace.
+
+    One long-lived bpftrace process read by a daemon thread, one per process
+    (`subscribe_shared()`), whatever the number of collectors: each reads it through its own
+    RetransmitFeed, whose `drain()` never waits for bpftrace. The last feed closed stops it."""
 
     _shared: dict[str, RetransmitTracer] = {}
     _shared_lock = threading.Lock()
 
     @classmethod
     def subscribe_shared(cls, bpftrace: str = "bpftrace") -> RetransmitFeed:
+        """A feed of the process's one tracer of `bpftrace` (started, or again after a fork)."""
         with cls._shared_lock:
             t = cls._shared.get(bpftrace)
             if t is None or t.pid != os.getpid() or t.closed:  # none yet, or forked
@@ -154,12 +160,14 @@ class RetransmitTracer:
         self._thread.start()
 
     def subscribe(self) -> RetransmitFeed:
+        """A new feed of this tracer."""
         feed = RetransmitFeed(self)
         with self.lock:
             self._feeds.add(feed)
         return feed
 
     def unsubscribe(self, feed: RetransmitFeed) -> None:
+        """Drop `feed`; the last one closed stops the tracer."""
         with self.lock:
             self._feeds.discard(feed)
             last = not self._feeds

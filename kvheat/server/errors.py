@@ -31,15 +31,18 @@ class ApiError(Exception):
         self.code = code
 
     def response(self) -> JSONResponse:
+        """The error as an OpenAI-shaped JSON answer."""
         return error_response(self.status, self.message, self.type, self.param, self.code)
 
 
 def error_type(status: int) -> str:
+    """The OpenAI error type of an HTTP status."""
     return "invalid_request_error" if status < 500 else "server_error"
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None) -> JSONResponse:
+    """An OpenAI-shaped JSON error answer (WWW-Authenticate on a 401)."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse({"error": {"message": message, "type": type_, "param": param,
                                    "code": code}}, status_code=status, headers=headers)
@@ -74,8 +77,9 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
 
 
 def add_error_handlers(app: FastAPI, count_rejected: Callable[[int], None]) -> None:
-    """Answer ApiError, invalid bodies and FastAPI's own HTTP errors (unknown path, wrong
-    method) in OpenAI's shape, counting each refusal by status."""
+    """Answer ApiError, invalid bodies and FastAPI's own HTTP errors in OpenAI's shape.
+
+    FastAPI's errors are an unknown path, a wrong method; each refusal is counted by status."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

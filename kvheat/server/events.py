@@ -24,6 +24,8 @@ log = logging.getLogger("kvheat.server")
 
 
 class ServerEvents:
+    """The server's KV event publisher, one event rank per arm."""
+
     def __init__(self, config: ServerConfig, arms: Sequence[str]) -> None:
         assert config.kv_events_endpoint is not None
         self.arms = list(arms)
@@ -73,6 +75,7 @@ class ServerEvents:
             return build()
 
     def info(self) -> dict[str, Any]:
+        """What `GET /kv_events` answers: the endpoints, the keys' form and the arms."""
         p = self.publisher
         return {"endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint,
                 "port": _port(p.endpoint), "replay_port": _port(p.replay_endpoint),
@@ -86,6 +89,7 @@ class ServerEvents:
                          for i, a in enumerate(self.arm_configs)]}
 
     def close(self) -> None:
+        """Stop the publisher."""
         self.publisher.close()
 
 
@@ -105,6 +109,7 @@ class EventsCollector(Collector):
         self.events = events
 
     def collect(self) -> Iterator[Any]:
+        """The publisher's counters as Prometheus metrics."""
         st = self.events.publisher.stats
         c = CounterMetricFamily("kvheat_kv_events", "KV events by outcome (sent, dropped on a "
                                 "full queue).", labels=["outcome"])

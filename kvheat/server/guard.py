@@ -24,8 +24,10 @@ EarlyCheck = Callable[[str, str], Any]
 
 
 class BodyTooLarge(HTTPException):
-    """Raised from `receive` when a streamed body passes the limit. An HTTPException, so
-    FastAPI's body reading passes it on unchanged and the app answers 413."""
+    """Raised from `receive` when a streamed body passes the limit.
+
+    An HTTPException, so FastAPI's body reading passes it on unchanged and the app answers
+    413."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the request body is larger than this server's limit of "
@@ -33,6 +35,8 @@ class BodyTooLarge(HTTPException):
 
 
 class RequestGuard:
+    """ASGI middleware: the early key check and the body size bound, before FastAPI reads it."""
+
     def __init__(self, app: ASGIApp, max_body_bytes: int, early_check: EarlyCheck,
                  too_large: Callable[[int], Any]) -> None:
         self.app = app

@@ -41,10 +41,12 @@ class RequestHandle:
         self.finished: Finished | None = None
 
     def push(self, item: int | Finished) -> None:  # engine thread
+        """Hand a token id or the `Finished` to the request's loop (from the engine thread)."""
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next(self) -> int | Finished:
+        """The next token id, or the `Finished` that ends the request."""
         item = await self.queue.get()
         if isinstance(item, Finished):
             self.finished = item

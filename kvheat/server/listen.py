@@ -13,9 +13,11 @@ import click
 
 
 def bind_port(host: str, port: int, option: str = "--port") -> socket.socket:
-    """A TCP socket bound to (host, port), as uvicorn binds it (IPv6 where the host has a
-    colon, SO_REUSEADDR); it listens once uvicorn serves on it (`Server.run(sockets=...)`).
-    A port taken or not allowed raises `click.ClickException` naming the address."""
+    """A TCP socket bound to (host, port), as uvicorn binds it.
+
+    IPv6 where the host has a colon, SO_REUSEADDR; it listens once uvicorn serves on it
+    (`Server.run(sockets=...)`). A port taken or not allowed raises `click.ClickException`
+    naming the address."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -39,8 +41,9 @@ STARTUP_FAILURE = 3  # uvicorn.run's exit code when the app's start-up fails
 
 
 def serve_on(server: Any, sock: socket.socket) -> None:
-    """Run a `uvicorn.Server` on the bound socket as `uvicorn.run` runs one: Ctrl-C ends it
-    quietly, a failed start-up exits non-zero."""
+    """Run a `uvicorn.Server` on the bound socket as `uvicorn.run` runs one.
+
+    Ctrl-C ends it quietly, a failed start-up exits non-zero."""
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:

@@ -51,6 +51,8 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 
 class ServerMetrics:
+    """The server's Prometheus metrics, in a registry of its own."""
+
     def __init__(self, tenant_labels: Mapping[str, str] | None = None) -> None:
         """`tenant_labels`: tenant name -> its label value (`ServerConfig.tenant_labels`);
         a name not in it is labelled "unknown", never by itself."""
@@ -170,8 +172,10 @@ class ServerMetrics:
         self._last: dict[tuple[str, ...], float] = {}
 
     def tenant_label(self, tenant: str | None) -> str:
-        """The one place a tenant becomes a label value: None or "none" (no tenant; no
-        configured tenant may be named so) -> "none", a name -> its configured label."""
+        """The one place a tenant becomes a label value.
+
+        None or "none" (no tenant; no configured tenant may be named so) -> "none", a name
+        -> its configured label."""
         if tenant is None or tenant == NO_TENANT:
             return NO_TENANT
         return self._tenant_labels.get(tenant, UNKNOWN_TENANT)
@@ -182,6 +186,7 @@ class ServerMetrics:
                         ttft: float | None, itls: list[float], e2e: float | None,
                         misses: Mapping[str, int] | None,
                         cached_by_tier: Mapping[str, int] | None = None) -> None:
+        """Count a finished request: its outcome, tokens, misses and latencies."""
         tenant = self.tenant_label(tenant)
         self.requests.labels(arm, tenant, endpoint, finish_reason).inc()
         self.prompt_tokens.labels(arm, tenant).inc(prompt_tokens)
@@ -295,7 +300,9 @@ class _Pauses:
 
 
 class StallWatch(Collector):
-    """Pauses that hold every request at once, as Prometheus histograms read at scrape time:
+    """Pauses that hold every request at once, as Prometheus histograms.
+
+    Read at scrape time:
 
     - kvheat_event_loop_lag_seconds: how late the event loop's watcher woke from a short
       sleep (a blocking call or CPU-heavy work on the loop, or the GIL held elsewhere);
@@ -353,6 +360,7 @@ class StallWatch(Collector):
                           "stops here (serving goes on)")
 
     def stop(self) -> None:
+        """Stop the loop watcher and remove the GC callback."""
         if self._task is not None:
             self._task.cancel()
             self._task = None
@@ -360,6 +368,7 @@ class StallWatch(Collector):
             gc.callbacks.remove(self._on_gc)
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
+        """The event-loop lag and GC pause histograms."""
         lag = HistogramMetricFamily(
             "kvheat_event_loop_lag_seconds", "How late the event loop woke from a "
             f"{self.INTERVAL_S * 1000:.0f} ms sleep: time every request on the loop waited "

@@ -110,6 +110,7 @@ class PeerSample:
     bytes: int = 0
 
     def add(self, s: SockSample) -> None:
+        """Add one socket's state, retransmits, bytes and RTT."""
         label = STATE_LABELS.get(s.state, OTHER)
         self.sockets[label] = self.sockets.get(label, 0) + 1
         self.retrans += s.retrans
@@ -119,6 +120,7 @@ class PeerSample:
             self.rtt_n += 1
 
     def merge(self, other: PeerSample) -> None:
+        """Add another sample of the same peer."""
         for k, v in other.sockets.items():
             self.sockets[k] = self.sockets.get(k, 0) + v
         self.retrans += other.retrans
@@ -196,8 +198,9 @@ def own_socket_inodes(fd_dir: str = "/proc/self/fd") -> set[int]:
 
 
 def read_proc_counters(path: str, prefix: str) -> dict[str, int]:
-    """The `prefix` table of /proc/net/snmp or /proc/net/netstat: a header line of names,
-    then a line of values, both starting with "Prefix:"."""
+    """The `prefix` table of /proc/net/snmp or /proc/net/netstat.
+
+    A header line of names, then a line of values, both starting with "Prefix:"."""
     with open(path, encoding="ascii") as f:
         rows = [line.split()[1:] for line in f if line.startswith(prefix + ":")]
     if len(rows) < 2:
@@ -225,13 +228,12 @@ def url_endpoint(url: str, default_port: int) -> tuple[str, int] | None:
 
 
 class NetSignalsCollector(Collector):
-    """A prometheus_client collector: registered on a registry, it reads the kernel's
-    signals each time the registry is scraped.
+    """A prometheus_client collector of the kernel's network signals, read at each scrape.
 
-    `upstreams()` gives (host, port, role) of the peers this process connects to (the
-    Redis tier, the router's replicas); peers that connect to one of our listening ports
-    are role "client"; anything else "peer". Host names are resolved once, when first
-    seen (an upstream's address changing under its name is not followed).
+    `upstreams()` gives (host, port, role) of the peers this process connects to (the Redis
+    tier, the router's replicas); peers that connect to one of our listening ports are role
+    "client"; anything else "peer". Host names are resolved once, when first seen (an
+    upstream's address changing under its name is not followed).
 
     `ebpf` (default on) reads the process's RetransmitTracer, started with the first
     collector where bpftrace can run (`bpftrace`: its name or path); `close()` leaves it."""
@@ -264,6 +266,7 @@ class NetSignalsCollector(Collector):
 
     @property
     def ebpf_state(self) -> str:
+        """Why eBPF is (not) counting: the tracer's state, or "disabled"."""
         return self.feed.tracer.state if self.feed is not None else "disabled"
 
     # ---- reading ----------------------------------------------------------------------
@@ -285,6 +288,7 @@ class NetSignalsCollector(Collector):
 
     def sample(self) -> tuple[list[PeerSample], list[SockSample]]:
         """This process's peers (top `max_peers`, then "other") and listening sockets.
+
         Raises OSError when sock_diag or /proc/self/fd cannot be read."""
         socks: list[SockSample] = []
         for family in (socket.AF_INET, socket.AF_INET6):
@@ -325,9 +329,11 @@ class NetSignalsCollector(Collector):
 
     # ---- the Collector interface ------------------------------------------------------
     def describe(self) -> Iterable[Metric]:
+        """Nothing: registering must not read the kernel."""
         return ()  # no describe-time scrape: registering must not read the kernel
 
     def collect(self) -> Iterator[Metric]:
+        """The signals read now; a source that fails is counted and logged, never raised."""
         n = self.prefix
         try:
             yield from self._collect_sock_diag(n)

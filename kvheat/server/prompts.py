@@ -11,6 +11,8 @@ from .errors import ApiError
 
 
 class PromptEncoder:
+    """Turns prompts and chat messages into token ids, refusing text too long for the context."""
+
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -21,6 +23,7 @@ class PromptEncoder:
         self.byte_limit = 2 * self.max_token_bytes * max_model_len
 
     def check_text_size(self, n_bytes: int, param: str) -> None:
+        """Raise a 400 when `n_bytes` of text cannot fit the model's context."""
         if n_bytes > self.byte_limit:
             raise ApiError(400, f"the {param} has {n_bytes} bytes; at most "
                            f"{self.max_token_bytes} bytes per token, it cannot fit this "
@@ -28,6 +31,7 @@ class PromptEncoder:
                            param=param, code="context_length_exceeded")
 
     def encode(self, text: str) -> list[int]:
+        """The token ids of a text prompt (a 400 when it cannot be tokenized)."""
         self.check_text_size(len(text.encode("utf-8", "surrogatepass")), "prompt")
         try:
             return self.tokenizer.encode(text)
@@ -35,6 +39,7 @@ class PromptEncoder:
             raise ApiError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
 
     def chat(self, messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of chat `messages`, by the chat template (a 400 when it fails)."""
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in messages]
         self.check_text_size(sum(len(m["content"].encode("utf-8", "surrogatepass"))

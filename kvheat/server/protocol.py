@@ -25,12 +25,16 @@ PREWARM_HEADER = "x-kvheat-prewarm"
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`."""
+
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
+    """The fields completions and chat requests share: model, sampling, stream, stops."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
@@ -51,6 +55,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False  # as vLLM's: generate exactly max_tokens (for benchmarks)
 
     def stop_list(self) -> list[str]:
+        """The stop strings, as a list without empty ones."""
         if self.stop is None:
             return []
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -58,6 +63,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`: a prompt as text or token ids."""
+
     # A string, or token ids; a one-element list of either is accepted too.
     prompt: (str | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[str], Field(min_length=1, max_length=1)]
@@ -70,6 +77,8 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    """A text part of a chat message's content."""
+
     model_config = ConfigDict(strict=True)
 
     type: Literal["text"]
@@ -77,6 +86,8 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One chat message: its role and its content."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
@@ -84,6 +95,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def text(self) -> str:
+        """The message's content as one string."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -92,6 +104,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`: the messages."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="not supported: must be false")
@@ -111,8 +125,10 @@ class PinRequest(BaseModel):
 
 
 class ClusterRequest(BaseModel):
-    """`PUT /admin/cluster`, from `kvheat route`: the entropy of all the traffic it spreads
-    over this replica and its peers, for the eviction regime (`KVHeat.set_cluster_entropy`)."""
+    """`PUT /admin/cluster`, from `kvheat route`: the cluster's entropy.
+
+    The entropy of all the traffic it spreads over this replica and its peers, for the
+    eviction regime (`KVHeat.set_cluster_entropy`)."""
 
     model_config = ConfigDict(strict=True)
 
@@ -121,6 +137,8 @@ class ClusterRequest(BaseModel):
 
 
 class QuotaRequest(BaseModel):
+    """`PUT /admin/tenants/{tenant}/quota`: blocks per arm, or null to remove the quota."""
+
     model_config = ConfigDict(strict=True)
 
     blocks: int | None = Field(..., ge=1, le=MAX_QUOTA_BLOCKS,

@@ -31,6 +31,7 @@ def _dumps(obj: Any) -> bytes:
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
+    """A JSON answer of `obj`."""
     return Response(_dumps(obj), status_code=status, media_type="application/json")
 
 
@@ -61,6 +62,7 @@ class Reply:
 
     @property
     def chat(self) -> bool:
+        """Whether the answer is a chat completion."""
         return self.kind == "chat"
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -86,8 +88,9 @@ class Reply:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def chunk(self, delta: str | None, reason: str | None, role: bool = False) -> bytes:
-        """One event of a stream: the assistant role (chat's first), a text delta, or
-        the finish reason."""
+        """One event of a stream: the assistant role, a text delta, or the finish reason.
+
+        The role is chat's first event."""
         if self.chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
                 {"content": delta} if delta else {})

@@ -79,8 +79,9 @@ Priority = tuple[int, int]
 
 
 class HealMetrics:
-    """The healer's series, on the server's registry (labels bounded: the fixed actions
-    and causes, the configured tiers, dry_run)."""
+    """The healer's series, on the server's registry.
+
+    Labels are bounded: the fixed actions and causes, the configured tiers, dry_run."""
 
     def __init__(self, registry: Any) -> None:
         self.actions = Counter(
@@ -98,6 +99,8 @@ class HealMetrics:
 
 @dataclass
 class Bypass:
+    """A tier bypassed: why, since when, and its probes passed in a row."""
+
     cause: str
     since: float
     probes_ok: int = 0
@@ -170,12 +173,14 @@ class SelfHealer:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
+        """Start the healer's thread (one look every interval)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvheat-selfheal",
                                             daemon=True)
             self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the healer's thread."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -205,9 +210,10 @@ class SelfHealer:
 
     # ---- what it reads ------------------------------------------------------------------
     def read(self) -> Scrape:
-        """This server's series the causes use, as the doctor's scrape parses them, with
-        the healer's own addition to the waiting queue taken out (else its signal to the
-        autoscaler would read as overload to itself)."""
+        """This server's series the causes use, as the doctor's scrape parses them.
+
+        The healer's own addition to the waiting queue is taken out (else its signal to
+        the autoscaler would read as overload to itself)."""
         reg = self.server_metrics.registry.restricted_registry(
             [n + s for n in SERIES for s in ("", "_total")])
         try:
@@ -375,8 +381,10 @@ class SelfHealer:
             if self.boost > 0 and arms else {}
 
     def admit(self, tenant: TenantConfig | None) -> int | None:
-        """None to serve the request; else the Retry-After seconds of its refusal (its
-        tenant's priority class is shed now). In a dry run it is only counted."""
+        """None to serve the request; else the Retry-After seconds of its refusal.
+
+        Refused when its tenant's priority class is shed now; in a dry run it is only
+        counted."""
         if self.shed_level == 0:
             return None
         cls = self._class.get(tenant.name if tenant else None, (0, 0))

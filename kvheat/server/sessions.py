@@ -38,8 +38,9 @@ def check_session_header(value: str) -> str:
 
 
 def conversation_opening(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
-    """(role, text) of the messages up to and including the first user message: what
-    every turn of one conversation starts with."""
+    """(role, text) of the messages up to and including the first user message.
+
+    What every turn of one conversation starts with."""
     out: list[tuple[str, str]] = []
     for m in messages:
         out.append((m.role, m.text()))
@@ -49,8 +50,9 @@ def conversation_opening(messages: Sequence[ChatMessage]) -> list[tuple[str, str
 
 
 class SessionIds:
-    """Session ids of one server's requests (one secret for its lifetime: the policy's
-    session state lives no longer)."""
+    """Session ids of one server's requests.
+
+    One secret for its lifetime: the policy's session state lives no longer."""
 
     def __init__(self, share_groups: Mapping[str, str], secret: bytes | None = None) -> None:
         self.share_groups = dict(share_groups)
@@ -58,8 +60,10 @@ class SessionIds:
 
     def session_of(self, header: str | None, user: str | None, tenant: str | None,
                    messages: Sequence[ChatMessage] | None = None) -> str | None:
-        """The request's session, or None: a completion with neither header nor user has
-        none (a bare prompt does not say where its conversation starts)."""
+        """The request's session, or None.
+
+        A completion with neither header nor user has none (a bare prompt does not say where
+        its conversation starts)."""
         if header is not None:
             return self._digest("header", check_session_header(header), tenant)
         if user:

@@ -29,6 +29,7 @@ _WALL0 = time.time_ns()
 
 
 def perf_to_ns(t: float) -> int:
+    """A `time.perf_counter()` reading as wall-clock nanoseconds (a span's timestamp)."""
     return _WALL0 + int((t - _PERF0) * 1e9)
 
 
@@ -57,9 +58,11 @@ class Tracing:
 
     @property
     def enabled(self) -> bool:
+        """Whether spans are exported."""
         return self.provider is not None
 
     def start_request(self, name: str, attributes: dict[str, Any]) -> trace.Span:
+        """A request's root span (an invalid one if starting fails)."""
         try:
             return self.tracer.start_span(name, attributes=attributes)
         except Exception:  # tracing must never fail a request
@@ -79,8 +82,9 @@ class Tracing:
     def request_done(self, span: Any, out: RequestOutput, arm: str, reason: str,
                      prompt_tokens: int, cached: int, match: tuple[float, float, int],
                      tier_load: bool) -> None:
-        """A finished request's child spans and outcome. `match`: when the prefix match
-        ran (start, end) and the tokens it found cached."""
+        """Add a finished request's child spans and outcome.
+
+        `match`: when the prefix match ran (start, end) and the tokens it found cached."""
         if span is None or not self.enabled:
             return
         m = out.metrics
@@ -101,6 +105,7 @@ class Tracing:
         span.set_attribute("kvheat.finish_reason", reason)
 
     def shutdown(self) -> None:
+        """Flush and stop the exporter."""
         if self.provider is not None:
             with contextlib.suppress(Exception):  # a dead collector must not block shutdown
                 self.provider.shutdown()

@@ -39,8 +39,9 @@ T = TypeVar("T")
 
 
 class RequestTooLarge(ValueError):
-    """The request can never fit this arm's KV pool (pool, quota or pinned prefixes): a
-    400 with code `context_length_exceeded`."""
+    """The request can never fit this arm's KV pool (pool, quota or pinned prefixes).
+
+    A 400 with code `context_length_exceeded`."""
 
 
 @dataclass(slots=True)
@@ -58,6 +59,8 @@ class _Active:
 
 
 class EngineWorker:
+    """The engine thread: runs each arm's engine and hands results to the requests' loops."""
+
     def __init__(self, engine_factory: Callable[[str], LLMEngine], arms: Sequence[str],
                  metrics: ServerMetrics, arm_stats: ArmStats, tracing: Tracing,
                  tenant_quotas: dict[str, int | None] | None = None,
@@ -100,12 +103,14 @@ class EngineWorker:
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread."""
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="kvheat-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread and close the engines."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
@@ -116,10 +121,12 @@ class EngineWorker:
 
     @property
     def alive(self) -> bool:
+        """Whether the engine thread runs and has not failed."""
         return self._thread is not None and self._thread.is_alive() and self.failure is None
 
     @property
     def num_active(self) -> int:
+        """Requests in the engines now."""
         return len(self.active)
 
     # ---- commands (any thread) --------------------------------------------------------
@@ -134,6 +141,7 @@ class EngineWorker:
         return fut
 
     async def acall(self, fn: Callable[[], T]) -> T:
+        """`fn()` run on the engine thread, awaited."""
         return await asyncio.wrap_future(self.call(fn))
 
     async def submit(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
@@ -317,6 +325,7 @@ class EngineWorker:
                 fut.set_exception(e)
 
     def refresh_gauges(self) -> None:
+        """Refresh every arm's gauges from its engine."""
         for arm, eng in self.engines.items():
             self._guard("gauges", partial(self.metrics.refresh_arm, arm, eng, self.tenant_quotas))
 

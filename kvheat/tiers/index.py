@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeGuard
 
+from ..cache.eviction import EvictionPolicy
 from ..cache.node import Node
-from ..cache.policy import EvictionPolicy
 from .counters import TierCounters
 
 # The owner of an entry found in a store at start-up: whoever filled it is unknown.

@@ -8,9 +8,9 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ..cache.eviction import EvictionPolicy, make_policy
 from ..cache.hints import Outcome, check_reason, check_session
 from ..cache.node import Node
-from ..cache.policy import EvictionPolicy, make_policy
 from ..cache.request import hit_rate
 from .counters import TierCounters
 from .index import UNKNOWN_OWNER, Deletion, IndexListener, KeyIndex, TierEntry, TierIndex

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-from ...cache.policy import policy_names
+from ...cache.eviction import policy_names
 from ...cache.tenancy import TENANT_SECRET_ENV, TenantVouch
 from ...checks import check_value, parse_size
 from ...tiers.spec import MODES, TierSpec
@@ -26,9 +26,11 @@ log = logging.getLogger("vllm.kvheat_connector")
 
 @dataclass(slots=True)
 class ConnectorConfig:
-    """`kv_connector_extra_config`: the tier keys of `kvheat serve` (sizes in bytes or as
-    "64GiB", "500MB"; the host tier is sized in bytes here, as vLLM operators size
-    offload buffers), each key exactly its type."""
+    """The connector's settings, read from vLLM's `kv_connector_extra_config`.
+
+    The tier keys of `kvheat serve` (sizes in bytes or as "64GiB", "500MB"; the host tier
+    is sized in bytes here, as vLLM operators size offload buffers), each key exactly its
+    type."""
 
     host_tier_size: int | str = 0
     disk_tier_dir: str | None = None
@@ -56,8 +58,9 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        """Read `kv_connector_extra_config`; a ValueError names an unknown key or a bad
-        value."""
+        """Read `kv_connector_extra_config`.
+
+        A ValueError names an unknown key or a bad value."""
         extra = dict(extra or {})
         hints = typing.get_type_hints(cls)
         known = [f.name for f in fields(cls)]
@@ -119,8 +122,10 @@ class ConnectorSetup:
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
                   ) -> ConnectorSetup:
-        """Check what the connector supports (one worker, one KV cache group, a tier of at
-        least one block) and set vLLM's `kv_load_failure_policy` to "recompute"."""
+        """Check what the connector supports and set vLLM's failure policy to recompute.
+
+        One worker, one KV cache group, a tier of at least one block; vLLM's
+        `kv_load_failure_policy` becomes "recompute"."""
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None  # KVConnectorBase_V1 refuses to start without one
         config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)

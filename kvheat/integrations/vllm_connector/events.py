@@ -37,8 +37,10 @@ class _BlockInfo:
 
 
 class TierEvents:
-    """vLLM KV events for the tiers' keys, from the worker's reports of what they took
-    and lost; what each event says is kept from the save of its key."""
+    """vLLM KV events for the tiers' keys.
+
+    Made from the worker's reports of what the tiers took and lost; what each event says
+    is kept from the save of its key."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -66,8 +68,10 @@ class TierEvents:
                           to_event_extra_keys([extra]))
 
     def apply(self, tier: str, key: bytes, stored: bool) -> None:
-        """A vLLM KV event when the first key of a vLLM block hash enters a tier, or the
-        last leaves it (tenants' keys of one hash count once). Keys another replica put
+        """Turn one tier change into a vLLM KV event, when it makes one.
+
+        An event when the first key of a vLLM block hash enters a tier, or the last leaves
+        it (tenants' keys of one hash count once). Keys another replica put
         in a shared tier carry no tokens here: that replica publishes them."""
         info = self._info.get(key)
         if info is None:

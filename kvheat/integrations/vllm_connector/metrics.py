@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 
 class KVHeatConnectorStats(KVConnectorStats):
-    """Counter increments since the last report, flat: "loaded", "hits.host", ...;
-    "used_bytes.<tier>" is a level (the latest wins)."""
+    """Counter increments since the last report.
+
+    Flat: "loaded", "hits.host", ...; "used_bytes.<tier>" is a level (the latest wins)."""
 
     def reset(self) -> None:
         """Empty the stats."""
@@ -117,8 +118,9 @@ _ENDED = {"ended": "false", "ended_session": "true"}
 
 
 class KVHeatPromMetrics(KVConnectorPromMetrics):
-    """The connector's metrics on vLLM's own /metrics (needs vLLM's stats: no
-    --disable-log-stats)."""
+    """The connector's metrics on vLLM's own /metrics.
+
+    They need vLLM's stats (no --disable-log-stats)."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:

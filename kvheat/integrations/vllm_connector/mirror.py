@@ -10,8 +10,9 @@ TIER_ORDER = ("host", "disk", "redis")
 
 
 class TierMirror:
-    """Which keys the worker's tiers hold, as it reported them: key -> bit mask of tiers,
-    bit i for `names[i]` (kept in load preference order)."""
+    """Which keys the worker's tiers hold, as it reported them.
+
+    Key -> bit mask of tiers, bit i for `names[i]` (kept in load preference order)."""
 
     def __init__(self) -> None:
         self.names: list[str] = []

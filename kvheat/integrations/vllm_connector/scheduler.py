@@ -91,8 +91,9 @@ class _Tracked:
 
 
 class KVHeatConnectorScheduler:
-    """The scheduler half: vLLM's scheduler-side connector hooks, over a `TierMirror` of
-    the worker's tiers (no I/O)."""
+    """The scheduler half: vLLM's scheduler-side connector hooks.
+
+    They answer from a `TierMirror` of the worker's tiers (no I/O)."""
 
     def __init__(self, setup: ConnectorSetup, vllm_config: VllmConfig) -> None:
         self.config = setup.config
@@ -177,8 +178,9 @@ class KVHeatConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens right after the device's prefix that the tiers hold (whole blocks, never
-        the prompt's last token), and whether they load while the request waits."""
+        """Tokens the tiers hold right after the device's prefix, and whether they load async.
+
+        Whole blocks, never the prompt's last token; they load while the request waits."""
         t = self._track(request)
         t.plan = []
         bs = self.block_size
@@ -232,8 +234,10 @@ class KVHeatConnectorScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput,
                              kv_cache_manager: KVCacheManager | None
                              ) -> KVHeatConnectorMetadata:
-        """The step's plan for the worker: the loads planned since the last step, the
-        blocks that fill during this one (to save), and the hints gathered since."""
+        """The step's plan for the worker.
+
+        The loads planned since the last step, the blocks that fill during this one (to
+        save), and the hints gathered since."""
         meta = KVHeatConnectorMetadata(loads=self._loads, sessions=self._started,
                                        finished=self._finished)
         self._loads, self._started, self._finished = [], [], []
@@ -273,8 +277,10 @@ class KVHeatConnectorScheduler:
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Apply the worker's report: tier changes to the mirror (and as KV events), the
-        tiers down, and failed loads (their blocks are saved again once recomputed)."""
+        """Apply the worker's report.
+
+        Tier changes go to the mirror (and out as KV events); the tiers down and the failed
+        loads are noted (their blocks are saved again once recomputed)."""
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVHeatWorkerMetadata):
             return

@@ -1,6 +1,6 @@
 """Replay a trace through vLLM's own CPU offloading manager, as its scheduler drives it
 (bench/vllm/offload.py and tests/test_vllm_offload.py; vLLM imports the out-of-tree
-policies below by module path, so `bench` must be importable: the repo root on sys.path).
+policies below by module path, this module's).
 
 `replay_offload` builds `vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager` with a cache
 policy by name (vLLM's `lru`, `arc`, or an out-of-tree one such as
@@ -32,42 +32,46 @@ from dataclasses import dataclass, field
 from typing import Any
 
 try:
-    from kvheat.integrations.vllm_env import check_torch_extras
+    from .vllm_env import check_torch_extras
 
     check_torch_extras()  # what vLLM loads later must load with this torch
     from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
     from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 except Exception as e:  # a broken torchvision says what to run, not a traceback
-    from kvheat.integrations.vllm_env import import_error
+    from .vllm_env import import_error
 
     raise import_error(e) from None
 
-from kvheat.cache import hit_rate
-from kvheat.cache.hashing import chain_key, root_key
-from kvheat.integrations.vllm import KVHeatCachePolicy
-from kvheat.replay.traces import TraceRequest
+from ..cache import hit_rate
+from ..cache.hashing import chain_key, root_key
+from ..replay.traces import TraceRequest
+from .vllm import KVHeatCachePolicy
 
 KVHEAT = ("KVHeatCachePolicy", "kvheat.integrations.vllm")
-BELADY = ("BeladyCachePolicy", "bench._lib.vllm_replay")
+BELADY = ("BeladyCachePolicy", "kvheat.integrations.vllm_replay")
 # Where vLLM loads each offload policy from: (class or built-in name, module path).
 VLLM_OFFLOAD_POLICIES: dict[str, tuple[str, str | None]] = {
     "lru": ("lru", None), "arc": ("arc", None), "kvheat": KVHEAT, "belady": BELADY,
-    "kvheat-fixed": ("KVHeatFixedMultiple", "bench._lib.vllm_replay"),
+    "kvheat-fixed": ("KVHeatFixedMultiple", "kvheat.integrations.vllm_replay"),
 }
 
 
 class KVHeatFixedMultiple(KVHeatCachePolicy):
-    """kvheat's policy with the half-life's multiple held at 1 (`adapt="off"`, the
-    default before it followed returning victims): the comparison arm of the benchmark."""
+    """kvheat's policy with the half-life's multiple held at 1.
+
+    `adapt="off"`, the default before it followed returning victims: the comparison arm of
+    the benchmark."""
 
     def __init__(self, cache_capacity: int, **kwargs: Any) -> None:
         super().__init__(cache_capacity, adapt="off", **kwargs)
 
 
 class BeladyCachePolicy(CachePolicy):
-    """Offline optimum for the driver: evict the evictable chunk whose next use (index of
-    the next request that wants it) is furthest; the driver fills `next_use`."""
+    """Offline optimum for the driver: evict the evictable chunk whose next use is furthest.
+
+    A chunk's next use is the index of the next request that wants it; the driver fills
+    `next_use`."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
@@ -77,42 +81,54 @@ class BeladyCachePolicy(CachePolicy):
         self._heap: list[tuple[float, OffloadKey]] = []
 
     def set_next_use(self, key: OffloadKey, nu: float) -> None:
+        """Set the index of the next request that wants `key`."""
         self.next_use[key] = nu
         if key in self._evictable:
             heapq.heappush(self._heap, (-nu, key))
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
+        """The chunk of `key`, or None."""
         return self.chunks.get(key)
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        """Cache a newly allocated chunk."""
         self.chunks[key] = chunk
         if chunk.ref_cnt == 0:
             self.mark_evictable(key)
 
     def remove(self, key: OffloadKey) -> None:
+        """Forget a chunk whose store failed."""
         del self.chunks[key]
         self._evictable.discard(key)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Nothing: the future, not the past, orders this policy."""
         return  # the future, not the past, orders this policy
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Nothing: the future, not the past, orders this policy."""
         return
 
     def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]],
                             insertion_only_keys: set[OffloadKey], reused_keys: set[OffloadKey],
                             req_context: ReqContext) -> None:
+        """Nothing: the future, not the past, orders this policy."""
         return
 
     def mark_evictable(self, key: OffloadKey) -> None:
+        """Record that the chunk may be evicted, at its next use."""
         self._evictable.add(key)
         heapq.heappush(self._heap, (-self.next_use.get(key, float("inf")), key))
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
+        """Record that the chunk may not be evicted."""
         self._evictable.discard(key)
 
     def evict(self, n: int, protected: set[OffloadKey]
               ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        """Remove and return the `n` unprotected evictable chunks used furthest ahead.
+
+        None, changing nothing, when fewer exist."""
         if n <= 0:
             return []
         if len(self._evictable - protected) < n:
@@ -139,6 +155,7 @@ class BeladyCachePolicy(CachePolicy):
         return out
 
     def clear(self) -> None:
+        """Forget every chunk and next use."""
         self.chunks.clear()
         self._evictable.clear()
         self._heap.clear()
@@ -147,6 +164,8 @@ class BeladyCachePolicy(CachePolicy):
 
 @dataclass(slots=True)
 class OffloadResult:
+    """What one replay through vLLM's offload manager counted."""
+
     policy: str
     capacity_chunks: int
     chunk_tokens: int
@@ -165,9 +184,11 @@ class OffloadResult:
 
     @property
     def hit_rate(self) -> float:
+        """Offload prefix hit tokens over prompt tokens."""
         return hit_rate(self.hit_tokens, self.total_tokens)
 
     def as_dict(self) -> dict:
+        """The result's fields, and its hit rate, as a dict."""
         d = {k: getattr(self, k) for k in self.__slots__}
         d["hit_rate"] = self.hit_rate
         return d
@@ -195,8 +216,10 @@ def replay_offload(trace: Sequence[TraceRequest], policy: str, capacity_chunks: 
                    load_tps: float = 200_000.0, store_tps: float = 200_000.0,
                    touch: bool = False, keys: list[list[OffloadKey]] | None = None,
                    manager: CPUOffloadingManager | None = None) -> OffloadResult:
-    """Play `trace` through a `CPUOffloadingManager` of `capacity_chunks` chunks running
-    `policy` (a key of VLLM_OFFLOAD_POLICIES), and count token-weighted offload prefix hits."""
+    """Play `trace` through vLLM's `CPUOffloadingManager` and count its prefix hits.
+
+    The manager holds `capacity_chunks` chunks and runs `policy` (a key of
+    VLLM_OFFLOAD_POLICIES); the hits are token-weighted."""
     steps = _replay_steps(trace, policy, capacity_chunks, chunk_tokens, time_scale,
                           prefill_tps, decode_tps, load_tps, store_tps, touch, keys, manager)
     return deque(steps, maxlen=1)[0]  # the last yield: the finished result
@@ -206,10 +229,11 @@ def replay_side_by_side(trace: Sequence[TraceRequest], policies: Sequence[str],
                         capacity_chunks: int, chunk_tokens: int = 512,
                         time_scale: float = 1.0, keys: list[list[OffloadKey]] | None = None,
                         slice_events: int = 16) -> list[OffloadResult]:
-    """`replay_offload` of each policy, run in turns of `slice_events` events each (one
-    manager per policy, each seeing exactly the calls it sees alone): a burst of load on
-    a shared machine then falls on every policy's calls alike, so the ratio of their
-    µs per call holds where run-after-run timings swing."""
+    """`replay_offload` of each policy, run in turns of `slice_events` events each.
+
+    One manager per policy, each seeing exactly the calls it sees alone: a burst of load on
+    a shared machine then falls on every policy's calls alike, so the ratio of their µs per
+    call holds where run-after-run timings swing."""
     keys = keys if keys is not None else request_keys(trace, chunk_tokens)
     runs = [_replay_steps(trace, p, capacity_chunks, chunk_tokens, time_scale, keys=keys)
             for p in policies]

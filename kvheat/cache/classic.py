@@ -1,21 +1,23 @@
 """Baseline eviction policies: one small class each, adapted to a prefix tree of blocks.
 
-All of them evict only refcount-0 leaves (see `policy.py`). Ghost lists hold keys only.
+All of them evict only refcount-0 leaves (see `eviction.py`). Ghost lists hold keys only.
 """
 
 from __future__ import annotations
 
 import heapq
 
+from .eviction import PARKED, EvictionPolicy, register_policy
 from .ghost import Ghost
 from .node import DETACHED, Node, NodeQueue
-from .policy import PARKED, EvictionPolicy, register_policy
 
 
 @register_policy("lru")
 class LRU(EvictionPolicy):
-    """vLLM's order: a block joins the hot end when released; the request is released
-    tail-first, so its first block ends most recent and parents outlive children."""
+    """Least recently used, in vLLM's order.
+
+    A block joins the hot end when released; a request is released tail-first, so its
+    first block ends most recent and parents outlive children."""
 
     name = "lru"
 
@@ -141,8 +143,10 @@ T1, T2 = 1, 2
 
 @register_policy("arc")
 class ARC(EvictionPolicy):
-    """Adaptive Replacement Cache (Megiddo & Modha): recency list T1, frequency list T2,
-    ghosts B1/B2 steering the target size p of T1."""
+    """Adaptive Replacement Cache (Megiddo & Modha).
+
+    A recency list T1 and a frequency list T2; the ghosts B1/B2 steer the target size p
+    of T1."""
 
     name = "arc"
 
@@ -215,9 +219,10 @@ A1IN, AM = 1, 2
 
 @register_policy("twoq")
 class TwoQ(EvictionPolicy):
-    """2Q (Johnson & Shasha): new blocks wait on probation (FIFO A1in, 25% of the cache);
-    evicted probationers leave a ghost (A1out, 50%); a block seen again joins the
-    protected LRU Am."""
+    """2Q (Johnson & Shasha): a probation FIFO, its ghost, a protected LRU.
+
+    New blocks wait on probation (FIFO A1in, 25% of the cache); evicted probationers leave
+    a ghost (A1out, 50%); a block seen again joins the protected LRU Am."""
 
     name = "twoq"
 
@@ -284,9 +289,10 @@ SMALL, MAIN = 1, 2
 
 @register_policy("s3fifo")
 class S3FIFO(EvictionPolicy):
-    """S3-FIFO (Yang et al., SOSP'23): a small FIFO (10%) filters one-hit blocks, a main
-    FIFO with 2-bit frequency reinsertion keeps the rest, a ghost FIFO remembers evictions
-    from the small queue."""
+    """S3-FIFO (Yang et al., SOSP'23): small, main and ghost FIFOs.
+
+    A small FIFO (10%) filters one-hit blocks, a main FIFO with 2-bit frequency
+    reinsertion keeps the rest, a ghost FIFO remembers evictions from the small queue."""
 
     name = "s3fifo"
 
@@ -359,26 +365,26 @@ class Belady(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self.heap: list[tuple[float, int, int, float, Node]] = []
+        self.heap: list[tuple[float, int, int, int, Node]] = []
         self.next_use: dict[bytes, float] = {}
         self._seq = 0
 
     def _push(self, b: Node) -> None:
-        b.heap_ver += 1
+        b.heap_version += 1
         self._seq += 1
         assert b.key is not None
         nu = self.next_use.get(b.key, float("inf"))
         heap = self.heap
-        heapq.heappush(heap, (-nu, -b.depth, self._seq, b.heap_ver, b))
+        heapq.heappush(heap, (-nu, -b.depth, self._seq, b.heap_version, b))
         # Superseded entries pile up with every release (a cache that rarely evicts pops
         # few): past twice the live ones' bound, keep the live ones only. The order stays
         # the tuples' own, so no decision changes.
         if len(heap) > 2 * max(getattr(self, "capacity", 0), 4096):
-            self.heap = [e for e in heap if e[3] == e[4].heap_ver and e[4].key is not None]
+            self.heap = [e for e in heap if e[3] == e[4].heap_version and e[4].key is not None]
             heapq.heapify(self.heap)
 
     def on_acquire(self, b: Node) -> None:
-        b.heap_ver += 1  # invalidates its heap entry
+        b.heap_version += 1  # invalidates its heap entry
         b.parked = None
 
     def on_release(self, b: Node, now: float) -> None:
@@ -391,19 +397,19 @@ class Belady(EvictionPolicy):
             self._push(b)
 
     def forget(self, b: Node) -> None:
-        b.heap_ver += 1
+        b.heap_version += 1
         b.parked = None
 
     def victim(self) -> Node | None:
         heap = self.heap
         while heap:
             _, _, _, ver, b = heapq.heappop(heap)
-            if ver != b.heap_ver or b.key is None:
+            if ver != b.heap_version or b.key is None:
                 continue
             if b.ref_cnt or b.num_children:
                 b.parked = PARKED
                 continue
-            b.heap_ver += 1
+            b.heap_version += 1
             return b
         return None
 

@@ -16,9 +16,9 @@ import math
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
+from ..cache.eviction import EvictionPolicy, register_policy
 from ..cache.hints import Outcome
 from ..cache.node import Node
-from ..cache.policy import EvictionPolicy, register_policy
 from .counts import SHARED, HeatClock, HeatFields, HeatRecord
 from .entropy import EntropyTracker
 from .feedback import Feedback
@@ -26,7 +26,7 @@ from .heap import BlockHeap
 from .miniature import MIN_CAPACITY, MINI_BLOCKS, MultipleSelector
 from .penalties import EXTENSION, FLAG_BITS, FRESH, PINNED, Penalties
 from .reuse import ReuseGapEstimator
-from .sessions import CLASS_SHIFT, MAX_CLASSES, SessionBook
+from .sessions import CLASS_MASK, CLASS_SHIFT, MAX_CLASSES, SessionBook
 
 # What the ghost history keeps of an evicted block: its record's fields, as a tuple
 # (count, generation, last access, flags).
@@ -158,8 +158,9 @@ class KVHeat(EvictionPolicy):
         return self.keys((b,))[0]
 
     def keys(self, blocks: Sequence[Node]) -> list[float]:
-        """Each block's eviction key, in one call (the heap's push of a request's blocks):
-        its decayed access count (brought to the current generation) times its flags'
+        """Each block's eviction key, in one call (the heap's push of a request's blocks).
+
+        Its decayed access count (brought to the current generation) times its flags'
         factor, and the tail factor when it is shorter than a full block."""
         clock, p = self.clock, self.penalties
         gen, flag, tail, full = clock.gen, p.flag, p.tail, p.block_size
@@ -177,8 +178,9 @@ class KVHeat(EvictionPolicy):
         return out
 
     def raise_key(self, b: Node, k: float) -> None:
-        """Set `b`'s count so that its key is `k`, right after `key(b)` read a lower one
-        (its heap entry stays a lower bound: see `take_lazy`)."""
+        """Set `b`'s count so that its key is `k`, right after `key(b)` read a lower one.
+
+        Its heap entry stays a lower bound: see `take_lazy`."""
         r: HeatFields = b.rec
         p = self.penalties
         if b.num_tokens < p.block_size:
@@ -269,8 +271,9 @@ class KVHeat(EvictionPolicy):
         self.on_hit_all((b,), now)
 
     def on_hit_all(self, blocks: Iterable[Node], now: float) -> None:
-        """`on_hit` of each block in order, at one timestamp, in one call (a request's
-        reused blocks)."""
+        """`on_hit` of each block in order, at one timestamp, in one call.
+
+        For a request's reused blocks."""
         clock, gaps, below = self.clock, self.gaps, self._sample_below
         if now != clock.t:
             clock.advance(now)
@@ -307,9 +310,10 @@ class KVHeat(EvictionPolicy):
                 self.forget_heat()
 
     def move_access(self, b: Node, weight: float, now: float) -> None:
-        """Move `b`'s access counted earlier with `weight` (the clock's weight then) to
-        `now`: the same count, dated later (a caller that counted a use early, at a load's
-        start, moves it to the request's end). Nothing moves across a generation."""
+        """Move `b`'s access counted earlier with `weight` (the clock's weight then) to `now`.
+
+        The same count, dated later: a caller that counted a use early, at a load's start,
+        moves it to the request's end. Nothing moves across a generation."""
         clock = self.clock
         if now != clock.t:
             clock.advance(now)
@@ -378,8 +382,9 @@ class KVHeat(EvictionPolicy):
 
     def on_finish(self, blocks: Sequence[Node], session: str | None, outcome: Outcome,
                   reason: str | None, now: float) -> None:
-        """The request's end class goes on its blocks (the flags' class bits), which the
-        release that follows pushes at their charged key."""
+        """Put the request's end class on its blocks (the flags' class bits).
+
+        The release that follows pushes them at their charged key."""
         if self.selector is not None and self._hook_feed:
             self.selector.finish(outcome, reason)
         book = self.book
@@ -406,7 +411,7 @@ class KVHeat(EvictionPolicy):
         if not self.classed:
             self._classes_on()
         bits = c << CLASS_SHIFT
-        keep = ~((MAX_CLASSES - 1) << CLASS_SHIFT)
+        keep = ~CLASS_MASK
         paced = self.session_own  # (else every `own` is 1.0, as each record's)
         for b in blocks:  # every block of the request: the loop is kept lean
             r = b.rec
@@ -452,9 +457,9 @@ class KVHeat(EvictionPolicy):
                 del q[k]
         if self.held:  # victims kept back for a queued request: back in the heap
             held, self.held = self.held, []
-            # those still cached and out of the heap (`BlockHeap.pop` set their heap_ver to
-            # NaN; a release since pushed them back in, with a live one)
-            back = [b for b in held if b.key is not None and math.isnan(b.heap_ver)]
+            # those still cached and out of the heap (`BlockHeap.pop` set their heap_slot
+            # to NaN; a release since pushed them back in, with a live one)
+            back = [b for b in held if b.key is not None and math.isnan(b.heap_slot)]
             if back:
                 self.heap.push(back)
 
@@ -468,8 +473,9 @@ class KVHeat(EvictionPolicy):
         self.heap.push(blocks)
 
     def release_all(self, blocks: Iterable[Node]) -> None:
-        """`on_release` of each block in order, in one call (for a caller releasing many
-        at once, outside the cache)."""
+        """`on_release` of each block in order, in one call.
+
+        For a caller releasing many at once, outside the cache."""
         self.heap.push(blocks)
 
     def on_leaf(self, b: Node) -> None:
@@ -489,16 +495,17 @@ class KVHeat(EvictionPolicy):
             held = self.held
             while held:
                 h = held.pop(0)
-                # (popped from the heap, so heap_ver NaN: not pushed back since)
-                if (h.key is not None and math.isnan(h.heap_ver) and not h.ref_cnt
+                # (popped from the heap, so heap_slot NaN: not pushed back since)
+                if (h.key is not None and math.isnan(h.heap_slot) and not h.ref_cnt
                         and not h.num_children):
                     return h
         return b
 
     def take_lazy(self, n: int, protected: Container[object]
                   ) -> tuple[list[Node], list[Node]]:
-        """Up to `n` victims for a caller that saves the push at each hit (vLLM's offload
-        tier, `KVHeatCachePolicy`): `BlockHeap.take_lazy`."""
+        """Up to `n` victims for a caller that saves the push at each hit.
+
+        vLLM's offload tier, `KVHeatCachePolicy`: see `BlockHeap.take_lazy`."""
         return self.heap.take_lazy(n, protected)
 
     def forget(self, b: Node) -> None:
@@ -506,8 +513,10 @@ class KVHeat(EvictionPolicy):
 
     # -- evictions -------------------------------------------------------------------
     def on_evict(self, b: Node) -> None:
-        """`b` leaves the cache: the eviction age, the median victim's heat (for the
-        multiple's feedback), and the ghost history keeps its count."""
+        """Record `b` leaving the cache: its age, its heat, and its count in the ghost history.
+
+        The eviction age, the median victim's heat (for the multiple's feedback), and the
+        ghost history keeps its count."""
         r: HeatFields = b.rec
         # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
         self.evictions = n_ev = self.evictions + 1
@@ -535,8 +544,9 @@ class KVHeat(EvictionPolicy):
         return len(self.ghost) + len(self.ghost_old)
 
     def forget_heat(self) -> None:
-        """Every cached count drops to at most one access now, the history is forgotten
-        (O(cached blocks)): the drift detector's answer to stale heat."""
+        """Drop every cached count to at most one access now, and forget the history.
+
+        O(cached blocks): the drift detector's answer to stale heat."""
         clock = self.clock
         lam, base = clock.lam, clock.base
         for b in self.heap.live():
@@ -580,15 +590,18 @@ class KVHeat(EvictionPolicy):
         return sel
 
     def feed_by_request(self) -> None:
-        """The caller's events are not request-shaped (vLLM's offload tier inserts a
-        request's chunks at its stores and counts its hits at its end): the miniatures
-        then see only the whole requests it hands over (`observe_request`)."""
+        """Feed the miniatures whole requests only, handed over by `observe_request`.
+
+        For a caller whose events are not request-shaped (vLLM's offload tier inserts a
+        request's chunks at its stores and counts its hits at its end)."""
         self._hook_feed = False
 
     def observe_request(self, keys: Sequence[bytes], session: str | None, outcome: Outcome,
                         reason: str | None, now: float) -> None:
-        """One whole request for the miniatures: the keys of its full blocks in prefix
-        order (cached now or not), its session and how it ended."""
+        """Feed one whole request to the miniatures.
+
+        The keys of its full blocks in prefix order (cached now or not), its session and how
+        it ended."""
         sel = self.selector
         if sel is None:
             if not self._want_selector or self.penalties.block_size < 1:
@@ -607,9 +620,11 @@ class KVHeat(EvictionPolicy):
         self.feedback.set_mult(mult)
 
     def set_multiple(self, mult: float, half_life: float, mode: str) -> None:
-        """A miniature candidate's settings from its selector: the multiple (the
-        penalties keep their length in reuse gaps, as `Feedback.set_mult`), the half-life
-        on its own clock and the live policy's entropy regime."""
+        """Take a miniature candidate's settings from its selector.
+
+        The multiple (the penalties keep their length in reuse gaps, as
+        `Feedback.set_mult`), the half-life on its own clock and the live policy's entropy
+        regime."""
         fb, pen = self.feedback, self.penalties
         fb.reuse_mult = mult
         scale = fb.base_reuse_mult / mult
@@ -628,8 +643,10 @@ class KVHeat(EvictionPolicy):
         return self.selector.explain() if self.selector is not None else []
 
     def set_cluster_entropy(self, bits: float) -> None:
-        """The entropy (bits) of the keys under the roots over all the traffic a router
-        spreads across this cache and its peers: `Feedback.set_cluster_entropy`."""
+        """Take the entropy (bits) of the keys under the roots over all the cluster's traffic.
+
+        That is all the traffic a router spreads across this cache and its peers:
+        `Feedback.set_cluster_entropy`."""
         self.feedback.set_cluster_entropy(bits)
 
     @property
@@ -639,8 +656,9 @@ class KVHeat(EvictionPolicy):
 
     @property
     def tracker(self) -> EntropyTracker | None:
-        """The decayed entropy of the keys under the roots (None: neither the regime nor
-        drift watches them)."""
+        """The decayed entropy of the keys under the roots.
+
+        None: neither the regime nor drift watches them."""
         return self.feedback.tracker
 
     def _make_candidate(self) -> tuple[KVHeat, KVHeat]:

@@ -35,6 +35,8 @@ from .index import Match, PrefixIndex
 
 @dataclass(slots=True)
 class RouteRequest:
+    """A request as a routing policy sees it: its keys, its blocks' tokens and its arm."""
+
     keys: list[bytes]  # chained keys of the prompt's full blocks (and a partial last one)
     block_tokens: list[int]  # tokens in each of those blocks
     num_tokens: int  # prompt tokens
@@ -46,6 +48,8 @@ class RouteRequest:
 
 @dataclass(slots=True)
 class ReplicaState:
+    """A replica's load as a routing policy sees it."""
+
     name: str
     in_flight: int = 0  # requests routed there and not finished
     pending_prefill: float = 0.0  # prompt tokens routed there still to compute (estimate)
@@ -55,6 +59,8 @@ class ReplicaState:
 
 @dataclass(slots=True)
 class Decision:
+    """A routing choice: the replica, why, and the hit tokens expected there."""
+
     replica: int  # index into the replicas passed to `choose`
     mode: str  # affinity, shard, balance, round_robin, least_load, hash, cache, load
     expected_hit_tokens: int = 0
@@ -63,14 +69,18 @@ class Decision:
 
 
 class RoutingPolicy:
+    """Chooses a replica for each request (`choose`) and hears where each one went (`routed`)."""
+
     name = "base"
 
     def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
+        """The replica among `replicas` that serves `req`, and why."""
         raise NotImplementedError
 
     def routed(self, req: RouteRequest, replica: str, expected_hit_tokens: int = 0) -> None:
-        """The request went to `replica` (after `choose`, or a failover), expecting
-        `expected_hit_tokens` of its prompt cached there."""
+        """Record that the request went to `replica`, after `choose` or a failover.
+
+        `expected_hit_tokens` of its prompt are expected cached there."""
 
     def forget_replica(self, replica: str) -> None:
         """`replica` left the cluster."""
@@ -84,10 +94,12 @@ def _healthy(replicas: Sequence[ReplicaState]) -> list[int]:
 
 
 class NoReplica(RuntimeError):
-    pass
+    """No healthy replica is left to route to."""
 
 
 class RoundRobin(RoutingPolicy):
+    """`rr`: the healthy replicas in turn."""
+
     name = "rr"
 
     def __init__(self) -> None:
@@ -101,6 +113,8 @@ class RoundRobin(RoutingPolicy):
 
 
 class LeastLoad(RoutingPolicy):
+    """`least-load`: fewest requests in flight (ties in turn)."""
+
     name = "least-load"
 
     def __init__(self) -> None:
@@ -115,8 +129,9 @@ class LeastLoad(RoutingPolicy):
 
 
 def rendezvous(key: bytes, names: Sequence[str]) -> int:
-    """Highest-random-weight hashing: the index of `key`'s replica among `names`; a
-    replica leaving moves only its own keys."""
+    """Highest-random-weight hashing: the index of `key`'s replica among `names`.
+
+    A replica leaving moves only its own keys."""
     return rendezvous_order(key, names, 1)[0]
 
 
@@ -127,6 +142,8 @@ def rendezvous_order(key: bytes, names: Sequence[str], k: int) -> list[int]:
 
 
 class PrefixHash(RoutingPolicy):
+    """`prefix-hash`: rendezvous hashing of the key at `depth_blocks` (default: the first)."""
+
     name = "prefix-hash"
 
     def __init__(self, depth_blocks: int = 1) -> None:
@@ -142,6 +159,8 @@ class PrefixHash(RoutingPolicy):
 
 
 class SglangLike(RoutingPolicy):
+    """`sglang-like`: a model of SGLang's router's cache_aware policy (see the module docstring)."""
+
     name = "sglang-like"
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs: int = 64,
@@ -210,6 +229,8 @@ class SglangLike(RoutingPolicy):
 
 @dataclass(slots=True)
 class KVHeatRoutingConfig:
+    """The kvheat routing policy's settings."""
+
     # Tokens found on a lower tier save this share of their prefill (a load costs the
     # rest): a host-memory copy nearly all of it, a disk or network read about half.
     local_tier_efficiency: float = 0.9
@@ -244,9 +265,10 @@ class KVHeatRoutingConfig:
 
 
 class PrefixHeat:
-    """Decayed share of recent requests that contain each key (half-life `window`
-    requests), O(1) per key: a new request's weight grows as 2**(n / window) instead of
-    decaying every count; weights are rebased before they overflow."""
+    """Decayed share of recent requests that contain each key (half-life `window` requests).
+
+    O(1) per key: a new request's weight grows as 2**(n / window) instead of decaying every
+    count; weights are rebased before they overflow."""
 
     def __init__(self, window: int, max_keys: int = 1 << 18) -> None:
         self.window = max(1, window)
@@ -256,6 +278,7 @@ class PrefixHeat:
         self.n = 0
 
     def add(self, keys: Sequence[bytes]) -> None:
+        """Count one request's keys."""
         self.n += 1
         if self.n > 500 * self.window:  # rebase: scale every count down together
             f = 2.0 ** (-self.n / self.window)
@@ -272,8 +295,9 @@ class PrefixHeat:
             self.counts = {k: v for k, v in c.items() if v > cut}
 
     def share(self, key: bytes, prior: float = 0.0) -> float:
-        """The key's share of recent requests, with `prior` pseudo-requests that lack it
-        (so a key seen once, in the only request so far, is not yet hot)."""
+        """The key's share of recent requests, with `prior` pseudo-requests that lack it.
+
+        So a key seen once, in the only request so far, is not yet hot."""
         w = 2.0 ** (self.n / self.window)
         d = self.total + prior * w
         return self.counts.get(key, 0.0) / d if d else 0.0
@@ -315,6 +339,10 @@ class KVHeatRouting(RoutingPolicy):
         self.work: dict[str, float] = {}  # replica -> decayed prefill tokens routed there
 
     def regime(self) -> str:
+        """The regime: "high" when routing keys far outnumber the replicas, else "low".
+
+        Hashing spreads load only over many more routing keys than replicas: perplexity
+        2**H at least `shard_keys_per_replica` x N."""
         if len(self.entropy) == 0:
             return "high"
         perplexity = 2.0 ** self.entropy.bits()
@@ -334,6 +362,7 @@ class KVHeatRouting(RoutingPolicy):
         return h
 
     def utilisation(self, names: Sequence[str]) -> float:
+        """The mean recent utilisation of the replicas `names`."""
         return sum(self.busy.get(n, 0.0) for n in names) / max(1, len(names))
 
     def choose(self, req: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
@@ -433,8 +462,9 @@ ROUTING_POLICIES = ("rr", "least-load", "prefix-hash", "sglang-like", "kvheat")
 
 def make_routing_policy(name: str, index: PrefixIndex | None = None,
                         **settings: Any) -> RoutingPolicy:
-    """The routing policy `name` (one of ROUTING_POLICIES) with its `settings`; the
-    kvheat policy reads the prefix `index`."""
+    """The routing policy `name` (one of ROUTING_POLICIES) with its `settings`.
+
+    The kvheat policy reads the prefix `index`."""
     if name == "rr":
         return RoundRobin()
     if name == "least-load":

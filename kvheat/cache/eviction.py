@@ -29,6 +29,10 @@ PARKED = NodeQueue("parked")
 
 
 class EvictionPolicy:
+    """The hooks the cache calls on an eviction policy, each a no-op until overridden.
+
+    A policy overrides the hooks it uses and `victim`, which the base does not give."""
+
     name = "base"
     needs_future = False  # offline policies (Belady) need the replayer's oracle
 
@@ -36,6 +40,7 @@ class EvictionPolicy:
         self.capacity = 0
 
     def bind(self, capacity_blocks: int) -> None:
+        """Size the policy for a cache of `capacity_blocks` blocks."""
         self.capacity = capacity_blocks
 
     # Hooks, called by the cache. `now` is the cache clock (seconds).
@@ -73,20 +78,26 @@ class EvictionPolicy:
     # carries a hint (a session, a cancellation, a finish reason, a queue entry), so a
     # policy that keeps the no-op defaults decides exactly as without hints.
     def on_session(self, session: str, now: float) -> None:
-        """The blocks hit and inserted next (`on_hit`/`on_acquire`, `on_insert`) are a
-        request of `session`'s: called before the request's cached prefix is acquired and
-        before blocks it decodes are cached, until the next `on_session`."""
+        """Mark the blocks hit and inserted next as a request of `session`.
+
+        Those are the `on_hit`/`on_acquire` and `on_insert` calls until the next
+        `on_session`: it is called before the request's cached prefix is acquired and
+        before blocks it decodes are cached."""
 
     def on_finish(self, blocks: Sequence[Node], session: str | None, outcome: Outcome,
                   reason: str | None, now: float) -> None:
-        """A request ended (`outcome`; `reason` the model's finish reason when known):
+        """Tell the policy that a request ended, before its blocks are released.
+
+        `outcome` is how it ended, `reason` the model's finish reason when known.
         `blocks` are those it held, in prefix order, a block with key None being private
-        (it leaves uncached). Called before they are released (`on_release`)."""
+        (it leaves uncached); their `on_release` comes after."""
 
     def on_queue(self, request_id: str, keys: Sequence[bytes], session: str | None) -> None:
-        """A request waiting for admission will need the blocks of these keys (in prefix
-        order, cached or not); until `on_dequeue(request_id)`. Queuing an id again
-        replaces its keys (the cache calls `on_dequeue` first)."""
+        """Tell the policy which blocks a request waiting for admission will need.
+
+        `keys` are its blocks' keys in prefix order, cached or not; they hold until
+        `on_dequeue(request_id)`. Queuing an id again replaces its keys (the cache calls
+        `on_dequeue` first)."""
 
     def on_dequeue(self, request_id: str) -> None:
         """The queued request was admitted, cancelled or dropped."""
@@ -96,16 +107,20 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def victim_for(self, owner: str | None) -> Node | None:
-        """`victim`, to make room for a block `owner` will hold: a policy that keeps
-        owners apart (`kvheat.cache.tenants.TenantPartitions`) chooses by it."""
+        """The next victim, to make room for a block `owner` will hold.
+
+        The base gives `victim`; a policy that keeps owners apart
+        (`kvheat.cache.tenants.TenantPartitions`) chooses by `owner`."""
         return self.victim()
 
     def on_evict(self, b: Node) -> None:
         """`b` leaves the cache (its key is still set): ghost lists record it here."""
 
     def forget(self, b: Node) -> None:
-        """Drop every trace of `b` from this policy, without a ghost: the block moves to
-        another tenant's policy, is flushed, or was never computed."""
+        """Drop every trace of `b` from this policy, without a ghost.
+
+        For a block that moves to another tenant's policy, is flushed, or was never
+        computed."""
         if b.queue is not None:
             b.queue.remove(b)
         b.parked = None
@@ -133,6 +148,7 @@ class EvictionPolicy:
         return None
 
     def stats(self) -> dict[str, float]:
+        """The policy's own counters, for reports and metrics (none by default)."""
         return {}
 
 
@@ -144,6 +160,7 @@ _plugins_loaded = False
 
 
 def register_policy(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    """Decorate a policy class (or factory) to register it under `name`."""
     def deco(factory: PolicyFactory) -> PolicyFactory:
         _REGISTRY[name] = factory
         return factory
@@ -164,6 +181,7 @@ def _load_plugins() -> None:
 
 
 def make_policy(name: str, **kwargs: object) -> EvictionPolicy:
+    """A new policy of the registered `name`, built with `kwargs`."""
     if name not in _REGISTRY:
         _load_plugins()
     if name not in _REGISTRY:
@@ -172,5 +190,6 @@ def make_policy(name: str, **kwargs: object) -> EvictionPolicy:
 
 
 def policy_names() -> list[str]:
+    """The names of every registered policy, plugins included, sorted."""
     _load_plugins()
     return sorted(_REGISTRY)
