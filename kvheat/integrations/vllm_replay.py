@@ -248,7 +248,10 @@ def replay_side_by_side(trace: Sequence[TraceRequest], policies: Sequence[str],
                     live.remove(i)
                     break
                 out[i] = res
-    return out  # type: ignore[return-value]
+    done = [r for r in out if r is not None]
+    if len(done) != len(out):  # every replay yields its result at least once
+        raise RuntimeError("a policy's replay ended without a result")
+    return done
 
 
 def _replay_steps(trace: Sequence[TraceRequest], policy: str, capacity_chunks: int,
