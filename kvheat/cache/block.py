@@ -6,11 +6,14 @@ eviction policy orders); a block adds only what the device cache keeps of it.
 
 from __future__ import annotations
 
+from .hashing import BlockKey
 from .node import Node
 
 
 class Block(Node):
     __slots__ = ("block_id", "content", "tenant")
+    key: BlockKey | None
+    parent: Block | None
 
     def __init__(self, block_id: int) -> None:
         super().__init__()

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from .block import Block
+from .hashing import BlockKey
 from .node import Node
 from .policy import EvictionPolicy, make_policy
 from .request import CacheConfig, CacheStats, OutOfBlocks, Request
@@ -93,7 +94,7 @@ class BlockPool:
         return tokens
 
     def allocate_blocks(self, blocks: list[Block], n_need: int, owner: str | None,
-                        keys: Sequence[bytes], contents: Sequence[bytes],
+                        keys: Sequence[BlockKey], contents: Sequence[bytes],
                         block_tokens: Sequence[int], now: float) -> None:
         """Grow `blocks` (a cached prefix, acquired) to `n_need` blocks held once by
         `owner`: block i holds `block_tokens[i]` tokens and is cached under `keys[i]` when
@@ -199,7 +200,7 @@ class BlockPool:
         self.num_referenced -= released
 
     # ---- the prefix index -------------------------------------------------------------
-    def register(self, b: Block, key: bytes, content: bytes, parent: Block | None,
+    def register(self, b: Block, key: BlockKey, content: bytes, parent: Block | None,
                  now: float, parent_key: bytes | None = None) -> None:
         """Cache held block `b` under `key`, as a child of `parent`."""
         if key in self.cached:  # the same prefix was filled by another request meanwhile

@@ -35,7 +35,7 @@ from .index import Match, PrefixIndex
 
 @dataclass(slots=True)
 class RouteRequest:
-    keys: list[bytes]  # chained keys of the prompt's full blocks (and a partial last one)
+    keys: Sequence[bytes]  # chained keys of the prompt's full blocks (and a partial last one)
     block_tokens: list[int]  # tokens in each of those blocks
     num_tokens: int  # prompt tokens
     rank: int = 0  # the replicas' arm (event rank) this request reaches
