@@ -1,5 +1,5 @@
 """The one tier face (`kvheat.tiers.TierManager`) over real stores and a real
-device pool: blocks saved from the pool's slots are found under their tenant salt only,
+device pool: blocks saved from the pool's slots are found in their tenant's namespace only,
 load back into other slots byte for byte, and a load stops at the first block that is
 corrupt on disk or whose Redis died (the rest is recomputed, nothing raises)."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_tiers import random_pool, same_bytes
 
-from kvheat.cache.hashing import tenant_salt
+from kvheat.cache.hashing import NO_TENANT, Namespace, tenant_salt
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.engine.kv_pool import DeviceKVPool
 from kvheat.tiers import LoadPlan, TierManager, TierSpec
@@ -20,8 +20,8 @@ from kvheat.tiers.disk import DiskStore
 from kvheat.tiers.spec import store_layout
 
 torch.set_num_threads(1)
-SALT_A = tenant_salt("a", {})
-SALT_B = tenant_salt("b", {})
+NS_A = Namespace.of(tenant_salt("a", {}))
+NS_B = Namespace.of(tenant_salt("b", {}))
 
 
 def chain(n: int, tag: bytes = b"k") -> tuple[list[bytes], list[bytes | None]]:
@@ -53,32 +53,32 @@ def test_saved_blocks_load_into_other_slots_byte_identical(layout: str, where: s
     tc.index_listeners.append(lambda *e: events.append(e))
     keys, parents = chain(4)
     want = [pool.read_block(s) for s in range(4)]
-    assert tc.save(SALT_A, keys, parents, [0, 1, 2, 3], pool) == 4
+    assert tc.save(NS_A, keys, parents, [0, 1, 2, 3], pool) == 4
     tc.flush()
-    assert all(tc.holds(SALT_A, k) is not None for k in keys)
-    assert tc.holds(SALT_B, keys[0]) is None and tc.holds(None, keys[0]) is None
+    assert all(tc.holds(NS_A, k) is not None for k in keys)
+    assert tc.holds(NS_B, keys[0]) is None and tc.holds(NO_TENANT, keys[0]) is None
     if where == "host+disk":
-        assert [tc.holds(SALT_A, k) for k in keys] == ["disk", "disk", "host", "host"]
+        assert [tc.holds(NS_A, k) for k in keys] == ["disk", "disk", "host", "host"]
     stored = {k: p for _t, k, p, _n, ok in events if ok}
     assert stored == dict(zip(keys, parents, strict=True))  # KV events carry the parents
 
-    # Another tenant's salt finds nothing, and a lookup past the device prefix starts there.
-    assert tc.lookup(SALT_B, keys, 0).keys == []
-    if where == "host":  # the same key names one block: another salt's save is refused
-        assert tc.save(SALT_B, keys[:1], [None], [5], pool) == 0
-        assert tc.holds(SALT_B, keys[0]) is None and tc.holds(SALT_A, keys[0]) == "host"
-    plan = tc.lookup(SALT_A, keys, 1)
+    # Another tenant's namespace finds nothing, and a lookup past the device prefix starts there.
+    assert tc.lookup(NS_B, keys, 0).keys == []
+    if where == "host":  # the same key names one block: another namespace's save is refused
+        assert tc.save(NS_B, keys[:1], [None], [5], pool) == 0
+        assert tc.holds(NS_B, keys[0]) is None and tc.holds(NS_A, keys[0]) == "host"
+    plan = tc.lookup(NS_A, keys, 1)
     assert plan.keys == keys[1:] and len(plan.tier_names) == 3 and plan.tokens == 3 * pool.block_size
     tc.release(plan)
-    plan = tc.lookup(SALT_A, keys, 0)
-    assert isinstance(plan, LoadPlan) and plan.salt == SALT_A and plan.keys == keys
+    plan = tc.lookup(NS_A, keys, 0)
+    assert isinstance(plan, LoadPlan) and plan.ns == NS_A and plan.keys == keys
     pool.kv.zero_()
     assert tc.load(plan, [8, 9, 10, 11], pool) == 4
     for s, w in zip([8, 9, 10, 11], want, strict=True):
         assert same_bytes(pool.block_view(s), w)
     assert not any(b.ref_cnt for idx in tc.lower.indexes for b in idx.entries.values())
     # A client that only saves keeps its copies after a load (no demotion brings them back).
-    assert all(tc.holds(SALT_A, k) is not None for k in keys)
+    assert all(tc.holds(NS_A, k) is not None for k in keys)
     st = tc.stats()
     assert st["loaded_blocks"] == 4 and st["load_failed"] == 0
     tiers = st["tiers"]
@@ -92,8 +92,8 @@ def test_plan_pins_until_release_and_hand_made_plans_load(tmp_path: Path) -> Non
     pool = random_pool("gqa", 8)
     tc = client(TierSpec(host_blocks=4), pool)
     keys, parents = chain(3)
-    tc.save(SALT_A, keys, parents, [0, 1, 2], pool)
-    plan = tc.lookup(SALT_A, keys, 0)
+    tc.save(NS_A, keys, parents, [0, 1, 2], pool)
+    plan = tc.lookup(NS_A, keys, 0)
     idx = tc.lower.indexes[0]
     assert all(idx.entries[k].ref_cnt == 1 for k in keys)  # pinned: never evicted
     tc.release(plan)
@@ -101,7 +101,7 @@ def test_plan_pins_until_release_and_hand_made_plans_load(tmp_path: Path) -> Non
     assert all(idx.entries[k].ref_cnt == 0 for k in keys) and plan.keys == []
     # A plan rebuilt from its keys (another process made it) is looked up at load time.
     want = [pool.read_block(s) for s in range(3)]
-    hand = LoadPlan(SALT_A, keys=list(keys), tier_names=["host"] * 3, block_tokens=pool.block_size)
+    hand = LoadPlan(NS_A, keys=list(keys), tier_names=["host"] * 3, block_tokens=pool.block_size)
     assert tc.load(hand, [5, 6, 7], pool) == 3
     assert all(same_bytes(pool.block_view(s), w) for s, w in zip([5, 6, 7], want, strict=True))
     tc.release(hand)  # loaded: nothing left to release
@@ -109,13 +109,13 @@ def test_plan_pins_until_release_and_hand_made_plans_load(tmp_path: Path) -> Non
         tc.load(hand, [5, 6, 7], pool)
     assert all(idx.entries[k].ref_cnt == 0 for k in keys)
     with pytest.raises(ValueError, match="slots"):
-        tc.load(tc.lookup(SALT_A, keys, 0), [5], pool)
+        tc.load(tc.lookup(NS_A, keys, 0), [5], pool)
     assert all(idx.entries[k].ref_cnt == 0 for k in keys)  # a refused load unpins
     other = DeviceKVPool("gqa", 1, 4, 16, (2, 8), torch.float16)  # another block size
     with pytest.raises(ValueError, match="bytes"):
-        tc.save(SALT_A, keys[:1], parents[:1], [0], other)
+        tc.save(NS_A, keys[:1], parents[:1], [0], other)
     with pytest.raises(ValueError, match="parents"):
-        tc.save(SALT_A, keys, parents[:1], [0, 1, 2], pool)
+        tc.save(NS_A, keys, parents[:1], [0, 1, 2], pool)
     tc.close()
 
 
@@ -124,15 +124,15 @@ def test_load_stops_at_a_corrupted_disk_value(tmp_path: Path) -> None:
     tc = client(disk_spec(tmp_path), pool)
     keys, parents = chain(4)
     want = [pool.read_block(s) for s in range(4)]
-    assert tc.save(SALT_A, keys, parents, [0, 1, 2, 3], pool) == 4
+    assert tc.save(NS_A, keys, parents, [0, 1, 2, 3], pool) == 4
     tc.flush()  # written on the demotion thread
     disk = tc.stores[0]
     assert isinstance(disk, DiskStore)
-    path = disk._path(disk._name(keys[2], disk.ns(SALT_A)))
+    path = disk._path(disk._name(keys[2], disk.ns(NS_A)))
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0x40  # one bit of the KV payload
     path.write_bytes(bytes(raw))
-    plan = tc.lookup(SALT_A, keys, 0)
+    plan = tc.lookup(NS_A, keys, 0)
     assert plan.keys == keys  # the index cannot know; the read checks
     pool.kv[:, 4:8].zero_()
     before = pool.read_block(6)
@@ -144,7 +144,7 @@ def test_load_stops_at_a_corrupted_disk_value(tmp_path: Path) -> None:
     tiers = st["tiers"]
     assert isinstance(tiers, dict) and tiers["0:disk"]["faults"] == 1
     # The bad entry and its descendants are gone: a later lookup stops before them.
-    assert tc.lookup(SALT_A, keys, 0).keys == keys[:2]
+    assert tc.lookup(NS_A, keys, 0).keys == keys[:2]
     tc.close()
 
 
@@ -155,17 +155,17 @@ def test_load_stops_when_redis_dies(redis_server, tmp_path: Path) -> None:
     tc = client(spec, pool)
     keys, parents = chain(4)
     want = [pool.read_block(s) for s in range(4)]
-    assert tc.save(SALT_A, keys, parents, [0, 1, 2, 3], pool) == 4
-    assert [tc.holds(SALT_A, k) for k in keys] == ["redis", "redis", "host", "host"]
-    plan = tc.lookup(SALT_A, keys, 0)
+    assert tc.save(NS_A, keys, parents, [0, 1, 2, 3], pool) == 4
+    assert [tc.holds(NS_A, k) for k in keys] == ["redis", "redis", "host", "host"]
+    plan = tc.lookup(NS_A, keys, 0)
     redis_server.stop()
     pool.kv[:, :, 8:12].zero_()
     assert tc.load(plan, [8, 9, 10, 11], pool) == 0  # the first block is Redis's
     assert not pool.kv[:, :, 8:10].any()
     assert tc.counters.load_failed == 1
     # Redis is marked down: lookups skip it, the host tier's blocks still load.
-    assert tc.lookup(SALT_A, keys, 0).keys == []
-    plan = tc.lookup(SALT_A, keys, 2)
+    assert tc.lookup(NS_A, keys, 0).keys == []
+    plan = tc.lookup(NS_A, keys, 2)
     assert plan.tier_names == ["host", "host"]
     assert tc.load(plan, [10, 11], pool) == 2
     assert same_bytes(pool.block_view(10), want[2]) and same_bytes(pool.block_view(11), want[3])
@@ -176,8 +176,8 @@ def test_a_spec_without_tiers_finds_nothing() -> None:
     pool = random_pool("gqa", 4)
     tc = client(TierSpec(), pool)
     keys, parents = chain(2)
-    assert tc.save(None, keys, parents, [0, 1], pool) == 0
-    plan = tc.lookup(None, keys, 0)
+    assert tc.save(NO_TENANT, keys, parents, [0, 1], pool) == 0
+    plan = tc.lookup(NO_TENANT, keys, 0)
     assert plan.keys == [] and tc.load(plan, [], pool) == 0
     assert tc.stats()["tiers"] == {}
     tc.close()
@@ -237,10 +237,10 @@ def test_a_flush_deletes_a_parent_and_the_children_it_takes_along(tmp_path: Path
     mgr = KVCacheManager(CacheConfig(8, pool.block_size))
     tc = tiers_for(mgr, pool, TierSpec(host_blocks=8, calibrate=False), "tiny-test")
     keys, parents = chain(3)
-    salt = mgr.salt_of("a")
-    assert tc.save(salt, keys, parents, [0, 1, 2], pool, owner="a") == 3
+    ns = mgr.namespace_of("a")
+    assert tc.save(ns, keys, parents, [0, 1, 2], pool, owner="a") == 3
     assert purge(tc, mgr, "a") == {"host": 3}
-    assert not tc.lower.key_index.records and all(tc.holds(salt, k) is None for k in keys)
+    assert not tc.lower.key_index.records and all(tc.holds(ns, k) is None for k in keys)
     assert tc.stores[0].used_bytes() == 0
     tc.close()
 

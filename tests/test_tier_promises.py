@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvheat.cache.hashing import Namespace
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.tiers import TierSpec
 
@@ -39,12 +40,12 @@ def lower_entries(e: LLMEngine, tenant: str | None) -> dict[str, int]:
     tc = e.tiers
     assert tc is not None
     tc.flush()
-    salt = e.cache.salt_of(tenant)
+    ns = e.cache.namespace_of(tenant)
     out = {}
     for st, idx in zip(tc.stores, tc.indexes, strict=True):
-        ns = st.ns(salt)
-        keys = [k for k in idx.entries if st.ns(tc.lower.key_index.records[k].salt) == ns]
-        assert all(st.contains(k, salt) for k in keys)
+        digest = st.ns(ns)
+        keys = [k for k in idx.entries if st.ns(tc.lower.key_index.records[k].ns) == digest]
+        assert all(st.contains(k, ns) for k in keys)
         out[st.name] = len(keys)
     return out
 
@@ -236,8 +237,9 @@ def test_kv_planted_in_redis_without_the_secret_is_never_served(llama: tuple,
     g = torch.Generator().manual_seed(0)
     for i, k in enumerate(keys):  # both MACs: BLAKE3 and the old format's BLAKE2b
         junk = torch.randn(shape, generator=g).to(probe.dtype)
-        r.set(store.rkey(k, "tenant:victim"), encode(junk, k, store.ns("tenant:victim"),
-                                                     forged_key, 2 + i % 2))
+        victim_ns = Namespace.of("tenant:victim")
+        r.set(store.rkey(k, victim_ns), encode(junk, k, store.ns(victim_ns), forged_key,
+                                               2 + i % 2))
         r.set(f"kvheat:{store.model}:{store.layout}:{ns.hex()[:16]}:{k.hex()}",
               encode(junk, k, ns, forged_key))
     e.close()
@@ -298,7 +300,7 @@ def test_soak_tiers_tenants_arms_and_admin_calls(llama: tuple, tmp_path: Path, s
         recs = tc.lower.key_index.records
         return {(st.name, k) for st, idx in zip(tc.stores, tc.indexes, strict=True)
                 for k in idx.entries
-                if recs[k].owner != t and recs[k].salt != e.cache.salt_of(t)}
+                if recs[k].owner != t and recs[k].ns != e.cache.namespace_of(t)}
 
     for _step in range(160):
         op = rng.random()

@@ -11,6 +11,7 @@ import pytest
 import torch
 import xxhash
 
+from kvheat.cache.hashing import NO_TENANT, Namespace
 from kvheat.engine.kv_pool import DeviceKVPool
 from kvheat.tiers import DiskStore, HostStore, codec, side_check
 from kvheat.tiers import host as host_module
@@ -25,6 +26,12 @@ from kvheat.tiers.codec import (
     value_mac_version,
 )
 from kvheat.tiers.numa import NumaNode, numa_nodes, parse_cpulist, placement
+
+NS_A = Namespace.of("tenant:a")
+NS_B = Namespace.of("tenant:b")
+NS_V = Namespace.of("tenant:v")
+NS_X = Namespace.of("tenant:x")
+NS_Y = Namespace.of("tenant:y")
 
 torch.set_num_threads(1)
 
@@ -188,7 +195,7 @@ def test_disk_never_serves_planted_values_and_reads_the_old_format(mac: str,
     pool = random_pool("gqa", 3)
     disk = DiskStore(tmp_path, 1 << 22, secret="the deployment's own secret")
     disk.mac = mac
-    ns = disk.ns("tenant:v")
+    ns = disk.ns(NS_V)
     blk = pool.read_block(0)
     names = {}
     for i, what in enumerate(planted_values(blk, key(0), ns, disk.mac_key)):
@@ -200,16 +207,16 @@ def test_disk_never_serves_planted_values_and_reads_the_old_format(mac: str,
     # A value written by this deployment before BLAKE3 (format 2, BLAKE2b): still served.
     old = disk._path(disk._name(key(1), ns))
     old.write_bytes(encode(pool.read_block(1), key(1), ns, disk.mac_key, BLAKE2B_VERSION))
-    assert disk.put(key(2), pool.read_block(2), salt="tenant:v")
+    assert disk.put(key(2), pool.read_block(2), ns=NS_V)
     again = DiskStore(tmp_path, 1 << 22, secret="the deployment's own secret")
     assert again.rejected_on_open == 1  # format 1: refused on sight
     for what, (k, path) in names.items():
-        assert again.get(k, salt="tenant:v") is None, what
+        assert again.get(k, ns=NS_V) is None, what
         assert not path.exists(), what  # deleted after the failed check
     s = again.stats
     assert (s.corrupt_checksum, s.corrupt_format, s.hits) == (4, 1, 0)
-    assert same_bytes(again.get(key(1), salt="tenant:v"), pool.read_block(1))
-    assert same_bytes(again.get(key(2), salt="tenant:v"), pool.read_block(2))
+    assert same_bytes(again.get(key(1), ns=NS_V), pool.read_block(1))
+    assert same_bytes(again.get(key(2), ns=NS_V), pool.read_block(2))
     assert again.stats.hits == 2
 
 
@@ -241,13 +248,13 @@ def test_host_round_trip_and_capacity(layout: str, copy_path: str) -> None:
 def test_host_detects_corrupted_slot_and_foreign_namespace(copy_path: str) -> None:
     pool = random_pool("gqa")
     host = HostStore(2 * pool.bytes_per_block, pool.bytes_per_block)
-    host.put(key(1), pool.read_block(1), salt="tenant:a")
-    assert host.get(key(1), salt="tenant:b") is None  # another tenant's namespace
+    host.put(key(1), pool.read_block(1), ns=NS_A)
+    assert host.get(key(1), ns=NS_B) is None  # another tenant's namespace
     assert host.stats.corrupt_key == 1
     host.pool[0, 5] ^= 0xFF  # a stray write into the pool
-    assert host.get(key(1), salt="tenant:a") is None
+    assert host.get(key(1), ns=NS_A) is None
     assert host.stats.corrupt_checksum == 1
-    assert not host.contains(key(1), salt="tenant:a")  # dropped, slot reusable
+    assert not host.contains(key(1), ns=NS_A)  # dropped, slot reusable
     assert len(host.free_slots) == 2
 
 
@@ -417,23 +424,23 @@ def test_disk_round_trip_and_restart(layout: str, tmp_path: Path) -> None:
     pool = random_pool(layout, 5)
     disk = DiskStore(tmp_path, 1 << 20, model="tiny", layout=layout)
     for b in range(5):
-        assert disk.put(key(b), pool.block_view(b), salt="tenant:x")
+        assert disk.put(key(b), pool.block_view(b), ns=NS_X)
     assert not any(n.startswith(".tmp-") for n in os.listdir(tmp_path))
-    assert same_bytes(disk.get(key(3), salt="tenant:x"), pool.read_block(3))
+    assert same_bytes(disk.get(key(3), ns=NS_X), pool.read_block(3))
     # A new object over the same directory (a restarted process) serves the same bytes.
     again = DiskStore(tmp_path, 1 << 20, model="tiny", layout=layout)
     assert again.rejected_on_open == 0
     assert again.used_bytes() == disk.used_bytes()
     assert sorted(k for k, _ in again.stored()) == [key(b) for b in range(5)]
     for b in range(5):
-        assert same_bytes(again.get(key(b), salt="tenant:x"), pool.read_block(b))
+        assert same_bytes(again.get(key(b), ns=NS_X), pool.read_block(b))
     # Another model or tenant never reads these bytes.
     other_model = DiskStore(tmp_path, 1 << 20, model="other", layout=layout)
-    assert other_model.get(key(1), salt="tenant:x") is None
+    assert other_model.get(key(1), ns=NS_X) is None
     # ... nor counts, lists or deletes them: one directory, separate stores.
     assert other_model.used_bytes() == 0 and list(other_model.stored()) == []
     assert other_model.rejected_on_open == 0 and again.used_bytes() == disk.used_bytes()
-    assert again.get(key(1), salt="tenant:y") is None
+    assert again.get(key(1), ns=NS_Y) is None
 
 
 def test_disk_restart_rejects_torn_corrupt_renamed_and_temp_files(tmp_path: Path) -> None:
@@ -442,7 +449,7 @@ def test_disk_restart_rejects_torn_corrupt_renamed_and_temp_files(tmp_path: Path
     for b in range(4):
         disk.put(key(b), pool.read_block(b))
     files = sorted(tmp_path.glob("*.kv"), key=lambda p: p.stat().st_mtime_ns)
-    name = {k: disk._path(disk._name(k, disk.ns(None))) for k, _ in disk.stored()}
+    name = {k: disk._path(disk._name(k, disk.ns(NO_TENANT))) for k, _ in disk.stored()}
     # torn: truncated mid-payload (a crash that bypassed the rename, or a bad disk)
     with open(name[key(0)], "r+b") as f:
         f.truncate(name[key(0)].stat().st_size - 100)
@@ -500,7 +507,7 @@ def test_disk_truncated_after_open_is_a_counted_miss(tmp_path: Path) -> None:
     pool = random_pool("mla", 2)
     disk = DiskStore(tmp_path, 1 << 20)
     disk.put(key(0), pool.read_block(0))
-    path = disk._path(disk._name(key(0), disk.ns(None)))
+    path = disk._path(disk._name(key(0), disk.ns(NO_TENANT)))
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size // 2)
     assert disk.get(key(0)) is None

@@ -19,6 +19,7 @@ from test_tiers import LAYOUTS
 from tierstack import Stack
 
 from kvheat.cache import CacheConfig, KVCacheManager
+from kvheat.cache.hashing import NO_TENANT
 from kvheat.engine.kv_pool import DeviceKVPool
 from kvheat.tiers import DiskStore, HostStore, KVStore, TierSpec
 from kvheat.tiers.redis_store import RedisStore, connect
@@ -271,7 +272,7 @@ def test_fault_corrupt_disk_file_mid_replay(tmp_path: Path) -> None:
     disk: DiskStore = tc.tiers.stores[1]  # type: ignore[assignment]
     keys = tc.mgr.make_request("x", ps[0]).keys
     assert all(k in tc.tiers.indexes[1].entries for k in keys)
-    path = disk._path(disk._name(keys[2], disk.ns(None)))
+    path = disk._path(disk._name(keys[2], disk.ns(NO_TENANT)))
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -466,7 +467,7 @@ def test_parent_dropped_at_bottom_takes_children_along(tmp_path: Path) -> None:
     c_ = tc.tiers.counters
     assert c_.dropped_bottom == 1 and ka[0] not in tc.tiers.indexes[1].entries
     assert c_.orphans_dropped == 1 and tc.tiers.stats()["orphans_dropped"] == 1
-    assert ka[1] not in tc.tiers.indexes[0].entries and not host.contains(ka[1], None)
+    assert ka[1] not in tc.tiers.indexes[0].entries and not host.contains(ka[1], NO_TENANT)
     assert host.used_bytes() == used - pool.bytes_per_block  # one came in, a b block and a1 left
     all_keys = [tc.mgr.make_request("k", p).keys for p in (a, b, c, d, e)]
     assert unreachable(tc, all_keys) == []
@@ -567,7 +568,7 @@ def test_write_through_drops_children_with_the_last_copy(tmp_path: Path) -> None
     eng.run(c)  # b3 down: the host drops a0 (the disk has it), then the disk drops a0
     assert ka[0] not in tc.tiers.indexes[0].entries and ka[0] not in tc.tiers.indexes[1].entries
     assert tc.tiers.counters.orphans_dropped == 1 and ka[1] not in tc.tiers.indexes[0].entries
-    assert not host.contains(ka[1], None)
+    assert not host.contains(ka[1], NO_TENANT)
     tc.close()
 
 

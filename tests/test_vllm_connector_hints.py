@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
-from test_tier_client import SALT_A, chain, client
+from test_tier_client import NS_A, chain, client
 from test_tiers import random_pool
 
 from kvheat.cache import Node, Outcome, register_policy
@@ -56,8 +56,8 @@ def test_the_tier_policy_hears_the_session_and_the_end_with_the_entries_it_holds
     tc, pool = _client(RECORDING)
     keys, parents = chain(4)
     tc.begin("vllm:s1")
-    assert tc.save(SALT_A, keys, parents, [0, 1, 2, 3], pool) == 4
-    plan = tc.lookup(SALT_A, keys, 0)  # the first blocks are being loaded: pinned
+    assert tc.save(NS_A, keys, parents, [0, 1, 2, 3], pool) == 4
+    plan = tc.lookup(NS_A, keys, 0)  # the first blocks are being loaded: pinned
     pol = tc.lower.indexes[0].policy
     assert isinstance(pol, Recording)
     told = tc.finish([*keys, b"never-saved" * 2], "vllm:s1", "cancelled", "abort")
@@ -85,13 +85,13 @@ def test_a_policy_without_finish_hints_keeps_its_order(policy: str, refiled: boo
         a, pa = chain(2, b"a")
         b, pb = chain(2, b"b")
         c, pc = chain(2, b"c")
-        tc.save(SALT_A, a, pa, [0, 1], pool)
-        tc.save(SALT_A, b, pb, [2, 3], pool)
+        tc.save(NS_A, a, pa, [0, 1], pool)
+        tc.save(NS_A, b, pb, [2, 3], pool)
         if tell:
             assert tc.finish(a, "vllm:s", "finished", "stop") == (2 if refiled else 0)
-        tc.save(SALT_A, c, pc, [4, 5], pool)  # the host tier holds 4: two go
+        tc.save(NS_A, c, pc, [4, 5], pool)  # the host tier holds 4: two go
         tc.flush()
-        kept.append([k for k in a + b + c if tc.holds(SALT_A, k) is not None])
+        kept.append([k for k in a + b + c if tc.holds(NS_A, k) is not None])
         tc.close()
     if refiled:
         assert kept[1] == [*chain(2, b"a")[0], *chain(2, b"c")[0]] != kept[0]

@@ -26,7 +26,7 @@ class Stack:
 
     def prefetch(self, req: Request) -> int:
         """Plan and start `req`'s loads as the scheduler does when it arrives."""
-        return self.tiers.prefetch(req.request_id, self.mgr.salt_of(req.tenant), req.keys,
+        return self.tiers.prefetch(req.request_id, self.mgr.namespace_of(req.tenant), req.keys,
                                    len(self.mgr.match_prefix(req)), req.block_tokens,
                                    owner=req.tenant)
 

@@ -51,11 +51,14 @@ if not __package__:  # run as `python bench/tiers/bandwidth.py`: import from the
 
 from bench._lib import RESULTS
 from bench._lib.procs import Redis, RedisCluster
+from kvheat.cache.hashing import NO_TENANT, Namespace
 from kvheat.engine.kv_pool import DeviceKVPool
 from kvheat.tiers import DiskStore, HostStore
 from kvheat.tiers import host as host_module
 from kvheat.tiers.codec import blake3_available
 from kvheat.tiers.redis_store import RedisStore, connect
+
+NS_A = Namespace.of("tenant:a")
 
 torch.set_num_threads(1)
 MACS = ("blake3", "blake2b") if blake3_available() else ("blake2b",)
@@ -327,7 +330,7 @@ def bench_disk(block_bytes: int, n_blocks: int, rounds: int, root: Path) -> dict
                 os.fsync(f.fileno())
 
     def read(disk: DiskStore, cold: bool) -> Callable[[], None]:
-        paths = [disk._path(disk._name(k, disk.ns(None))) for k in keys]
+        paths = [disk._path(disk._name(k, disk.ns(NO_TENANT))) for k in keys]
 
         def run() -> None:
             if cold:  # dropping pages is inside both timings alike (microseconds a file)
@@ -451,17 +454,17 @@ def bench_cluster(root: Path, chunk_bytes: int, n_chunks: int) -> dict:
                         1 << 40, model="bench", layout="gqa", backoff_initial_s=0.2)
         chunks = [torch.randn(chunk_bytes // 2).half() for _ in range(n_chunks)]
         keys = [i.to_bytes(16, "little") for i in range(n_chunks)]
-        t_set = timed(lambda: st.put_many(list(zip(keys, chunks, strict=True)), salt="tenant:a"))
+        t_set = timed(lambda: st.put_many(list(zip(keys, chunks, strict=True)), ns=NS_A))
         got: list = []
-        t_get = timed(lambda: got.extend(st.get_many(keys, salt="tenant:a")))
+        t_get = timed(lambda: got.extend(st.get_many(keys, ns=NS_A)))
         identical = sum(1 for g, c in zip(got, chunks, strict=True)
                         if g is not None and torch.equal(g, c))
-        slots = {int(st.client.keyslot(st.rkey(k, "tenant:a"))) // 5462 for k in keys}
+        slots = {int(st.client.keyslot(st.rkey(k, NS_A))) // 5462 for k in keys}
         cluster.nodes[1].kill()
         after: list = []
         raised = None
         try:
-            after = st.get_many(keys, salt="tenant:a")
+            after = st.get_many(keys, ns=NS_A)
         except Exception as e:  # the store must not raise; record it if it does
             raised = repr(e)
         return {"nodes": 3, "chunks": n_chunks, "chunk_bytes": chunk_bytes,

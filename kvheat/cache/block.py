@@ -6,6 +6,7 @@ eviction policy orders); a block adds only what the device cache keeps of it.
 
 from __future__ import annotations
 
+from .hashing import BlockKey
 from .node import Node
 
 
@@ -13,6 +14,8 @@ class Block(Node):
     """A device block: a `Node` with its id, its own tokens and the tenant that filled it."""
 
     __slots__ = ("block_id", "content", "tenant")
+    key: BlockKey | None
+    parent: Block | None
 
     def __init__(self, block_id: int) -> None:
         super().__init__()

@@ -8,11 +8,84 @@ same key, and a key identifies the entire prefix, not one block.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NewType, cast
 
 import xxhash
 
 _digest = xxhash.xxh3_128_digest
+
+# Keys are made here and nowhere else: a `BlockKey` comes from the functions that chain
+# one (`chain_key`, `block_keys`, `trace_block_keys`), or is a key a store read back
+# (`stored_key`), a tier's probe block's (`probe_key`) or one a miniature cache replays
+# (`node_key`). A root (`root_key`, `scoped_root`) is the parent of a first block, not a
+# block key. Below the device a key lives in a `Namespace`.
+
+# A block's chained prefix key (16 bytes as made here; a stored one may be up to
+# MAX_KEY_BYTES): the digest of its parent's key (or root) and its content.
+BlockKey = NewType("BlockKey", bytes)
+# That digest, typed as the key it is (no call per key: `block_keys` makes thousands).
+_key_digest = cast(Callable[[bytes], BlockKey], xxhash.xxh3_128_digest)
+
+# The longest key a stored value can hold (its header keeps the length in one byte).
+MAX_KEY_BYTES = 255
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """The namespace block keys live in below the device (lower tiers): a tenant salt
+    (`of`; `NO_TENANT` for none), or, for an entry a store kept from before a restart
+    whose tenant is not known yet, the namespace digest it was stored under (`stored`).
+    A store names its values by the namespace's digest (`KVStore.ns`): a stored digest
+    passes through, so such an entry is found again once its tenant's namespace asks."""
+
+    salt: str | None = None
+    digest: bytes | None = None  # set only for an entry found at start-up (`stored`)
+
+    def __post_init__(self) -> None:
+        if self.salt is not None and self.digest is not None:
+            raise ValueError("a namespace is a tenant salt or a stored digest, not both")
+
+    @staticmethod
+    def of(salt: str | None) -> Namespace:
+        """The namespace of a tenant salt (`tenant_salt`; None: no tenant)."""
+        return NO_TENANT if salt is None else Namespace(salt)
+
+    @staticmethod
+    def stored(digest: bytes) -> Namespace:
+        """The namespace of an entry found in a store whose tenant is not known yet: the
+        namespace digest it was stored under."""
+        return Namespace(None, bytes(digest))
+
+    @property
+    def known(self) -> bool:
+        """Is it a tenant's namespace (not a stored digest whose tenant is unknown)?"""
+        return self.digest is None
+
+
+NO_TENANT = Namespace()  # the namespace of keys without a tenant
+
+
+def stored_key(raw: bytes) -> BlockKey:
+    """A key read back from a store (a value's header, a peer's announcement): a
+    ValueError if it is longer than any stored value can hold."""
+    if len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"a stored key has at most {MAX_KEY_BYTES} bytes, not {len(raw)}")
+    return BlockKey(bytes(raw))
+
+
+def node_key(key: bytes) -> BlockKey:
+    """A key an eviction policy saw on a node it orders (a device block's, a lower tier
+    entry's, a vLLM offload chunk's), replayed as a block key by a miniature cache
+    (kvheat/heat/miniature.py): whoever made it, it names one prefix there too."""
+    return BlockKey(key)
+
+
+def probe_key(name: str) -> BlockKey:
+    """The key of a tier's probe block (timing and health probes write, read and delete
+    it): never a chained key, so it never names a prefix."""
+    return stored_key(name.encode())
 
 
 def root_key(salt: str | None = None, lora: str | None = None) -> bytes:
@@ -21,9 +94,9 @@ def root_key(salt: str | None = None, lora: str | None = None) -> bytes:
     return _digest(extra)
 
 
-def chain_key(parent: bytes, content: bytes) -> bytes:
+def chain_key(parent: bytes, content: bytes) -> BlockKey:
     """The key of a block: the digest of its parent's key and its own content."""
-    return _digest(parent + content)
+    return _key_digest(parent + content)
 
 
 def tokens_to_bytes(tokens: list[int]) -> bytes:
@@ -41,7 +114,7 @@ def tokens_to_bytes(tokens: list[int]) -> bytes:
 def block_keys(
     tokens: list[int] | bytes, block_size: int, root: bytes, start: int = 0,
     parent: bytes | None = None,
-) -> tuple[list[bytes], list[bytes]]:
+) -> tuple[list[BlockKey], list[bytes]]:
     """Keys and contents of the full blocks of `tokens`, from block index `start` on.
 
     `parent` is the key of block `start - 1` (or the root when start is 0).
@@ -49,13 +122,14 @@ def block_keys(
     raw = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
     stride = 4 * block_size
     n_full = len(raw) // stride
-    keys: list[bytes] = []
+    keys: list[BlockKey] = []
     contents: list[bytes] = []
     h = root if parent is None else parent
     for i in range(start, n_full):
         c = raw[i * stride:(i + 1) * stride]
-        h = _digest(h + c)
-        keys.append(h)
+        k = _key_digest(h + c)
+        keys.append(k)
+        h = k
         contents.append(c)
     return keys, contents
 
@@ -70,17 +144,18 @@ def tenant_salt(tenant: str | None, share_groups: Mapping[str, str]) -> str | No
     return "group:" + group if group is not None else "tenant:" + tenant
 
 
-def trace_block_keys(root: bytes, block_ids: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
+def trace_block_keys(root: bytes, block_ids: Sequence[int]) -> tuple[list[BlockKey], list[bytes]]:
     """Keys and contents of a trace's blocks, chained under `root` like tokens.
 
     A trace names every prefix block by an integer: that block id is the block's content."""
-    keys: list[bytes] = []
+    keys: list[BlockKey] = []
     contents: list[bytes] = []
     h = root
     for bid in block_ids:
         c = int(bid).to_bytes(8, "little", signed=False)
-        h = _digest(h + c)
-        keys.append(h)
+        k = _key_digest(h + c)
+        keys.append(k)
+        h = k
         contents.append(c)
     return keys, contents
 

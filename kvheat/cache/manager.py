@@ -13,7 +13,16 @@ from collections.abc import Callable, Sequence
 
 from .block import Block
 from .eviction import EvictionPolicy
-from .hashing import block_keys, chain_key, root_key, tenant_salt, tokens_to_bytes, trace_block_keys
+from .hashing import (
+    BlockKey,
+    Namespace,
+    block_keys,
+    chain_key,
+    root_key,
+    tenant_salt,
+    tokens_to_bytes,
+    trace_block_keys,
+)
 from .hashing import scoped_root as _scoped_root
 from .hints import Outcome, check_reason, check_session
 from .pool import BlockPool, check_invariants
@@ -45,6 +54,7 @@ class KVCacheManager:
         self.tenants = TenantQuotas(self.pool)
         self.queued: dict[str, Request] = {}  # requests waiting for admission (`queue`)
         self._roots: dict[tuple[str | None, str | None], bytes] = {}
+        self._namespaces: dict[str | None, Namespace] = {}  # one per tenant, as `_roots`
 
     # ---- the pool, as callers read it -------------------------------------------------
     @property
@@ -132,6 +142,14 @@ class KVCacheManager:
         """The salt of `tenant`'s keys (its share group's when the config gives it one)."""
         return tenant_salt(tenant, self.config.share_groups)
 
+    def namespace_of(self, tenant: str | None) -> Namespace:
+        """The namespace of `tenant`'s keys in the lower tiers (its salt's), made once per
+        tenant."""
+        ns = self._namespaces.get(tenant)
+        if ns is None:
+            ns = self._namespaces[tenant] = Namespace.of(self.salt_of(tenant))
+        return ns
+
     def root_for(self, tenant: str | None, lora: str | None = None) -> bytes:
         """The root key of the blocks of `tenant` (and `lora`), made once per pair."""
         r = self._roots.get((tenant, lora))
@@ -181,7 +199,7 @@ class KVCacheManager:
         bt = [bs] * (n_blocks - 1) + [num_tokens - (n_blocks - 1) * bs]
         return Request(request_id, tenant, root, keys, contents, bt, num_tokens, None, session)
 
-    def make_keyed_request(self, request_id: str, keys: list[bytes], num_tokens: int,
+    def make_keyed_request(self, request_id: str, keys: list[BlockKey], num_tokens: int,
                            tenant: str | None = None, session: str | None = None) -> Request:
         """A request from block keys made already (a spooled trace's).
 
@@ -193,8 +211,8 @@ class KVCacheManager:
         if n_blocks == 0 or num_tokens > n_blocks * bs or num_tokens <= (n_blocks - 1) * bs:
             raise ValueError(f"{num_tokens} tokens do not fit {n_blocks} blocks of {bs}")
         bt = [bs] * (n_blocks - 1) + [num_tokens - (n_blocks - 1) * bs]
-        return Request(request_id, tenant, self.root_for(tenant), keys, keys, bt, num_tokens,
-                       None, session)
+        return Request(request_id, tenant, self.root_for(tenant), keys, list(keys), bt,
+                       num_tokens, None, session)
 
     # ---- lookup and lifetime -----------------------------------------------------------
     def match_prefix(self, req: Request) -> list[Block]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from .block import Block
 from .eviction import EvictionPolicy, make_policy
+from .hashing import BlockKey
 from .node import Node
 from .request import CacheConfig, CacheStats, OutOfBlocks, Request
 
@@ -100,7 +101,7 @@ class BlockPool:
         return tokens
 
     def allocate_blocks(self, blocks: list[Block], n_need: int, owner: str | None,
-                        keys: Sequence[bytes], contents: Sequence[bytes],
+                        keys: Sequence[BlockKey], contents: Sequence[bytes],
                         block_tokens: Sequence[int], now: float) -> None:
         """Grow `blocks` (a cached prefix, acquired) to `n_need` blocks held once by `owner`.
 
@@ -210,7 +211,7 @@ class BlockPool:
         self.num_referenced -= released
 
     # ---- the prefix index -------------------------------------------------------------
-    def register(self, b: Block, key: bytes, content: bytes, parent: Block | None,
+    def register(self, b: Block, key: BlockKey, content: bytes, parent: Block | None,
                  now: float, parent_key: bytes | None = None) -> None:
         """Cache held block `b` under `key`, as a child of `parent`."""
         if key in self.cached:  # the same prefix was filled by another request meanwhile

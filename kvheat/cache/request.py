@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .block import Block
+from .hashing import BlockKey
 
 
 class CacheError(Exception):
@@ -81,7 +82,7 @@ class Request:
         "num_tokens", "blocks", "num_cached_tokens", "raw", "lora",
     )
 
-    def __init__(self, request_id: str, tenant: str | None, root: bytes, keys: list[bytes],
+    def __init__(self, request_id: str, tenant: str | None, root: bytes, keys: list[BlockKey],
                  contents: list[bytes], block_tokens: list[int], num_tokens: int,
                  raw: bytearray | None = None, session: str | None = None,
                  lora: str | None = None) -> None:

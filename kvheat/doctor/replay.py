@@ -35,10 +35,10 @@ class RecentKeys:
 
     def __init__(self, max_requests: int = MAX_REQUESTS, max_keys: int = MAX_KEYS) -> None:
         self.max_keys = max_keys
-        self.entries: deque[tuple[float, list[bytes]]] = deque(maxlen=max_requests)
+        self.entries: deque[tuple[float, Sequence[bytes]]] = deque(maxlen=max_requests)
         self.num_keys = 0
 
-    def add(self, t: float, keys: list[bytes]) -> None:
+    def add(self, t: float, keys: Sequence[bytes]) -> None:
         """Keep one admitted prompt's keys, dropping the oldest prompts beyond the bounds."""
         ks = keys if len(keys) <= self.max_keys else keys[:self.max_keys]
         if not ks:  # shorter than a block: nothing the cache could hold

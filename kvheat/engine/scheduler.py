@@ -91,7 +91,7 @@ class Scheduler:
         if self.tiers is not None and cfg.prefix_caching == "block" \
                 and len(self.waiting) <= cfg.prefetch_queue_depth:
             full = self._full_request(seq)
-            self.tiers.prefetch(seq.seq_id, self.cache.salt_of(full.tenant), full.keys,
+            self.tiers.prefetch(seq.seq_id, self.cache.namespace_of(full.tenant), full.keys,
                                 len(self.cache.match_prefix(full)), full.block_tokens,
                                 owner=full.tenant)
 
@@ -226,7 +226,7 @@ class Scheduler:
         # loaded into the new device blocks right after allocation (they count as cached).
         plan: LoadPlan | None = None
         if self.tiers is not None and cfg.prefix_caching == "block" and not whole:
-            plan = self.tiers.lookup(cache.salt_of(full.tenant), full.keys, len(match),
+            plan = self.tiers.lookup(cache.namespace_of(full.tenant), full.keys, len(match),
                                      full.block_tokens, owner=full.tenant,
                                      request_id=seq.seq_id)
             # All of it below: load it all and run the last token again (its logits), its KV

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..cache.eviction import EvictionPolicy
+from ..cache.hashing import BlockKey, node_key
 from ..cache.hints import Outcome
 from ..cache.manager import KVCacheManager
 from ..cache.node import Node
@@ -107,7 +108,7 @@ class Miniature:
     hits: int = 0  # hit tokens since it was made
     requests: int = 0
 
-    def serve(self, keys: list[bytes], num_tokens: int, session: str | None,
+    def serve(self, keys: list[BlockKey], num_tokens: int, session: str | None,
               outcome: Outcome, reason: str | None, rid: str) -> int:
         """Serve one request of sampled keys, allocated and released at once.
 
@@ -229,7 +230,7 @@ class MultipleSelector:
         p = self.pending
         items = sorted(p.keys.items(), key=lambda kv: kv[1][0])  # prefix order: by depth
         self.pending = Pending(now=p.now)
-        keys = [k for k, _ in items]
+        keys = [node_key(k) for k, _ in items]
         bt = self.block_tokens
         last = items[-1][1][1]
         num_tokens = (len(keys) - 1) * bt + min(max(last, 1), bt)

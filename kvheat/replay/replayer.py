@@ -25,7 +25,7 @@ from ..cache import (
     hit_rate,
     make_policy,
 )
-from ..cache.hashing import root_key, tenant_salt, trace_block_keys
+from ..cache.hashing import BlockKey, root_key, tenant_salt, trace_block_keys
 from ..cache.misses import CACHED, MISS_KINDS, MissClassifier
 from .spool import STATIC_KINDS, Spool, SpooledRequest
 from .traces import TraceRequest
@@ -103,7 +103,7 @@ class PreparedTrace:
         self.trace = trace
         self.block_tokens = block_tokens
         self.share_groups = dict(share_groups or {})
-        self.keys: list[list[bytes]] = []
+        self.keys: list[list[BlockKey]] = []
         self.block_tokens_of: list[list[int]] = []
         roots: dict[str | None, bytes] = {}
         for r in trace:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..cache.hashing import root_key, tenant_salt, trace_block_keys
+from ..cache.hashing import BlockKey, root_key, tenant_salt, trace_block_keys
 from ..cache.misses import MISS_KINDS
 from .stack import mix64
 from .traces import TraceRequest
@@ -51,7 +51,7 @@ class SpooledRequest(NamedTuple):
     timestamp_ms: float
     input_length: int
     output_length: int
-    keys: list[bytes]
+    keys: list[BlockKey]
     kinds: list[int]  # static miss class codes of the keys (STATIC_KINDS)
     session: str  # the hint's session (the trace's own, else derived)
     own_session: str | None  # the trace's own session id
@@ -99,7 +99,7 @@ class Spool:
     one (removed when the spool is collected or `close`d) unless `folder` is given."""
 
     def __init__(self, folder: Path, block_tokens: int, share_groups: dict[str, str],
-                 keys: list[bytes], summary: SpoolSummary, session_names: list[str],
+                 keys: list[BlockKey], summary: SpoolSummary, session_names: list[str],
                  tenants: list[str], reasons: list[str], owned: bool) -> None:
         self.folder = folder
         self.block_tokens = block_tokens
@@ -117,7 +117,7 @@ class Spool:
     @classmethod
     def build(cls, requests: Iterable[TraceRequest], block_tokens: int,
               share_groups: dict[str, str] | None = None, folder: str | Path | None = None,
-              keys: Iterable[Sequence[bytes]] | None = None) -> Spool:
+              keys: Iterable[Sequence[BlockKey]] | None = None) -> Spool:
         """Spool `requests` (read once, in order).
 
         `keys`: each request's chained keys, when the caller has them already
@@ -201,7 +201,7 @@ class Spool:
         bt = self.block_tokens
         keep_id = key_hash(self.keys, seed) < np.uint64(min(int(rate * 2**32), 2**32 - 1))
         new_id = np.full(len(self.keys), -1, dtype=np.int64)
-        table: list[bytes] = []
+        table: list[BlockKey] = []
         summary = SpoolSummary()
         path = Path(tempfile.mkdtemp(prefix="kvheat-spool-"))
         try:
@@ -323,7 +323,7 @@ class Spool:
         self._has_next = True
 
 
-def key_hash(keys: list[bytes], seed: int = 0) -> np.ndarray:
+def key_hash(keys: Sequence[bytes], seed: int = 0) -> np.ndarray:
     """A uniform 32-bit hash of each key for `seed` (SHARDS' filter).
 
     Bytes 8..15 of the key (KVHeat samples by byte 0, so a sample stays independent of it)
@@ -348,7 +348,7 @@ class _Writer:
         self.groups = share_groups
         self.summary = SpoolSummary()
         self.arrived = 0
-        self.table: list[bytes] = []
+        self.table: list[BlockKey] = []
         self.ids: dict[bytes, int] = {}
         self.plain_seen: set[bytes] = set()  # plain keys of tenants' requests
         self.roots: dict[str | None, bytes] = {}
@@ -361,7 +361,7 @@ class _Writer:
         self._ids: list[int] = []
         self._kinds = bytearray()
 
-    def add(self, r: TraceRequest, keys: Sequence[bytes] | None) -> None:
+    def add(self, r: TraceRequest, keys: Sequence[BlockKey] | None) -> None:
         bt = self.bt
         root = self.roots.get(r.tenant)
         if root is None:
@@ -386,7 +386,7 @@ class _Writer:
                 session = -index - 1
         if n_full:
             self.ends[ks[n_full - 1]] = session
-        plain: list[bytes] | None = None
+        plain: list[BlockKey] | None = None
         if r.tenant is not None:
             plain = trace_block_keys(self.plain_root, r.hash_ids)[0]
         tokens = [bt] * (n - 1) + [last_tokens]

@@ -189,6 +189,7 @@ class PromptKeys:
         raw = tokens_to_bytes(list(tokens))  # once: the scope and the keys read it
         if mode == "exact":
             root = scoped_root(root, prompt_scope(raw))
+        keys: Sequence[bytes]
         keys, _ = block_keys(raw, block_size, root)
         if self.keyer is not None:
             keys = [self.keyer(k) for k in keys]

@@ -37,7 +37,7 @@ from .index import Match, PrefixIndex
 class RouteRequest:
     """A request as a routing policy sees it: its keys, its blocks' tokens and its arm."""
 
-    keys: list[bytes]  # chained keys of the prompt's full blocks (and a partial last one)
+    keys: Sequence[bytes]  # chained keys of the prompt's full blocks (and a partial last one)
     block_tokens: list[int]  # tokens in each of those blocks
     num_tokens: int  # prompt tokens
     rank: int = 0  # the replicas' arm (event rank) this request reaches

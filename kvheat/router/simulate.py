@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..cache import Block, CacheConfig, KVCacheManager, hit_rate, make_policy
@@ -170,7 +170,7 @@ class _SharedTier:
         self.entries[key] = writer
         self.index.stored(self.names[writer], [key], SHARED_TIER, "redis")
 
-    def continuation(self, keys: list[bytes], start: int) -> int:
+    def continuation(self, keys: Sequence[bytes], start: int) -> int:
         """Blocks from `start` on found here (refreshed as they are read)."""
         n = start
         while n < len(keys) and keys[n] in self.entries:

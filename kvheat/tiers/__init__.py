@@ -4,11 +4,11 @@
 connector alike), built from a `spec.TierSpec`: `lookup` a `LoadPlan`, `load` it into
 device slots, `save` / `evict` device blocks down, `purge` a tenant, `health` and bypass
 for operations. `host.py`, `disk.py` and `redis_store.py` hold real KV bytes per block key
-behind `store.KVStore`; `lower.LowerTiers` is the stores with the one index of what they
-hold (`index.KeyIndex`: each key's tiers, parent and tenant salt), `demotion` moves blocks
-down, `loads` reads them up, `cost` decides load or recompute. `device` binds kvheat's own
-device cache on top (its evictions go down). Redis support needs redis-py
-(`pip install kvheat[tiers]`).
+(`cache.hashing.BlockKey`) in a tenant's `cache.hashing.Namespace` behind `store.KVStore`;
+`lower.LowerTiers` is the stores with the one index of what they hold (`index.KeyIndex`:
+each key's tiers, parent and namespace), `demotion` moves blocks down, `loads` reads them
+up, `cost` decides load or recompute. `device` binds kvheat's own device cache on top (its
+evictions go down). Redis support needs redis-py (`pip install kvheat[tiers]`).
 """
 
 from .codec import CorruptValue, namespace_digest

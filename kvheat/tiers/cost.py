@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..cache.hashing import Namespace, probe_key
 from .counters import TierCounters
 from .loads import LoadPlan
 from .store import KVStore
@@ -18,6 +19,10 @@ from .store import KVStore
 # Engine prefill speed in tokens/s: a number or a callable reading the live figure (None
 # before the first measurement: every block is loaded then).
 PrefillSpeed = float | Callable[[], float | None] | None
+
+# The namespace probe blocks are written in: no tenant's (a tenant salt is "tenant:" or
+# "group:" and a name), so no lookup ever meets one.
+PROBE_NS = Namespace.of("kvheat-probe")
 
 
 class LoadCost:
@@ -61,16 +66,16 @@ class LoadCost:
         None when the tier would not store it or gave back something else. The store
         records the read in its transfer model like any other."""
         st = self.stores[tier]
-        key = b"kvheat-probe-health"
+        key = probe_key("kvheat-probe-health")
         block = self._probe_block()
-        if not st.put(key, block, "kvheat-probe"):
+        if not st.put(key, block, PROBE_NS):
             return None
         try:
             t0 = time.perf_counter()
-            got = st.get(key, "kvheat-probe")
+            got = st.get(key, PROBE_NS)
             seconds = time.perf_counter() - t0
         finally:
-            st.delete(key, "kvheat-probe")
+            st.delete(key, PROBE_NS)
         # Compared as bytes: random bits read as floats hold NaNs, which never equal.
         same = got is not None and torch.equal(_raw(got), _raw(block))
         return seconds if same else None
@@ -98,17 +103,17 @@ class LoadCost:
     def _round(st: KVStore, probe: torch.Tensor, tag: str) -> None:
         """Write, read back and delete one probe block, then four."""
         for n in (1, 4):
-            keys = [f"kvheat-probe-{tag}-{n}-{j}".encode() for j in range(n)]
-            stored = [k for k in keys if st.put(k, probe, "kvheat-probe")]
+            keys = [probe_key(f"kvheat-probe-{tag}-{n}-{j}") for j in range(n)]
+            stored = [k for k in keys if st.put(k, probe, PROBE_NS)]
             if stored:  # read as a load reads it (the fit prices loads)
                 if st.batched_reads:
-                    st.get_many(stored, "kvheat-probe",
+                    st.get_many(stored, PROBE_NS,
                                 outs=[torch.empty_like(probe) for _ in stored])
                 else:
                     for k in stored:
-                        st.get(k, "kvheat-probe")
+                        st.get(k, PROBE_NS)
             for k in stored:
-                st.delete(k, "kvheat-probe")
+                st.delete(k, PROBE_NS)
 
     def decide(self, plan: LoadPlan, wait: float) -> int:
         """How many of the plan's blocks to load: the prefix with the largest estimated

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.hashing import BlockKey, Namespace
 from .lower import LowerTiers
 
 log = logging.getLogger("kvheat.tiers")
@@ -30,16 +31,16 @@ class Move:
     """One block on its way to a lower tier (demoted, or handed down by a full tier)."""
 
     tier: int
-    key: bytes
-    salt: str | None
+    key: BlockKey
+    ns: Namespace
     tokens: int
     kv: torch.Tensor
-    parent: bytes | None
+    parent: BlockKey | None
     owner: object  # the tenant that filled it (`UNKNOWN_OWNER`: found at start-up)
     gen: int  # the owner's flush count when it left the device
 
     def to(self, tier: int, kv: torch.Tensor) -> Move:
-        return Move(tier, self.key, self.salt, self.tokens, kv, self.parent, self.owner,
+        return Move(tier, self.key, self.ns, self.tokens, kv, self.parent, self.owner,
                     self.gen)
 
 
@@ -56,19 +57,19 @@ class Demoter:
             self.worker = threading.Thread(target=self._work, name="kvheat-demote", daemon=True)
             self.worker.start()
 
-    def demote(self, key: bytes, salt: str | None, tokens: int, kv: torch.Tensor,
-               parent: bytes | None, owner: object, leaving_device: bool) -> bool:
+    def demote(self, key: BlockKey, ns: Namespace, tokens: int, kv: torch.Tensor,
+               parent: BlockKey | None, owner: object, leaving_device: bool) -> bool:
         """Put one block's KV on the lower tiers: the first one up (exclusive), or every
         one (write-through). `kv` may view a device block: it is copied before this
         returns. `parent`: the key before it in its prefix (None for a first block);
         `owner`: the tenant that filled it (flushes); `leaving_device`: the device is
         evicting it now (else the device's own answer counts, see `KeyIndex`).
-        Returns whether a tier holds it or is taking it (under `salt`: a key is stored
-        once, under the salt it came with first)."""
+        Returns whether a tier holds it or is taking it (in namespace `ns`: a key is
+        stored once, in the namespace it came with first)."""
         low = self.lower
         if not low.stores:
             return False
-        m = Move(0, key, salt, tokens, kv, parent, owner, low.flushed(owner))
+        m = Move(0, key, ns, tokens, kv, parent, owner, low.flushed(owner))
         if self.write_through:
             copy: torch.Tensor | None = None
             for i, st in enumerate(low.stores):
@@ -89,13 +90,13 @@ class Demoter:
             else:
                 self.enqueue(m.to(first, _private(kv)))
         # Refused or dropped: the key leaves with the device block, and its children below.
-        return low.settle(key, salt, leaving_device)
+        return low.settle(key, ns, leaving_device)
 
     def enqueue(self, m: Move) -> None:
         """Hand a demotion to the background thread. The item holds `key` below from now
         until it is placed, so a key moving between tiers is never taken for gone."""
         low = self.lower
-        low.hold(m.key, m.parent, m.salt, m.owner)
+        low.hold(m.key, m.parent, m.ns, m.owner)
         if self.worker is None:
             try:
                 self.place(m, cascade=not self.write_through, owned=True)
@@ -144,13 +145,13 @@ class Demoter:
             return
         need = st.entry_bytes(m.kv, m.key)
         self._make_room(m.tier, m.key, need, nxt)
-        if not st.put(m.key, m.kv, m.salt):
+        if not st.put(m.key, m.kv, m.ns):
             self._pass_down(m, nxt, owned)
             return
         # Checked again: making room above may have dropped the parent meanwhile, and a
         # flush of its tenant may have run while it was written.
-        if not low.commit(m.tier, m.key, m.salt, m.tokens, need, m.owner, m.parent, m.gen):
-            st.delete(m.key, m.salt)
+        if not low.commit(m.tier, m.key, m.ns, m.tokens, need, m.owner, m.parent, m.gen):
+            st.delete(m.key, m.ns)
 
     def _pass_down(self, m: Move, nxt: int | None, owned: bool) -> None:
         """`m.tier` refused the block: the next tier gets it, if there is one."""
@@ -159,21 +160,21 @@ class Demoter:
         else:
             self.lower.counters.demote_refused += 1
 
-    def _make_room(self, tier: int, key: bytes, need: int, nxt: int | None) -> None:
+    def _make_room(self, tier: int, key: BlockKey, need: int, nxt: int | None) -> None:
         """Evict `tier`'s coldest entries until `need` more bytes fit (for `key`, whose
         own old entry's bytes count as free), handing them to `nxt` when it is up."""
         low = self.lower
         st = low.stores[tier]
-        for vkey, tokens, salt, parent, owner in low.evict_for(tier, key, need):
+        for vkey, tokens, ns, parent, owner in low.evict_for(tier, key, need):
             try:
                 if nxt is not None and low.up(nxt):
-                    t = st.take(vkey, salt)
+                    t = st.take(vkey, ns)
                     if t is not None:
-                        self.enqueue(Move(nxt, vkey, salt, tokens, t, parent, owner,
+                        self.enqueue(Move(nxt, vkey, ns, tokens, t, parent, owner,
                                           low.flushed(owner)))
                 elif tier == len(low.stores) - 1:
                     low.counters.dropped_bottom += 1
-                st.delete(vkey, salt)
+                st.delete(vkey, ns)
                 low.evictions[tier] += 1
             finally:
                 low.release(vkey)

@@ -23,13 +23,14 @@ def tiers_for(mgr: KVCacheManager, device: DeviceBlocks, spec: TierSpec, model: 
 
     `model` names the weights (KV of others is never read); `prefill_tokens_per_s`: the
     engine's prefill speed, which loads from slow tiers must beat. Entries a store kept
-    from before a restart are indexed under the salt of any tenant `mgr` knows.
+    from before a restart are indexed in the namespace of any tenant `mgr` knows.
     `stores`: stores made by the caller instead of the spec's (tests)."""
     return TierManager(spec, block_bytes=device.bytes_per_block, block_tokens=mgr.block_size,
                        model=model, layout=store_layout(device), policy=mgr.config.policy,
                        clock=mgr.clock, prefill_tokens_per_s=prefill_tokens_per_s,
                        device_holds=lambda key: key in mgr.cached,
-                       known_salts=lambda: [mgr.salt_of(t) for t in mgr.known_tenants()],
+                       known_namespaces=lambda: [mgr.namespace_of(t)
+                                                 for t in mgr.known_tenants()],
                        stores=stores)
 
 
@@ -43,12 +44,12 @@ def attach(tiers: TierManager, mgr: KVCacheManager, device: DeviceBlocks) -> Cal
     def on_evict(b: Block) -> None:
         if tiers.stores and b.key is not None:
             parent = b.parent.key if b.parent is not None else None
-            tiers.evict(b.key, mgr.salt_of(b.tenant), b.num_tokens,
+            tiers.evict(b.key, mgr.namespace_of(b.tenant), b.num_tokens,
                         device.block_view(b.block_id), parent, b.tenant)
 
     def on_drop(b: Block) -> None:
         if tiers.stores and b.key is not None:
-            tiers.drop(b.key, mgr.salt_of(b.tenant))
+            tiers.drop(b.key, mgr.namespace_of(b.tenant))
 
     def detach() -> None:
         for listeners, fn in ((mgr.evict_listeners, on_evict), (mgr.drop_listeners, on_drop)):
@@ -70,7 +71,7 @@ def allocate(tiers: TierManager, mgr: KVCacheManager, device: DeviceBlocks, req:
     `count_stats`: count `req` as a whole prompt (`record_prompt`)."""
     with tiers.lower.lock:
         hit = mgr.match_prefix(req)
-        plan = tiers.lookup(mgr.salt_of(req.tenant), req.keys, len(hit), req.block_tokens,
+        plan = tiers.lookup(mgr.namespace_of(req.tenant), req.keys, len(hit), req.block_tokens,
                             owner=req.tenant, request_id=req.request_id)
     table = mgr.allocate(req, matched=hit, count_stats=False)
     device_tokens = req.num_cached_tokens
@@ -101,4 +102,4 @@ def purge(tiers: TierManager, mgr: KVCacheManager, tenant: str | None) -> dict[s
     """Delete what the tiers hold of `tenant` (a flush of `mgr`'s tenant); returns the
     entries deleted per tier name. In a share group, only what the tenant filled."""
     shared = tenant is not None and tenant in mgr.config.share_groups
-    return tiers.purge(tenant, mgr.salt_of(tenant), shared)
+    return tiers.purge(tenant, mgr.namespace_of(tenant), shared)

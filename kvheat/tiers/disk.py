@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache.hashing import NO_TENANT, BlockKey, Namespace, stored_key
 from .codec import (
     HEAD_SIZE,
     MAX_KEY,
@@ -67,7 +68,7 @@ class DiskStore(KVStore):
         self.write_blocked_until = 0.0
         self.full_events = 0  # times the file system itself said full
         # file name digest -> (key, namespace, file size)
-        self.index: dict[str, tuple[bytes, bytes, int]] = {}
+        self.index: dict[str, tuple[BlockKey, bytes, int]] = {}
         self._used = 0
         self._lock = threading.Lock()
         self.rejected_on_open = 0
@@ -131,7 +132,7 @@ class DiskStore(KVStore):
                 self.stats.io_errors += 1
                 log.warning("disk tier: cannot read %s on open (%s); skipped", entry.path, e)
                 continue
-            self.index[name] = (hdr.key, hdr.ns, size)
+            self.index[name] = (stored_key(hdr.key), hdr.ns, size)
             self._used += size
         if self._used > self.capacity_bytes:
             self._trim_to_cap()
@@ -175,7 +176,7 @@ class DiskStore(KVStore):
             self._folder_at = now
         return self._others_bytes
 
-    def entry_bytes(self, kv: torch.Tensor, key: bytes) -> int:
+    def entry_bytes(self, kv: torch.Tensor, key: BlockKey) -> int:
         return kv.numel() * kv.element_size() + HEAD_SIZE + 4 * kv.dim() + len(key) + NS_SIZE
 
     def writable(self) -> bool:
@@ -187,14 +188,14 @@ class DiskStore(KVStore):
                 "full_events": self.full_events, "rejected_on_open": self.rejected_on_open,
                 "trimmed_on_open": self.trimmed_on_open}
 
-    def _put(self, key: bytes, kv: torch.Tensor, salt: str | None) -> bool:
+    def _put(self, key: BlockKey, kv: torch.Tensor, ns: Namespace) -> bool:
         if not self.writable():
             self.stats.skipped_down += 1
             return False
-        ns = self.ns(salt)
-        head, payload = encode_prefix(kv, key, ns, self.mac_key, self.mac_version)
+        d = self.ns(ns)
+        head, payload = encode_prefix(kv, key, d, self.mac_key, self.mac_version)
         size = len(head) + len(payload)
-        name = self._name(key, ns)
+        name = self._name(key, d)
         others = self._others()
         with self._lock:
             old = self.index.get(name)
@@ -228,12 +229,13 @@ class DiskStore(KVStore):
         with self._lock:
             if old is not None and self.index.get(name) is not old:
                 self._used += old[2]  # deleted meanwhile: its bytes were taken off already
-            self.index[name] = (key, ns, size)
+            self.index[name] = (key, d, size)
         return True
 
-    def _get(self, key: bytes, salt: str | None, out: torch.Tensor | None) -> torch.Tensor | None:
-        ns = self.ns(salt)
-        name = self._name(key, ns)
+    def _get(self, key: BlockKey, ns: Namespace,
+             out: torch.Tensor | None) -> torch.Tensor | None:
+        d = self.ns(ns)
+        name = self._name(key, d)
         if name not in self.index:
             return None
         path = self._path(name)
@@ -245,7 +247,7 @@ class DiskStore(KVStore):
                 n = f.readinto(buf)
             if n != size:
                 raise CorruptValue("torn", f"read {n} of {size} bytes")
-            t = decode(buf, key, ns, self.mac_key)
+            t = decode(buf, key, d, self.mac_key)
         except FileNotFoundError:
             self._drop(name, remove_file=False)
             return None
@@ -259,18 +261,18 @@ class DiskStore(KVStore):
             return None
         return t if out is None else copy_out(t, out)
 
-    def contains(self, key: bytes, salt: str | None = None) -> bool:
-        return self._name(key, self.ns(salt)) in self.index
+    def contains(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        return self._name(key, self.ns(ns)) in self.index
 
-    def delete(self, key: bytes, salt: str | None = None) -> bool:
-        name = self._name(key, self.ns(salt))
+    def delete(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        name = self._name(key, self.ns(ns))
         if name not in self.index:
             return False
         self._drop(name, remove_file=True)
         self.stats.deletes += 1
         return True
 
-    def stored(self) -> Iterable[tuple[bytes, bytes]]:
+    def stored(self) -> Iterable[tuple[BlockKey, bytes]]:
         with self._lock:
             return [(k, ns) for k, ns, _ in self.index.values()]
 

@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 import xxhash
 
+from ..cache.hashing import NO_TENANT, BlockKey, Namespace
 from .numa import NumaNode, alloc_on_node, numa_nodes, placement
 from .side_check import CHECKER
 from .store import KVStore, copy_out
@@ -149,7 +150,7 @@ class HostStore(KVStore):
         seg_rows = [list(s.unbind(0)) for s in self.segments]
         self._rows = [seg_rows[s % n][s // n] for s in range(n_slots)]
         self.free_slots = list(range(n_slots - 1, -1, -1))
-        self.entries: dict[bytes, int] = {}  # key -> slot
+        self.entries: dict[BlockKey, int] = {}  # key -> slot
         self._views: list[_SlotView | None] = [None] * n_slots
         self._slot_ns: list[bytes] = [b""] * n_slots
         self._slot_sum: list[int] = [0] * n_slots
@@ -159,68 +160,68 @@ class HostStore(KVStore):
     def used_bytes(self) -> int:
         return len(self.entries) * self.slot_bytes
 
-    def entry_bytes(self, kv: torch.Tensor, key: bytes) -> int:
+    def entry_bytes(self, kv: torch.Tensor, key: BlockKey) -> int:
         return self.slot_bytes
 
     # put/get and their batch forms share the locked bodies below; the batch forms take the
     # lock and the clock once per batch (a promoted prefix, a run of demoted blocks).
-    def put(self, key: bytes, kv: torch.Tensor, salt: str | None = None) -> bool:
+    def put(self, key: BlockKey, kv: torch.Tensor, ns: Namespace = NO_TENANT) -> bool:
         # Single calls time one in _TIME_EVERY (the fit needs samples, not all of them):
         # at 64 KiB the clock and the record cost 5% of a put.
         self._calls += 1
         t0 = time.perf_counter() if not self._calls % _TIME_EVERY else 0.0
-        ns = self.ns(salt)
+        d = self.ns(ns)
         with self._lock:
-            n = self._put_locked(key, kv, ns)
+            n = self._put_locked(key, kv, d)
         if n and t0:
             self.write_model.record(n, time.perf_counter() - t0)
         return n > 0
 
-    def put_many(self, items: Sequence[tuple[bytes, torch.Tensor]],
-                 salt: str | None = None) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]],
+                 ns: Namespace = NO_TENANT) -> list[bool]:
         """Store each (key, kv) of a batch; a True/False per item, as `put`."""
         t0 = time.perf_counter()
-        ns = self.ns(salt)
+        d = self.ns(ns)
         with self._lock:
-            sizes = [self._put_locked(key, kv, ns) for key, kv in items]
+            sizes = [self._put_locked(key, kv, d) for key, kv in items]
         if total := sum(sizes):
             self.write_model.record(total, time.perf_counter() - t0)
         return [n > 0 for n in sizes]
 
-    def get(self, key: bytes, salt: str | None = None,
+    def get(self, key: BlockKey, ns: Namespace = NO_TENANT,
             out: torch.Tensor | None = None) -> torch.Tensor | None:
         # Not timed: the read fit comes from `get_many` (loads and calibration read in
         # batches), and at 8 KiB a clock sample costs 5% of a read. Not `with`: 90 ns less.
-        ns = self._ns_cache.get(salt) or self.ns(salt)
+        d = ns.digest or self._ns_cache.get(ns.salt) or self.ns(ns)
         self._lock.acquire()
         try:
-            return self._get_locked(key, ns, out)
+            return self._get_locked(key, d, out)
         finally:
             self._lock.release()
 
-    def take(self, key: bytes, salt: str | None = None) -> torch.Tensor | None:
+    def take(self, key: BlockKey, ns: Namespace = NO_TENANT) -> torch.Tensor | None:
         """`KVStore.take`: a private copy of the entry, counted, not timed."""
-        ns = self.ns(salt)
+        d = self.ns(ns)
         with self._lock:
-            return self._get_locked(key, ns, None)
+            return self._get_locked(key, d, None)
 
-    def get_many(self, keys: Sequence[bytes], salt: str | None = None,
+    def get_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT,
                  outs: Sequence[torch.Tensor | None] | None = None,
                  readonly_ok: bool = False) -> list[torch.Tensor | None]:
         """`get` for each key (into `outs[i]` when given), under one lock. Results are
         always private copies (a slot may be reused as soon as the lock is released)."""
         t0 = time.perf_counter()
-        ns = self.ns(salt)
+        d = self.ns(ns)
         outs = outs if outs is not None else [None] * len(keys)
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output tensors")
         with self._lock:
-            got, nbytes = self._get_batch_locked(keys, ns, outs)
+            got, nbytes = self._get_batch_locked(keys, d, outs)
         if nbytes:
             self.read_model.record(nbytes, time.perf_counter() - t0)
         return got
 
-    def _get_batch_locked(self, keys: Sequence[bytes], ns: bytes,
+    def _get_batch_locked(self, keys: Sequence[BlockKey], ns: bytes,
                           outs: Sequence[torch.Tensor | None]
                           ) -> tuple[list[torch.Tensor | None], int]:
         """`_get_locked` for a batch whose outputs all match their slots, with the bytes
@@ -266,7 +267,7 @@ class HostStore(KVStore):
         got = [self._get_locked(k, ns, o) for k, o in zip(keys, outs, strict=True)]
         return got, sum(t.nbytes for t in got if t is not None)
 
-    def _kernel_batch_locked(self, keys: Sequence[bytes], slots: list[int],
+    def _kernel_batch_locked(self, keys: Sequence[BlockKey], slots: list[int],
                              srcs: list[_SlotView], outs: Sequence[torch.Tensor | None],
                              runs: tuple[int, int, int]
                              ) -> tuple[list[torch.Tensor | None], int]:
@@ -281,7 +282,7 @@ class HostStore(KVStore):
                [j for j, (a, b) in enumerate(zip(got_sums, expected, strict=True)) if a != b])
         return self._finish_batch(keys, slots, srcs, list(outs), bad)
 
-    def _copy_checked_locked(self, keys: Sequence[bytes], slots: list[int],
+    def _copy_checked_locked(self, keys: Sequence[BlockKey], slots: list[int],
                              srcs: list[_SlotView], outs: Sequence[torch.Tensor | None]
                              ) -> tuple[list[torch.Tensor | None], int]:
         got: list[torch.Tensor | None] = list(outs)
@@ -303,7 +304,7 @@ class HostStore(KVStore):
                     bad += [j for j, v in enumerate(run, i) if _hash(v.raw) != sums[slots[j]]]
         return self._finish_batch(keys, slots, srcs, got, bad)
 
-    def _finish_batch(self, keys: Sequence[bytes], slots: list[int], srcs: list[_SlotView],
+    def _finish_batch(self, keys: Sequence[BlockKey], slots: list[int], srcs: list[_SlotView],
                       got: list[torch.Tensor | None], bad: list[int]
                       ) -> tuple[list[torch.Tensor | None], int]:
         """Drop the blocks at `bad` (their outputs hold bytes nobody may use) and count the
@@ -322,7 +323,7 @@ class HostStore(KVStore):
         st.get_bytes += nbytes
         return got, nbytes
 
-    def _put_locked(self, key: bytes, kv: torch.Tensor, ns: bytes) -> int:
+    def _put_locked(self, key: BlockKey, kv: torch.Tensor, ns: bytes) -> int:
         """Bytes stored, or 0 when the pool is full (counted)."""
         nbytes = kv.nbytes
         if nbytes > self.slot_bytes:
@@ -352,7 +353,7 @@ class HostStore(KVStore):
         st.put_bytes += nbytes
         return nbytes
 
-    def _get_locked(self, key: bytes, ns: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
+    def _get_locked(self, key: BlockKey, ns: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
         st = self.stats
         st.gets += 1
         slot = self.entries.get(key)
@@ -402,20 +403,20 @@ class HostStore(KVStore):
                                       else _hash(v.raw) == expected))
         return t, ok
 
-    def contains(self, key: bytes, salt: str | None = None) -> bool:
+    def contains(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
         slot = self.entries.get(key)
-        return slot is not None and self._slot_ns[slot] == self.ns(salt)
+        return slot is not None and self._slot_ns[slot] == self.ns(ns)
 
-    def delete(self, key: bytes, salt: str | None = None) -> bool:
-        return self.delete_many((key,), salt) == 1
+    def delete(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        return self.delete_many((key,), ns) == 1
 
-    def delete_many(self, keys: Sequence[bytes], salt: str | None = None) -> int:
+    def delete_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT) -> int:
         with self._lock:
             slots = [s for s in map(self.entries.pop, keys, repeat(None)) if s is not None]
             self.free_slots += slots
             self.stats.deletes += len(slots)
             return len(slots)
 
-    def stored(self) -> Iterable[tuple[bytes, bytes]]:
+    def stored(self) -> Iterable[tuple[BlockKey, bytes]]:
         with self._lock:
             return [(k, self._slot_ns[s]) for k, s in self.entries.items()]

@@ -1,5 +1,5 @@
 """The one index of what lies below the device: for each key, which tiers hold it, its
-parent, its tenant salt and the tenant that filled it (`KeyIndex`), and per tier the order
+parent, its namespace and the tenant that filled it (`KeyIndex`), and per tier the order
 its policy evicts in (`TierIndex`).
 
 Every entry keeps its parent key (taken from the device block's parent at demotion, or
@@ -17,25 +17,27 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from ..cache.eviction import EvictionPolicy
+from ..cache.hashing import BlockKey, Namespace
 from ..cache.node import Node
 from .counters import TierCounters
 
 # The owner of an entry found in a store at start-up: whoever filled it is unknown.
 UNKNOWN_OWNER = object()
 
-# (tier, key, salt) of a lower-tier entry to delete from its store.
-Deletion = tuple[int, bytes, "str | None"]
+# (tier, key, namespace) of a lower-tier entry to delete from its store.
+Deletion = tuple[int, BlockKey, Namespace]
 
 # (tier name, key, parent key, tokens, stored): a tier took a key (True) or lost it.
-IndexListener = Callable[[str, bytes, bytes | None, int, bool], None]
+IndexListener = Callable[[str, BlockKey, BlockKey | None, int, bool], None]
 
 
 class TierEntry(Node):
     """One key on one lower tier, as its policy orders it (it never holds KV itself)."""
 
     __slots__ = ()
+    key: BlockKey | None
 
-    def __init__(self, key: bytes, tokens: int, now: float) -> None:
+    def __init__(self, key: BlockKey, tokens: int, now: float) -> None:
         super().__init__()
         self.key = key
         self.num_tokens = tokens
@@ -46,21 +48,21 @@ class TierEntry(Node):
 class PeerEntry:
     """A key another replica holds in a shared tier (not in this replica's index)."""
 
-    key: bytes
+    key: BlockKey
     num_tokens: int
 
 
 class KeyRecord:
-    """What the index knows of one key held below: its salt (the namespace it is stored
-    in; its namespace digest, bytes, for an entry found at start-up whose tenant is not
-    known: `KVStore.ns` takes either), its
-    parent key, the tenant whose request filled it (`UNKNOWN_OWNER` if found at
-    start-up), and how many holdings keep it (tier entries, moves queued or in flight)."""
+    """What the index knows of one key held below: its namespace (its tenant's, or, for
+    an entry found at start-up whose tenant is not known, `Namespace.stored` of the
+    digest it is stored under), its parent key, the tenant whose request filled it
+    (`UNKNOWN_OWNER` if found at start-up), and how many holdings keep it (tier entries,
+    moves queued or in flight)."""
 
-    __slots__ = ("salt", "parent", "owner", "held")
+    __slots__ = ("ns", "parent", "owner", "held")
 
-    def __init__(self, salt: str | None, parent: bytes | None, owner: object) -> None:
-        self.salt = salt
+    def __init__(self, ns: Namespace, parent: BlockKey | None, owner: object) -> None:
+        self.ns = ns
         self.parent = parent
         self.owner = owner
         self.held = 0
@@ -79,16 +81,16 @@ class TierIndex:
         self.policy = policy
         policy.bind(max(1, capacity_entries))
         self.leaf_first = leaf_first
-        self.entries: dict[bytes, TierEntry] = {}
-        self.sizes: dict[bytes, int] = {}
+        self.entries: dict[BlockKey, TierEntry] = {}
+        self.sizes: dict[BlockKey, int] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def get(self, key: bytes) -> TierEntry | None:
+    def get(self, key: BlockKey) -> TierEntry | None:
         return self.entries.get(key)
 
-    def insert(self, key: bytes, tokens: int, size: int, now: float, children: int = 0) -> bool:
+    def insert(self, key: BlockKey, tokens: int, size: int, now: float, children: int = 0) -> bool:
         """Add `key` (True) or refresh it (False). `children`: its children held below."""
         b = self.entries.get(key)
         if b is not None:
@@ -106,7 +108,7 @@ class TierIndex:
         self.sizes[key] = size
         return True
 
-    def set_children(self, key: bytes, n: int) -> None:
+    def set_children(self, key: BlockKey, n: int) -> None:
         """`key` now has `n` children held below; at 0 it may be evicted again."""
         b = self.entries.get(key)
         if b is None or not self.leaf_first or b.num_children == n:
@@ -138,7 +140,7 @@ class TierIndex:
         if b.ref_cnt == 0 and self._holds(b):
             self.policy.on_release(b, now)
 
-    def remove(self, key: bytes) -> TierEntry | None:
+    def remove(self, key: BlockKey) -> TierEntry | None:
         """Forget `key`; its entry stays referenced so the policy never returns it."""
         b = self.entries.pop(key, None)
         if b is None:
@@ -161,7 +163,7 @@ class TierIndex:
 
     def _holds(self, b: Node) -> TypeGuard[TierEntry]:
         """Is `b` the live entry of its key (not one removed, or replaced since)?"""
-        return b.key is not None and self.entries.get(b.key) is b
+        return isinstance(b, TierEntry) and b.key is not None and self.entries.get(b.key) is b
 
 
 class KeyIndex:
@@ -179,41 +181,41 @@ class KeyIndex:
         self.tiers = tiers
         self.names = names
         self.counters = counters  # counts `orphans_dropped`
-        self.records: dict[bytes, KeyRecord] = {}
+        self.records: dict[BlockKey, KeyRecord] = {}
         # In the order each got its first child below: the bottom tier's last resort.
-        self.kids: dict[bytes, set[bytes]] = {}
-        self.on_device: Callable[[bytes], bool] = lambda key: True
+        self.kids: dict[BlockKey, set[BlockKey]] = {}
+        self.on_device: Callable[[BlockKey], bool] = lambda key: True
         # Called with (tier name, key, parent, tokens, True) when a tier takes a key and
         # (tier name, key, None, 0, False) when it loses it (KV events): keep them quick.
         self.listeners: list[IndexListener] = []
 
-    def __contains__(self, key: bytes) -> bool:
+    def __contains__(self, key: BlockKey) -> bool:
         """Is `key` held below (on a tier, or moving to one)?"""
         return key in self.records
 
-    def record(self, key: bytes) -> KeyRecord | None:
+    def record(self, key: BlockKey) -> KeyRecord | None:
         return self.records.get(key)
 
-    def parent(self, key: bytes) -> bytes | None:
+    def parent(self, key: BlockKey) -> BlockKey | None:
         rec = self.records.get(key)
         return rec.parent if rec is not None else None
 
-    def where(self, key: bytes) -> list[int]:
+    def where(self, key: BlockKey) -> list[int]:
         """The tiers holding `key`, top first."""
         return [t for t, idx in enumerate(self.tiers) if key in idx.entries]
 
     # ---- a tier takes or loses a key ------------------------------------------------------
-    def add(self, tier: int, key: bytes, salt: str | None, tokens: int, size: int,
-            now: float, owner: object, parent: bytes | None) -> bool:
+    def add(self, tier: int, key: BlockKey, ns: Namespace, tokens: int, size: int,
+            now: float, owner: object, parent: BlockKey | None) -> bool:
         """Tier `tier` takes `key` (True), or already has it: refreshed (False)."""
         if not self.tiers[tier].insert(key, tokens, size, now, self.children(key)):
             return False
-        self.hold(key, parent, salt, owner)
+        self.hold(key, parent, ns, owner)
         for listener in self.listeners:
             listener(self.names[tier], key, parent, tokens, True)
         return True
 
-    def remove(self, tier: int, key: bytes) -> TierEntry | None:
+    def remove(self, tier: int, key: BlockKey) -> TierEntry | None:
         """Tier `tier` no longer has `key`; its holding stays until `release`."""
         e = self.tiers[tier].remove(key)
         if e is not None:
@@ -222,13 +224,14 @@ class KeyIndex:
         return e
 
     # ---- holdings -------------------------------------------------------------------------
-    def hold(self, key: bytes, parent: bytes | None, salt: str | None, owner: object) -> None:
+    def hold(self, key: BlockKey, parent: BlockKey | None, ns: Namespace,
+             owner: object) -> None:
         """One more holding of `key` below (a tier entry, a queued or moving copy)."""
         rec = self.records.get(key)
         if rec is None:
-            rec = self.records[key] = KeyRecord(salt, None, owner)
-        elif isinstance(rec.salt, bytes) and not isinstance(salt, bytes):
-            rec.salt = salt  # a key found at start-up meets its tenant
+            rec = self.records[key] = KeyRecord(ns, None, owner)
+        elif not rec.ns.known and ns.known:
+            rec.ns = ns  # a key found at start-up meets its tenant
         rec.held += 1
         if parent is None:
             return
@@ -242,7 +245,7 @@ class KeyIndex:
             kids.add(key)
             self._mark(parent)
 
-    def release(self, key: bytes, leaving_device: bool = False) -> list[Deletion]:
+    def release(self, key: BlockKey, leaving_device: bool = False) -> list[Deletion]:
         """Drop one holding of `key`; when it was the last and the device does not hold the
         key either (`leaving_device`: it is being evicted from there now), the key is gone
         and its descendants below go too."""
@@ -262,7 +265,7 @@ class KeyIndex:
                     self._mark(parent)
         return self.settle(key, leaving_device)
 
-    def settle(self, key: bytes, leaving_device: bool = False) -> list[Deletion]:
+    def settle(self, key: BlockKey, leaving_device: bool = False) -> list[Deletion]:
         """If `key` is held nowhere (no tier, no queued move, not the device), remove its
         descendants from every tier: O(descendants)."""
         if key in self.records or (not leaving_device and self.on_device(key)):
@@ -275,7 +278,7 @@ class KeyIndex:
                 if rec is not None:
                     for t in range(len(self.tiers)):
                         if self.remove(t, c) is not None:
-                            out.append((t, c, rec.salt))
+                            out.append((t, c, rec.ns))
                             self.counters.orphans_dropped += 1
                             rec.held -= 1
                     if rec.held == 0:
@@ -286,11 +289,11 @@ class KeyIndex:
                     stack.append(c)
         return out
 
-    def orphan(self, parent: bytes | None) -> bool:
+    def orphan(self, parent: BlockKey | None) -> bool:
         """Would an entry under `parent` be unreachable (the parent is held nowhere)?"""
         return parent is not None and parent not in self.records and not self.on_device(parent)
 
-    def children(self, key: bytes) -> int:
+    def children(self, key: BlockKey) -> int:
         return len(self.kids.get(key, ()))
 
     def victim(self, tier: int) -> TierEntry | None:
@@ -304,7 +307,7 @@ class KeyIndex:
         return next((e for k in self.kids if (e := idx.entries.get(k)) is not None
                      and e.ref_cnt == 0), None)
 
-    def _mark(self, key: bytes) -> None:
+    def _mark(self, key: BlockKey) -> None:
         """Tell the leaf-first tiers holding `key` how many children it has below."""
         n = self.children(key)
         for idx in self.tiers:

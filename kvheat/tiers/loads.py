@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.hashing import BlockKey, Namespace
 from .index import PeerEntry, TierEntry
 from .lower import LowerTiers
 
@@ -20,7 +21,7 @@ log = logging.getLogger("kvheat.tiers")
 @dataclass(slots=True)
 class Step:
     index: int  # block index in the request (in the keys looked up)
-    key: bytes
+    key: BlockKey
     tier: int
     name: str  # the tier's name
     entry: TierEntry | PeerEntry  # a peer's only when `peer`
@@ -37,8 +38,8 @@ class LoadPlan:
     its entries until `TierManager.load` or `release` (the client's own bookkeeping is in
     `steps`; `keys` and `tier_names` follow it)."""
 
-    salt: str | None  # the tenant salt (cache/hashing.tenant_salt) the keys live under
-    keys: list[bytes] = field(default_factory=list)
+    ns: Namespace  # the namespace the keys live in (its tenant's: cache/hashing.py)
+    keys: list[BlockKey] = field(default_factory=list)
     tier_names: list[str] = field(default_factory=list)
     block_tokens: int = 0  # tokens per block
     start: int = 0  # block index of keys[0] (the device prefix's length when made)
@@ -95,10 +96,10 @@ class Reads:
         self.pool = (ThreadPoolExecutor(workers, thread_name_prefix="kvheat-load")
                      if workers else None)
         # key -> the read of it in flight or done for plans not finished yet (shared).
-        self.inflight: dict[bytes, Slot] = {}
+        self.inflight: dict[BlockKey, Slot] = {}
         self._backlog_s = 0.0  # estimated seconds of submitted reads not finished yet
 
-    def fetch(self, steps: list[Step], salt: str | None) -> list[torch.Tensor | None]:
+    def fetch(self, steps: list[Step], ns: Namespace) -> list[torch.Tensor | None]:
         """Load steps from their tiers (runs of a pipelined tier in one round trip), up to
         the first one missing."""
         low = self.lower
@@ -111,14 +112,14 @@ class Reads:
                 while j < len(steps) and steps[j].tier == steps[i].tier:
                     j += 1
                 # Only copied into device blocks: views of the received bytes will do.
-                got = st.get_many([s.key for s in steps[i:j]], salt, readonly_ok=True)
+                got = st.get_many([s.key for s in steps[i:j]], ns, readonly_ok=True)
                 low.counters.read_bytes += sum(g.nbytes for g in got if g is not None)
                 out.extend(got)
                 if any(g is None for g in got):
                     break
                 i = j
             else:
-                t = st.get(steps[i].key, salt)
+                t = st.get(steps[i].key, ns)
                 if t is not None:
                     low.counters.read_bytes += t.nbytes
                 out.append(t)
@@ -149,7 +150,7 @@ class Reads:
         est = sum(self.estimate_load_s(s.tier, 1) or 0.0 for s in slow)
         with low.lock:
             self._backlog_s += est
-        fut = self.pool.submit(self.fetch, slow, plan.salt)
+        fut = self.pool.submit(self.fetch, slow, plan.ns)
         fut.add_done_callback(lambda _f: self._job_done(est))
         with low.lock:
             for pos, s in enumerate(slow):

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..cache.eviction import EvictionPolicy, make_policy
+from ..cache.hashing import NO_TENANT, BlockKey, Namespace
 from ..cache.hints import Outcome, check_reason, check_session
 from ..cache.node import Node
 from ..cache.request import hit_rate
@@ -26,7 +27,7 @@ class LowerTiers:
 
     def __init__(self, stores: list[KVStore], block_bytes: int, block_tokens: int,
                  policy: str, clock: Callable[[], float],
-                 known_salts: Callable[[], Iterable[str | None]] | None = None) -> None:
+                 known_namespaces: Callable[[], Iterable[Namespace]] | None = None) -> None:
         self.stores = stores
         self.block_bytes = block_bytes
         self.block_tokens = block_tokens
@@ -54,7 +55,7 @@ class LowerTiers:
         # Tiers the operator (the self-healer) skips as if down: no loads, no demotions,
         # while their stores' own calls still work for probes.
         self.bypassed: set[int] = set()
-        salts = list(known_salts()) if known_salts is not None else []
+        known = list(known_namespaces()) if known_namespaces is not None else []
         for i, st in enumerate(stores):
             slot = getattr(st, "slot_bytes", None)
             if slot is not None and slot < block_bytes:
@@ -67,20 +68,22 @@ class LowerTiers:
             # upper tiers' copies are on the bottom one too): there, leaves go first.
             self.indexes.append(TierIndex(pol, st.capacity_bytes // max(1, block_bytes),
                                           leaf_first=i == n - 1))
-            self._restore(i, salts)
+            self._restore(i, known)
 
-    def _restore(self, tier: int, salts: list[str | None]) -> None:
-        """Index the entries that survived a restart: known tenants by salt, others by
-        namespace digest (still evictable). A store keeps no parent: each is a root, never
-        dropped with an ancestor."""
+    def _restore(self, tier: int, known: list[Namespace]) -> None:
+        """Index the entries that survived a restart: those of known tenants in their
+        namespace, others in `Namespace.stored` of their digest (still evictable). A store
+        keeps no parent: each is a root, never dropped with an ancestor."""
         st = self.stores[tier]
         now = self.clock()
-        by_ns = {st.ns(s): s for s in [None, *salts]}
-        for key, ns in st.stored():
-            # An unknown namespace stays keyed by its digest (`KVStore.ns` takes it back).
-            salt = by_ns.get(ns, ns)
-            self.key_index.add(tier, key, salt, self.block_tokens,  # type: ignore[arg-type]
-                          self.block_bytes, now, UNKNOWN_OWNER, None)
+        by_digest = {st.ns(ns): ns for ns in [NO_TENANT, *known]}
+        for key, digest in st.stored():
+            # An unknown namespace stays its digest (`KVStore.ns` passes it through).
+            ns = by_digest.get(digest)
+            if ns is None:
+                ns = Namespace.stored(digest)
+            self.key_index.add(tier, key, ns, self.block_tokens, self.block_bytes, now,
+                               UNKNOWN_OWNER, None)
 
     # ---- lookups (lock held) --------------------------------------------------------------
     def tier_of(self, name: str) -> int | None:
@@ -94,15 +97,15 @@ class LowerTiers:
         """How many times `owner`'s KV was flushed so far."""
         return self.flushes.get(owner, 0)
 
-    def find(self, key: bytes, salt: str | None) -> tuple[int, TierEntry] | None:
-        """The first tier that is up and holds `key` in `salt`'s namespace (lock held)."""
+    def find(self, key: BlockKey, ns: Namespace) -> tuple[int, TierEntry] | None:
+        """The first tier that is up and holds `key` in namespace `ns` (lock held)."""
         rec = self.key_index.record(key)
         if rec is None:
             return None
         for t, idx in enumerate(self.indexes):
             e = idx.get(key)
             st = self.stores[t]
-            if e is not None and st.ns(rec.salt) == st.ns(salt) and self.up(t):
+            if e is not None and st.ns(rec.ns) == st.ns(ns) and self.up(t):
                 return t, e
         return None
 
@@ -113,7 +116,7 @@ class LowerTiers:
     def unpin(self, tier: int, e: TierEntry, now: float) -> None:
         self.indexes[tier].unpin(e, now)
 
-    def touch(self, tier: int, key: bytes) -> bool:
+    def touch(self, tier: int, key: BlockKey) -> bool:
         """Refresh `key` on `tier` (a hit); False when the tier does not hold it."""
         with self.lock:
             e = self.indexes[tier].get(key)
@@ -122,24 +125,25 @@ class LowerTiers:
             return e is not None
 
     # ---- blocks coming down (demotion) ------------------------------------------------------
-    def hold(self, key: bytes, parent: bytes | None, salt: str | None, owner: object) -> None:
+    def hold(self, key: BlockKey, parent: BlockKey | None, ns: Namespace,
+             owner: object) -> None:
         """A copy of `key` is on its way down: it counts as held until `release`."""
         with self.lock:
-            self.key_index.hold(key, parent, salt, owner)
+            self.key_index.hold(key, parent, ns, owner)
 
-    def settle(self, key: bytes, salt: str | None, leaving_device: bool) -> bool:
-        """After a demotion of `key`: is it held below in `salt`'s namespace? If it is held
+    def settle(self, key: BlockKey, ns: Namespace, leaving_device: bool) -> bool:
+        """After a demotion of `key`: is it held below in namespace `ns`? If it is held
         nowhere, nor on the device, its descendants below go (deleted here)."""
         with self.lock:
             rec = self.key_index.record(key)
             # A key found at start-up keeps its namespace digest: that tenant's or not,
-            # a read checks it. Another salt's key of the same name is not this block.
-            held = rec is not None and (rec.salt == salt or isinstance(rec.salt, bytes))
+            # a read checks it. Another namespace's key of the same name is not this block.
+            held = rec is not None and (rec.ns == ns or not rec.ns.known)
             dels = self.key_index.settle(key, leaving_device=leaving_device)
         self.delete(dels)
         return held
 
-    def placeable(self, tier: int, key: bytes, parent: bytes | None, owner: object,
+    def placeable(self, tier: int, key: BlockKey, parent: BlockKey | None, owner: object,
                   gen: int) -> bool:
         """Should a block coming down be written to `tier`? Not when its tenant was
         flushed since it left the device (`gen`: the flush count then), when its parent
@@ -157,26 +161,27 @@ class LowerTiers:
                 return False
         return True
 
-    def commit(self, tier: int, key: bytes, salt: str | None, tokens: int, size: int,
-               owner: object, parent: bytes | None, gen: int) -> bool:
+    def commit(self, tier: int, key: BlockKey, ns: Namespace, tokens: int, size: int,
+               owner: object, parent: BlockKey | None, gen: int) -> bool:
         """Index a block just written to `tier`; False (counted) when its parent or its
         tenant's KV left while it was written: the caller deletes it."""
         with self.lock:
             if self.key_index.orphan(parent) or self.flushed(owner) != gen:
                 self.counters.orphans_dropped += 1
                 return False
-            self.key_index.add(tier, key, salt, tokens, size, self.clock(), owner, parent)
+            self.key_index.add(tier, key, ns, tokens, size, self.clock(), owner, parent)
         self.demotions[tier] += 1
         self.counters.demotions += 1
         return True
 
-    def evict_for(self, tier: int, key: bytes,
-                  need: int) -> list[tuple[bytes, int, str | None, bytes | None, object]]:
+    def evict_for(self, tier: int, key: BlockKey, need: int
+                  ) -> list[tuple[BlockKey, int, Namespace, BlockKey | None, object]]:
         """Unindex `tier`'s coldest entries until `need` more bytes fit (for `key`, whose
-        own old entry's bytes count as free). Returns (key, tokens, salt, parent, owner)
-        of each; it stays held until the caller hands it down or drops it (`release`)."""
+        own old entry's bytes count as free). Returns (key, tokens, namespace, parent,
+        owner) of each; it stays held until the caller hands it down or drops it
+        (`release`)."""
         st, idx = self.stores[tier], self.indexes[tier]
-        out: list[tuple[bytes, int, str | None, bytes | None, object]] = []
+        out: list[tuple[BlockKey, int, Namespace, BlockKey | None, object]] = []
         with self.lock:
             freed = 0
             held = idx.sizes.get(key, 0)
@@ -187,29 +192,29 @@ class LowerTiers:
                     break
                 freed += idx.sizes.get(v.key, 0)
                 self.key_index.remove(tier, v.key)
-                out.append((v.key, v.num_tokens, rec.salt, rec.parent, rec.owner))
+                out.append((v.key, v.num_tokens, rec.ns, rec.parent, rec.owner))
         return out
 
     # ---- entries leaving --------------------------------------------------------------------
     def delete(self, dels: list[Deletion]) -> None:
         """Delete from the stores what the index gave up (called unlocked)."""
-        for t, key, salt in dels:
-            self.stores[t].delete(key, salt)
+        for t, key, ns in dels:
+            self.stores[t].delete(key, ns)
 
-    def release(self, key: bytes) -> None:
+    def release(self, key: BlockKey) -> None:
         """Drop one holding of `key` below, deleting what leaves with it."""
         with self.lock:
             dels = self.key_index.release(key)
         self.delete(dels)
 
-    def forget(self, tier: int, key: bytes) -> None:
+    def forget(self, tier: int, key: BlockKey) -> None:
         """`tier` no longer holds `key` (stale or corrupt): unindex it; its descendants go
         too when nothing else holds it."""
         with self.lock:
             dels = self.key_index.release(key) if self.key_index.remove(tier, key) else []
         self.delete(dels)
 
-    def take_out(self, tier: int, keys: Sequence[bytes], salt: str | None) -> None:
+    def take_out(self, tier: int, keys: Sequence[BlockKey], ns: Namespace) -> None:
         """`keys` were loaded and live on the device now: they leave `tier` (their children
         below stay reachable through the device's copies). One lock and one store call for
         the batch: a load moves tens of blocks."""
@@ -219,11 +224,11 @@ class LowerTiers:
             for key in keys:
                 if idx.remove(tier, key):
                     dels += idx.release(key)
-        self.stores[tier].delete_many(keys, salt)
+        self.stores[tier].delete_many(keys, ns)
         self.delete(dels)
 
-    def drop_key(self, key: bytes, salt: str | None) -> list[Deletion]:
-        """Delete `key` of `salt`'s namespace from every tier (a device block deleted on
+    def drop_key(self, key: BlockKey, ns: Namespace) -> list[Deletion]:
+        """Delete `key` of namespace `ns` from every tier (a device block deleted on
         purpose: flush, quota cut), with its descendants. Returns what was deleted."""
         dels: list[Deletion] = []
         with self.lock:
@@ -231,16 +236,16 @@ class LowerTiers:
             for t in self.key_index.where(key) if rec is not None else []:
                 st = self.stores[t]
                 assert rec is not None
-                if st.ns(rec.salt) == st.ns(salt):
+                if st.ns(rec.ns) == st.ns(ns):
                     self.key_index.remove(t, key)
-                    dels.append((t, key, rec.salt))
+                    dels.append((t, key, rec.ns))
                     dels += self.key_index.release(key, leaving_device=True)
             dels += self.key_index.settle(key, leaving_device=True)
         self.delete(dels)
         self.count_deleted(dels)
         return dels
 
-    def drop_tenant(self, tenant: str | None, salt: str | None, shared: bool) -> list[Deletion]:
+    def drop_tenant(self, tenant: str | None, ns: Namespace, shared: bool) -> list[Deletion]:
         """A flush of `tenant`: counted (its demotions queued before it are dropped), and
         its entries unindexed on every tier (lock held; in a share group only those it
         filled, and those found at start-up). Returns what to delete from the stores."""
@@ -249,13 +254,13 @@ class LowerTiers:
         records = self.key_index.records
         for t, idx in enumerate(self.indexes):
             st = self.stores[t]
-            ns = st.ns(salt)
-            mine = [k for k in idx.entries if st.ns(records[k].salt) == ns
+            digest = st.ns(ns)
+            mine = [k for k in idx.entries if st.ns(records[k].ns) == digest
                     and (not shared or records[k].owner in (tenant, UNKNOWN_OWNER))]
             for k in mine:
                 rec = records.get(k)  # None: gone with an ancestor just now
                 if rec is not None and self.key_index.remove(t, k) is not None:
-                    dels.append((t, k, rec.salt))
+                    dels.append((t, k, rec.ns))
                     dels += self.key_index.release(k)
         return dels
 
@@ -279,7 +284,7 @@ class LowerTiers:
             self.hit_blocks[t] += -(-tokens // self.block_tokens)  # a partial one at most
 
     def count_deleted(self, dels: list[Deletion]) -> None:
-        for t, _key, _salt in dels:
+        for t, _key, _ns in dels:
             self.deleted[t] += 1
 
     # ---- request hints (kvheat/cache/hints.py) ----------------------------------------------
@@ -293,7 +298,7 @@ class LowerTiers:
             for idx in self.indexes:
                 idx.policy.on_session(session, now)
 
-    def finish(self, keys: Sequence[bytes], session: str | None, outcome: Outcome | str,
+    def finish(self, keys: Sequence[BlockKey], session: str | None, outcome: Outcome | str,
                reason: str | None) -> int:
         """A request whose blocks are `keys` (prefix order) ended: each tier's policy hears
         how (`on_finish`, with the request's entries it holds) and re-files those entries
@@ -320,7 +325,7 @@ class LowerTiers:
         return told
 
     # ---- introspection ----------------------------------------------------------------------
-    def entries(self) -> list[tuple[str, bytes, bytes | None, int]]:
+    def entries(self) -> list[tuple[str, BlockKey, BlockKey | None, int]]:
         """(tier name, key, parent key, tokens) of every entry held below now."""
         with self.lock:
             return [(st.name, key, self.key_index.parent(key), e.num_tokens)

@@ -3,7 +3,7 @@ stores below its device pool, kvheat's own engine and vLLM's KV connector
 (`kvheat.integrations.vllm_connector`) alike.
 
 Scheduler side, index only, no I/O: `lookup` finds how many blocks right after the
-device's prefix the tiers hold for a tenant salt, decides how many are worth loading
+device's prefix the tiers hold in a tenant's namespace (`Namespace`), decides how many are worth loading
 (`cost.LoadCost`) and pins them in a `LoadPlan` until `load` or `release`; given a request
 id the plan is kept under it across admissions (`prefetch`, `cancel`).
 Worker side: `load` writes a plan's blocks into device slots (every value checked by its
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..cache.hashing import BlockKey, Namespace
 from ..cache.hints import Outcome
 from ..cache.request import hit_rate
 from .cost import LoadCost, PrefillSpeed
@@ -35,7 +36,7 @@ from .store import DeviceBlocks, KVStore
 
 __all__ = ["IndexListener", "LoadPlan", "TierHealth", "TierManager"]
 
-_SALT = object()  # `save`'s default owner: the salt itself
+_NS = object()  # `save`'s default owner: the namespace itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +58,9 @@ class TierManager:
     stored under other names is never read. `policy`: the tiers' eviction policy (the
     spec's wins). `device_holds(key)`: does the device hold `key` now (an entry whose
     parent neither a tier nor the device holds can never be matched, so it is dropped);
-    without one, the device may hold any key. `known_salts`: the salts whose entries found
-    in a store at start-up are indexed under their salt. `stores`: stores made by the
+    without one, the device may hold any key. `known_namespaces`: the namespaces whose
+    entries found in a store at start-up are indexed in them (others stay in their stored
+    digest's until their tenant asks). `stores`: stores made by the
     caller instead of the spec's (fault injection in tests; not closed with the tiers).
     A spec that names no tier gives tiers with none (every lookup finds nothing)."""
 
@@ -66,8 +68,8 @@ class TierManager:
                  model: str = "", layout: str = "", policy: str = "lru",
                  clock: Callable[[], float] = time.monotonic,
                  prefill_tokens_per_s: PrefillSpeed = None,
-                 device_holds: Callable[[bytes], bool] | None = None,
-                 known_salts: Callable[[], Iterable[str | None]] | None = None,
+                 device_holds: Callable[[BlockKey], bool] | None = None,
+                 known_namespaces: Callable[[], Iterable[Namespace]] | None = None,
                  stores: list[KVStore] | None = None) -> None:
         if block_bytes <= 0 or block_tokens <= 0:
             raise ValueError("block_bytes and block_tokens must be positive")
@@ -79,7 +81,7 @@ class TierManager:
         self.block_tokens = block_tokens
         self.clock = clock
         self.lower = low = LowerTiers(stores, block_bytes, block_tokens, spec.policy or policy,
-                                      clock, known_salts)
+                                      clock, known_namespaces)
         # Without a view of the device, any key may be there: a saved block whose parent
         # the tiers do not hold is kept (its parent may be a device hit), and a key that
         # leaves the tiers takes no descendants with it (unreachable ones age out).
@@ -122,10 +124,10 @@ class TierManager:
         self.lower.peers = feed
 
     # ---- scheduler side -------------------------------------------------------------------
-    def lookup(self, salt: str | None, keys: Sequence[bytes], start: int,
+    def lookup(self, ns: Namespace, keys: Sequence[BlockKey], start: int,
                block_tokens: Sequence[int] | None = None, owner: object = None,
                request_id: str | None = None) -> LoadPlan:
-        """Plan the blocks `keys[start:]` that the tiers hold in `salt`'s namespace.
+        """Plan the blocks `keys[start:]` that the tiers hold in namespace `ns`.
 
         Up to the first one missing, cut to the prefix worth loading; pinned until `load`
         or `release`. `block_tokens[i]`: tokens of block i (default: full blocks);
@@ -139,19 +141,19 @@ class TierManager:
         tokens = block_tokens if block_tokens is not None else [self.block_tokens] * len(keys)
         if request_id is None:
             with self.lower.lock:
-                return self.plan(keys, tokens, start, salt, owner)
-        plan = self._prepare(request_id, keys, tokens, start, salt, owner)
+                return self.plan(keys, tokens, start, ns, owner)
+        plan = self._prepare(request_id, keys, tokens, start, ns, owner)
         if plan.steps:
             self.counters.prefetch_used += 1
         return plan
 
-    def prefetch(self, request_id: str, salt: str | None, keys: Sequence[bytes],
+    def prefetch(self, request_id: str, ns: Namespace, keys: Sequence[BlockKey],
                  start: int, block_tokens: Sequence[int] | None = None,
                  owner: object = None) -> int:
         """Plan a waiting request's loads and start the slow ones now; returns the tokens
         planned (`lookup` with the same id picks the plan up; `cancel` drops it)."""
         tokens = block_tokens if block_tokens is not None else [self.block_tokens] * len(keys)
-        return self._prepare(request_id, keys, tokens, start, salt, owner).tokens
+        return self._prepare(request_id, keys, tokens, start, ns, owner).tokens
 
     def cancel(self, request_id: str) -> None:
         """Drop the plan kept for `request_id` (its pins and reads), if any."""
@@ -168,11 +170,11 @@ class TierManager:
             self.reads.release(plan.steps)
             plan.set_steps([])
 
-    def holds(self, salt: str | None, key: bytes) -> str | None:
-        """The name of the first tier (up) holding `key` in `salt`'s namespace, or None."""
+    def holds(self, ns: Namespace, key: BlockKey) -> str | None:
+        """The name of the first tier (up) holding `key` in namespace `ns`, or None."""
         low = self.lower
         with low.lock:
-            found = low.find(key, salt)
+            found = low.find(key, ns)
         if found is not None:
             return low.stores[found[0]].name
         if low.peers is not None:
@@ -181,8 +183,8 @@ class TierManager:
                 return low.stores[peer[0]].name
         return None
 
-    def _prepare(self, request_id: str, keys: Sequence[bytes], tokens: Sequence[int],
-                 hit: int, salt: str | None, owner: object) -> LoadPlan:
+    def _prepare(self, request_id: str, keys: Sequence[BlockKey], tokens: Sequence[int],
+                 hit: int, ns: Namespace, owner: object) -> LoadPlan:
         """The request's plan after the device's `hit` blocks: the one kept, fitted to
         `hit`, or a new one; kept while it has blocks to load, its slow reads started."""
         low = self.lower
@@ -194,7 +196,7 @@ class TierManager:
             else:
                 if plan is not None:
                     self.counters.prefetch_replanned += 1
-                plan = self.plan(keys, tokens, hit, salt, owner)
+                plan = self.plan(keys, tokens, hit, ns, owner)
                 plan.request_id = request_id
                 front = None
                 if plan.steps:
@@ -204,7 +206,7 @@ class TierManager:
             self.reads.start(plan, front)
         return plan
 
-    def _refit(self, plan: LoadPlan, keys: Sequence[bytes], tokens: Sequence[int],
+    def _refit(self, plan: LoadPlan, keys: Sequence[BlockKey], tokens: Sequence[int],
                hit: int) -> list[Step] | None:
         """Fit a kept plan to the device prefix now `hit` blocks long: blocks the device
         gained meanwhile need no load; blocks it lost (a gap before the plan) are added in
@@ -220,7 +222,7 @@ class TierManager:
                 return []
             plan.pinned = False
             return None
-        front = self.find(keys, tokens, hit, plan.steps[0].index, plan.salt)
+        front = self.find(keys, tokens, hit, plan.steps[0].index, plan.ns)
         if hit + len(front) != plan.steps[0].index:
             self.reads.release(front + plan.steps)
             plan.pinned = False
@@ -232,12 +234,12 @@ class TierManager:
         plan.found_tokens += sum(s.tokens for s in front)
         return front
 
-    def plan(self, keys: Sequence[bytes], tokens: Sequence[int], start: int,
-             salt: str | None, owner: object) -> LoadPlan:
+    def plan(self, keys: Sequence[BlockKey], tokens: Sequence[int], start: int,
+             ns: Namespace, owner: object) -> LoadPlan:
         """Pin the blocks found below after the first `start`, then keep the prefix worth
         loading (lock held)."""
-        plan = LoadPlan(salt, block_tokens=self.block_tokens, start=start, owner=owner)
-        steps = self.find(keys, tokens, start, len(keys), salt)
+        plan = LoadPlan(ns, block_tokens=self.block_tokens, start=start, owner=owner)
+        steps = self.find(keys, tokens, start, len(keys), ns)
         plan.found_blocks = len(steps)
         plan.found_tokens = sum(s.tokens for s in steps)
         plan.steps = steps  # decide reads them
@@ -247,15 +249,15 @@ class TierManager:
         plan.pinned = True
         return plan
 
-    def find(self, keys: Sequence[bytes], tokens: Sequence[int], start: int, stop: int,
-             salt: str | None) -> list[Step]:
+    def find(self, keys: Sequence[BlockKey], tokens: Sequence[int], start: int, stop: int,
+             ns: Namespace) -> list[Step]:
         """Pin blocks `start` .. `stop` - 1 held below, up to the first one missing (lock
         held)."""
         low = self.lower
         steps: list[Step] = []
         for i in range(start, stop):
             key = keys[i]
-            found = low.find(key, salt)
+            found = low.find(key, ns)
             if found is None and low.peers is not None:
                 peer = low.peers.lookup(key)
                 if peer is not None and low.up(peer[0]):
@@ -297,7 +299,7 @@ class TierManager:
                 del self.plans[plan.request_id]
             if plan.keys and not plan.steps:
                 tokens = [plan.block_tokens or self.block_tokens] * len(plan.keys)
-                plan.set_steps(self.find(plan.keys, tokens, 0, len(plan.keys), plan.salt))
+                plan.set_steps(self.find(plan.keys, tokens, 0, len(plan.keys), plan.ns))
                 plan.pinned = True
             elif plan.steps and not plan.pinned:
                 raise ValueError("this plan was loaded or released already")
@@ -318,7 +320,7 @@ class TierManager:
         # Slow reads not prefetched run here, in this thread, in prefix order.
         sync = [s for s in steps if s.result is None and not low.stores[s.tier].inline]
         if sync:
-            got.update(zip((id(s) for s in sync), self.reads.fetch(sync, plan.salt),
+            got.update(zip((id(s) for s in sync), self.reads.fetch(sync, plan.ns),
                            strict=False))
         for tier, st in enumerate(low.stores):  # host: one batched read per tier, in place
             run = [s for s in steps if s.tier == tier] if st.inline else []
@@ -326,7 +328,7 @@ class TierManager:
                 continue
             views = [device.block_view(dst[id(s)]) for s in run]
             try:
-                vals = st.get_many([s.key for s in run], plan.salt, outs=views)
+                vals = st.get_many([s.key for s in run], plan.ns, outs=views)
             except ValueError:  # a stored layout that is not this pool's
                 low.counters.shape_mismatch += 1
                 vals = [None] * len(run)
@@ -359,44 +361,46 @@ class TierManager:
                 # (another replica's block stays there for everyone)
                 moved = [s.key for s in done if s.tier == tier and not s.peer]
                 if moved:
-                    low.take_out(tier, moved, plan.salt)
+                    low.take_out(tier, moved, plan.ns)
         # Unpinned after the move: an entry taken out is not handed back to its policy's
         # eviction order only to be pulled out of it again.
         self.reads.release(steps)
         _count_plan(self.counters, plan)
         return len(done)
 
-    def save(self, salt: str | None, keys: Sequence[bytes], parents: Sequence[bytes | None],
-             slots: Sequence[int], device: DeviceBlocks, owner: object = _SALT) -> int:
+    def save(self, ns: Namespace, keys: Sequence[BlockKey],
+             parents: Sequence[BlockKey | None], slots: Sequence[int], device: DeviceBlocks,
+             owner: object = _NS) -> int:
         """Copy device blocks down to the tiers now; returns the blocks accepted.
 
         `slots[i]` holds a full block keyed `keys[i]` whose prefix's previous key is
         `parents[i]`; slow tiers may be written on a background thread. A key is stored
-        once, under the salt it first came with: keys must differ between salts (kvheat's
-        do: the salt seeds the first block's key). `owner`: the tenant whose flush deletes
-        them (default: the salt)."""
+        once, in the namespace it first came with: keys must differ between namespaces
+        (kvheat's do: the tenant salt seeds the first block's key). `owner`: the tenant
+        whose flush deletes them (default: the namespace)."""
         if not len(keys) == len(parents) == len(slots):
             raise ValueError(f"{len(keys)} keys, {len(parents)} parents, {len(slots)} slots")
         if device.bytes_per_block != self.block_bytes:
             raise ValueError(f"device blocks have {device.bytes_per_block} bytes; these "
                              f"tiers hold blocks of {self.block_bytes}")
-        who = salt if owner is _SALT else owner
-        return sum(self.demoter.demote(key, salt, device.block_size, device.block_view(slot),
+        who = ns if owner is _NS else owner
+        return sum(self.demoter.demote(key, ns, device.block_size, device.block_view(slot),
                                        parent, who, leaving_device=False)
                    for key, parent, slot in zip(keys, parents, slots, strict=True))
 
-    def evict(self, key: bytes, salt: str | None, tokens: int, kv: torch.Tensor,
-              parent: bytes | None, owner: object) -> bool:
+    def evict(self, key: BlockKey, ns: Namespace, tokens: int, kv: torch.Tensor,
+              parent: BlockKey | None, owner: object) -> bool:
         """Take one block leaving the device (its eviction) down to the tiers."""
-        return self.demoter.demote(key, salt, tokens, kv, parent, owner, True)
+        return self.demoter.demote(key, ns, tokens, kv, parent, owner, True)
 
-    def drop(self, key: bytes, salt: str | None) -> None:
+    def drop(self, key: BlockKey, ns: Namespace) -> None:
         """Delete `key` from every tier with its descendants (a device block deleted on
         purpose: a flush, a quota cut; write-through copies included)."""
-        self.lower.drop_key(key, salt)
+        self.lower.drop_key(key, ns)
 
-    def purge(self, tenant: str | None, salt: str | None, shared: bool) -> dict[str, int]:
-        """Delete what the tiers hold of `tenant` (a flush); returns entries per tier.
+    def purge(self, tenant: str | None, ns: Namespace, shared: bool) -> dict[str, int]:
+        """Delete what the tiers hold of `tenant` (a flush, `ns` its namespace); returns
+        entries per tier.
 
         Its entries on every tier, durable ones included, its queued demotions and its
         requests' kept plans. In a share group (`shared`) only what it filled (entries
@@ -406,7 +410,7 @@ class TierManager:
         with low.lock:
             mine = [rid for rid, p in self.plans.items() if p.owner == tenant]
             plans = [self.plans.pop(rid) for rid in mine]
-            dels = low.drop_tenant(tenant, salt, shared)
+            dels = low.drop_tenant(tenant, ns, shared)
         for plan in plans:
             self.release(plan)
         low.delete(dels)
@@ -415,7 +419,7 @@ class TierManager:
             out[self.stores[t].name] += 1
         if not shared:  # entries other processes put there (replicas on one Redis)
             for t, st in enumerate(self.stores):
-                n = st.purge(salt)
+                n = st.purge(ns)
                 out[st.name] += n
                 low.deleted[t] += n
         return out
@@ -444,7 +448,7 @@ class TierManager:
         """Tell each tier's policy a request of `session` starts (`on_session`)."""
         self.lower.begin(session)
 
-    def finish(self, keys: Sequence[bytes], session: str | None,
+    def finish(self, keys: Sequence[BlockKey], session: str | None,
                outcome: Outcome | str = Outcome.FINISHED, reason: str | None = None) -> int:
         """Tell each tier's policy how a request whose blocks are `keys` ended.
 
@@ -505,7 +509,7 @@ class TierManager:
         return True
 
     # ---- introspection and lifecycle ------------------------------------------------------
-    def entries(self) -> list[tuple[str, bytes, bytes | None, int]]:
+    def entries(self) -> list[tuple[str, BlockKey, BlockKey | None, int]]:
         """(tier name, key, parent key, tokens) of every entry held now (KV event
         snapshots)."""
         return self.lower.entries()

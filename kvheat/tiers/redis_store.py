@@ -24,6 +24,7 @@ import redis
 import redis.exceptions as rexc
 import torch
 
+from ..cache.hashing import NO_TENANT, BlockKey, Namespace, stored_key
 from .codec import (
     HEAD_SIZE,
     NS_SIZE,
@@ -82,8 +83,12 @@ class RedisStore(KVStore):
         self.direct_io = not self.cluster
         self._lock = threading.Lock()
 
-    def rkey(self, key: bytes, salt: str | bytes | None) -> str:
-        ns = self.ns(salt)
+    def rkey(self, key: BlockKey, ns: Namespace) -> str:
+        """The Redis key name of `key` in `ns`."""
+        return self._rname(key, self.ns(ns))
+
+    def _rname(self, key: bytes, ns: bytes) -> str:
+        """The Redis key name of `key` under the namespace digest `ns`."""
         return f"{self.prefix}{ns.hex()[:16]}:{keyed_digest(self.mac_key, ns, key).hex()}"
 
     def _default_key(self) -> bytes:
@@ -131,20 +136,20 @@ class RedisStore(KVStore):
     def used_bytes(self) -> int:
         return self._used
 
-    def entry_bytes(self, kv: torch.Tensor, key: bytes) -> int:
+    def entry_bytes(self, kv: torch.Tensor, key: BlockKey) -> int:
         return kv.numel() * kv.element_size() + HEAD_SIZE + 4 * kv.dim() + len(key) + NS_SIZE
 
-    def put_many(self, items: Sequence[tuple[bytes, torch.Tensor]],
-                 salt: str | None = None) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]],
+                 ns: Namespace = NO_TENANT) -> list[bool]:
         """Stores a batch in one round trip (one MSET); the items that fit the capacity
         are stored, in order, all or none of them; a True/False per item."""
-        ns = self.ns(salt)
+        d = self.ns(ns)
         values: list[tuple[str, bytes, memoryview]] = []
         with self._lock:
             used = self._used
             for key, kv in items:
-                head, payload = encode_prefix(kv, key, ns, self.mac_key, self.mac_version)
-                rk = self.rkey(key, salt)
+                head, payload = encode_prefix(kv, key, d, self.mac_key, self.mac_version)
+                rk = self._rname(key, d)
                 size = len(head) + len(payload)
                 if used - self.sizes.get(rk, 0) + size > self.capacity_bytes:
                     break
@@ -182,17 +187,18 @@ class RedisStore(KVStore):
         self.stats.put_refused += len(items) - stored
         return [i < stored for i in range(len(items))]
 
-    def put(self, key: bytes, kv: torch.Tensor, salt: str | None = None) -> bool:
+    def put(self, key: BlockKey, kv: torch.Tensor, ns: Namespace = NO_TENANT) -> bool:
         t0 = time.perf_counter()
-        ok = self.put_many([(key, kv)], salt)[0]
+        ok = self.put_many([(key, kv)], ns)[0]
         if ok:
             self.write_model.record(kv.nbytes, time.perf_counter() - t0)
         return ok
 
-    def _get(self, key: bytes, salt: str | None, out: torch.Tensor | None) -> torch.Tensor | None:
-        return self._fetch([key], salt, [out], readonly_ok=False)[0]
+    def _get(self, key: BlockKey, ns: Namespace,
+             out: torch.Tensor | None) -> torch.Tensor | None:
+        return self._fetch([key], ns, [out], readonly_ok=False)[0]
 
-    def get_many(self, keys: Sequence[bytes], salt: str | None = None,
+    def get_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT,
                  outs: Sequence[torch.Tensor | None] | None = None,
                  readonly_ok: bool = False) -> list[torch.Tensor | None]:
         """One round trip (MGET) for all keys; each value verified on its own, then copied
@@ -201,7 +207,7 @@ class RedisStore(KVStore):
         if outs is not None and len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output tensors")
         t0 = time.perf_counter()
-        res = self._fetch(keys, salt, outs, readonly_ok)
+        res = self._fetch(keys, ns, outs, readonly_ok)
         n = 0
         for t in res:
             self.stats.gets += 1
@@ -215,14 +221,15 @@ class RedisStore(KVStore):
             self.read_model.record(n, time.perf_counter() - t0)
         return res
 
-    def _fetch(self, keys: Sequence[bytes], salt: str | None,
+    def _fetch(self, keys: Sequence[BlockKey], ns: Namespace,
                outs: Sequence[torch.Tensor | None] | None,
                readonly_ok: bool) -> list[torch.Tensor | None]:
-        rks = [self.rkey(k, salt) for k in keys]
+        d = self.ns(ns)
+        rks = [self._rname(k, d) for k in keys]
         if not self.cluster and self.direct_io and any(
                 (o.nbytes if o is not None else self.sizes.get(rk, 0)) >= DIRECT_MIN_BYTES
                 for o, rk in zip(outs or [None] * len(keys), rks, strict=True)):
-            return self._fetch_direct(keys, rks, salt, outs)
+            return self._fetch_direct(keys, rks, d, outs)
 
         def run() -> list[bytes | None]:
             if self.cluster:
@@ -232,7 +239,6 @@ class RedisStore(KVStore):
         raw = self._call(run, None)
         if raw is None:
             return [None] * len(keys)
-        ns = self.ns(salt)
         res: list[torch.Tensor | None] = []
         for i, (key, rk, v) in enumerate(zip(keys, rks, raw, strict=True)):
             if v is None:
@@ -241,7 +247,7 @@ class RedisStore(KVStore):
                 continue
             try:
                 # Checked in place in the received bytes, then copied once to where it goes.
-                t = decode(v, key, ns, self.mac_key)
+                t = decode(v, key, d, self.mac_key)
             except CorruptValue as e:
                 self._count_corrupt(e.kind, key, str(e))
                 res.append(None)
@@ -253,7 +259,7 @@ class RedisStore(KVStore):
                 res.append(t if readonly_ok else t.clone())
         return res
 
-    def _fetch_direct(self, keys: Sequence[bytes], rks: list[str], salt: str | None,
+    def _fetch_direct(self, keys: Sequence[BlockKey], rks: list[str], ns: bytes,
                       outs: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
         """`_fetch` with each payload received straight into its output tensor (or a
         private buffer), then verified there; see `ReplyReader`."""
@@ -274,7 +280,6 @@ class RedisStore(KVStore):
         raw = self._call(run, None)
         if raw is None:
             return [None] * len(keys)
-        ns = self.ns(salt)
         res: list[torch.Tensor | None] = []
         for key, rk, item, out, dest in zip(keys, rks, raw, outs, dests, strict=True):
             if item is None:
@@ -296,41 +301,42 @@ class RedisStore(KVStore):
                 res.append(copy_out(t, out) if out is not None else t)
         return res
 
-    def contains(self, key: bytes, salt: str | None = None) -> bool:
-        rk = self.rkey(key, salt)
+    def contains(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        rk = self.rkey(key, ns)
         if rk in self.sizes:
             return self.reachable()
         return bool(self._call(lambda: self.client.exists(rk), 0))
 
-    def delete(self, key: bytes, salt: str | None = None) -> bool:
-        return self.delete_many((key,), salt) == 1
+    def delete(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        return self.delete_many((key,), ns) == 1
 
-    def delete_many(self, keys: Sequence[bytes], salt: str | None = None) -> int:
+    def delete_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT) -> int:
         """One DEL for the batch (a cluster client splits it by slot)."""
         if not keys:
             return 0
-        rks = [self.rkey(k, salt) for k in keys]
+        d = self.ns(ns)
+        rks = [self._rname(k, d) for k in keys]
         for rk in rks:
             self._forget(rk)
         n = self._call(lambda: self.client.delete(*rks), 0)
         self.stats.deletes += n
         return int(n)
 
-    def stored(self) -> Iterable[tuple[bytes, bytes]]:
+    def stored(self) -> Iterable[tuple[BlockKey, bytes]]:
         """Entries of this model and layout already in Redis (from another process or an
         earlier run): found with SCAN, headers read with GETRANGE and checked."""
         found: list[tuple[bytes, bytes, str, int]] = self._call(
-            lambda: scan_headers(self.client, self.prefix, self.rkey), [])
+            lambda: scan_headers(self.client, self.prefix, self._rname), [])
         with self._lock:
             for _k, _ns, name, size in found:
                 self._used += size - self.sizes.get(name, 0)
                 self.sizes[name] = size
-        return [(k, ns) for k, ns, _, _ in found]
+        return [(stored_key(k), d) for k, d, _, _ in found]
 
-    def purge(self, salt: str | None) -> int:
-        """Delete every value of `salt`'s namespace in Redis (also those other processes
+    def purge(self, ns: Namespace) -> int:
+        """Delete every value of namespace `ns` in Redis (also those other processes
         wrote, e.g. replicas sharing this Redis); returns how many."""
-        match = f"{self.prefix}{self.ns(salt).hex()[:16]}:*"
+        match = f"{self.prefix}{self.ns(ns).hex()[:16]}:*"
 
         def run() -> int:
             names = scan_names(self.client, match)

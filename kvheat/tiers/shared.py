@@ -28,6 +28,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 
+from ..cache.hashing import BlockKey, stored_key
 from ..checks.bounds import Overflow
 from .index import PeerEntry
 from .manager import TierManager
@@ -83,7 +84,7 @@ class SharedTierFeed:
         self.writer = os.urandom(8)
         self.max_peer_keys = max_peer_keys
         self.flush_s = flush_s
-        self.peers: OrderedDict[bytes, int] = OrderedDict()  # key -> tokens
+        self.peers: OrderedDict[BlockKey, int] = OrderedDict()  # key -> tokens
         self._lock = threading.Lock()
         self._out: deque[tuple[int, bytes, int]] = deque()
         self.sent = self.received = self.bad = self.errors = 0
@@ -102,7 +103,7 @@ class SharedTierFeed:
         self._sub.start()
 
     # ---- this replica's changes (called under the tiers' lock: queue and return) ----------
-    def _on_local(self, name: str, key: bytes, parent: bytes | None, tokens: int,
+    def _on_local(self, name: str, key: BlockKey, parent: BlockKey | None, tokens: int,
                   stored: bool) -> None:
         if name != self.store.name:
             return
@@ -163,25 +164,26 @@ class SharedTierFeed:
                 if len(key) > MAX_KEY_BYTES:
                     self.bad += 1
                 elif op == _PUT:
-                    self.peers[key] = tokens
-                    self.peers.move_to_end(key)
+                    k = stored_key(key)  # a key another replica put in the shared store
+                    self.peers[k] = tokens
+                    self.peers.move_to_end(k)
                     if len(self.peers) > self.max_peer_keys:  # never past it, even within
                         self.peers.popitem(last=False)
                         n += 1
                 else:
-                    self.peers.pop(key, None)
+                    self.peers.pop(stored_key(key), None)
         if n:
             self.peer_overflow(n)
 
     # ---- lookups (TierManager.find) -----------------------------------------------------------
-    def lookup(self, key: bytes) -> tuple[int, PeerEntry] | None:
+    def lookup(self, key: BlockKey) -> tuple[int, PeerEntry] | None:
         with self._lock:
             tokens = self.peers.get(key)
         if tokens is None:
             return None
         return self.tier, PeerEntry(key, tokens)
 
-    def forget(self, key: bytes) -> None:
+    def forget(self, key: BlockKey) -> None:
         with self._lock:
             self.peers.pop(key, None)
 

@@ -4,8 +4,9 @@ the device pool above them (`DeviceBlocks`).
 
 A store holds real KV bytes (one block or one 256-token chunk per key) and never serves a
 value it has not verified: a failed check is a miss, counted in `stats` and logged.
-Keys are the cache's chained prefix keys (bytes); `salt` is the tenant salt
-(`KVCacheManager.salt_of(tenant)`), part of every value's namespace.
+Keys are the cache's chained prefix keys (`BlockKey`); `ns` is the `Namespace` they live
+in (`KVCacheManager.namespace_of(tenant)`: the tenant salt's), whose digest every value
+is stored and checked under (`KVStore.ns`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from ..cache.hashing import NO_TENANT, BlockKey, Namespace
 from .codec import MAC_NAMES, namespace_digest, tier_key, value_mac_version
 
 log = logging.getLogger("kvheat.tiers")
@@ -186,7 +188,7 @@ class KVStore:
         self.stats = StoreStats()
         self.read_model = TransferModel()
         self.write_model = TransferModel()
-        self._ns_cache: dict[str | None, bytes] = {}
+        self._ns_cache: dict[str | None, bytes] = {}  # tenant salt -> its namespace digest
 
     @property
     def mac(self) -> str:
@@ -197,15 +199,15 @@ class KVStore:
     def mac(self, choice: str) -> None:
         self.mac_version = value_mac_version(choice)
 
-    def ns(self, salt: str | bytes | None) -> bytes:
-        """Namespace digest of a tenant salt (a digest passes through: entries found on
-        restart whose tenant is not known yet)."""
-        d = self._ns_cache.get(salt)  # type: ignore[arg-type]
-        if d is not None:
-            return d
-        if isinstance(salt, bytes):
-            return salt
-        d = self._ns_cache[salt] = namespace_digest(self.model, self.layout, salt, self.mac_key)
+    def ns(self, ns: Namespace) -> bytes:
+        """The namespace digest of `ns`: its tenant salt's, made once per salt (a stored
+        digest passes through: entries found on restart whose tenant is not known yet)."""
+        if ns.digest is not None:
+            return ns.digest
+        d = self._ns_cache.get(ns.salt)
+        if d is None:
+            d = self._ns_cache[ns.salt] = namespace_digest(self.model, self.layout, ns.salt,
+                                                           self.mac_key)
         return d
 
     def _default_key(self) -> bytes:
@@ -221,15 +223,15 @@ class KVStore:
     def used_bytes(self) -> int:
         raise NotImplementedError
 
-    def entry_bytes(self, kv: torch.Tensor, key: bytes) -> int:
+    def entry_bytes(self, kv: torch.Tensor, key: BlockKey) -> int:
         """Bytes one entry holding `kv` under `key` takes against the capacity."""
         return kv.numel() * kv.element_size()
 
-    def put(self, key: bytes, kv: torch.Tensor, salt: str | None = None) -> bool:
-        """Store `kv` under (key, salt); False (counted) when it cannot, never raises for
+    def put(self, key: BlockKey, kv: torch.Tensor, ns: Namespace = NO_TENANT) -> bool:
+        """Store `kv` under (key, ns); False (counted) when it cannot, never raises for
         a full or failing tier."""
         t0 = time.perf_counter()
-        if self._put(key, kv, salt):
+        if self._put(key, kv, ns):
             n = kv.numel() * kv.element_size()
             self.write_model.record(n, time.perf_counter() - t0)
             st = self.stats
@@ -239,22 +241,22 @@ class KVStore:
         self.stats.put_refused += 1
         return False
 
-    def get(self, key: bytes, salt: str | None = None,
+    def get(self, key: BlockKey, ns: Namespace = NO_TENANT,
             out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The verified tensor for (key, salt), copied into `out` when given; None on a
+        """The verified tensor for (key, ns), copied into `out` when given; None on a
         miss, a failed check or a down tier."""
         t0 = time.perf_counter()
-        t = self._counted(self._get(key, salt, out))
+        t = self._counted(self._get(key, ns, out))
         if t is not None:
             self.read_model.record(t.nbytes, time.perf_counter() - t0)
         return t
 
-    def take(self, key: bytes, salt: str | None = None) -> torch.Tensor | None:
+    def take(self, key: BlockKey, ns: Namespace = NO_TENANT) -> torch.Tensor | None:
         """An entry's verified bytes on their way down to the next tier (a private copy;
         the caller deletes the entry after): `get`, counted but not timed. The read model
         fits the reads a load makes into the device; a move's copy into a fresh tensor,
         one block at a time, is not one, and its samples would price loads wrongly."""
-        return self._counted(self._get(key, salt, None))
+        return self._counted(self._get(key, ns, None))
 
     def _counted(self, t: torch.Tensor | None) -> torch.Tensor | None:
         st = self.stats
@@ -266,40 +268,40 @@ class KVStore:
         st.get_bytes += t.nbytes
         return t
 
-    def get_many(self, keys: Sequence[bytes], salt: str | None = None,
+    def get_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT,
                  outs: Sequence[torch.Tensor | None] | None = None,
                  readonly_ok: bool = False) -> list[torch.Tensor | None]:
         """`get` for each key, into `outs[i]` when given (stores that can batch override).
         `readonly_ok`: the caller only copies from the results, so a store may return
         views of its own read buffers instead of private copies."""
         if outs is None:
-            return [self.get(k, salt) for k in keys]
+            return [self.get(k, ns) for k in keys]
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output tensors")
-        return [self.get(k, salt, o) for k, o in zip(keys, outs, strict=True)]
+        return [self.get(k, ns, o) for k, o in zip(keys, outs, strict=True)]
 
-    def put_many(self, items: Sequence[tuple[bytes, torch.Tensor]],
-                 salt: str | None = None) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]],
+                 ns: Namespace = NO_TENANT) -> list[bool]:
         """`put` for each (key, kv); stores that can batch override."""
-        return [self.put(k, kv, salt) for k, kv in items]
+        return [self.put(k, kv, ns) for k, kv in items]
 
-    def contains(self, key: bytes, salt: str | None = None) -> bool:
+    def contains(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
         raise NotImplementedError
 
-    def delete(self, key: bytes, salt: str | None = None) -> bool:
+    def delete(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
         raise NotImplementedError
 
-    def delete_many(self, keys: Sequence[bytes], salt: str | None = None) -> int:
+    def delete_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT) -> int:
         """`delete` for each key (stores that can batch override); returns how many were
         there."""
-        return sum(self.delete(k, salt) for k in keys)
+        return sum(self.delete(k, ns) for k in keys)
 
-    def stored(self) -> Iterable[tuple[bytes, bytes]]:
+    def stored(self) -> Iterable[tuple[BlockKey, bytes]]:
         """(key, namespace digest) of every stored entry (for rebuilding an index)."""
         raise NotImplementedError
 
-    def purge(self, salt: str | None) -> int:
-        """Delete entries of `salt`'s namespace that this process does not index (another
+    def purge(self, ns: Namespace) -> int:
+        """Delete entries of `ns` that this process does not index (another
         process's, on a shared store); returns how many. Stores only this process writes
         (host memory, a disk folder it locks) have none."""
         return 0
@@ -315,10 +317,10 @@ class KVStore:
         log.warning("%s tier: value for key %s failed its %s check (%s); served as a miss",
                     self.name, key.hex()[:16], kind, detail)
 
-    def _put(self, key: bytes, kv: torch.Tensor, salt: str | None) -> bool:
+    def _put(self, key: BlockKey, kv: torch.Tensor, ns: Namespace) -> bool:
         raise NotImplementedError
 
-    def _get(self, key: bytes, salt: str | None, out: torch.Tensor | None) -> torch.Tensor | None:
+    def _get(self, key: BlockKey, ns: Namespace, out: torch.Tensor | None) -> torch.Tensor | None:
         raise NotImplementedError
 
     def describe(self) -> dict[str, object]:

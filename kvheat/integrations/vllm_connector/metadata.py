@@ -11,15 +11,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ...cache.hashing import BlockKey
+
 
 @dataclass(slots=True)
 class LoadJob:
     """Blocks of one request to load from the tiers into vLLM's device blocks."""
 
     req_id: str
-    salt: str | None
+    salt: str | None  # the tenant salt (the worker's tiers take it as a `Namespace`)
     first: int  # the request's block index of keys[0]
-    keys: list[bytes]
+    keys: list[BlockKey]
     slots: list[int]  # vLLM's device blocks to fill, one per key
     background: bool  # on a loader thread (the request waits), else before the forward
 
@@ -28,9 +30,9 @@ class LoadJob:
 class SaveJob:
     """Blocks that fill during the step, to copy out of vLLM's device blocks to the tiers."""
 
-    salt: str | None
-    keys: list[bytes]
-    parents: list[bytes | None]
+    salt: str | None  # the tenant salt (the worker's tiers take it as a `Namespace`)
+    keys: list[BlockKey]
+    parents: list[BlockKey | None]
     slots: list[int]
 
 
@@ -38,7 +40,7 @@ class SaveJob:
 class FinishHint:
     """A request's end, for the tiers' policy (`TierManager.finish`)."""
 
-    keys: list[bytes]  # its blocks' keys, prefix order
+    keys: list[BlockKey]  # its blocks' keys, prefix order
     session: str | None  # the scheduler's digest of its session
     outcome: str  # an `Outcome` value
     reason: str | None  # vLLM's finish reason

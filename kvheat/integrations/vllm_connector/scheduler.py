@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...cache.hashing import chain_key, root_key, tenant_salt
+from ...cache.hashing import BlockKey, chain_key, root_key, tenant_salt
 from ...cache.hints import Outcome, session_digest
 from ...cache.tenancy import TENANT_PARAM, VOUCH_PARAM
 from ..vllm_chunk import record_outcome, request_end, request_hints
@@ -69,7 +69,7 @@ class _Tracked:
     salt: str | None
     usable: bool  # False: a malformed tenant; the tiers neither serve nor keep its blocks
     root: bytes
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[BlockKey] = field(default_factory=list)
     saved: int = 0  # its blocks below this are in the tiers, on their way, or were offered
     device_blocks: int = 0  # the device's prefix at its last lookup
     plan: list[str] = field(default_factory=list)  # tiers of the blocks found after it
@@ -82,7 +82,7 @@ class _Tracked:
     hints: ReqContext | None = None  # its hints' context (None: hints are off)
     session: str | None = None  # the digest of its session
 
-    def keys_upto(self, n: int) -> list[bytes]:
+    def keys_upto(self, n: int) -> list[BlockKey]:
         hashes = self.request.block_hashes
         keys = self.keys
         while len(keys) < n:

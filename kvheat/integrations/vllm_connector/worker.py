@@ -18,6 +18,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from ...cache.hashing import Namespace
 from ...tiers.manager import TierManager
 from ...tiers.shared import SharedTierFeed, decode_announcements
 from ..vllm_blocks import VLLMDeviceBlocks
@@ -133,7 +134,7 @@ class KVHeatConnectorWorker:
         loaded = 0
         try:
             assert tiers is not None and device is not None
-            plan = tiers.lookup(job.salt, job.keys, 0)
+            plan = tiers.lookup(Namespace.of(job.salt), job.keys, 0)
             if plan.keys:
                 with device.writing_back():
                     loaded = tiers.load(plan, job.slots[:len(plan.keys)], device)
@@ -162,7 +163,7 @@ class KVHeatConnectorWorker:
             try:
                 assert tiers is not None and device is not None
                 self._counts.add("offered", len(job.keys))
-                tiers.save(job.salt, job.keys, job.parents, job.slots, device)
+                tiers.save(Namespace.of(job.salt), job.keys, job.parents, job.slots, device)
             except Exception:
                 log.exception("KVHeatConnector: saving %d blocks failed", len(job.keys))
 
