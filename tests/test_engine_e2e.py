@@ -403,5 +403,5 @@ def test_disk_loads_start_while_a_request_waits(llama: tuple, tmp_path) -> None:
     assert [o.output_token_ids for o in outs] == [f.output_token_ids for f in first[:2]]
     assert [o.metrics.num_cached_tokens for o in outs] == [63, 63]
     assert tc.counters.prefetch_used >= 2 and not tc.plans
-    assert not any(b.ref_cnt for idx in tc.indexes for b in idx.entries.values())
+    assert not any(b.ref_cnt for idx in tc.lower.indexes for b in idx.entries.values())
     e.close()

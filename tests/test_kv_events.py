@@ -276,7 +276,7 @@ def test_tier_moves_are_published_with_their_place(tmp_path) -> None:
 
         def same() -> bool:
             return view.device() == published(pub, tc.mgr.cached) and \
-                view.places.get(("CPU", "host"), set()) == published(pub, tc.tiers.indexes[0].entries)
+                view.places.get(("CPU", "host"), set()) == published(pub, tc.tiers.lower.indexes[0].entries)
         assert wait_for(same)
         assert tc.tiers.lower.hit_blocks[0] > 0 and tc.tiers.counters.demotions > 0
     finally:

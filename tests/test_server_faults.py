@@ -355,7 +355,7 @@ def test_redis_faults_show_in_metrics(redis_server: Any) -> None:
         _fill_device(s, 410)
         eng = s.server.worker.engines["default"]
         s.on_engine_thread(lambda: eng.tiers.flush())
-        assert s.on_engine_thread(lambda: len(eng.tiers.indexes[0])) > 0
+        assert s.on_engine_thread(lambda: len(eng.tiers.lower.indexes[0])) > 0
         redis_server.stop()  # its entries are gone; the tier's index still lists them
         redis_server.start()
         r = _complete(s, keep)

@@ -42,7 +42,7 @@ def lower_entries(e: LLMEngine, tenant: str | None) -> dict[str, int]:
     tc.flush()
     ns = e.cache.namespace_of(tenant)
     out = {}
-    for st, idx in zip(tc.stores, tc.indexes, strict=True):
+    for st, idx in zip(tc.stores, tc.lower.indexes, strict=True):
         digest = st.ns(ns)
         keys = [k for k in idx.entries if st.ns(tc.lower.key_index.records[k].ns) == digest]
         assert all(st.contains(k, ns) for k in keys)
@@ -298,7 +298,7 @@ def test_soak_tiers_tenants_arms_and_admin_calls(llama: tuple, tmp_path: Path, s
     def others_below(t: str) -> set[tuple[str, bytes]]:
         tc.flush()
         recs = tc.lower.key_index.records
-        return {(st.name, k) for st, idx in zip(tc.stores, tc.indexes, strict=True)
+        return {(st.name, k) for st, idx in zip(tc.stores, tc.lower.indexes, strict=True)
                 for k in idx.entries
                 if recs[k].owner != t and recs[k].ns != e.cache.namespace_of(t)}
 

@@ -109,7 +109,7 @@ def test_blocks_round_trip_through_host_and_disk(layout: str, async_io: bool,
     assert c.load_failed == 0
     assert c.device_hit_tokens + c.lower_hit_tokens == 6 * 4 * BS
     # Exclusive: no key is on two lower tiers.
-    assert not set(tc.tiers.indexes[0].entries) & set(tc.tiers.indexes[1].entries)
+    assert not set(tc.tiers.lower.indexes[0].entries) & set(tc.tiers.lower.indexes[1].entries)
     tc.close()
 
 
@@ -123,7 +123,7 @@ def test_write_through_keeps_lower_copies(tmp_path: Path) -> None:
     for p in ps:
         assert eng.run(p) == 4 * BS
     # Promoted blocks keep their copies on both lower tiers.
-    assert len(tc.tiers.indexes[0]) == len(tc.tiers.indexes[1]) == 16
+    assert len(tc.tiers.lower.indexes[0]) == len(tc.tiers.lower.indexes[1]) == 16
     st = tc.tiers.stats()
     assert st["tiers"]["1:disk"]["puts"] == 16  # each block written to disk once
 
@@ -136,12 +136,12 @@ def test_lower_tier_eviction_follows_the_policy(tmp_path: Path) -> None:
     eng.run(a)
     eng.run(b)  # a (4 blocks) demoted to host
     eng.run(c)  # b demoted to host; host full: a goes to disk
-    host_keys = set(tc.tiers.indexes[0].entries)
-    disk_keys = set(tc.tiers.indexes[1].entries)
+    host_keys = set(tc.tiers.lower.indexes[0].entries)
+    disk_keys = set(tc.tiers.lower.indexes[1].entries)
     ka = set(tc.mgr.make_request("x", a).keys)
     kb = set(tc.mgr.make_request("y", b).keys)
     assert kb == host_keys and ka == disk_keys
-    assert tc.tiers.indexes[0].policy.name == "lru"
+    assert tc.tiers.lower.indexes[0].policy.name == "lru"
 
 
 def test_prefetch_starts_loads_before_allocate(tmp_path: Path) -> None:
@@ -156,9 +156,9 @@ def test_prefetch_starts_loads_before_allocate(tmp_path: Path) -> None:
     # A prefetch that is never allocated releases its pins.
     req = tc.mgr.make_request("never", ps[1])
     assert tc.prefetch(req) == 4 * BS
-    assert any(e.ref_cnt for idx in tc.tiers.indexes for e in idx.entries.values())
+    assert any(e.ref_cnt for idx in tc.tiers.lower.indexes for e in idx.entries.values())
     tc.tiers.cancel("never")
-    assert not any(e.ref_cnt for idx in tc.tiers.indexes for e in idx.entries.values())
+    assert not any(e.ref_cnt for idx in tc.tiers.lower.indexes for e in idx.entries.values())
     tc.close()
 
 
@@ -199,7 +199,7 @@ def test_decision_picks_the_profitable_prefix(tmp_path: Path) -> None:
         eng.run(p)
     # LRU, tail-first: the device keeps ps[4:], the host the 6 latest demoted blocks
     # (ps[3] and the first two of ps[2]), disk the rest.
-    loc = [[next((t for t, idx in enumerate(tc.tiers.indexes) if k in idx.entries), None)
+    loc = [[next((t for t, idx in enumerate(tc.tiers.lower.indexes) if k in idx.entries), None)
             for k in tc.mgr.make_request("q", p).keys] for p in ps]
     assert loc[2] == [0, 0, 1, 1] and loc[0] == [1, 1, 1, 1]
     assert eng.run(ps[2]) == 2 * BS  # host prefix loaded, disk tail recomputed
@@ -271,7 +271,7 @@ def test_fault_corrupt_disk_file_mid_replay(tmp_path: Path) -> None:
         eng.run(p)
     disk: DiskStore = tc.tiers.stores[1]  # type: ignore[assignment]
     keys = tc.mgr.make_request("x", ps[0]).keys
-    assert all(k in tc.tiers.indexes[1].entries for k in keys)
+    assert all(k in tc.tiers.lower.indexes[1].entries for k in keys)
     path = disk._path(disk._name(keys[2], disk.ns(NO_TENANT)))
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
@@ -291,7 +291,7 @@ def test_fault_disk_cap_stops_demotion_without_errors(tmp_path: Path) -> None:
     tc.tiers.flush()
     disk = tc.tiers.stores[1]
     assert disk.used_bytes() <= disk.capacity_bytes
-    assert len(tc.tiers.indexes[1]) == 3 and tc.tiers.counters.dropped_bottom > 0
+    assert len(tc.tiers.lower.indexes[1]) == 3 and tc.tiers.counters.dropped_bottom > 0
     assert tc.tiers.counters.worker_errors == 0
     for p in ps:
         eng.run(p)  # whatever is served is checked; nothing raises
@@ -316,7 +316,7 @@ def test_fault_restart_serves_only_verified_disk_blocks(tmp_path: Path) -> None:
     assert disk2.rejected_on_open == 1
     host2 = HostStore(pool2.bytes_per_block, pool2.bytes_per_block)
     tc2 = Stack(mgr2, pool2, [host2, disk2], TierSpec(async_io=False, calibrate=False))
-    assert len(tc2.tiers.indexes[1]) == len(files) - 1
+    assert len(tc2.tiers.lower.indexes[1]) == len(files) - 1
     eng2 = Engine(tc2, pool2)
     served = sum(eng2.run(p) for p in ps)
     assert served > 0 and tc2.tiers.counters.load_failed == 0
@@ -346,7 +346,7 @@ def test_fault_redis_killed_mid_replay(redis_server, tmp_path: Path) -> None:
     for p in ps:
         eng.run(p)
     tc.tiers.flush()
-    assert len(tc.tiers.indexes[1]) > 0
+    assert len(tc.tiers.lower.indexes[1]) > 0
     assert eng.run(ps[0]) == 4 * BS  # from Redis
     redis_server.stop()
     for p in ps[1:]:
@@ -386,7 +386,7 @@ def test_refused_host_put_goes_down_with_a_private_copy(tmp_path: Path) -> None:
     tc.tiers.flush()
     tc.tiers.cancel("pending")
     assert tc.tiers.counters.demote_dropped == 0
-    assert all(k in tc.tiers.indexes[1].entries for k in mgr.make_request("q", b).keys)
+    assert all(k in tc.tiers.lower.indexes[1].entries for k in mgr.make_request("q", b).keys)
     assert eng.run(b) == 4 * BS  # Engine checks every loaded byte
     tc.close()
 
@@ -410,8 +410,8 @@ def test_allocating_a_head_of_a_prefetched_request(tmp_path: Path) -> None:
         want = truth(pool, full.keys[i])
         assert torch.equal(pool.block_view(head.blocks[i].block_id).view(torch.uint8),
                            want.view(torch.uint8))
-    assert not any(e.ref_cnt for idx in tc.tiers.indexes for e in idx.entries.values())
-    assert all(any(k in idx.entries for idx in tc.tiers.indexes) for k in full.keys[2:])
+    assert not any(e.ref_cnt for idx in tc.tiers.lower.indexes for e in idx.entries.values())
+    assert all(any(k in idx.entries for idx in tc.tiers.lower.indexes) for k in full.keys[2:])
     mgr.free(head)
     tc.close()
 
@@ -422,13 +422,13 @@ def unreachable(tc: Stack, key_lists: list[list[bytes]]) -> list[bytes]:
     their prompt is held by no tier nor the device (worked out from the prompts' own keys,
     not from the hierarchy's links)."""
     def held(k: bytes) -> bool:
-        return k in tc.mgr.cached or any(k in idx.entries for idx in tc.tiers.indexes)
+        return k in tc.mgr.cached or any(k in idx.entries for idx in tc.tiers.lower.indexes)
 
     out = []
     for keys in key_lists:
         broken = False
         for k in keys:
-            if broken and any(k in idx.entries for idx in tc.tiers.indexes):
+            if broken and any(k in idx.entries for idx in tc.tiers.lower.indexes):
                 out.append(k)
             broken = broken or not held(k)
     return out
@@ -455,19 +455,19 @@ def test_parent_dropped_at_bottom_takes_children_along(tmp_path: Path) -> None:
     ka = tc.mgr.make_request("ka", a).keys
     eng.run(a)
     eng.run(b)  # a's blocks go to the host, child first
-    assert set(tc.tiers.indexes[0].entries) == set(ka)
+    assert set(tc.tiers.lower.indexes[0].entries) == set(ka)
     touch_below(tc, a, "t1")  # host LRU now: a0 (parent) colder than a1
     eng.run(c)
     eng.run(d)  # the host makes room: a0 to disk, a1 stays on the host
-    assert list(tc.tiers.indexes[1].entries) == [ka[0]] and ka[1] in tc.tiers.indexes[0].entries
-    assert tc.tiers.indexes[1].get(ka[0]).num_children == 1  # type: ignore[union-attr]
+    assert list(tc.tiers.lower.indexes[1].entries) == [ka[0]] and ka[1] in tc.tiers.lower.indexes[0].entries
+    assert tc.tiers.lower.indexes[1].get(ka[0]).num_children == 1  # type: ignore[union-attr]
     touch_below(tc, a, "t2")  # a1 hot on the host: the host's next victim is one of b's
     used = host.used_bytes()
     eng.run(e)  # a b block comes down to a full disk holding only a0, a parent
     c_ = tc.tiers.counters
-    assert c_.dropped_bottom == 1 and ka[0] not in tc.tiers.indexes[1].entries
+    assert c_.dropped_bottom == 1 and ka[0] not in tc.tiers.lower.indexes[1].entries
     assert c_.orphans_dropped == 1 and tc.tiers.stats()["orphans_dropped"] == 1
-    assert ka[1] not in tc.tiers.indexes[0].entries and not host.contains(ka[1], NO_TENANT)
+    assert ka[1] not in tc.tiers.lower.indexes[0].entries and not host.contains(ka[1], NO_TENANT)
     assert host.used_bytes() == used - pool.bytes_per_block  # one came in, a b block and a1 left
     all_keys = [tc.mgr.make_request("k", p).keys for p in (a, b, c, d, e)]
     assert unreachable(tc, all_keys) == []
@@ -489,15 +489,15 @@ def test_refused_demotion_takes_children_along(tmp_path: Path) -> None:
     eng.run(a)
     eng.run(b)
     eng.run(c)  # device full: a1, the coldest leaf, goes to the host
-    assert list(tc.tiers.indexes[0].entries) == [ka[1]]
+    assert list(tc.tiers.lower.indexes[0].entries) == [ka[1]]
     pending = mgr.make_request("pending", a)
     assert tc.prefetch(pending) == BS  # a0 on the device, a1 planned from the host: pinned
     eng.run(d)  # a0 leaves the device; the host's only slot is pinned: refused
     assert tc.tiers.counters.demote_refused == 1
     assert tc.tiers.counters.orphans_dropped == 1
     tc.tiers.cancel("pending")
-    assert len(tc.tiers.indexes[0]) == 0 and host.used_bytes() == 0
-    assert not any(e.ref_cnt for e in tc.tiers.indexes[0].entries.values())
+    assert len(tc.tiers.lower.indexes[0]) == 0 and host.used_bytes() == 0
+    assert not any(e.ref_cnt for e in tc.tiers.lower.indexes[0].entries.values())
     assert eng.run(a) == 0
     tc.close()
 
@@ -511,11 +511,11 @@ def test_promoted_parent_keeps_children_reachable(tmp_path: Path) -> None:
     ka = tc.mgr.make_request("ka", a).keys
     eng.run(a)
     eng.run(b)  # a: two blocks on the host, two on disk
-    assert all(any(k in idx.entries for idx in tc.tiers.indexes) for k in ka)
+    assert all(any(k in idx.entries for idx in tc.tiers.lower.indexes) for k in ka)
     assert eng.run(a[:BS + 3]) == BS  # only a0 is loaded: it leaves its tier
-    assert not any(ka[0] in idx.entries for idx in tc.tiers.indexes) and ka[0] in tc.mgr.cached
+    assert not any(ka[0] in idx.entries for idx in tc.tiers.lower.indexes) and ka[0] in tc.mgr.cached
     assert tc.tiers.counters.orphans_dropped == 0
-    assert all(any(k in idx.entries for idx in tc.tiers.indexes) for k in ka[1:])
+    assert all(any(k in idx.entries for idx in tc.tiers.lower.indexes) for k in ka[1:])
     assert eng.run(a) == 4 * BS  # a0 on the device, a1..a3 loaded from below
     assert tc.tiers.counters.orphans_dropped == 0 and tc.tiers.counters.load_failed == 0
     tc.close()
@@ -529,7 +529,7 @@ def test_bottom_tier_evicts_leaves_first(tmp_path: Path) -> None:
     mgr = KVCacheManager(CacheConfig(4, BS))
     host = HostStore(3 * pool.bytes_per_block, pool.bytes_per_block)
     tc = Stack(mgr, pool, [host], TierSpec(async_io=False, calibrate=False))
-    idx = tc.tiers.indexes[0]
+    idx = tc.tiers.lower.indexes[0]
     eng = Engine(tc, pool)
     a = prompts(1, 2)[0]
     b = prompts(1, 4, seed=1)[0]
@@ -563,11 +563,11 @@ def test_write_through_drops_children_with_the_last_copy(tmp_path: Path) -> None
     ka = tc.mgr.make_request("ka", a).keys
     eng.run(a)
     eng.run(b)  # a1, a0 to both tiers; the one-entry disk keeps a0 (a1 is on the host)
-    assert list(tc.tiers.indexes[1].entries) == [ka[0]] and set(tc.tiers.indexes[0].entries) == set(ka)
+    assert list(tc.tiers.lower.indexes[1].entries) == [ka[0]] and set(tc.tiers.lower.indexes[0].entries) == set(ka)
     touch_below(tc, a, "t")  # host LRU: a0 colder than a1
     eng.run(c)  # b3 down: the host drops a0 (the disk has it), then the disk drops a0
-    assert ka[0] not in tc.tiers.indexes[0].entries and ka[0] not in tc.tiers.indexes[1].entries
-    assert tc.tiers.counters.orphans_dropped == 1 and ka[1] not in tc.tiers.indexes[0].entries
+    assert ka[0] not in tc.tiers.lower.indexes[0].entries and ka[0] not in tc.tiers.lower.indexes[1].entries
+    assert tc.tiers.counters.orphans_dropped == 1 and ka[1] not in tc.tiers.lower.indexes[0].entries
     assert not host.contains(ka[1], NO_TENANT)
     tc.close()
 
@@ -584,7 +584,7 @@ def test_write_through_parent_dropped_above_keeps_children(tmp_path: Path) -> No
     eng.run(b)
     touch_below(tc, a, "t")
     eng.run(c)  # the host drops a0; the disk still has it
-    assert ka[0] not in tc.tiers.indexes[0].entries and ka[0] in tc.tiers.indexes[1].entries
+    assert ka[0] not in tc.tiers.lower.indexes[0].entries and ka[0] in tc.tiers.lower.indexes[1].entries
     assert tc.tiers.counters.orphans_dropped == 0
     assert eng.run(a) == 2 * BS
     tc.close()
@@ -614,7 +614,7 @@ def test_replay_leaves_no_unreachable_entries(policy: str, async_io: bool,
         if step % 20 == 19:
             tc.tiers.flush()
             assert unreachable(tc, keys) == []
-            below = {k for idx in tc.tiers.indexes for k in idx.entries}
+            below = {k for idx in tc.tiers.lower.indexes for k in idx.entries}
             recs = tc.tiers.lower.key_index.records
             assert set(recs) == below  # nothing in flight after flush
             assert all(recs[k].held == len(tc.tiers.lower.key_index.where(k)) for k in below)

@@ -38,7 +38,7 @@ def _check_sharing(url: str, tmp_path: Path, cluster: bool) -> None:
         ps = prompts(4, 4, seed=1)  # 16 blocks through an 8-block device: A demotes
         for p in ps:
             assert a.run(p, tenant="t1") == 0
-        demoted = set(a_tc.tiers.indexes[0].entries)
+        demoted = set(a_tc.tiers.lower.indexes[0].entries)
         assert demoted
         assert wait_for(lambda: demoted <= set(b_feed.peers))
         # B has never seen these prompts: what A put in Redis is loaded, bytes checked.
@@ -46,7 +46,7 @@ def _check_sharing(url: str, tmp_path: Path, cluster: bool) -> None:
         assert got == 4 * BS
         assert b_tc.tiers.lower.hit_blocks[0] == 4 and b_tc.tiers.counters.load_failed == 0
         # Shared: B's load does not take A's entry away from A (or from Redis).
-        assert demoted <= set(a_tc.tiers.indexes[0].entries)
+        assert demoted <= set(a_tc.tiers.lower.indexes[0].entries)
         # Another tenant's request never matches those keys.
         assert b.run(ps[1], tenant="t2") == 0
     finally:
@@ -78,7 +78,7 @@ def test_writer_eviction_withdraws_and_stale_entries_are_counted_misses(redis_se
         before = set(b_feed.peers)
         for p in prompts(6, 4, seed=3):  # A's 8-block Redis budget evicts the first ones
             a.run(p)
-        gone = before - set(a_tc.tiers.indexes[0].entries)
+        gone = before - set(a_tc.tiers.lower.indexes[0].entries)
         assert gone
         assert wait_for(lambda: not (gone & set(b_feed.peers)))
         # A stale peer entry (deleted from Redis behind the announcements' back): a

@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
@@ -28,7 +27,6 @@ from ..cache.request import hit_rate
 from .cost import LoadCost, PrefillSpeed
 from .counters import TierCounters
 from .demotion import Demoter
-from .index import TierIndex
 from .loads import LoadPlan, Reads, Step
 from .lower import IndexListener, LowerTiers
 from .spec import TierSpec
@@ -108,20 +106,6 @@ class TierManager:
     def tier_of(self, name: str) -> int | None:
         """The index (top first) of the tier named `name`, or None."""
         return self.lower.tier_of(name)
-
-    @property
-    def indexes(self) -> list[TierIndex]:
-        """Each tier's index of what it holds, top first (its eviction order)."""
-        return self.lower.indexes
-
-    @property
-    def peers(self) -> Any:
-        """Keys other replicas put in a shared tier (`shared.SharedTierFeed` sets itself)."""
-        return self.lower.peers
-
-    @peers.setter
-    def peers(self, feed: Any) -> None:
-        self.lower.peers = feed
 
     # ---- scheduler side -------------------------------------------------------------------
     def lookup(self, ns: Namespace, keys: Sequence[BlockKey], start: int,

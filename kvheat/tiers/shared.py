@@ -94,7 +94,7 @@ class SharedTierFeed:
                                       "announced forgotten: a missed hit, never wrong KV)")
         self._running = True
         tiers.index_listeners.append(self._on_local)
-        tiers.peers = self
+        tiers.lower.peers = self
         self._pub = threading.Thread(target=self._publish_loop, name="kvheat-shared-pub",
                                      daemon=True)
         self._sub = threading.Thread(target=self._subscribe_loop, name="kvheat-shared-sub",
@@ -199,7 +199,7 @@ class SharedTierFeed:
         self._running = False
         if self._on_local in self.tiers.index_listeners:
             self.tiers.index_listeners.remove(self._on_local)
-        if self.tiers.peers is self:
-            self.tiers.peers = None
+        if self.tiers.lower.peers is self:
+            self.tiers.lower.peers = None
         self._pub.join(1.0)
         self._sub.join(1.0)
