@@ -34,9 +34,11 @@ MAX_KEY_BYTES = 255
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    """The namespace block keys live in below the device (lower tiers): a tenant salt
-    (`of`; `NO_TENANT` for none), or, for an entry a store kept from before a restart
-    whose tenant is not known yet, the namespace digest it was stored under (`stored`).
+    """The namespace block keys live in below the device (lower tiers).
+
+    A tenant salt (`of`; `NO_TENANT` for none), or, for an entry a store kept from before
+    a restart whose tenant is not known yet, the namespace digest it was stored under
+    (`stored`).
     A store names its values by the namespace's digest (`KVStore.ns`): a stored digest
     passes through, so such an entry is found again once its tenant's namespace asks."""
 
@@ -54,13 +56,14 @@ class Namespace:
 
     @staticmethod
     def stored(digest: bytes) -> Namespace:
-        """The namespace of an entry found in a store whose tenant is not known yet: the
-        namespace digest it was stored under."""
+        """The namespace of an entry found in a store whose tenant is not known yet.
+
+        It is the namespace digest the entry was stored under."""
         return Namespace(None, bytes(digest))
 
     @property
     def known(self) -> bool:
-        """Is it a tenant's namespace (not a stored digest whose tenant is unknown)?"""
+        """True for a tenant's namespace, False for a stored digest whose tenant is unknown."""
         return self.digest is None
 
 
@@ -68,23 +71,26 @@ NO_TENANT = Namespace()  # the namespace of keys without a tenant
 
 
 def stored_key(raw: bytes) -> BlockKey:
-    """A key read back from a store (a value's header, a peer's announcement): a
-    ValueError if it is longer than any stored value can hold."""
+    """A key read back from a store (a value's header, a peer's announcement).
+
+    A ValueError if it is longer than any stored value can hold."""
     if len(raw) > MAX_KEY_BYTES:
         raise ValueError(f"a stored key has at most {MAX_KEY_BYTES} bytes, not {len(raw)}")
     return BlockKey(bytes(raw))
 
 
 def node_key(key: bytes) -> BlockKey:
-    """A key an eviction policy saw on a node it orders (a device block's, a lower tier
-    entry's, a vLLM offload chunk's), replayed as a block key by a miniature cache
+    """A key an eviction policy saw on a node it orders, as a block key.
+
+    A device block's, a lower tier entry's or a vLLM offload chunk's key, replayed as a block key by a miniature cache
     (kvheat/heat/miniature.py): whoever made it, it names one prefix there too."""
     return BlockKey(key)
 
 
 def probe_key(name: str) -> BlockKey:
-    """The key of a tier's probe block (timing and health probes write, read and delete
-    it): never a chained key, so it never names a prefix."""
+    """The key of a tier's probe block, never a chained key (it never names a prefix).
+
+    Timing and health probes write, read and delete it."""
     return stored_key(name.encode())
 
 

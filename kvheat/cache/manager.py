@@ -143,8 +143,7 @@ class KVCacheManager:
         return tenant_salt(tenant, self.config.share_groups)
 
     def namespace_of(self, tenant: str | None) -> Namespace:
-        """The namespace of `tenant`'s keys in the lower tiers (its salt's), made once per
-        tenant."""
+        """The namespace of `tenant`'s keys in the lower tiers (its salt's), made once."""
         ns = self._namespaces.get(tenant)
         if ns is None:
             ns = self._namespaces[tenant] = Namespace.of(self.salt_of(tenant))

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 
 class Scheduler:
+    """Builds each step's batch of decodes and prefill chunks over the block cache."""
+
     def __init__(self, config: SchedulerConfig, cache: KVCacheManager,
                  clock: Callable[[], float] = time.monotonic,
                  tiers: TierManager | None = None, device: DeviceBlocks | None = None) -> None:
@@ -70,6 +72,7 @@ class Scheduler:
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, seq: Seq) -> None:
+        """Queue a new sequence (a ValueError when it can never fit the pool)."""
         why = self.never_fits(seq.token_ids[:seq.num_prompt_tokens], seq.max_tokens,
                               seq.tenant, seq.lora, pool_only=True)
         if why is not None:
@@ -97,6 +100,7 @@ class Scheduler:
 
     def finish(self, seq: Seq, reason: str, outcome: Outcome | None = None) -> None:
         """End a sequence (done or aborted): its blocks are freed, full ones stay cached.
+
         `outcome`: whether its answer was delivered, for the cache policy; by default
         CANCELLED for the engine's own "abort" and "error", else FINISHED."""
         if seq.status is SeqStatus.FINISHED:
@@ -116,10 +120,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """True while sequences are waiting or running."""
         return bool(self.waiting or self.running)
 
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step's batch: a token per decoding sequence, then prefill chunks."""
         cfg = self.config
         now = self.clock()
         budget = cfg.max_num_batched_tokens
@@ -350,8 +356,9 @@ class Scheduler:
 
     def never_fits(self, prompt: Sequence[int], max_tokens: int, tenant: str | None = None,
                    lora: str | None = None, pool_only: bool = False) -> str | None:
-        """Why a request for `prompt` + `max_tokens` can never be admitted to this pool,
-        or None: the one check of `add` and the server. It needs blocks for prompt +
+        """Why a request for `prompt` + `max_tokens` can never be admitted, or None.
+
+        The one check of `add` and the server. It needs blocks for prompt +
         max_tokens; it may use the whole pool but for blocks pinned by prefixes it does
         not share (the pinned blocks its admission shares, as this mode matches them, are
         its own: they need no new block), and no more than its tenant's quota (a tenant at
@@ -381,7 +388,9 @@ class Scheduler:
         return None
 
     def prompt_scope(self, prompt: Sequence[int]) -> bytes | None:
-        """"exact" mode keys a prompt's blocks in a scope of the whole prompt, so they match
+        """The scope this mode keys a prompt's blocks in (None: the tenant's own keys).
+
+        "exact" mode keys a prompt's blocks in a scope of the whole prompt, so they match
         only the very same prompt (a whole-prompt cache) and never another prompt's shared
         prefix. The tenant stays the tenant (quotas, flush, pins and usage see it), and the
         cache keeps nothing per prompt."""
@@ -391,8 +400,9 @@ class Scheduler:
 
     def miss_kinds(self, classifier: MissClassifier, prompt: Sequence[int],
                    tenant: str | None) -> list[str]:
-        """The class each of the prompt's full blocks would have if it missed
-        (`MissClassifier.prepare`), the prompt keyed as this mode looks it up: in its own
+        """The class each of the prompt's full blocks would have if it missed.
+
+        As `MissClassifier.prepare` gives it, the prompt keyed as this mode looks it up: in its own
         scope ("exact", `prompt_scope`), as is ("block"). "off" looks nothing up, so no
         block is ever served: each is a first sight (compulsory), never a capacity miss a
         larger pool would have served."""
@@ -402,8 +412,9 @@ class Scheduler:
 
     # ---- checks -----------------------------------------------------------------------
     def check_accounting(self) -> None:
-        """Blocks balance: each running sequence holds exactly the blocks of its computed
-        tokens, waiting ones hold none, and the pool's referenced blocks are theirs."""
+        """Raise unless the blocks balance (tests).
+
+        Each running sequence holds exactly the blocks of its computed tokens, waiting ones hold none, and the pool's referenced blocks are theirs."""
         cache = self.cache
         cache.check_invariants()
         bs = self.block_size

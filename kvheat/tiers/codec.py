@@ -89,8 +89,10 @@ class CorruptValue(ValueError):
 
 
 def tier_key(secret: str | bytes | None = None) -> bytes | None:
-    """The 32-byte MAC key derived from a deployment secret: `secret`, else the
-    `KVHEAT_TIER_SECRET` environment variable; None when neither is set."""
+    """Derive the 32-byte MAC key from a deployment secret; None without a secret.
+
+    The secret is `secret`, else the `KVHEAT_TIER_SECRET` environment variable; None when
+    neither is set."""
     if secret is None:
         secret = os.environ.get(SECRET_ENV) or None
     if secret is None:
@@ -103,13 +105,16 @@ def tier_key(secret: str | bytes | None = None) -> bytes | None:
 
 
 def blake3_available() -> bool:
+    """Whether the `blake3` module is installed (format 3 values can be written and read)."""
     return _blake3 is not None
 
 
 def value_mac_version(choice: str | None = None) -> int:
-    """The format version (so the MAC) new values are written with: `choice` ("blake3" or
-    "blake2b"), else the `KVHEAT_TIER_MAC` environment variable, else BLAKE3 where the
-    `blake3` module imports and BLAKE2b where it does not. Every store reads both."""
+    """Pick the format version (so the MAC) new values are written with.
+
+    It is `choice` ("blake3" or "blake2b"), else the `KVHEAT_TIER_MAC` environment
+    variable, else BLAKE3 where the `blake3` module imports and BLAKE2b where it does not.
+    Every store reads both."""
     if choice is None:
         choice = os.environ.get(MAC_ENV) or None
     if choice is None:
@@ -132,6 +137,7 @@ def _blake3_key(mac_key: bytes) -> bytes:
 
 def keyed_digest(mac_key: bytes, *parts: bytes, size: int = 16) -> bytes:
     """BLAKE2b under `mac_key` of the parts (length-prefixed, so they cannot run together).
+
     Names and namespace digests: short inputs, so BLAKE2b's speed does not matter, and they
     stay the same whichever MAC a store writes (values written before BLAKE3 keep their
     names). Domains stay apart: a namespace digest's first part is the 12-byte tag
@@ -146,9 +152,11 @@ def keyed_digest(mac_key: bytes, *parts: bytes, size: int = 16) -> bytes:
 
 
 def namespace_digest(model: str, layout: str, salt: str | None, mac_key: bytes) -> bytes:
-    """16 bytes naming (model, layout, tenant salt): stored with every value and checked on
-    read, so one tenant or model never reads another's bytes under the same key. Keyed:
-    without the tier key it cannot be computed from a tenant name and a fingerprint."""
+    """Return the 16 bytes naming (model, layout, tenant salt), keyed by `mac_key`.
+
+    They are stored with every value and checked on read, so one tenant or model never
+    reads another's bytes under the same key. Keyed: without the tier key they cannot be
+    computed from a tenant name and a fingerprint."""
     return keyed_digest(mac_key, b"kvheat-ns/v2", model.encode(), layout.encode(),
                         (salt or "").encode())
 
@@ -162,6 +170,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 @dataclass(slots=True)
 class Header:
+    """A value's parsed header: dtype, shape, key, namespace digest, payload length, MAC."""
+
     dtype: torch.dtype
     shape: tuple[int, ...]
     key: bytes
@@ -203,8 +213,9 @@ def _mac(version: int, mac_key: bytes, head_wo_mac: bytes | memoryview,
 
 def encode_prefix(t: torch.Tensor, key: bytes, ns: bytes, mac_key: bytes,
                   version: int | None = None) -> tuple[bytes, memoryview]:
-    """(header bytes, payload view) for `t`; the value is their concatenation. `version`
-    picks the MAC (`value_mac_version()` when None)."""
+    """Encode `t` as (header bytes, payload view); the value is their concatenation.
+
+    `version` picks the MAC (`value_mac_version()` when None)."""
     version = value_mac_version() if version is None else version
     if version not in MAC_NAMES:
         raise ValueError(f"no value format version {version}")
@@ -221,6 +232,7 @@ def encode_prefix(t: torch.Tensor, key: bytes, ns: bytes, mac_key: bytes,
 
 def encode(t: torch.Tensor, key: bytes, ns: bytes, mac_key: bytes,
            version: int | None = None) -> bytes:
+    """Encode `t` as one value for (key, ns): `encode_prefix`'s two parts joined."""
     head, payload = encode_prefix(t, key, ns, mac_key, version)
     return head + bytes(payload)
 
@@ -262,8 +274,9 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
 
 def verify(buf: bytes | bytearray | memoryview, hdr: Header, key: bytes, ns: bytes,
            mac_key: bytes) -> None:
-    """Raise CorruptValue unless `buf` holds exactly the value stored for (key, ns) by a
-    holder of `mac_key`."""
+    """Raise CorruptValue unless `buf` holds exactly the value stored for (key, ns).
+
+    The value must have been stored by a holder of `mac_key`."""
     if len(buf) != hdr.body_offset + hdr.payload_len:
         raise CorruptValue("torn", f"{len(buf)} bytes, header says "
                                    f"{hdr.body_offset + hdr.payload_len}")
@@ -273,8 +286,10 @@ def verify(buf: bytes | bytearray | memoryview, hdr: Header, key: bytes, ns: byt
 
 def verify_parts(head: bytes | bytearray | memoryview, payload: bytes | bytearray | memoryview,
                  hdr: Header, key: bytes, ns: bytes, mac_key: bytes) -> None:
-    """`verify` for a value received in two places: its header bytes (through the
-    namespace) and its payload (e.g. received straight into an output tensor)."""
+    """`verify` for a value received in two places: its header bytes and its payload.
+
+    The header bytes run through the namespace; the payload may have been received
+    elsewhere (e.g. straight into an output tensor)."""
     if hdr.key != key or hdr.ns != ns:
         raise CorruptValue("key", "value was stored under another key or namespace")
     if len(head) != hdr.body_offset or len(payload) != hdr.payload_len:
@@ -288,8 +303,10 @@ def verify_parts(head: bytes | bytearray | memoryview, payload: bytes | bytearra
 
 
 def header_size(prefix: bytes | bytearray | memoryview) -> int:
-    """Bytes of header (through the namespace) of a value starting with `prefix`, which
-    holds at least HEAD_SIZE bytes; the values are checked later by `decode_header`."""
+    """Return the header's length (through the namespace) of a value starting with `prefix`.
+
+    `prefix` holds at least HEAD_SIZE bytes; the header's values are checked later, by
+    `decode_header`."""
     _magic, _version, _code, ndim, klen, _plen, _mac_ = _HEAD.unpack_from(prefix, 0)
     return HEAD_SIZE + 4 * ndim + klen + NS_SIZE
 
@@ -297,6 +314,7 @@ def header_size(prefix: bytes | bytearray | memoryview) -> int:
 def decode(buf: bytes | bytearray | memoryview, key: bytes, ns: bytes,
            mac_key: bytes) -> torch.Tensor:
     """The tensor stored in `buf` for (key, ns), viewing `buf` (no copy); or CorruptValue.
+
     From a writable `buf` (bytearray, writable memoryview) the tensor is an ordinary one;
     from immutable `bytes` (straight from a socket) it must only be read, e.g. copied into
     a device block or an output buffer: writing to it is undefined."""

@@ -40,11 +40,13 @@ class LoadCost:
         self.counters = counters
 
     def prefill_speed(self) -> float | None:
+        """The engine's prefill speed in tokens/s now (None: unknown, always load)."""
         s = self.prefill_tokens_per_s
         v = s() if callable(s) else s
         return float(v) if v else None
 
     def estimate_load_s(self, tier: int, n_blocks: int) -> float | None:
+        """Estimated seconds to load `n_blocks` from `tier` (None: not measured yet)."""
         st = self.stores[tier]
         return st.read_model.estimate(n_blocks * self.block_bytes,
                                       ops=1 if st.batched_reads else n_blocks)
@@ -54,15 +56,17 @@ class LoadCost:
         return {st.name: self._time(st, rounds) for st in self.stores}
 
     def recalibrate(self, tier: int, rounds: int = 3) -> dict[str, float | None]:
-        """Forget what was measured of `tier` (it changed speed since: a slow spell that
-        ended, a fast one that did not last) and time it again now."""
+        """Forget what was measured of `tier` and time it again now.
+
+        It changed speed since: a slow spell that ended, a fast one that did not last."""
         st = self.stores[tier]
         st.read_model.reset()
         st.write_model.reset()
         return self._time(st, rounds)
 
     def probe(self, tier: int) -> float | None:
-        """Seconds to read back one probe block just written to `tier` (deleted after);
+        """Seconds to read back one probe block just written to `tier` (deleted after).
+
         None when the tier would not store it or gave back something else. The store
         records the read in its transfer model like any other."""
         st = self.stores[tier]
@@ -116,8 +120,9 @@ class LoadCost:
                 st.delete(k, PROBE_NS)
 
     def decide(self, plan: LoadPlan, wait: float) -> int:
-        """How many of the plan's blocks to load: the prefix with the largest estimated
-        saving over recomputing it (0 when no prefix saves time). `wait`: seconds a slow
+        """How many of the plan's blocks to load.
+
+        The prefix with the largest estimated saving over recomputing it (0 when no prefix saves time). `wait`: seconds a slow
         read waits behind the loaders' backlog, worth it only if it still beats
         recomputing. Sets the plan's estimates."""
         speed = self.prefill_speed()

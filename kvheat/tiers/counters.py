@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class TierCounters:
+    """What the lower tiers have done so far, as counts the server turns into metrics."""
+
     # Every prompt, counted once by `record_prompt` (an engine: at its first admission,
     # with or without a lower-tier plan), as the device cache's stats count it: the
     # tokens served from the device and from lower tiers, never a token recomputed.

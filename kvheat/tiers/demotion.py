@@ -40,6 +40,7 @@ class Move:
     gen: int  # the owner's flush count when it left the device
 
     def to(self, tier: int, kv: torch.Tensor) -> Move:
+        """The same move, to `tier` with `kv`."""
         return Move(tier, self.key, self.ns, self.tokens, kv, self.parent, self.owner,
                     self.gen)
 
@@ -59,13 +60,13 @@ class Demoter:
 
     def demote(self, key: BlockKey, ns: Namespace, tokens: int, kv: torch.Tensor,
                parent: BlockKey | None, owner: object, leaving_device: bool) -> bool:
-        """Put one block's KV on the lower tiers: the first one up (exclusive), or every
-        one (write-through). `kv` may view a device block: it is copied before this
+        """Put one block's KV on the lower tiers; returns whether a tier holds or takes it.
+
+        The first one up (exclusive), or every one (write-through). `kv` may view a device block: it is copied before this
         returns. `parent`: the key before it in its prefix (None for a first block);
         `owner`: the tenant that filled it (flushes); `leaving_device`: the device is
         evicting it now (else the device's own answer counts, see `KeyIndex`).
-        Returns whether a tier holds it or is taking it (in namespace `ns`: a key is
-        stored once, in the namespace it came with first)."""
+        In namespace `ns`: a key is stored once, in the namespace it came with first."""
         low = self.lower
         if not low.stores:
             return False
@@ -93,7 +94,9 @@ class Demoter:
         return low.settle(key, ns, leaving_device)
 
     def enqueue(self, m: Move) -> None:
-        """Hand a demotion to the background thread. The item holds `key` below from now
+        """Hand a demotion to the background thread.
+
+        The item holds `key` below from now
         until it is placed, so a key moving between tiers is never taken for gone."""
         low = self.lower
         low.hold(m.key, m.parent, m.ns, m.owner)
@@ -130,8 +133,9 @@ class Demoter:
                 self.queue.task_done()
 
     def place(self, m: Move, cascade: bool, owned: bool = False) -> None:
-        """Put one block into `m.tier`, making room by evicting that tier's coldest entries
-        (down to the next tier when `cascade`); a refused block itself goes down too.
+        """Put one block into `m.tier`, making room by evicting that tier's coldest entries.
+
+        They go down to the next tier when `cascade`; a refused block itself goes too.
         `owned`: `m.kv` is a private copy; otherwise it may view a device block that is
         reused as soon as this returns, so anything queued is copied first. The caller
         holds the key meanwhile and settles it after (a refused key may be gone)."""
@@ -188,6 +192,7 @@ class Demoter:
             time.sleep(0.001)
 
     def close(self) -> None:
+        """Write what is queued and stop the thread."""
         if self.worker is not None:
             self.flush()
             self.queue.put(None)

@@ -99,7 +99,8 @@ def record_prompt(tiers: TierManager, mgr: KVCacheManager, num_tokens: int,
 
 
 def purge(tiers: TierManager, mgr: KVCacheManager, tenant: str | None) -> dict[str, int]:
-    """Delete what the tiers hold of `tenant` (a flush of `mgr`'s tenant); returns the
-    entries deleted per tier name. In a share group, only what the tenant filled."""
+    """Delete what the tiers hold of `tenant` (a flush); returns the entries per tier.
+
+    In a share group, only what the tenant filled."""
     shared = tenant is not None and tenant in mgr.config.share_groups
     return tiers.purge(tenant, mgr.namespace_of(tenant), shared)

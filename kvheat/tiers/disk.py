@@ -47,6 +47,8 @@ _KEY_FILE = ".kvheat-tier-key"
 
 
 class DiskStore(KVStore):
+    """The disk tier: one file per entry under `root`, capped at `capacity_bytes`."""
+
     name = "disk"
 
     def __init__(self, root: str | Path, capacity_bytes: int, model: str = "model",
@@ -153,8 +155,10 @@ class DiskStore(KVStore):
             self.trimmed_on_open += 1
     # ---- interface --------------------------------------------------------------------
     def used_bytes(self) -> int:
-        """Bytes against the cap: this store's files, or the folder's files of its model
-        and layout when other processes add to them."""
+        """Bytes against the cap.
+
+        This store's files, or the folder's files of its model and layout when other
+        processes add to them."""
         return self._used + self._others()
 
     def _others(self) -> int:
@@ -180,9 +184,11 @@ class DiskStore(KVStore):
         return kv.numel() * kv.element_size() + HEAD_SIZE + 4 * kv.dim() + len(key) + NS_SIZE
 
     def writable(self) -> bool:
+        """Whether the store takes writes now: False while paused after the disk was full."""
         return time.monotonic() >= self.write_blocked_until
 
     def describe(self) -> dict[str, object]:
+        """The store's state and counters, with whether it takes writes and its own counts."""
         # A full disk is readable (up) but takes no writes: say so, with its own counters.
         return {**super().describe(), "writable": self.writable(),
                 "full_events": self.full_events, "rejected_on_open": self.rejected_on_open,
@@ -262,9 +268,11 @@ class DiskStore(KVStore):
         return t if out is None else copy_out(t, out)
 
     def contains(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        """Whether (key, ns) has a file in the index (the file itself is not read)."""
         return self._name(key, self.ns(ns)) in self.index
 
     def delete(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        """Delete the entry for (key, ns) and its file; False when there was none."""
         name = self._name(key, self.ns(ns))
         if name not in self.index:
             return False

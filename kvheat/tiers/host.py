@@ -57,9 +57,11 @@ def kernel() -> str:
 
 @contextlib.contextmanager
 def copy_path(name: str) -> Iterator[None]:
-    """Within it, every host store copies `name`'s way: "avx2", "portable" or "torch" (as a
-    build without the extension does), for benches and tests to compare them. ValueError
-    for a kernel this CPU or build lacks. Process-wide: not for a serving process."""
+    """Within it, every host store copies `name`'s way: "avx2", "portable" or "torch".
+
+    "torch" copies as a build without the extension does. For benches and tests to compare
+    them; ValueError for a kernel this CPU or build lacks. Process-wide: not for a serving
+    process."""
     global _copyhash
     if name != "torch" and _BUILT is None:
         raise ValueError("kvheat.tiers._copyhash is not built (setup.py needs a C compiler)")
@@ -120,6 +122,8 @@ class _SlotView:
 
 
 class HostStore(KVStore):
+    """The host tier: each entry in a fixed slot of a preallocated pool of host memory."""
+
     name = "host"
     inline = True
 
@@ -158,6 +162,7 @@ class HostStore(KVStore):
         self._calls = -1  # single puts: the first is timed
 
     def used_bytes(self) -> int:
+        """Bytes of the slots in use (a whole slot per entry)."""
         return len(self.entries) * self.slot_bytes
 
     def entry_bytes(self, kv: torch.Tensor, key: BlockKey) -> int:
@@ -166,6 +171,9 @@ class HostStore(KVStore):
     # put/get and their batch forms share the locked bodies below; the batch forms take the
     # lock and the clock once per batch (a promoted prefix, a run of demoted blocks).
     def put(self, key: BlockKey, kv: torch.Tensor, ns: Namespace = NO_TENANT) -> bool:
+        """Copy `kv` into a slot under (key, ns); False (counted) when the pool is full.
+
+        ValueError when `kv` does not fit a slot."""
         # Single calls time one in _TIME_EVERY (the fit needs samples, not all of them):
         # at 64 KiB the clock and the record cost 5% of a put.
         self._calls += 1
@@ -190,6 +198,9 @@ class HostStore(KVStore):
 
     def get(self, key: BlockKey, ns: Namespace = NO_TENANT,
             out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The verified tensor for (key, ns), copied into `out` when given; None on a miss.
+
+        A slot whose checksum no longer matches is dropped and counted: a miss too."""
         # Not timed: the read fit comes from `get_many` (loads and calibration read in
         # batches), and at 8 KiB a clock sample costs 5% of a read. Not `with`: 90 ns less.
         d = ns.digest or self._ns_cache.get(ns.salt) or self.ns(ns)
@@ -208,8 +219,10 @@ class HostStore(KVStore):
     def get_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT,
                  outs: Sequence[torch.Tensor | None] | None = None,
                  readonly_ok: bool = False) -> list[torch.Tensor | None]:
-        """`get` for each key (into `outs[i]` when given), under one lock. Results are
-        always private copies (a slot may be reused as soon as the lock is released)."""
+        """`get` for each key (into `outs[i]` when given), under one lock.
+
+        Results are always private copies (a slot may be reused as soon as the lock is
+        released)."""
         t0 = time.perf_counter()
         d = self.ns(ns)
         outs = outs if outs is not None else [None] * len(keys)
@@ -404,13 +417,16 @@ class HostStore(KVStore):
         return t, ok
 
     def contains(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        """Whether `key` has a slot here stored for the namespace `ns`."""
         slot = self.entries.get(key)
         return slot is not None and self._slot_ns[slot] == self.ns(ns)
 
     def delete(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        """Free `key`'s slot (`ns` is not checked); False when there was none."""
         return self.delete_many((key,), ns) == 1
 
     def delete_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT) -> int:
+        """Free the slots of `keys` under one lock (`ns` is not checked); returns how many."""
         with self._lock:
             slots = [s for s in map(self.entries.pop, keys, repeat(None)) if s is not None]
             self.free_slots += slots

@@ -53,11 +53,12 @@ class PeerEntry:
 
 
 class KeyRecord:
-    """What the index knows of one key held below: its namespace (its tenant's, or, for
-    an entry found at start-up whose tenant is not known, `Namespace.stored` of the
-    digest it is stored under), its parent key, the tenant whose request filled it
-    (`UNKNOWN_OWNER` if found at start-up), and how many holdings keep it (tier entries,
-    moves queued or in flight)."""
+    """What the index knows of one key held below: namespace, parent, owner and holdings.
+
+    Its namespace (its tenant's, or, for an entry found at start-up whose tenant is not
+    known, `Namespace.stored` of the digest it is stored under), its parent key, the
+    tenant whose request filled it (`UNKNOWN_OWNER` if found at start-up), and how many
+    holdings keep it (tier entries, moves queued or in flight)."""
 
     __slots__ = ("ns", "parent", "owner", "held")
 
@@ -88,6 +89,7 @@ class TierIndex:
         return len(self.entries)
 
     def get(self, key: BlockKey) -> TierEntry | None:
+        """The entry of `key` on this tier, or None."""
         return self.entries.get(key)
 
     def insert(self, key: BlockKey, tokens: int, size: int, now: float, children: int = 0) -> bool:
@@ -119,6 +121,7 @@ class TierIndex:
             self.policy.on_leaf(b)
 
     def touch(self, b: TierEntry, now: float) -> None:
+        """Refresh `b` as accessed at `now`: a hit for the policy, pinned or not."""
         b.last_access = now
         if b.ref_cnt == 0:
             self.policy.on_acquire(b)
@@ -136,6 +139,7 @@ class TierIndex:
         self.policy.on_hit(b, now)
 
     def unpin(self, b: TierEntry, now: float) -> None:
+        """Drop one pin of `b` (see `pin`); at the last, a live entry is evictable again."""
         b.ref_cnt -= 1
         if b.ref_cnt == 0 and self._holds(b):
             self.policy.on_release(b, now)
@@ -167,9 +171,11 @@ class TierIndex:
 
 
 class KeyIndex:
-    """Every key held below the device, all lower tiers together: its `KeyRecord`, the
-    tiers holding it (`tiers[t]`, each tier's eviction order), and its children below
-    (`kids[k]`: the held keys whose parent is k; k itself may be on the device only).
+    """The index of every key held below the device, all lower tiers together.
+
+    For each key: its `KeyRecord`, the tiers holding it (`tiers[t]`, each tier's eviction
+    order), and its children below (`kids[k]`: the held keys whose parent is k; k itself
+    may be on the device only).
 
     A key is held while a tier has it or a move of it is queued or in flight (`hold`).
     Pure bookkeeping, called with the tiers' lock held: `release` and `settle` remove the
@@ -194,9 +200,11 @@ class KeyIndex:
         return key in self.records
 
     def record(self, key: BlockKey) -> KeyRecord | None:
+        """The `KeyRecord` of `key`, or None when it is not held below."""
         return self.records.get(key)
 
     def parent(self, key: BlockKey) -> BlockKey | None:
+        """The parent key recorded for `key` (None: a root, or not held below)."""
         rec = self.records.get(key)
         return rec.parent if rec is not None else None
 
@@ -246,9 +254,11 @@ class KeyIndex:
             self._mark(parent)
 
     def release(self, key: BlockKey, leaving_device: bool = False) -> list[Deletion]:
-        """Drop one holding of `key`; when it was the last and the device does not hold the
-        key either (`leaving_device`: it is being evicted from there now), the key is gone
-        and its descendants below go too."""
+        """Drop one holding of `key`; return what to delete from the stores.
+
+        When it was the last and the device does not hold the key either
+        (`leaving_device`: it is being evicted from there now), the key is gone and its
+        descendants below go too."""
         rec = self.records.get(key)
         if rec is not None:
             rec.held -= 1
@@ -266,8 +276,10 @@ class KeyIndex:
         return self.settle(key, leaving_device)
 
     def settle(self, key: BlockKey, leaving_device: bool = False) -> list[Deletion]:
-        """If `key` is held nowhere (no tier, no queued move, not the device), remove its
-        descendants from every tier: O(descendants)."""
+        """Remove `key`'s descendants from every tier if `key` is held nowhere.
+
+        Held nowhere: no tier, no queued move, not the device. O(descendants). Returns
+        what to delete from the stores."""
         if key in self.records or (not leaving_device and self.on_device(key)):
             return []
         out: list[Deletion] = []
@@ -290,14 +302,17 @@ class KeyIndex:
         return out
 
     def orphan(self, parent: BlockKey | None) -> bool:
-        """Would an entry under `parent` be unreachable (the parent is held nowhere)?"""
+        """Whether an entry under `parent` would be unreachable (its parent held nowhere)."""
         return parent is not None and parent not in self.records and not self.on_device(parent)
 
     def children(self, key: BlockKey) -> int:
+        """How many children `key` has held below."""
         return len(self.kids.get(key, ()))
 
     def victim(self, tier: int) -> TierEntry | None:
-        """Tier `tier`'s policy choice; on a leaf-first tier where only parents are left
+        """Pick the entry tier `tier` evicts next, or None.
+
+        It is the tier policy's choice; on a leaf-first tier where only parents are left
         (rare: their children sit on other tiers), the one that became a parent first
         (the caller's removal then drops its descendants too)."""
         idx = self.tiers[tier]

@@ -20,6 +20,8 @@ log = logging.getLogger("kvheat.tiers")
 
 @dataclass(slots=True)
 class Step:
+    """One block of a load plan: the tier that holds it, and how far its load got."""
+
     index: int  # block index in the request (in the keys looked up)
     key: BlockKey
     tier: int
@@ -33,10 +35,11 @@ class Step:
 
 @dataclass(slots=True)
 class LoadPlan:
-    """What the tiers can supply right after the device's prefix: `keys[i]`, held by tier
-    `tier_names[i]`, in prefix order from block `start`. Made by `TierManager.lookup`, which pins
-    its entries until `TierManager.load` or `release` (the client's own bookkeeping is in
-    `steps`; `keys` and `tier_names` follow it)."""
+    """What the tiers can supply right after the device's prefix.
+
+    `keys[i]`, held by tier `tier_names[i]`, in prefix order from block `start`. Made by
+    `TierManager.lookup`, which pins its entries until `TierManager.load` or `release`
+    (the client's own bookkeeping is in `steps`; `keys` and `tier_names` follow it)."""
 
     ns: Namespace  # the namespace the keys live in (its tenant's: cache/hashing.py)
     keys: list[BlockKey] = field(default_factory=list)
@@ -54,17 +57,20 @@ class LoadPlan:
 
     @property
     def tokens(self) -> int:
+        """Tokens the plan's blocks hold (`keys` times `block_tokens`)."""
         return len(self.keys) * self.block_tokens
 
     def set_steps(self, steps: list[Step]) -> None:
+        """Replace the plan's steps, with `keys` and `tier_names` to match."""
         self.steps = steps
         self.keys = [s.key for s in steps]
         self.tier_names = [s.name for s in steps]
 
 
 class Slot:
-    """One step's tensor out of a batch future, shared by the plans that need that block
-    (`refs` of them; `used`: one wrote it into a device block)."""
+    """One step's tensor out of a batch future, shared by the plans that need that block.
+
+    `refs`: how many plans share it; `used`: one wrote it into a device block."""
 
     __slots__ = ("fut", "pos", "tier", "refs", "used")
 
@@ -76,6 +82,7 @@ class Slot:
         self.used = False
 
     def get(self) -> torch.Tensor | None:
+        """Wait for the batch and return this step's tensor; None on a miss or failed load."""
         try:
             res = self.fut.result()
         except Exception:  # a loader failure is a miss, never an error to the caller
@@ -85,8 +92,9 @@ class Slot:
 
 
 class Reads:
-    """Fetches plan steps from their tiers, on loader threads (`workers`; 0: none, every
-    read runs in the caller's thread) or inline."""
+    """Fetches plan steps from their tiers, on loader threads or inline.
+
+    There are `workers` loader threads; 0: none, every read runs in the caller's thread."""
 
     def __init__(self, lower: LowerTiers, estimate_load_s: Callable[[int, int], float | None],
                  workers: int) -> None:
@@ -100,8 +108,9 @@ class Reads:
         self._backlog_s = 0.0  # estimated seconds of submitted reads not finished yet
 
     def fetch(self, steps: list[Step], ns: Namespace) -> list[torch.Tensor | None]:
-        """Load steps from their tiers (runs of a pipelined tier in one round trip), up to
-        the first one missing."""
+        """Load `steps` from their tiers, up to the first one missing.
+
+        Runs of a pipelined tier are read in one round trip."""
         low = self.lower
         out: list[torch.Tensor | None] = []
         i = 0
@@ -129,8 +138,10 @@ class Reads:
         return out
 
     def start(self, plan: LoadPlan, steps: list[Step] | None = None) -> None:
-        """Submit the plan's slow loads (not inline tiers; of `steps` when given) to the
-        loader threads."""
+        """Submit the plan's slow loads to the loader threads.
+
+        Slow: not on inline tiers; of `steps` when given. A block another waiting plan is
+        reading already is read once: both plans take the same result."""
         if self.pool is None:
             return
         low = self.lower
@@ -161,13 +172,15 @@ class Reads:
             self._backlog_s = max(0.0, self._backlog_s - est)
 
     def backlog_s(self) -> float:
-        """Estimated seconds until the loader threads are through the reads queued now
-        (0 without loader threads: reads run in the caller's thread)."""
+        """Estimate the seconds until the loader threads are through the reads queued now.
+
+        0 without loader threads: reads run in the caller's thread."""
         return self._backlog_s / self.workers if self.pool is not None else 0.0
 
     def release(self, steps: list[Step]) -> None:
-        """A plan lets go of `steps`: their entries are unpinned, and a read no plan needs
-        any more is dropped (counted as unused when never written to the device)."""
+        """Release `steps` for a plan: unpin their entries, drop reads no plan needs any more.
+
+        A dropped read is counted as unused when never written to the device."""
         low = self.lower
         now = low.clock()
         with low.lock:
@@ -186,6 +199,7 @@ class Reads:
                         low.counters.unused_read_bytes += low.block_bytes
 
     def close(self) -> None:
+        """Shut the loader threads down once every read submitted to them is done."""
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None

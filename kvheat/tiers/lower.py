@@ -21,7 +21,9 @@ __all__ = ["Deletion", "IndexListener", "LowerTiers"]
 
 
 class LowerTiers:
-    """`stores[i]`, top first, with `key_index`, the index of what each holds (`indexes[i]`:
+    """The stores below the device, top first, with the one index of what they hold.
+
+    `stores[i]`, top first, with `key_index`, the index of what each holds (`indexes[i]`:
     tier i's eviction order); `lock` guards the index. Methods not marked "lock held"
     take the lock themselves and delete from the stores after releasing it."""
 
@@ -87,10 +89,13 @@ class LowerTiers:
 
     # ---- lookups (lock held) --------------------------------------------------------------
     def tier_of(self, name: str) -> int | None:
+        """The index of the tier named `name`, or None."""
         return next((i for i, st in enumerate(self.stores) if st.name == name), None)
 
     def up(self, tier: int) -> bool:
-        """Is `tier` in use: reachable and not bypassed (callers skip it and recompute)?"""
+        """Whether `tier` is in use: reachable and not bypassed.
+
+        Callers skip a tier not in use and recompute."""
         return tier not in self.bypassed and self.stores[tier].reachable()
 
     def flushed(self, owner: object) -> int:
@@ -114,6 +119,7 @@ class LowerTiers:
         self.indexes[tier].pin(e, self.clock())
 
     def unpin(self, tier: int, e: TierEntry, now: float) -> None:
+        """Drop one pin of `e` on `tier` (see `pin`; lock held)."""
         self.indexes[tier].unpin(e, now)
 
     def touch(self, tier: int, key: BlockKey) -> bool:
@@ -132,8 +138,10 @@ class LowerTiers:
             self.key_index.hold(key, parent, ns, owner)
 
     def settle(self, key: BlockKey, ns: Namespace, leaving_device: bool) -> bool:
-        """After a demotion of `key`: is it held below in namespace `ns`? If it is held
-        nowhere, nor on the device, its descendants below go (deleted here)."""
+        """After a demotion of `key`, tell whether it is held below in namespace `ns`.
+
+        If it is held nowhere, nor on the device, its descendants below go (deleted
+        here)."""
         with self.lock:
             rec = self.key_index.record(key)
             # A key found at start-up keeps its namespace digest: that tenant's or not,
@@ -145,10 +153,12 @@ class LowerTiers:
 
     def placeable(self, tier: int, key: BlockKey, parent: BlockKey | None, owner: object,
                   gen: int) -> bool:
-        """Should a block coming down be written to `tier`? Not when its tenant was
-        flushed since it left the device (`gen`: the flush count then), when its parent
-        left meanwhile (counted), or when the tier has it already (a key names its KV:
-        refreshed; rewriting would hide it from readers while the store replaces it)."""
+        """Tell whether a block coming down should be written to `tier`.
+
+        Not when its tenant was flushed since it left the device (`gen`: the flush count
+        then), when its parent left meanwhile (counted), or when the tier has it already
+        (a key names its KV: refreshed; rewriting would hide it from readers while the
+        store replaces it)."""
         with self.lock:
             if self.flushed(owner) != gen:
                 return False
@@ -163,8 +173,10 @@ class LowerTiers:
 
     def commit(self, tier: int, key: BlockKey, ns: Namespace, tokens: int, size: int,
                owner: object, parent: BlockKey | None, gen: int) -> bool:
-        """Index a block just written to `tier`; False (counted) when its parent or its
-        tenant's KV left while it was written: the caller deletes it."""
+        """Index a block just written to `tier`; False (counted) when it must not stay.
+
+        That is when its parent or its tenant's KV left while it was written: the caller
+        deletes it."""
         with self.lock:
             if self.key_index.orphan(parent) or self.flushed(owner) != gen:
                 self.counters.orphans_dropped += 1
@@ -176,10 +188,11 @@ class LowerTiers:
 
     def evict_for(self, tier: int, key: BlockKey, need: int
                   ) -> list[tuple[BlockKey, int, Namespace, BlockKey | None, object]]:
-        """Unindex `tier`'s coldest entries until `need` more bytes fit (for `key`, whose
-        own old entry's bytes count as free). Returns (key, tokens, namespace, parent,
-        owner) of each; it stays held until the caller hands it down or drops it
-        (`release`)."""
+        """Unindex `tier`'s coldest entries until `need` more bytes fit; return them.
+
+        The room is for `key`, whose own old entry's bytes count as free. Returns (key,
+        tokens, namespace, parent, owner) of each; it stays held until the caller hands
+        it down or drops it (`release`)."""
         st, idx = self.stores[tier], self.indexes[tier]
         out: list[tuple[BlockKey, int, Namespace, BlockKey | None, object]] = []
         with self.lock:
@@ -208,16 +221,18 @@ class LowerTiers:
         self.delete(dels)
 
     def forget(self, tier: int, key: BlockKey) -> None:
-        """`tier` no longer holds `key` (stale or corrupt): unindex it; its descendants go
-        too when nothing else holds it."""
+        """Unindex `key` from `tier`, which no longer holds it (stale or corrupt).
+
+        Its descendants go too when nothing else holds it."""
         with self.lock:
             dels = self.key_index.release(key) if self.key_index.remove(tier, key) else []
         self.delete(dels)
 
     def take_out(self, tier: int, keys: Sequence[BlockKey], ns: Namespace) -> None:
-        """`keys` were loaded and live on the device now: they leave `tier` (their children
-        below stay reachable through the device's copies). One lock and one store call for
-        the batch: a load moves tens of blocks."""
+        """Remove `keys` from `tier`: they were loaded and live on the device now.
+
+        Their children below stay reachable through the device's copies. One lock and one
+        store call for the batch: a load moves tens of blocks."""
         dels: list[Deletion] = []
         with self.lock:
             idx = self.key_index
@@ -228,8 +243,10 @@ class LowerTiers:
         self.delete(dels)
 
     def drop_key(self, key: BlockKey, ns: Namespace) -> list[Deletion]:
-        """Delete `key` of namespace `ns` from every tier (a device block deleted on
-        purpose: flush, quota cut), with its descendants. Returns what was deleted."""
+        """Delete `key` of namespace `ns` from every tier, with its descendants.
+
+        For a device block deleted on purpose (flush, quota cut). Returns what was
+        deleted."""
         dels: list[Deletion] = []
         with self.lock:
             rec = self.key_index.record(key)
@@ -246,9 +263,11 @@ class LowerTiers:
         return dels
 
     def drop_tenant(self, tenant: str | None, ns: Namespace, shared: bool) -> list[Deletion]:
-        """A flush of `tenant`: counted (its demotions queued before it are dropped), and
-        its entries unindexed on every tier (lock held; in a share group only those it
-        filled, and those found at start-up). Returns what to delete from the stores."""
+        """Count a flush of `tenant` and unindex its entries on every tier (lock held).
+
+        The count drops its demotions queued before the flush. In a share group only the
+        entries it filled go, and those found at start-up. Returns what to delete from the
+        stores."""
         self.flushes[tenant] = self.flushed(tenant) + 1
         dels: list[Deletion] = []
         records = self.key_index.records
@@ -266,8 +285,9 @@ class LowerTiers:
 
     def count_loaded(self, tiers: Sequence[int], est_load_s: float,
                      est_recompute_s: float) -> None:
-        """Count blocks written into the device out of `tiers` (one entry per block), and
-        the estimated seconds of a plan that loaded whole."""
+        """Count blocks written into the device out of `tiers` (one entry per block).
+
+        Also adds the estimated seconds of a plan that loaded whole."""
         c = self.counters
         c.loaded_blocks += len(tiers)
         c.promoted_bytes += len(tiers) * self.block_bytes
@@ -284,13 +304,16 @@ class LowerTiers:
             self.hit_blocks[t] += -(-tokens // self.block_tokens)  # a partial one at most
 
     def count_deleted(self, dels: list[Deletion]) -> None:
+        """Count `dels` in their tiers' `deleted` figures (flushes, quota cuts)."""
         for t, _key, _ns in dels:
             self.deleted[t] += 1
 
     # ---- request hints (kvheat/cache/hints.py) ----------------------------------------------
     def begin(self, session: str) -> None:
-        """A request of `session` starts: each tier's policy hears it (`on_session`) before
-        the request's loads and saves, as the device cache tells its own policy."""
+        """Tell each tier's policy that a request of `session` starts (`on_session`).
+
+        They hear it before the request's loads and saves, as the device cache tells its
+        own policy."""
         if not isinstance(check_session(session), str):
             raise ValueError("begin needs a session")
         with self.lock:
@@ -300,11 +323,13 @@ class LowerTiers:
 
     def finish(self, keys: Sequence[BlockKey], session: str | None, outcome: Outcome | str,
                reason: str | None) -> int:
-        """A request whose blocks are `keys` (prefix order) ended: each tier's policy hears
-        how (`on_finish`, with the request's entries it holds) and re-files those entries
-        as the device cache re-files a request's blocks at its end (acquired before, then
-        released tail-first). A policy that takes no finish hint is left untouched: its
-        order is exactly as without the call. Returns the entries the policies were told of."""
+        """Tell each tier's policy that a request whose blocks are `keys` ended (`on_finish`).
+
+        `keys` are in prefix order. Each policy hears how it ended, with the request's
+        entries it holds, and re-files those entries as the device cache re-files a
+        request's blocks at its end (acquired before, then released tail-first). A policy
+        that takes no finish hint is left untouched: its order is exactly as without the
+        call. Returns how many entries the policies were told of."""
         outcome = Outcome.parse(outcome)
         reason = check_reason(reason)
         check_session(session)

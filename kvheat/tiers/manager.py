@@ -134,8 +134,9 @@ class TierManager:
     def prefetch(self, request_id: str, ns: Namespace, keys: Sequence[BlockKey],
                  start: int, block_tokens: Sequence[int] | None = None,
                  owner: object = None) -> int:
-        """Plan a waiting request's loads and start the slow ones now; returns the tokens
-        planned (`lookup` with the same id picks the plan up; `cancel` drops it)."""
+        """Plan a waiting request's loads and start the slow ones; returns the tokens planned.
+
+        `lookup` with the same id picks the plan up; `cancel` drops it."""
         tokens = block_tokens if block_tokens is not None else [self.block_tokens] * len(keys)
         return self._prepare(request_id, keys, tokens, start, ns, owner).tokens
 
@@ -147,8 +148,9 @@ class TierManager:
             self.release(plan)
 
     def release(self, plan: LoadPlan) -> None:
-        """Let go of a plan not loaded: its entries are unpinned, its reads dropped (once:
-        a plan loaded or released already is left as it is)."""
+        """Let go of a plan not loaded: its entries are unpinned, its reads dropped.
+
+        Once: a plan loaded or released already is left as it is."""
         if plan.pinned:
             plan.pinned = False
             self.reads.release(plan.steps)
@@ -220,8 +222,9 @@ class TierManager:
 
     def plan(self, keys: Sequence[BlockKey], tokens: Sequence[int], start: int,
              ns: Namespace, owner: object) -> LoadPlan:
-        """Pin the blocks found below after the first `start`, then keep the prefix worth
-        loading (lock held)."""
+        """Pin the blocks found below after the first `start`; keep the prefix worth loading.
+
+        Called with the lock held."""
         plan = LoadPlan(ns, block_tokens=self.block_tokens, start=start, owner=owner)
         steps = self.find(keys, tokens, start, len(keys), ns)
         plan.found_blocks = len(steps)
@@ -235,8 +238,9 @@ class TierManager:
 
     def find(self, keys: Sequence[BlockKey], tokens: Sequence[int], start: int, stop: int,
              ns: Namespace) -> list[Step]:
-        """Pin blocks `start` .. `stop` - 1 held below, up to the first one missing (lock
-        held)."""
+        """Pin blocks `start` .. `stop` - 1 held below, up to the first one missing.
+
+        Called with the lock held."""
         low = self.lower
         steps: list[Step] = []
         for i in range(start, stop):
@@ -255,16 +259,18 @@ class TierManager:
         return steps
 
     def trim(self, plan: LoadPlan, stop: int) -> None:
-        """Let go of the plan's blocks from index `stop` on (a chunked prefill's head
-        loads what it covers)."""
+        """Let go of the plan's blocks from index `stop` on.
+
+        A chunked prefill's head loads what it covers."""
         beyond = [s for s in plan.steps if s.index >= stop]
         if beyond:
             self.reads.release(beyond)
             plan.set_steps(plan.steps[:len(plan.steps) - len(beyond)])
 
     def start_reads(self, plan: LoadPlan) -> None:
-        """Start the plan's slow reads (disk, Redis) on the loader threads now, so they
-        overlap whatever runs before `load`."""
+        """Start the plan's slow reads (disk, Redis) on the loader threads now.
+
+        They overlap whatever runs before `load`."""
         self.reads.start(plan)
 
     # ---- worker side ----------------------------------------------------------------------
@@ -378,13 +384,16 @@ class TierManager:
         return self.demoter.demote(key, ns, tokens, kv, parent, owner, True)
 
     def drop(self, key: BlockKey, ns: Namespace) -> None:
-        """Delete `key` from every tier with its descendants (a device block deleted on
-        purpose: a flush, a quota cut; write-through copies included)."""
+        """Delete `key` from every tier with its descendants.
+
+        A device block deleted on purpose: a flush, a quota cut (write-through copies
+        included)."""
         self.lower.drop_key(key, ns)
 
     def purge(self, tenant: str | None, ns: Namespace, shared: bool) -> dict[str, int]:
-        """Delete what the tiers hold of `tenant` (a flush, `ns` its namespace); returns
-        entries per tier.
+        """Delete what the tiers hold of `tenant` (a flush); returns entries per tier.
+
+        `ns` is its namespace.
 
         Its entries on every tier, durable ones included, its queued demotions and its
         requests' kept plans. In a share group (`shared`) only what it filled (entries
@@ -462,8 +471,9 @@ class TierManager:
                 for t, st in enumerate(self.stores)]
 
     def set_bypass(self, name: str, on: bool) -> bool:
-        """Skip tier `name` (no loads, no demotions: its blocks are recomputed) or use it
-        again; False when there is no such tier."""
+        """Skip tier `name` or use it again; False when there is no such tier.
+
+        A skipped tier gets no loads and no demotions: its blocks are recomputed."""
         t = self.tier_of(name)
         if t is None:
             return False
@@ -474,8 +484,9 @@ class TierManager:
         return True
 
     def probe(self, name: str) -> tuple[bool, float | None]:
-        """(healthy, read seconds) of tier `name` now: a probe block is written, read back
-        and checked, and the read is no slower than recomputing one block (any good read
+        """Probe tier `name` now; returns (healthy, read seconds).
+
+        A probe block is written, read back and checked, and the read is no slower than recomputing one block (any good read
         while no prefill speed is known)."""
         t = self.tier_of(name)
         seconds = self.cost.probe(t) if t is not None else None
@@ -494,8 +505,9 @@ class TierManager:
 
     # ---- introspection and lifecycle ------------------------------------------------------
     def entries(self) -> list[tuple[str, BlockKey, BlockKey | None, int]]:
-        """(tier name, key, parent key, tokens) of every entry held now (KV event
-        snapshots)."""
+        """Every entry held now, as (tier name, key, parent key, tokens).
+
+        For KV event snapshots."""
         return self.lower.entries()
 
     def stats(self) -> dict[str, object]:

@@ -22,6 +22,8 @@ SYSFS_NODES = Path("/sys/devices/system/node")
 
 @dataclass(slots=True, frozen=True)
 class NumaNode:
+    """A NUMA node: its id and the CPUs on it."""
+
     id: int
     cpus: frozenset[int]
 
@@ -71,8 +73,9 @@ def cuda_device_node(device: int | None = None) -> int | None:
 
 @contextmanager
 def bound_to(node: NumaNode) -> Iterator[bool]:
-    """Run the body on `node`'s CPUs (those this process may use); yields False and
-    binds nothing when there are none."""
+    """Run the body on `node`'s CPUs (those this process may use).
+
+    Yields False and binds nothing when there are none."""
     before = os.sched_getaffinity(0)
     cpus = before & node.cpus
     if not cpus:
@@ -86,8 +89,9 @@ def bound_to(node: NumaNode) -> Iterator[bool]:
 
 
 def alloc_on_node(rows: int, row_bytes: int, node: NumaNode | None, pin: bool) -> torch.Tensor:
-    """A `(rows, row_bytes)` uint8 buffer whose pages lie on `node` (first touch), pinned
-    when asked."""
+    """A `(rows, row_bytes)` uint8 buffer whose pages lie on `node` (first touch).
+
+    Pinned when asked; `node` None: allocated unbound."""
     if node is None:
         return torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
     with bound_to(node):
@@ -97,7 +101,7 @@ def alloc_on_node(rows: int, row_bytes: int, node: NumaNode | None, pin: bool) -
 
 
 def placement(mode: str | int | None, nodes: Sequence[NumaNode]) -> list[NumaNode | None]:
-    """The nodes a host pool is split over, for `mode`:
+    """The nodes a host pool is split over, for `mode`.
 
     - "auto": one node when there is one that matters (the CUDA device's node), every node
       this process may run on otherwise (interleaved), nothing bound on one-node machines;

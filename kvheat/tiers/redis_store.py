@@ -57,6 +57,8 @@ T = TypeVar("T")
 
 
 class RedisStore(KVStore):
+    """The Redis tier: verified values under keyed names in a Redis node or Cluster."""
+
     name = "redis"
     pipelined = True
 
@@ -134,6 +136,7 @@ class RedisStore(KVStore):
 
     # ---- interface --------------------------------------------------------------------
     def used_bytes(self) -> int:
+        """Bytes of the values this process knows of in Redis (stored, or found by `stored`)."""
         return self._used
 
     def entry_bytes(self, kv: torch.Tensor, key: BlockKey) -> int:
@@ -141,8 +144,9 @@ class RedisStore(KVStore):
 
     def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]],
                  ns: Namespace = NO_TENANT) -> list[bool]:
-        """Stores a batch in one round trip (one MSET); the items that fit the capacity
-        are stored, in order, all or none of them; a True/False per item."""
+        """Store a batch in one round trip (one MSET); a True/False per item.
+
+        The items that fit the capacity are stored, in order, all or none of them."""
         d = self.ns(ns)
         values: list[tuple[str, bytes, memoryview]] = []
         with self._lock:
@@ -188,6 +192,7 @@ class RedisStore(KVStore):
         return [i < stored for i in range(len(items))]
 
     def put(self, key: BlockKey, kv: torch.Tensor, ns: Namespace = NO_TENANT) -> bool:
+        """Store `kv` under (key, ns) as a batch of one; False (counted) when it cannot."""
         t0 = time.perf_counter()
         ok = self.put_many([(key, kv)], ns)[0]
         if ok:
@@ -201,9 +206,10 @@ class RedisStore(KVStore):
     def get_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT,
                  outs: Sequence[torch.Tensor | None] | None = None,
                  readonly_ok: bool = False) -> list[torch.Tensor | None]:
-        """One round trip (MGET) for all keys; each value verified on its own, then copied
-        into `outs[i]` when given. `readonly_ok`: the caller only copies from the tensors,
-        so they may view the received bytes (no copy at all)."""
+        """Read all keys in one round trip (MGET), each value verified on its own.
+
+        Each is then copied into `outs[i]` when given. `readonly_ok`: the caller only copies
+        from the tensors, so they may view the received bytes (no copy at all)."""
         if outs is not None and len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output tensors")
         t0 = time.perf_counter()
@@ -302,12 +308,14 @@ class RedisStore(KVStore):
         return res
 
     def contains(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        """Whether (key, ns) is in Redis: known here and the tier up, else asked (EXISTS)."""
         rk = self.rkey(key, ns)
         if rk in self.sizes:
             return self.reachable()
         return bool(self._call(lambda: self.client.exists(rk), 0))
 
     def delete(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        """Delete the value for (key, ns) in Redis; False when it was not there."""
         return self.delete_many((key,), ns) == 1
 
     def delete_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT) -> int:
@@ -323,8 +331,10 @@ class RedisStore(KVStore):
         return int(n)
 
     def stored(self) -> Iterable[tuple[BlockKey, bytes]]:
-        """Entries of this model and layout already in Redis (from another process or an
-        earlier run): found with SCAN, headers read with GETRANGE and checked."""
+        """Entries of this model and layout already in Redis, as (key, namespace digest).
+
+        From another process or an earlier run: found with SCAN, headers read with GETRANGE
+        and checked. Their sizes count in `used_bytes` from then on."""
         found: list[tuple[bytes, bytes, str, int]] = self._call(
             lambda: scan_headers(self.client, self.prefix, self._rname), [])
         with self._lock:
@@ -334,8 +344,9 @@ class RedisStore(KVStore):
         return [(stored_key(k), d) for k, d, _, _ in found]
 
     def purge(self, ns: Namespace) -> int:
-        """Delete every value of namespace `ns` in Redis (also those other processes
-        wrote, e.g. replicas sharing this Redis); returns how many."""
+        """Delete every value of namespace `ns` in Redis; returns how many.
+
+        Also those other processes wrote, e.g. replicas sharing this Redis."""
         match = f"{self.prefix}{self.ns(ns).hex()[:16]}:*"
 
         def run() -> int:
@@ -354,5 +365,6 @@ class RedisStore(KVStore):
             self._used -= self.sizes.pop(rk, 0)
 
     def close(self) -> None:
+        """Close the client (any error ignored: a dead connection must not fail shutdown)."""
         with contextlib.suppress(Exception):  # a dead connection must not fail shutdown
             self.client.close()

@@ -62,8 +62,10 @@ def delete_names(client: Any, names: list[str], cluster: bool) -> int:
 
 def scan_headers(client: Any, prefix: str, name_of: Callable[[bytes, bytes], str]
                  ) -> list[tuple[bytes, bytes, str, int]]:
-    """(key, namespace, name, size) of each value under `prefix` whose header checks out
-    and whose name is `name_of(key, namespace)`: headers read with GETRANGE, pipelined."""
+    """(key, namespace, name, size) of each checked value under `prefix`.
+
+    Those whose header checks out and whose name is `name_of(key, namespace)`: headers read
+    with GETRANGE, pipelined."""
     found: list[tuple[bytes, bytes, str, int]] = []
     names = scan_names(client, prefix + "*")
     for i in range(0, len(names), 512):
@@ -99,6 +101,10 @@ _IOV_MAX = 1024
 
 @contextlib.contextmanager
 def raw_socket(client: Any) -> Iterator[socket.socket]:
+    """Lend the socket of a connection from `client`'s pool, for direct I/O.
+
+    The connection goes back to the pool after; one that failed inside the body is
+    disconnected first (it may be mid-command), never reused."""
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
@@ -115,6 +121,7 @@ def raw_socket(client: Any) -> Iterator[socket.socket]:
 
 
 def bulk(data: bytes) -> bytes:
+    """`data` as a RESP bulk string (`$<length>`, CRLF, the bytes, CRLF)."""
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
@@ -133,10 +140,11 @@ def send_buffers(sock: socket.socket, bufs: list[memoryview]) -> None:
 
 
 class ReplyReader:
-    """Reads replies (RESP2 or RESP3) from a socket: a status line, or an MGET array of bulk
-    strings and nils whose payloads are received straight into destination buffers (an
-    output tensor's bytes, e.g. a device block) instead of through hiredis, a `bytes`
-    object and a copy.
+    """Reads Redis replies (RESP2 or RESP3) from a socket, payloads straight into buffers.
+
+    A status line, or an MGET array of bulk strings and nils whose payloads are received
+    straight into destination buffers (an output tensor's bytes, e.g. a device block)
+    instead of through hiredis, a `bytes` object and a copy.
 
     Each value comes back as (header bytes, payload view) for the codec to verify; a value
     whose header cannot be parsed is drained from the socket and returned as raw bytes,
@@ -182,6 +190,10 @@ class ReplyReader:
             raise rexc.InvalidResponse(f"unexpected reply {line[:32]!r}")
 
     def read_array(self, dests: Sequence[memoryview | None]) -> list[tuple[bytes, memoryview] | None]:
+        """Read an MGET reply of `len(dests)` values: (header bytes, payload view) or None.
+
+        A payload goes into `dests[i]` when that has its size, else into a fresh buffer; a
+        nil is None. Raises on an error reply or an array of another length."""
         line = self._line()
         if line[:1] == b"-":
             raise rexc.ResponseError(line[1:].decode(errors="replace"))

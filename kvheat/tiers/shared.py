@@ -42,6 +42,7 @@ MAX_KEY_BYTES = 64  # a peer's announced key (kvheat's keys are 16 bytes); longe
 
 
 def encode_announcements(writer: bytes, items: list[tuple[int, bytes, int]]) -> bytes:
+    """One pub/sub message: the writer's id, then each (op, key, tokens)."""
     out = [writer]
     for op, key, tokens in items:
         out.append(_REC.pack(op, tokens, len(key)))
@@ -68,6 +69,8 @@ def decode_announcements(data: bytes) -> tuple[bytes, list[tuple[int, bytes, int
 
 
 class SharedTierFeed:
+    """Other replicas' keys in one shared Redis tier, heard over pub/sub; ours announced."""
+
     def __init__(self, tiers: TierManager, tier_name: str = "redis",
                  max_peer_keys: int = 1 << 20, flush_s: float = 0.01) -> None:
         t = tiers.tier_of(tier_name)
@@ -177,6 +180,7 @@ class SharedTierFeed:
 
     # ---- lookups (TierManager.find) -----------------------------------------------------------
     def lookup(self, key: BlockKey) -> tuple[int, PeerEntry] | None:
+        """(tier, entry) of `key` when another replica put it in the shared tier."""
         with self._lock:
             tokens = self.peers.get(key)
         if tokens is None:
@@ -184,6 +188,7 @@ class SharedTierFeed:
         return self.tier, PeerEntry(key, tokens)
 
     def forget(self, key: BlockKey) -> None:
+        """Drop `key` from the peers' keys (its load failed: gone there)."""
         with self._lock:
             self.peers.pop(key, None)
 
@@ -196,6 +201,7 @@ class SharedTierFeed:
         return len(self.peers)
 
     def close(self) -> None:
+        """Stop listening and announcing."""
         self._running = False
         if self._on_local in self.tiers.index_listeners:
             self.tiers.index_listeners.remove(self._on_local)

@@ -44,6 +44,7 @@ class SideCheck:
         self.done = threading.Event()
 
     def run(self) -> None:
+        """Take the check (on the thread); if it raises, `result` takes it inline."""
         try:
             self.bad = bad_indices(self.raws, self.sums)
         except Exception:  # answered inline by `result`: the thread never dies of one
@@ -52,14 +53,17 @@ class SideCheck:
             self.done.set()
 
     def result(self) -> list[int]:
+        """Positions that failed their check; taken inline if the thread gave no result in time."""
         if not self.done.wait(_WAIT_S) or self.bad is None:
             return bad_indices(self.raws, self.sums)
         return self.bad
 
 
 class SideChecker:
-    """A daemon thread, shared by every host store of the process, started on first use
-    (and again in a forked child, which has none)."""
+    """A daemon thread that takes checksum checks beside the callers' copies.
+
+    Shared by every host store of the process, started on first use (and again in a
+    forked child, which has none)."""
 
     def __init__(self, cpus: Callable[[], int] | None = None) -> None:
         self._cpus = cpus or (lambda: len(os.sched_getaffinity(0)))
@@ -72,6 +76,7 @@ class SideChecker:
         return nbytes >= MIN_BYTES and self._cpus() > 1
 
     def submit(self, raws: Sequence[memoryview], sums: Sequence[int]) -> SideCheck:
+        """Queue a check of `raws` against `sums` on the thread (started here if needed)."""
         with self._lock:
             if self._pid != os.getpid():
                 self._jobs = queue.SimpleQueue()

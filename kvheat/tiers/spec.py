@@ -15,6 +15,8 @@ MODES = ("exclusive", "write_through")
 
 @dataclass(slots=True)
 class TierSpec:
+    """The lower tiers' settings: which tiers, their sizes, and how blocks move between them."""
+
     # Which tiers, in this order under the device: host memory, local disk (survives a
     # restart), Redis (shared by replicas).
     host_blocks: int = 0  # >0: a host-memory tier of this many blocks
@@ -70,17 +72,19 @@ class TierSpec:
 
     @property
     def slow(self) -> bool:
-        """Does it name a tier read off the engine's thread (disk, Redis)?"""
+        """True when it names a tier read off the engine's thread (disk, Redis)."""
         return bool(self.disk_dir) or bool(self.redis_url)
 
     @property
     def enabled(self) -> bool:
-        """Is any lower tier configured?"""
+        """True when any lower tier is configured."""
         return self.host_blocks > 0 or bool(self.disk_dir) or bool(self.redis_url)
 
     def stores_for(self, block_bytes: int, model_id: str, layout: str) -> list[KVStore]:
-        """The configured stores, top first, for blocks of `block_bytes` bytes in the
-        stored format `layout` (`store_layout`) of the weights `model_id`."""
+        """Build the configured stores, top first, for blocks of `block_bytes` bytes.
+
+        The blocks are in the stored format `layout` (`store_layout`) of the weights
+        `model_id`."""
         from .disk import DiskStore
         from .host import HostStore
 
@@ -102,7 +106,8 @@ class TierSpec:
 
 
 def store_layout(device: DeviceBlocks) -> str:
-    """The name of the format `device`'s blocks are stored in ("gqa-b16-bfloat16"): part
-    of every namespace, so KV of another layout, block size or dtype is never read."""
+    """The name of the format `device`'s blocks are stored in, e.g. "gqa-b16-bfloat16".
+
+    Part of every namespace, so KV of another layout, block size or dtype is never read."""
     dtype = str(device.dtype).removeprefix("torch.")
     return f"{device.layout}-b{device.block_size}-{dtype}"

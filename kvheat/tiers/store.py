@@ -29,6 +29,8 @@ log = logging.getLogger("kvheat.tiers")
 
 @dataclass(slots=True)
 class StoreStats:
+    """Counters of one store's puts, gets, deletes, failed checks and outages."""
+
     puts: int = 0
     put_bytes: int = 0
     put_refused: int = 0  # no room (capacity cap) or tier down: not stored, nothing broken
@@ -47,6 +49,7 @@ class StoreStats:
     came_back: int = 0  # times a retry found it up again
 
     def as_dict(self) -> dict[str, int]:
+        """The counters as a dict of field name to count."""
         return asdict(self)
 
 
@@ -80,6 +83,7 @@ class TransferModel:
         self.last_at = float("-inf")  # time.monotonic() of the latest sample
 
     def record(self, nbytes: int, seconds: float) -> None:
+        """Add one measured transfer: `nbytes` moved in `seconds`."""
         # No lock: deque.append and list(deque) are atomic under the GIL, and this runs
         # on every tier operation.
         self.samples.append((nbytes, seconds))
@@ -97,7 +101,9 @@ class TransferModel:
         self._fit = None
 
     def drift(self, recent: int = 8) -> float | None:
-        """How many times slower (above 1) or faster (below 1) the latest `recent`
+        """Compare the latest `recent` transfers with what the window's fit predicts.
+
+        Returns how many times slower (above 1) or faster (below 1) the latest `recent`
         transfers were than the fit over the whole window predicts them (the median
         ratio); None with fewer samples. A tier that changed speed shows it here long
         before the trimmed mean of the window follows."""
@@ -143,22 +149,29 @@ class TransferModel:
 
 
 class DeviceBlocks(Protocol):
-    """What the hierarchy needs of the device's paged KV pool (the engine's DeviceKVPool):
-    one block's KV as a tensor view, written back whole."""
+    """What the hierarchy needs of the device's paged KV pool (the engine's DeviceKVPool).
+
+    One block's KV as a tensor view, written back whole."""
 
     bytes_per_block: int
     block_size: int  # tokens per block
     layout: str  # "gqa" or "mla": with the dtype, names the stored format
     dtype: torch.dtype
 
-    def block_view(self, block_id: int) -> torch.Tensor: ...
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """The KV of block `block_id`, all layers, as one tensor."""
+        ...
 
-    def write_block(self, block_id: int, data: torch.Tensor) -> None: ...
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Overwrite block `block_id`'s KV with `data`, shaped as `block_view` returns it."""
+        ...
 
 
 class KVStore:
-    """One tier's bytes. Subclasses implement `_put`, `_get`, `contains`, `delete`,
-    `keys`, `used_bytes`. `put`/`get` wrap them with counters and timing."""
+    """Base class of a store that holds one tier's bytes.
+
+    Subclasses implement `_put`, `_get`, `contains`, `delete`, `stored`, `used_bytes`.
+    `put`/`get` wrap them with counters and timing."""
 
     name = "store"
     pipelined = False  # a batch of gets costs one round trip (Redis), not one each
@@ -166,9 +179,11 @@ class KVStore:
 
     @property
     def batched_reads(self) -> bool:
-        """A load reads this tier's blocks in one `get_many` call (one round trip of a
-        pipelined tier, one locked copy pass of an inline one), so its read model's
-        latency is paid once per load, not once per block (`cost.LoadCost`)."""
+        """Whether a load reads this tier's blocks in one `get_many` call.
+
+        It does on a pipelined tier (one round trip) and an inline one (one locked copy
+        pass), so its read model's latency is paid once per load, not once per block
+        (`cost.LoadCost`)."""
         return self.pipelined or self.inline
 
     def __init__(self, capacity_bytes: int, model: str = "model", layout: str = "kv",
@@ -197,11 +212,14 @@ class KVStore:
 
     @mac.setter
     def mac(self, choice: str) -> None:
+        """Set the MAC new values get: "blake3" or "blake2b" (`codec.value_mac_version`)."""
         self.mac_version = value_mac_version(choice)
 
     def ns(self, ns: Namespace) -> bytes:
-        """The namespace digest of `ns`: its tenant salt's, made once per salt (a stored
-        digest passes through: entries found on restart whose tenant is not known yet)."""
+        """Return the namespace digest of `ns`: its tenant salt's, made once per salt.
+
+        A stored digest passes through (entries found on restart whose tenant is not
+        known yet)."""
         if ns.digest is not None:
             return ns.digest
         d = self._ns_cache.get(ns.salt)
@@ -221,6 +239,7 @@ class KVStore:
         return True
 
     def used_bytes(self) -> int:
+        """Bytes the stored entries take against `capacity_bytes` now."""
         raise NotImplementedError
 
     def entry_bytes(self, kv: torch.Tensor, key: BlockKey) -> int:
@@ -228,8 +247,9 @@ class KVStore:
         return kv.numel() * kv.element_size()
 
     def put(self, key: BlockKey, kv: torch.Tensor, ns: Namespace = NO_TENANT) -> bool:
-        """Store `kv` under (key, ns); False (counted) when it cannot, never raises for
-        a full or failing tier."""
+        """Store `kv` under (key, ns); False (counted) when it cannot.
+
+        Never raises for a full or failing tier."""
         t0 = time.perf_counter()
         if self._put(key, kv, ns):
             n = kv.numel() * kv.element_size()
@@ -243,8 +263,9 @@ class KVStore:
 
     def get(self, key: BlockKey, ns: Namespace = NO_TENANT,
             out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The verified tensor for (key, ns), copied into `out` when given; None on a
-        miss, a failed check or a down tier."""
+        """Return the verified tensor for (key, ns), copied into `out` when given.
+
+        None on a miss, a failed check or a down tier."""
         t0 = time.perf_counter()
         t = self._counted(self._get(key, ns, out))
         if t is not None:
@@ -252,10 +273,12 @@ class KVStore:
         return t
 
     def take(self, key: BlockKey, ns: Namespace = NO_TENANT) -> torch.Tensor | None:
-        """An entry's verified bytes on their way down to the next tier (a private copy;
-        the caller deletes the entry after): `get`, counted but not timed. The read model
-        fits the reads a load makes into the device; a move's copy into a fresh tensor,
-        one block at a time, is not one, and its samples would price loads wrongly."""
+        """Read an entry's verified bytes on their way down to the next tier.
+
+        The bytes are a private copy; the caller deletes the entry after. It is `get`,
+        counted but not timed: the read model fits the reads a load makes into the
+        device; a move's copy into a fresh tensor, one block at a time, is not one, and
+        its samples would price loads wrongly."""
         return self._counted(self._get(key, ns, None))
 
     def _counted(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -272,6 +295,7 @@ class KVStore:
                  outs: Sequence[torch.Tensor | None] | None = None,
                  readonly_ok: bool = False) -> list[torch.Tensor | None]:
         """`get` for each key, into `outs[i]` when given (stores that can batch override).
+
         `readonly_ok`: the caller only copies from the results, so a store may return
         views of its own read buffers instead of private copies."""
         if outs is None:
@@ -286,14 +310,15 @@ class KVStore:
         return [self.put(k, kv, ns) for k, kv in items]
 
     def contains(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        """Whether an entry of `key` in namespace `ns` is stored here."""
         raise NotImplementedError
 
     def delete(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
+        """Delete the entry of `key` in namespace `ns`; True when there was one."""
         raise NotImplementedError
 
     def delete_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT) -> int:
-        """`delete` for each key (stores that can batch override); returns how many were
-        there."""
+        """`delete` for each key (stores that can batch override); return how many were there."""
         return sum(self.delete(k, ns) for k in keys)
 
     def stored(self) -> Iterable[tuple[BlockKey, bytes]]:
@@ -301,12 +326,14 @@ class KVStore:
         raise NotImplementedError
 
     def purge(self, ns: Namespace) -> int:
-        """Delete entries of `ns` that this process does not index (another
-        process's, on a shared store); returns how many. Stores only this process writes
+        """Delete entries of `ns` that this process does not index; return how many.
+
+        Those are another process's, on a shared store. Stores only this process writes
         (host memory, a disk folder it locks) have none."""
         return 0
 
     def close(self) -> None:
+        """Release what the store holds open (a connection, files); the base holds nothing."""
         pass
 
     # ---- helpers ----------------------------------------------------------------------
@@ -324,6 +351,7 @@ class KVStore:
         raise NotImplementedError
 
     def describe(self) -> dict[str, object]:
+        """The store's figures: capacity, use, availability, fitted speeds and counters."""
         fit = self.read_model.fit()
         wfit = self.write_model.fit()
         return {

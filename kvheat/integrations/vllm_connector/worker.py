@@ -57,8 +57,9 @@ class _PeerFeed(SharedTierFeed):
 
 
 class KVHeatConnectorWorker:
-    """The worker half: vLLM's worker-side connector hooks, loading and saving through a
-    `TierManager` over vLLM's KV tensors."""
+    """The worker half: vLLM's worker-side connector hooks.
+
+    It loads and saves through a `TierManager` over vLLM's KV tensors."""
 
     def __init__(self, setup: ConnectorSetup, kv_cache_config: KVCacheConfig) -> None:
         self.config = setup.config
@@ -192,8 +193,9 @@ class KVHeatConnectorWorker:
         return KVHeatWorkerMetadata(changes, failed, down)
 
     def get_stats(self) -> KVHeatConnectorStats | None:
-        """The worker's counters since the last call, with the tiers' own at most once
-        per STATS_EVERY_S."""
+        """The worker's counters since the last call.
+
+        The tiers' own are read at most once per STATS_EVERY_S."""
         data: dict[str, int | float] = dict(self._counts.take())
         if self.tiers is not None and time.monotonic() - self._stats_at >= STATS_EVERY_S:
             self._stats_at = time.monotonic()
