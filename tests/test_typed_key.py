@@ -126,6 +126,11 @@ def test_a_store_keeps_two_namespaces_of_one_key_apart(tmp_path: Path) -> None:
     host = HostStore(2 * pool.bytes_per_block, pool.bytes_per_block)
     assert host.put(k, pool.read_block(2), NS_A)
     assert host.get(k, NS_B) is None and same_bytes(host.get(k, NS_A), pool.read_block(2))
+    # A delete in another namespace leaves the entry, as on disk (one slot per key here).
+    assert not host.delete(k, NS_B) and host.delete_many([k, k], NS_B) == 0
+    assert same_bytes(host.get(k, NS_A), pool.read_block(2))
+    assert host.delete_many([k, k], NS_A) == 1 and host.get(k, NS_A) is None
+    assert host.used_bytes() == 0
 
 
 # ---- restarts ---------------------------------------------------------------------------

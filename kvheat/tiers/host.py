@@ -22,7 +22,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import repeat
 from types import ModuleType
 
 import torch
@@ -422,13 +421,23 @@ class HostStore(KVStore):
         return slot is not None and self._slot_ns[slot] == self.ns(ns)
 
     def delete(self, key: BlockKey, ns: Namespace = NO_TENANT) -> bool:
-        """Free `key`'s slot (`ns` is not checked); False when there was none."""
+        """Free `key`'s slot in namespace `ns`; False when there was none."""
         return self.delete_many((key,), ns) == 1
 
     def delete_many(self, keys: Sequence[BlockKey], ns: Namespace = NO_TENANT) -> int:
-        """Free the slots of `keys` under one lock (`ns` is not checked); returns how many."""
+        """Free the slots of `keys` in namespace `ns` under one lock; returns how many.
+
+        A slot another namespace stored stays (as on disk and in Redis, whose names carry
+        the namespace)."""
+        d = self.ns(ns)
+        entries, slot_ns = self.entries, self._slot_ns
         with self._lock:
-            slots = [s for s in map(self.entries.pop, keys, repeat(None)) if s is not None]
+            slots: list[int] = []
+            for k in keys:
+                s = entries.get(k)
+                if s is not None and slot_ns[s] == d:
+                    del entries[k]
+                    slots.append(s)
             self.free_slots += slots
             self.stats.deletes += len(slots)
             return len(slots)
