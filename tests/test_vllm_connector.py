@@ -187,6 +187,24 @@ def test_mirror_finds_the_run_after_the_device_prefix_in_the_fastest_tier() -> N
     assert keys[1] not in m and m.run(keys, 0) == ["redis"] and len(m) == 4
 
 
+
+def test_the_workers_report_is_bounded_in_entries_and_bytes_and_counts_drops() -> None:
+    import logging
+
+    from kvheat.checks.bounds import Overflow
+    from kvheat.integrations.vllm_connector.worker import Outbox
+
+    dropped = Overflow(logging.getLogger("test"), "the report")
+    box: Outbox[tuple[str, bytes, bool]] = Outbox(lambda c: len(c[1]), dropped,
+                                                  max_items=3, max_bytes=40)
+    for i in range(5):
+        box.put(("host", bytes([i]) * 16, True))
+    assert [c[1][0] for c in box.take()] == [0, 1] and dropped.count == 3  # 2 x 16 of 40 B
+    assert box.take() == [] and box.bytes == 0
+    for i in range(4):
+        box.put(("host", bytes([i]), False))
+    assert len(box.take()) == 3 and dropped.count == 4  # 3 entries at most
+
 # ---- real vLLM servers -------------------------------------------------------------------------------
 @dataclass
 class Server:

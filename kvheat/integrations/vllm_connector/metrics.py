@@ -155,6 +155,13 @@ class KVHeatPromMetrics(KVConnectorPromMetrics):
             name="kvheat_connector_hinted_entries_total",
             documentation="Tier entries of ended requests that kvheat's tier policy was told of",
             labelnames=labelnames)
+        self._dropped: Any = self._counter_cls(
+            name="kvheat_connector_report_dropped_total",
+            documentation="Tier changes or failed loads the worker could not report to the "
+                          "scheduler (its per-step report is bounded): the mirror may be "
+                          "stale until the keys change again (a load then fails and is "
+                          "recomputed)",
+            labelnames=labelnames)
         self._refused: Any = self._counter_cls(
             name="kvheat_connector_refused_tenants_total",
             documentation="Requests whose kv_transfer_params named a tenant the connector "
@@ -183,5 +190,7 @@ class KVHeatPromMetrics(KVConnectorPromMetrics):
                 self._ended.labels(*values, tier, _ENDED[name]).inc(v)
             elif name == "hinted_entries" and v > 0:
                 self._hinted.labels(*values).inc(v)
+            elif name == "report_dropped" and v > 0:
+                self._dropped.labels(*values).inc(v)
             elif name == "refused_tenant" and tier and v > 0:
                 self._refused.labels(*values, tier).inc(v)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import threading
 import time
 import typing
-from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ...cache.hashing import Namespace
+from ...checks.bounds import Overflow
 from ...tiers.manager import TierManager
 from ...tiers.shared import SharedTierFeed, decode_announcements
 from ..vllm_blocks import VLLMDeviceBlocks
@@ -33,6 +34,46 @@ if TYPE_CHECKING:
 # How often the worker reads its tiers' counters for the metrics.
 STATS_EVERY_S = 1.0
 _ANNOUNCED_PUT = 1  # tiers/shared.py's record op for a key put (2: deleted)
+# What one step's report to the scheduler carries at most (tier changes, failed loads). A
+# change dropped leaves the scheduler's mirror stale: a planned load then fails and is
+# recomputed, or a held block is not offered; never wrong KV.
+MAX_REPORT_ITEMS = 1 << 16
+MAX_REPORT_BYTES = 16 << 20
+
+T = TypeVar("T")
+
+
+class Outbox(Generic[T]):
+    """Items for the next step's report, bounded in entries and bytes; overflow counted.
+
+    Filled from any thread (tier listeners, loader threads), taken whole once a step."""
+
+    def __init__(self, size: Callable[[T], int], overflow: Overflow,
+                 max_items: int = MAX_REPORT_ITEMS, max_bytes: int = MAX_REPORT_BYTES) -> None:
+        self.size = size
+        self.overflow = overflow
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: list[T] = []  # at most max_items (`put` checks)
+        self._lock = threading.Lock()
+
+    def put(self, item: T) -> None:
+        """Queue `item` for the next report, or count it dropped when it does not fit."""
+        n = self.size(item)
+        with self._lock:
+            if len(self._items) < self.max_items and self.bytes + n <= self.max_bytes:
+                self._items.append(item)
+                self.bytes += n
+                return
+        self.overflow()
+
+    def take(self) -> list[T]:
+        """Everything queued, oldest first; the outbox is empty after."""
+        with self._lock:
+            out, self._items, self.bytes = self._items, [], 0
+        return out
+
 
 
 class _PeerFeed(SharedTierFeed):
@@ -69,15 +110,20 @@ class KVHeatConnectorWorker:
         self._kv_cache_config = kv_cache_config  # its num_blocks: vLLM's device blocks
         self.device: VLLMDeviceBlocks | None = None
         self.tiers: TierManager | None = None
-        self._changes: deque[tuple[str, bytes, bool]] = deque()
-        self._failed: deque[tuple[str, int]] = deque()
+        self._counts = Counts()
+        dropped = Overflow(log, "KVHeatConnector's report to the scheduler (tier changes or "
+                           "failed loads dropped)",
+                           on_count=lambda n: self._counts.add("report_dropped", n))
+        # (64: a tuple and its fields, beside the key's bytes)
+        self._changes: Outbox[tuple[str, bytes, bool]] = Outbox(
+            lambda c: 64 + len(c[1]), dropped)
+        self._failed: Outbox[tuple[str, int]] = Outbox(lambda f: 64 + len(f[0]), dropped)
         self._invalid: set[int] = set()
         self._lock = threading.Lock()
         self._done_loading: set[str] = set()
         self._done_invalid: dict[str, list[int]] = {}
         self._loaders: ThreadPoolExecutor | None = None
         self._feed: _PeerFeed | None = None
-        self._counts = Counts()
         self._stats_at = time.monotonic()
         self._tier_counters = TierCounters()
 
@@ -101,7 +147,7 @@ class KVHeatConnectorWorker:
 
     def _on_tier_change(self, tier: str, key: bytes, parent: bytes | None, tokens: int,
                         stored: bool) -> None:
-        self._changes.append((tier, key, stored))  # any thread; sent with the next step
+        self._changes.put((tier, key, stored))  # any thread; sent with the next step
 
     def start_load_kv(self, meta: KVHeatConnectorMetadata) -> None:
         """Apply the step's hints, then start its loads (on loader threads, or now)."""
@@ -147,7 +193,7 @@ class KVHeatConnectorWorker:
         failed = job.slots[loaded:]
         if failed:
             self._counts.add("load_failed", len(failed))
-            self._failed.append((job.req_id, job.first + loaded))
+            self._failed.put((job.req_id, job.first + loaded))
         return failed
 
     def _load_background(self, job: LoadJob) -> None:
@@ -186,8 +232,8 @@ class KVHeatConnectorWorker:
         """The step's report for the scheduler: tier changes, failed loads, tiers down."""
         # Sent every step, even empty: it is also the scheduler's news that the worker
         # has been heard from (see the scheduler's SHARED_SYNC_S).
-        changes = [self._changes.popleft() for _ in range(len(self._changes))]
-        failed = [self._failed.popleft() for _ in range(len(self._failed))]
+        changes = self._changes.take()
+        failed = self._failed.take()
         down = [h.name for h in self.tiers.health() if not h.up] \
             if self.tiers is not None else []
         return KVHeatWorkerMetadata(changes, failed, down)
