@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvheat.cache import KVCacheManager, Request
 from kvheat.tiers import DeviceBlocks, KVStore, TierManager, TierSpec
 from kvheat.tiers.cost import PrefillSpeed
-from kvheat.tiers.device import allocate, attach, purge, tiers_for
+from kvheat.tiers.device import allocate, attach, prefetch, purge, tiers_for
 
 
 class Stack:
@@ -26,9 +26,7 @@ class Stack:
 
     def prefetch(self, req: Request) -> int:
         """Plan and start `req`'s loads as the scheduler does when it arrives."""
-        return self.tiers.prefetch(req.request_id, self.mgr.namespace_of(req.tenant), req.keys,
-                                   len(self.mgr.match_prefix(req)), req.block_tokens,
-                                   owner=req.tenant)
+        return prefetch(self.tiers, self.mgr, req)
 
     def purge(self, tenant: str | None) -> dict[str, int]:
         """Delete what the tiers hold of `tenant`, as the engine's flush does."""

@@ -37,7 +37,7 @@ from ..cache import Block, KVCacheManager, OutOfBlocks, Request
 from ..cache.hashing import prompt_scope, tokens_to_bytes
 from ..cache.hints import Outcome
 from ..cache.misses import MissClassifier
-from ..tiers.device import record_prompt
+from ..tiers.device import lookup, prefetch, record_prompt
 from .config import SchedulerConfig
 from .load_classes import load_class, share_prefill_budget
 from .sequence import ScheduledItem, SchedulerOutput, Seq, SeqStatus
@@ -94,9 +94,7 @@ class Scheduler:
         if self.tiers is not None and cfg.prefix_caching == "block" \
                 and len(self.waiting) <= cfg.prefetch_queue_depth:
             full = self._full_request(seq)
-            self.tiers.prefetch(seq.seq_id, self.cache.namespace_of(full.tenant), full.keys,
-                                len(self.cache.match_prefix(full)), full.block_tokens,
-                                owner=full.tenant)
+            prefetch(self.tiers, self.cache, full)
 
     def finish(self, seq: Seq, reason: str, outcome: Outcome | None = None) -> None:
         """End a sequence (done or aborted): its blocks are freed, full ones stay cached.
@@ -232,9 +230,7 @@ class Scheduler:
         # loaded into the new device blocks right after allocation (they count as cached).
         plan: LoadPlan | None = None
         if self.tiers is not None and cfg.prefix_caching == "block" and not whole:
-            plan = self.tiers.lookup(cache.namespace_of(full.tenant), full.keys, len(match),
-                                     full.block_tokens, owner=full.tenant,
-                                     request_id=seq.seq_id)
+            plan = lookup(self.tiers, cache, full, len(match))
             # All of it below: load it all and run the last token again (its logits), its KV
             # rewritten into a block this request alone holds.
             start = min(hit + plan.tokens, len(seq.token_ids) - 1)

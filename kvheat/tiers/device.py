@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from ..cache.block import Block
 from ..cache.manager import KVCacheManager, Request
 from .cost import PrefillSpeed
+from .loads import LoadPlan
 from .manager import TierManager
 from .spec import TierSpec, store_layout
 from .store import DeviceBlocks, KVStore
@@ -62,6 +63,20 @@ def attach(tiers: TierManager, mgr: KVCacheManager, device: DeviceBlocks) -> Cal
     return detach
 
 
+def prefetch(tiers: TierManager, mgr: KVCacheManager, req: Request) -> int:
+    """Plan `req`'s loads when it arrives and start the slow reads; returns the tokens planned.
+
+    The plan is kept under the request's id for `lookup` at its admission."""
+    return tiers.prefetch(req.request_id, mgr.namespace_of(req.tenant), req.keys,
+                          len(mgr.match_prefix(req)), req.block_tokens, owner=req.tenant)
+
+
+def lookup(tiers: TierManager, mgr: KVCacheManager, req: Request, hit: int) -> LoadPlan:
+    """The tiers' plan for `req` after the device's first `hit` blocks, kept under its id."""
+    return tiers.lookup(mgr.namespace_of(req.tenant), req.keys, hit, req.block_tokens,
+                        owner=req.tenant, request_id=req.request_id)
+
+
 def allocate(tiers: TierManager, mgr: KVCacheManager, device: DeviceBlocks, req: Request,
              count_stats: bool = True) -> list[int]:
     """Allocate `req`'s device blocks with the tiers' hits loaded into them.
@@ -71,8 +86,7 @@ def allocate(tiers: TierManager, mgr: KVCacheManager, device: DeviceBlocks, req:
     `count_stats`: count `req` as a whole prompt (`record_prompt`)."""
     with tiers.lower.lock:
         hit = mgr.match_prefix(req)
-        plan = tiers.lookup(mgr.namespace_of(req.tenant), req.keys, len(hit), req.block_tokens,
-                            owner=req.tenant, request_id=req.request_id)
+        plan = lookup(tiers, mgr, req, len(hit))
     table = mgr.allocate(req, matched=hit, count_stats=False)
     device_tokens = req.num_cached_tokens
     tiers.trim(plan, len(req.keys))
