@@ -58,6 +58,8 @@ class Counts:
 
     def take(self) -> dict[str, int]:
         """The counters, reset."""
+        if not self.data:  # nothing counted: no lock (a count added now: the next take)
+            return {}
         with self._lock:
             out, self.data = self.data, {}
         return out

@@ -70,6 +70,8 @@ class Outbox(Generic[T]):
 
     def take(self) -> list[T]:
         """Everything queued, oldest first; the outbox is empty after."""
+        if not self._items:  # a step with nothing to report takes no lock (an item put
+            return []        # meanwhile goes with the next step's report)
         with self._lock:
             out, self._items, self.bytes = self._items, [], 0
         return out
@@ -126,6 +128,7 @@ class KVHeatConnectorWorker:
         self._feed: _PeerFeed | None = None
         self._stats_at = time.monotonic()
         self._tier_counters = TierCounters()
+        self._down_sent: list[str] = []  # the tiers down in the last report sent
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Open the tiers over vLLM's KV tensors, sized in its blocks."""
@@ -216,6 +219,8 @@ class KVHeatConnectorWorker:
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(None, requests whose background loads finished since the last call)."""
+        if not self._done_loading:  # none finished (one finishing now: the next step's)
+            return None, None
         with self._lock:
             done, self._done_loading = self._done_loading, set()
             # Failed blocks are reported in the same step as their request's finish.
@@ -228,14 +233,20 @@ class KVHeatConnectorWorker:
         out, self._invalid = self._invalid, set()
         return out
 
-    def build_connector_worker_meta(self) -> KVHeatWorkerMetadata:
-        """The step's report for the scheduler: tier changes, failed loads, tiers down."""
-        # Sent every step, even empty: it is also the scheduler's news that the worker
-        # has been heard from (see the scheduler's SHARED_SYNC_S).
+    def build_connector_worker_meta(self) -> KVHeatWorkerMetadata | None:
+        """The step's report for the scheduler: tier changes, failed loads, tiers down.
+
+        None when there is nothing new (no change, no failure, the same tiers down) and
+        no Redis tier is shared: a decode step then sends the scheduler nothing. With a
+        shared tier it is sent every step, even empty: it is also the scheduler's news
+        that the worker has been heard from (see the scheduler's SHARED_SYNC_S)."""
         changes = self._changes.take()
         failed = self._failed.take()
         down = [h.name for h in self.tiers.health() if not h.up] \
             if self.tiers is not None else []
+        if not changes and not failed and down == self._down_sent and self._feed is None:
+            return None
+        self._down_sent = down
         return KVHeatWorkerMetadata(changes, failed, down)
 
     def get_stats(self) -> KVHeatConnectorStats | None:
