@@ -205,6 +205,52 @@ def test_the_workers_report_is_bounded_in_entries_and_bytes_and_counts_drops() -
         box.put(("host", bytes([i]), False))
     assert len(box.take()) == 3 and dropped.count == 4  # 3 entries at most
 
+
+def test_a_decode_step_with_nothing_to_report_sends_nothing_and_a_saved_block_is_exact() -> None:
+    """The worker's per-step hooks on a step with nothing to load or save: no report for
+    the scheduler (no shared tier), no finished loads, no stats; a step that saves a block
+    reports the host tier's new key, and the block loads back byte for byte."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvheat.cache.hashing import chain_key, root_key
+    from kvheat.integrations.vllm_connector import (
+        ConnectorSetup,
+        KVHeatConnectorMetadata,
+        KVHeatConnectorWorker,
+        KVHeatWorkerMetadata,
+        LoadJob,
+        SaveJob,
+    )
+
+    kv = _layers((8, 2, 32, 128))
+    config = ConnectorConfig.from_extra({"host_tier_size": 1 << 20, "tier_secret": SECRET})
+    worker = KVHeatConnectorWorker(ConnectorSetup(config, BLOCK, "gqa", "test"),
+                                   KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                                                 kv_cache_groups=[]))
+    worker.register_kv_caches(kv)
+    try:
+        empty = KVHeatConnectorMetadata()
+        for _ in range(3):
+            worker.start_load_kv(empty)
+            worker.wait_for_save(empty)
+            assert worker.get_finished() == (None, None)
+            assert worker.get_block_ids_with_load_errors() == set()
+            assert worker.build_connector_worker_meta() is None
+        key = chain_key(root_key(None), b"\x01" * 16)
+        worker.wait_for_save(KVHeatConnectorMetadata(saves=[SaveJob(None, [key], [None], [5])]))
+        report = worker.build_connector_worker_meta()
+        assert isinstance(report, KVHeatWorkerMetadata)
+        assert report.changes == [("host", key, True)] and report.failed == []
+        assert worker.build_connector_worker_meta() is None  # said once
+        want = {k: t[5].clone() for k, t in kv.items()}
+        worker.start_load_kv(KVHeatConnectorMetadata(loads=[LoadJob("r", None, 0, [key], [2],
+                                                                    False)]))
+        assert worker.get_block_ids_with_load_errors() == set()
+        for k, t in kv.items():
+            assert torch.equal(t[2], want[k])
+    finally:
+        worker.shutdown()
+
 # ---- real vLLM servers -------------------------------------------------------------------------------
 @dataclass
 class Server:
