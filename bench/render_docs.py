@@ -852,5 +852,37 @@ def _oracle(files: list[Any], o: dict[str, str]) -> str:
                      "kvheat + perfect reuse bit", "Belady"], "lrrrrrr", rows)
 
 
+_DECODE_ROWS = {"vllm": "vLLM alone", "noop": "no-op connector", "kvheat-host": "KVHeatConnector, host"}
+
+
+def _range_ms(c: dict[str, float] | None) -> str:
+    if not c:
+        return "–"
+    return f"{1000 * c['median']:.2f} ({1000 * c['min']:.2f}-{1000 * c['max']:.2f})"
+
+
+def _ratio(c: dict[str, float] | None) -> str:
+    return "–" if not c else f"{c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f})"
+
+
+@table("vllm_decode")
+def _vllm_decode(files: list[Any], o: dict[str, str]) -> str:
+    """vllm.md: bench/vllm/decode.py, each server (row and binding): the cores vLLM bound
+    its compute to, TPOT and fresh-prefill TTFT (median and range over the draws, ms) and
+    their ratios to vLLM alone of the same binding within each draw."""
+    d = files[0]
+    s = d["summary"]
+    body = []
+    for name, dec in s.get("decode", {}).items():
+        row, bind = name.split("@", 1)
+        pre = s.get("prefill", {}).get(name, {})
+        body.append([_DECODE_ROWS.get(row, row), f"`{bind}`", str(d["bindings"].get(name)),
+                     _range_ms(dec.get("tpot_s")), _ratio(dec.get("ratio")),
+                     _range_ms(pre.get("ttft_s")), _ratio(pre.get("ratio"))])
+    return md_table(["server", "binding asked", "cores vLLM bound", "TPOT ms",
+                     "TPOT / vLLM alone", "fresh prefill TTFT ms", "TTFT / vLLM alone"],
+                    "lllrrrr", body)
+
+
 if __name__ == "__main__":
     sys.exit(main())
