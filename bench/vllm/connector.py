@@ -15,7 +15,12 @@ the rows run in groups, each group with its own vLLM-alone server):
   only a whole earlier prompt: a growing conversation never hits it);
 - `kvheat-host`: `KVHeatConnector` with a host-memory tier larger than the working set;
 - `kvheat-disk`: a host tier the size of vLLM's own pool, then a local disk tier;
-- `kvheat-redis`: a host tier the size of vLLM's own pool, then a real `redis-server`.
+- `kvheat-redis`: a host tier the size of vLLM's own pool, then a real `redis-server`;
+- `noop` (not run unless named): vLLM with a connector that does nothing
+  (`bench/vllm/noop_connector.py`), so every change vLLM makes for a connector and no
+  cache: with vLLM's automatic thread binding (`--bind auto`) a connector's server gets
+  other cores than vLLM alone's (docs/vllm.md, "What a KV connector changes in vLLM
+  itself"); against this row only the cache's effect remains.
 
 Two loads, each drawn several times (new text every draw: nothing one draw computed helps
 another), each draw sent to every row's server in turn, the order reversed every other
@@ -77,7 +82,8 @@ from kvheat.engine.loader import Tokenizer
 
 BLOCK = 32  # tokens per block: vLLM's CPU attention wants multiples of 32
 MODEL = "wide"
-ROWS = ("vllm", "example", "kvheat-host", "kvheat-disk", "kvheat-redis")
+ROWS = ("vllm", "example", "kvheat-host", "kvheat-disk", "kvheat-redis", "noop")
+DEFAULT_ROWS = ROWS[:5]
 SECRET = "kvheat-bench-connector-tier-secret"
 CONNECTOR_MODULE = "kvheat.integrations.vllm_connector"
 # Targets of the issue, against vLLM alone in the same repeat.
@@ -173,6 +179,9 @@ def transfer_config(row: str, tmp: Path, redis_url: str | None, pool_bytes: int,
     """The row's `--kv-transfer-config` (None: vLLM alone)."""
     if row == "vllm":
         return None
+    if row == "noop":
+        return {"kv_connector": "NoopConnector", "kv_role": "kv_both",
+                "kv_connector_module_path": "bench.vllm.noop_connector"}
     if row == "example":
         store = tmp / "example-store"
         store.mkdir(exist_ok=True)
@@ -216,7 +225,10 @@ def start_server(python: str, model_dir: Path, port: int, log: Path, tmp: Path,
     if kv_transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
     env = dict(vllm_env(args.threads, tmp), PYTHONPATH=str(ROOT))
-    if args.bind:  # every row on the same cores, but other ones than vLLM's default
+    if args.bind == "auto":  # vLLM's own binding: a connector's server reserves a core more
+        env.pop("VLLM_CPU_OMP_THREADS_BIND")
+        env.pop("OMP_NUM_THREADS")
+    elif args.bind:  # every row on the same cores, but other ones than vLLM's default
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
@@ -453,7 +465,8 @@ def table(rows: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"some of {', '.join(ROWS)}")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                    help=f"some of {', '.join(ROWS)}")
     ap.add_argument("--repeats", type=int, default=3,
                     help="draws of the overflow load, each sent to every row in turn")
     ap.add_argument("--fits-draws", type=int, default=6,
@@ -461,7 +474,8 @@ def main() -> int:
     ap.add_argument("--phases", default="fits,overflow", help="the loads to run, in order")
     ap.add_argument("--bind", default=None,
                     help="cores every row's compute threads bind to (VLLM_CPU_OMP_THREADS_BIND;"
-                         " default vLLM's: 0 .. threads-1)")
+                         " default 0 .. threads-1; `auto`: vLLM's own binding, which gives "
+                         "a connector's server other cores than vLLM alone's)")
     ap.add_argument("--max-servers", type=int, default=0,
                     help="servers up at once (0: as many as the free memory takes, about 3 "
                          "GB each); more rows run in groups, each with vLLM alone")
