@@ -70,6 +70,7 @@ from bench._lib.load import Reply, stream_turn
 from bench._lib.peers import check_quiet, find_vllm_python, spread, vllm_env
 from bench._lib.procs import cpu_seconds, free_port, wait_ready
 from bench._lib.report import pct
+from bench.vllm.connector import connector_metrics
 
 BLOCK = 32  # tokens per block: vLLM's CPU attention wants multiples of 32; LMCache's chunk
 POOL_BLOCKS = 48
@@ -455,9 +456,10 @@ class Bench:
         return run
 
     def group(self, rows: list[str], budget_mib: int, runs: list[Run],
-              failed: list[dict[str, Any]]) -> None:
+              failed: list[dict[str, Any]], metrics: dict[str, dict[str, float]]) -> None:
         """Every row's server for `budget_mib` up at once; each repeat sent to each row in
-        the rotated order. A server that does not start is reported and left out."""
+        the rotated order; at the end the kvheat row's `kvheat_*` counters into `metrics`.
+        A server that does not start is reported and left out."""
         servers: list[Server] = []
         try:
             t = time.perf_counter()
@@ -484,6 +486,8 @@ class Bench:
             for rep in range(self.args.repeats):
                 for row in rotation([r for r in rows if r in by_row], rep):
                     runs.append(self.measure(by_row[row], rep))
+            if "kvheat" in by_row:  # the connector's own counters: loads, misses, puts
+                metrics[f"kvheat@{budget_mib}"] = connector_metrics(by_row["kvheat"].base)
         except Exception:
             for srv in servers:
                 print(f"--- {srv.row} {budget_mib} MiB:\n{srv.tail()}", file=sys.stderr)
@@ -517,10 +521,12 @@ def summarize(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _cell(d: dict[str, float] | None, scale: float, spec: str, ranged: bool = True) -> str:
+def _cell(d: dict[str, float] | None, scale: float, spec: str, ranged: bool = True,
+          unit: str = "") -> str:
+    """A median with its unit, then (min-max) when there are several runs."""
     if not d:
         return "-"
-    med = f"{d['median'] * scale:{spec}}"
+    med = f"{d['median'] * scale:{spec}}{unit}"
     if not ranged or d["n"] < 2:
         return med
     return f"{med} ({d['min'] * scale:{spec}}-{d['max'] * scale:{spec}})"
@@ -534,7 +540,7 @@ def table(summary: Sequence[dict[str, Any]]) -> str:
     for c in summary:
         lines.append(
             f"| {c['budget_mib']} MiB | {ROW_NAMES.get(c['row'], c['row'])} | "
-            f"{_cell(c['served'], 100, '.1f')}% | {_cell(c['ttft_mean_s'], 1000, '.1f')} | "
+            f"{_cell(c['served'], 100, '.1f', unit='%')} | {_cell(c['ttft_mean_s'], 1000, '.1f')} | "
             f"{_cell(c['ttft_p99_s'], 1000, '.1f')} | {_cell(c['tpot_mean_s'], 1000, '.2f')} | "
             f"{_cell(c['wall_s'], 1, '.2f')} | {_cell(c['server_cpu_s'], 1, '.1f')} | "
             f"{c['errors']} |")
@@ -550,7 +556,7 @@ def served_table(summary: Sequence[dict[str, Any]]) -> str:
     lines = ["| row | " + " | ".join(f"{b} MiB" for b in budgets) + " |",
              "|---|" + "---:|" * len(budgets)]
     for row in rows:
-        cells = [_cell(by[(row, b)]["served"], 100, ".1f", ranged=False) + "%"
+        cells = [_cell(by[(row, b)]["served"], 100, ".1f", ranged=False, unit="%")
                  if (row, b) in by and by[(row, b)]["served"] else "-" for b in budgets]
         lines.append(f"| {ROW_NAMES[row]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -563,6 +569,14 @@ def outputs_line(report: dict[str, Any]) -> str:
         return f"Greedy outputs: identical in every row and budget ({n} answers compared)."
     return (f"Greedy outputs: **{bad} of {n} answers differ** from the first run's answer to "
             "the same prompt (`mismatches` in the result file).")
+
+
+def load_line(report: dict[str, Any]) -> str:
+    """How busy the machine was when the run started and ended (other work shares the
+    cores: then the times are not the peers' own)."""
+    parts = [f"{x['when']}: CPUs {100 * x['busy_fraction']:.0f}% busy, load average "
+             f"{x['loadavg_1m']:.1f}" for x in report.get("machine_load", [])]
+    return "Machine load (" + "; ".join(parts) + f"), {report['machine']['cpus']} CPUs."
 
 
 def python_versions(python: str) -> dict[str, str] | None:
@@ -647,6 +661,7 @@ def main() -> int:
     t0 = time.perf_counter()
     runs: list[Run] = []
     failed: list[dict[str, Any]] = []
+    metrics: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvheat-lmcache-") as td:
         b = Bench(a, Path(td), pythons)
         ws = working_set_blocks(b.tok, b.loads[0])
@@ -655,7 +670,7 @@ def main() -> int:
               f"vLLM's pool {POOL_BLOCKS} blocks; budgets {budgets} MiB = "
               f"{[(m << 20) // BLOCK_BYTES for m in budgets]} blocks", flush=True)
         for budget in budgets:
-            b.group(rows, budget, runs, failed)
+            b.group(rows, budget, runs, failed, metrics)
     report["bench_wall_s"] = time.perf_counter() - t0
     check_quiet(report, "end", after_own_run=True)
     results = [figures(r) for r in runs]
@@ -664,6 +679,7 @@ def main() -> int:
     report["outputs_identical"] = not report["mismatches"]
     report["compared_answers"] = sum(len(r.replies) for r in runs)
     report["failed"] = failed
+    report["connector_metrics"] = metrics
     report["runs"] = results
     print(f"\nvLLM CPU, tiny Llama (float32, {a.threads} thread), pool {POOL_BLOCKS} blocks x "
           f"{BLOCK}; {CONVERSATIONS} conversations x {TURNS} turns; median (range) over "
