@@ -22,6 +22,7 @@ from bench.vllm.lmcache import (
     lmcache_l1_gb,
     messages,
     mismatches,
+    repeats_table,
     rotation,
     schedule,
     summarize,
@@ -111,3 +112,5 @@ def test_mismatch_reported_and_figures() -> None:
     s = summarize([figures(r) for r in runs])
     assert [(c["budget_mib"], c["row"]) for c in s] == [(16, "vllm"), (16, "kvheat"),
                                                        (256, "lmcache")]
+    table = repeats_table({"runs": [figures(r) for r in runs]})
+    assert "| 16 MiB | KVHeatConnector (host) | 50.0% |" in table

@@ -30,7 +30,8 @@ Per budget (8, 16, 32, 64, 256 MiB; `--quick`: 16 and 256, one repeat) the rows'
 are up together; each repeat (new text each repeat, the same across budgets) is sent to
 every row in turn, the order rotated each repeat (A B C, B C A, C A B), so the machine's
 load falls on all rows alike. A server keeps what earlier repeats left in its caches (cold
-blocks of other text), as a serving vLLM does. Per run: prompt tokens, prompt tokens
+blocks of other text), as a serving vLLM does; `--fresh` starts new servers for every
+repeat instead. Per run: prompt tokens, prompt tokens
 served from cache (`usage.prompt_tokens_details.cached_tokens`: vLLM's own prefix hits
 plus what a connector supplied), TTFT mean and P99, time per output token after the first
 (TPOT), wall time, errors, the server's CPU seconds (LMCache's server included). Each
@@ -39,6 +40,7 @@ every row and budget for the same prompt: each mismatch is reported.
 
     python bench/vllm/lmcache.py                      # all budgets, 3 repeats (docs/results)
     python bench/vllm/lmcache.py --quick --json /tmp/lmcache_quick.json   # a check
+    python bench/vllm/lmcache.py --fresh --budgets 32 --json /tmp/lmcache_fresh.json
 """
 
 from __future__ import annotations
@@ -401,9 +403,10 @@ class Bench:
         self.warmup = [Chat("Warm-up. " + " ".join(warm_rng.choice(WORDS) for _ in range(60)),
                             (("hello " * 20, "ok"), ("again " * 20, "ok")))]
 
-    def start(self, row: str, budget_mib: int) -> Server:
-        """The row's server(s) for `budget_mib`, started (not yet ready)."""
-        a, tag = self.args, f"{row}-{budget_mib}MiB"
+    def start(self, row: str, budget_mib: int, suffix: str = "") -> Server:
+        """The row's server(s) for `budget_mib`, started (not yet ready); `suffix` tells
+        apart the logs of servers started again for the same budget (`--fresh`)."""
+        a, tag = self.args, f"{row}-{budget_mib}MiB{'-' + suffix if suffix else ''}"
         run_dir = self.tmp / tag
         run_dir.mkdir()
         side = side_log = None
@@ -457,15 +460,24 @@ class Bench:
 
     def group(self, rows: list[str], budget_mib: int, runs: list[Run],
               failed: list[dict[str, Any]], metrics: dict[str, dict[str, float]]) -> None:
-        """Every row's server for `budget_mib` up at once; each repeat sent to each row in
-        the rotated order; at the end the kvheat row's `kvheat_*` counters into `metrics`.
-        A server that does not start is reported and left out."""
+        """Every repeat at `budget_mib` on the same servers, or (`--fresh`) each repeat on
+        servers of its own, started for it."""
+        reps = list(range(self.args.repeats))
+        for batch in ([[r] for r in reps] if self.args.fresh else [reps]):
+            self.batch(rows, budget_mib, batch, runs, failed, metrics)
+
+    def batch(self, rows: list[str], budget_mib: int, repeats: list[int], runs: list[Run],
+              failed: list[dict[str, Any]], metrics: dict[str, dict[str, float]]) -> None:
+        """Every row's server for `budget_mib` up at once; each of `repeats` sent to each
+        row in the rotated order; at the end the kvheat row's `kvheat_*` counters into
+        `metrics`. A server that does not start is reported and left out."""
         servers: list[Server] = []
+        tag = f"r{repeats[0]}" if self.args.fresh else ""
         try:
             t = time.perf_counter()
             for row in rows:
                 try:
-                    servers.append(self.start(row, budget_mib))
+                    servers.append(self.start(row, budget_mib, tag))
                 except RuntimeError as e:
                     print(f"{row} at {budget_mib} MiB did not start, left out: {str(e)[-1500:]}",
                           file=sys.stderr, flush=True)
@@ -483,11 +495,12 @@ class Bench:
             print(f"{budget_mib} MiB: {len(servers)} servers up in "
                   f"{time.perf_counter() - t:.0f} s", flush=True)
             by_row = {s.row: s for s in servers}
-            for rep in range(self.args.repeats):
+            for rep in repeats:
                 for row in rotation([r for r in rows if r in by_row], rep):
                     runs.append(self.measure(by_row[row], rep))
             if "kvheat" in by_row:  # the connector's own counters: loads, misses, puts
-                metrics[f"kvheat@{budget_mib}"] = connector_metrics(by_row["kvheat"].base)
+                metrics[f"kvheat@{budget_mib}{'/' + tag if tag else ''}"] = \
+                    connector_metrics(by_row["kvheat"].base)
         except Exception:
             for srv in servers:
                 print(f"--- {srv.row} {budget_mib} MiB:\n{srv.tail()}", file=sys.stderr)
@@ -562,6 +575,23 @@ def served_table(summary: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def repeats_table(report: dict[str, Any]) -> str:
+    """Prompt tokens served in each repeat, per budget and row (whether a server kept the
+    earlier repeats' blocks: `fresh` in the config)."""
+    runs = report["runs"]
+    reps = sorted({r["repeat"] for r in runs})
+    by = {(r["budget_mib"], r["row"], r["repeat"]): r for r in runs}
+    cells = sorted({(r["budget_mib"], r["row"]) for r in runs},
+                   key=lambda k: (k[0], ROWS.index(k[1])))
+    lines = ["| budget | row | " + " | ".join(f"repeat {i + 1}" for i in reps) + " |",
+             "|---|---|" + "---:|" * len(reps)]
+    for budget, row in cells:
+        vals = [by.get((budget, row, i), {}).get("served") for i in reps]
+        lines.append(f"| {budget} MiB | {ROW_NAMES[row]} | " + " | ".join(
+            "-" if v is None else f"{100 * v:.1f}%" for v in vals) + " |")
+    return "\n".join(lines)
+
+
 def outputs_line(report: dict[str, Any]) -> str:
     """Whether the greedy answers agreed across every row and budget."""
     n, bad = report["compared_answers"], len(report["mismatches"])
@@ -606,6 +636,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="repeats (new text each), each sent to every row, the order rotated")
     ap.add_argument("--quick", action="store_true", help="one repeat, budgets 16 and 256: a check")
+    ap.add_argument("--fresh", action="store_true",
+                    help="new servers for every repeat (default: the repeats of a budget share "
+                         "servers, which keep what earlier repeats left in their caches)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn")
     ap.add_argument("--threads", type=int, default=1, help="vLLM's compute threads, every row")
     ap.add_argument("--bind", default=None,
