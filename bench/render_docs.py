@@ -822,6 +822,22 @@ def _offload_overhead(files: list[Any], o: dict[str, str]) -> str:
     return md_table(head, "llr" + "r" * with_lru, rows)
 
 
+@table("lmcache")
+def _lmcache(files: list[Any], o: dict[str, str]) -> str:
+    """vllm.md: bench/vllm/lmcache.py: prompt tokens served per row and budget
+    (`show=served`), or per repeat (`show=repeats`), or every figure per budget and row (median, range over the repeats),
+    then whether the greedy outputs agreed."""
+    from bench.vllm.lmcache import load_line, outputs_line, repeats_table, served_table
+    from bench.vllm.lmcache import table as full_table
+
+    d = files[0]
+    if o.get("show") == "served":
+        return served_table(d["summary"])
+    if o.get("show") == "repeats":
+        return repeats_table(d)
+    return full_table(d["summary"]) + "\n\n" + outputs_line(d) + " " + load_line(d)
+
+
 @table("ablation")
 def _ablation(files: list[Any], o: dict[str, str]) -> str:
     """heat.md: bench/heat/ablation.py's variants, one column per trace and capacity."""
