@@ -98,6 +98,10 @@ def fmt_ratio(r: dict[str, Any]) -> str:
 
 
 # ---- vLLM --------------------------------------------------------------------------------
+# What a bench says when `find_vllm_python` finds none.
+NO_VLLM = "no python with vLLM found (--vllm-python, $KVHEAT_VLLM_PYTHON, `make vllm`)"
+
+
 def find_vllm_python(explicit: str | None) -> str | None:
     """A python that imports vllm: the one given, $KVHEAT_VLLM_PYTHON, or the project's
     .venv when `make vllm` installed the vLLM CPU build there."""

@@ -3,6 +3,7 @@ range), the doc's tables in markdown, and the plot."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,14 @@ class Round:
     replica_cpu_s: float | None = None
     router_cpu_first_s: float | None = None
     replica_cpu_first_s: float | None = None
+
+
+def write_json(path: str | Path, report: Any) -> None:
+    """Write `report` as indented JSON at `path` (its folder made first), and say so."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 def summarize(rounds: list[Round]) -> list[dict[str, Any]]:

@@ -60,9 +60,17 @@ from bench._lib.load import (
     run_timed,
 )
 from bench._lib.models import save_wide_model
-from bench._lib.peers import check_quiet, find_vllm_python, spread, vllm_env
+from bench._lib.peers import NO_VLLM, check_quiet, find_vllm_python, spread, vllm_env
 from bench._lib.procs import Redis, free_port, smg_command, stop, wait_ready, wait_router_healthy
-from bench._lib.report import Round, markdown, max_over_mean, pct, print_table, summarize
+from bench._lib.report import (
+    Round,
+    markdown,
+    max_over_mean,
+    pct,
+    print_table,
+    summarize,
+    write_json,
+)
 from bench.vllm.connector import BLOCK, CONNECTOR_MODULE, SECRET, Shape, sessions
 
 MODEL = "cluster-llama"  # bench/cluster/real.py's run_load asks for this model
@@ -279,8 +287,7 @@ def main() -> int:
         routers = [k for k in routers if k == "kvheat"]
     python = find_vllm_python(a.vllm_python)
     if python is None:
-        print("no python with vLLM found (--vllm-python, $KVHEAT_VLLM_PYTHON, `make vllm`): "
-              "nothing to run", file=sys.stderr)
+        print(f"{NO_VLLM}: nothing to run", file=sys.stderr)
         return 0
     shape = QUICK if a.quick else LOAD
     report: dict[str, Any] = {"command": " ".join(["python bench/cluster/vllm.py",
@@ -316,9 +323,7 @@ def main() -> int:
     print_table(summary)
     for k, w in report["wall_s"].items():
         print(f"  {k}: wall {w['median']:.1f} s ({w['min']:.1f}-{w['max']:.1f})")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {a.json}")
+    write_json(a.json, report)
     return 0
 
 

@@ -59,6 +59,7 @@ from bench._lib.peers import (
     vllm_env,
 )
 from bench._lib.procs import cpu_seconds
+from bench._lib.report import write_json
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.engine.loader import load_model, save_tiny_model
 
@@ -469,9 +470,7 @@ def main() -> None:
                                if a.peer else "--no-peer"}
     print_report(report)
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=1))
-        print(f"wrote {a.json}")
+        write_json(a.json, report)
 
 
 def print_report(r: dict) -> None:

@@ -13,7 +13,6 @@ ops leave (Python: scheduler, batch building, sampling, dispatch).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -30,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench._lib import RESULTS
 from bench._lib.models import wide_llama
+from bench._lib.report import write_json
 from kvheat.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from kvheat.engine.loader import load_model
 
@@ -96,9 +96,7 @@ def main() -> None:
         print(f"\n{name}: {r['step_ms']:.1f} ms a step; outside aten ops {r['outside_ops_ms']:.1f} ms")
         for t in r["top"]:
             print(f"  {t['op']:<52} {t['ms']:7.2f} ms {100 * t['share']:5.1f}%  x{t['calls']}")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=1))
-    print(f"wrote {a.json}")
+    write_json(a.json, out)
 
 
 if __name__ == "__main__":

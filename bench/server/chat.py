@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -36,7 +35,7 @@ if not __package__:  # run as `python bench/server/chat.py`: import from the rep
 from bench._lib import RESULTS
 from bench._lib.load import Conversation, LoadSpec, UserTurn, from_list, run_conversations
 from bench._lib.models import save_wide_model
-from bench._lib.peers import check_quiet, find_vllm_python, fmt_ratio, paired_ratio, spread
+from bench._lib.peers import NO_VLLM, check_quiet, find_vllm_python, fmt_ratio, paired_ratio, spread
 from bench._lib.procs import (
     cpu_seconds,
     free_port,
@@ -45,6 +44,7 @@ from bench._lib.procs import (
     stop,
     wait_ready,
 )
+from bench._lib.report import write_json
 from kvheat.engine.loader import save_tiny_model
 
 _TEXT = ("the cache keeps hot blocks on the device while cold ones move to host memory "
@@ -113,8 +113,7 @@ def main() -> int:
     a = ap.parse_args()
     vllm_python = find_vllm_python(a.vllm_python)
     if vllm_python is None:
-        print("no python with vLLM found (--vllm-python, $KVHEAT_VLLM_PYTHON, `make vllm`): "
-              "nothing to compare", file=sys.stderr)
+        print(f"{NO_VLLM}: nothing to compare", file=sys.stderr)
         return 0
     report: dict[str, Any] = {"args": vars(a), "vllm_python": vllm_python}
     check_quiet(report, "start")
@@ -174,9 +173,7 @@ def main() -> int:
         print(f"{label:<22} {scale * m['kvheat']['median']:>10.1f} {scale * m['vllm']['median']:>10.1f} "
               f"{fmt_ratio(m['ratio']):>20}")
     print(f"identical completions: {same} of {summary['same_completions']['turns']} turns per repeat")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(report, indent=1))
-    print(f"wrote {a.json}")
+    write_json(a.json, report)
     return 0
 
 

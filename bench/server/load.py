@@ -39,7 +39,7 @@ if not __package__:  # run as `python bench/server/load.py`: import from the rep
 
 from bench._lib import RESULTS
 from bench._lib.load import Conversation, LoadSpec, UserTurn, run_conversations
-from bench._lib.peers import check_quiet, find_vllm_python, fmt_ratio, paired_ratio
+from bench._lib.peers import NO_VLLM, check_quiet, find_vllm_python, fmt_ratio, paired_ratio
 from bench._lib.procs import (
     free_port,
     rss_mib,
@@ -240,7 +240,7 @@ def main() -> int:
     check_quiet(report, "start")
     vllm_python = find_vllm_python(args.vllm_python) if args.peer == "vllm" else None
     if args.peer and vllm_python is None:
-        print("no python with vLLM found: skipping the peer run", file=sys.stderr)
+        print(f"{NO_VLLM}: skipping the peer run", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="kvheat-load-") as tmp:
         model_dir = None
         if vllm_python:

@@ -74,9 +74,9 @@ if not __package__:  # run as `python bench/vllm/connector.py`: import from the 
 from bench._lib import RESULTS, ROOT
 from bench._lib.load import Conversation, LoadSpec, Reply, UserTurn, from_list, run_conversations
 from bench._lib.models import save_wide_model
-from bench._lib.peers import check_quiet, find_vllm_python, spread, vllm_env
+from bench._lib.peers import NO_VLLM, check_quiet, find_vllm_python, spread, vllm_env
 from bench._lib.procs import Redis, cpu_seconds, free_port, stop, wait_ready
-from bench._lib.report import pct
+from bench._lib.report import pct, write_json
 from kvheat.cache.hashing import block_keys, root_key, tokens_to_bytes
 from kvheat.engine.loader import Tokenizer
 
@@ -511,8 +511,7 @@ def main() -> int:
         ap.error("--repeats, --fits-draws and --layers at least 1, --pool-blocks at least 4")
     python = find_vllm_python(a.vllm_python)
     if python is None:
-        print("no python with vLLM found (--vllm-python, $KVHEAT_VLLM_PYTHON, `make vllm`): "
-              "nothing to run", file=sys.stderr)
+        print(f"{NO_VLLM}: nothing to run", file=sys.stderr)
         return 0
     if shutil.which("redis-server") is None:
         print("redis-server not found: the kvheat-redis row is left out", file=sys.stderr)
@@ -563,9 +562,7 @@ def main() -> int:
               f"{'met' if t['p99_met'] else 'NOT met'}), wall x{t['wall_ratio']:.2f} (target "
               f"{TARGET_WALL}: {'met' if t['wall_met'] else 'NOT met'}), fits wall {fits} "
               f"(target {1 + TARGET_FITS_OVERHEAD})")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {a.json}")
+    write_json(a.json, report)
     return 0
 
 

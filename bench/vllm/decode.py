@@ -51,8 +51,9 @@ if not __package__:  # run as `python bench/vllm/decode.py`: import from the rep
 
 from bench._lib import RESULTS, ROOT
 from bench._lib.load import Reply, stream_turn
-from bench._lib.peers import check_quiet, find_vllm_python, spread, vllm_env
+from bench._lib.peers import NO_VLLM, check_quiet, find_vllm_python, spread, vllm_env
 from bench._lib.procs import free_port, stop, wait_ready
+from bench._lib.report import write_json
 from kvheat.engine.loader import save_tiny_model
 
 BLOCK = 32
@@ -209,7 +210,7 @@ def main() -> int:
         ap.error("the decode batch must fit vLLM's pool (no preemption)")
     python = find_vllm_python(a.vllm_python)
     if python is None:
-        print("no python with vLLM found: nothing to run", file=sys.stderr)
+        print(f"{NO_VLLM}: nothing to run", file=sys.stderr)
         return 0
     report: dict[str, Any] = {"command": " ".join(["python bench/vllm/decode.py", *sys.argv[1:]]),
                               "config": {k: v for k, v in vars(a).items() if k != "json"},
@@ -271,9 +272,7 @@ def main() -> int:
             print(f"  {name:18s} {1000 * m['median']:7.2f} ms ({1000 * m['min']:.2f}-"
                   f"{1000 * m['max']:.2f})" + (f"  x{r['median']:.3f} ({r['min']:.3f}-"
                                                f"{r['max']:.3f})" if r else ""))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {a.json}")
+    write_json(a.json, report)
     return 0
 
 

@@ -69,9 +69,9 @@ if not __package__:  # run as `python bench/vllm/lmcache.py`: import from the re
 
 from bench._lib import ROOT
 from bench._lib.load import Reply, stream_turn
-from bench._lib.peers import check_quiet, find_vllm_python, spread, vllm_env
+from bench._lib.peers import NO_VLLM, check_quiet, find_vllm_python, spread, vllm_env
 from bench._lib.procs import cpu_seconds, free_port, wait_ready
-from bench._lib.report import pct
+from bench._lib.report import pct, write_json
 from bench.vllm.connector import connector_metrics
 
 BLOCK = 32  # tokens per block: vLLM's CPU attention wants multiples of 32; LMCache's chunk
@@ -663,8 +663,7 @@ def main() -> int:
         ap.error("--repeats at least 1, budgets at least 1 MiB")
     python = find_vllm_python(a.vllm_python)
     if python is None:
-        print("no python with vLLM found (--vllm-python, $KVHEAT_VLLM_PYTHON, `make vllm`): "
-              "nothing to run", file=sys.stderr)
+        print(f"{NO_VLLM}: nothing to run", file=sys.stderr)
         return 0
     versions = {"vllm_python": python_versions(python)}
     pythons = {"vllm": python, "kvheat": python}
@@ -723,9 +722,7 @@ def main() -> int:
     print(outputs_line(report) + f" Bench wall {report['bench_wall_s']:.0f} s.")
     for m in report["mismatches"][:10]:
         print(f"  mismatch: {m}")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {a.json}")
+    write_json(a.json, report)
     return 0
 
 
