@@ -838,6 +838,15 @@ def _lmcache(files: list[Any], o: dict[str, str]) -> str:
     return full_table(d["summary"]) + "\n\n" + outputs_line(d) + " " + load_line(d)
 
 
+@table("cycles")
+def _cycles(files: list[Any], o: dict[str, str]) -> str:
+    """heat.md: bench/heat/cycles.py: each policy's hit rate on the cycle of conversations,
+    per capacity, over every set and per set."""
+    from bench.heat.cycles import table as cycles_table
+
+    return cycles_table(files[0])
+
+
 @table("ablation")
 def _ablation(files: list[Any], o: dict[str, str]) -> str:
     """heat.md: bench/heat/ablation.py's variants, one column per trace and capacity."""
