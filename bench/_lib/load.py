@@ -76,6 +76,13 @@ class Reply:
         return self.error is None
 
     @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first (None for an answer of one token or none)."""
+        if self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+    @property
     def status(self) -> str:
         return "hung" if self.hung else "ok" if self.error is None else "error"
 

@@ -5,6 +5,7 @@ or a 3-node Redis Cluster)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import shutil
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -129,6 +131,30 @@ def start_vllm_server(python: str, model_dir: str, port: int, log: Path, tmp: st
            "--seed", "0", "--disable-log-stats"]
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             env=vllm_env(threads, tmp))
+
+
+def vllm_pool_command(python: str, model_dir: str | Path, model: str, port: int, block: int,
+                      pool_blocks: int, max_seqs: int = 8, batched_tokens: int = 2048,
+                      kv_transfer: dict[str, Any] | None = None, prompt_details: bool = True,
+                      log_stats: bool = True) -> list[str]:
+    """vLLM's OpenAI server at float32, prefix caching on, its pool shrunk to `pool_blocks`
+    blocks of `block` tokens (the longest prompt one block short of it), with `kv_transfer`
+    as its connector; cached tokens in usage unless `prompt_details` is off, its stats
+    unless `log_stats` is off (a connector's metrics need them)."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching"]
+    if prompt_details:
+        cmd.append("--enable-prompt-tokens-details")
+    cmd += ["--block-size", str(block), "--num-gpu-blocks-override", str(pool_blocks),
+            "--max-model-len", str((pool_blocks - 1) * block),
+            "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(batched_tokens),
+            "--seed", "0"]
+    if not log_stats:
+        cmd.append("--disable-log-stats")
+    if kv_transfer is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    return cmd
 
 
 # ---- what a process costs ----------------------------------------------------------------------

@@ -61,7 +61,15 @@ from bench._lib.load import (
 )
 from bench._lib.models import save_wide_model
 from bench._lib.peers import NO_VLLM, check_quiet, find_vllm_python, spread, vllm_env
-from bench._lib.procs import Redis, free_port, smg_command, stop, wait_ready, wait_router_healthy
+from bench._lib.procs import (
+    Redis,
+    free_port,
+    smg_command,
+    stop,
+    vllm_pool_command,
+    wait_ready,
+    wait_router_healthy,
+)
 from bench._lib.report import (
     Round,
     markdown,
@@ -123,14 +131,9 @@ def start_replica(r: Replica, a: argparse.Namespace, python: str, model_dir: Pat
                 "kv_role": "kv_both", "kv_connector_extra_config": extra}
     events = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://*:{r.events}", "replay_endpoint": f"tcp://*:{r.replay}"}
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(r.port),
-           "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
-           "--enable-prompt-tokens-details", "--block-size", str(BLOCK),
-           "--num-gpu-blocks-override", str(a.pool_blocks),
-           "--max-model-len", str((a.pool_blocks - 1) * BLOCK),
-           "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--seed", "0",
-           "--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(events)]
+    cmd = vllm_pool_command(python, model_dir, MODEL, r.port, BLOCK, a.pool_blocks,
+                            kv_transfer=transfer)
+    cmd += ["--kv-events-config", json.dumps(events)]
     # One compute thread per replica, each on a core of its own.
     env = dict(vllm_env(1, tmp), PYTHONPATH=str(ROOT), VLLM_CPU_OMP_THREADS_BIND=str(r.core))
     r.proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)

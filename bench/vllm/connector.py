@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -75,7 +74,7 @@ from bench._lib import RESULTS, ROOT
 from bench._lib.load import Conversation, LoadSpec, Reply, UserTurn, from_list, run_conversations
 from bench._lib.models import save_wide_model
 from bench._lib.peers import NO_VLLM, check_quiet, find_vllm_python, spread, vllm_env
-from bench._lib.procs import Redis, cpu_seconds, free_port, stop, wait_ready
+from bench._lib.procs import Redis, cpu_seconds, free_port, stop, vllm_pool_command, wait_ready
 from bench._lib.report import pct, write_json
 from kvheat.cache.hashing import block_keys, root_key, tokens_to_bytes
 from kvheat.engine.loader import Tokenizer
@@ -213,17 +212,8 @@ def start_server(python: str, model_dir: Path, port: int, log: Path, tmp: Path,
     prefix caching, cached tokens in usage, one compute thread; stats on, as the connector's
     metrics need them), with vLLM's pool shrunk
     to `--pool-blocks` blocks of 32 tokens and the row's connector."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
-           "--enable-prompt-tokens-details", "--block-size", str(BLOCK),
-           "--num-gpu-blocks-override", str(args.pool_blocks),
-           "--max-model-len", str((args.pool_blocks - 1) * BLOCK),
-           "--max-num-seqs", str(args.max_seqs),
-           "--max-num-batched-tokens", str(args.batched_tokens),
-           "--seed", "0"]
-    if kv_transfer is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    cmd = vllm_pool_command(python, model_dir, MODEL, port, BLOCK, args.pool_blocks,
+                            args.max_seqs, args.batched_tokens, kv_transfer)
     env = dict(vllm_env(args.threads, tmp), PYTHONPATH=str(ROOT))
     if args.bind == "auto":  # vLLM's own binding: a connector's server reserves a core more
         env.pop("VLLM_CPU_OMP_THREADS_BIND")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import re
@@ -52,7 +51,7 @@ if not __package__:  # run as `python bench/vllm/decode.py`: import from the rep
 from bench._lib import RESULTS, ROOT
 from bench._lib.load import Reply, stream_turn
 from bench._lib.peers import NO_VLLM, check_quiet, find_vllm_python, spread, vllm_env
-from bench._lib.procs import free_port, stop, wait_ready
+from bench._lib.procs import free_port, stop, vllm_pool_command, wait_ready
 from bench._lib.report import write_json
 from kvheat.engine.loader import save_tiny_model
 
@@ -101,16 +100,10 @@ def start(python: str, model_dir: Path, tmp: Path, row: str, bind: str,
     port = free_port()
     name = f"{row}@{bind}"
     log = tmp / f"{row}-{bind}.log"
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
-           "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(a.pool_blocks),
-           "--max-model-len", str((a.pool_blocks - 1) * BLOCK),
-           "--max-num-seqs", str(max(a.seqs, 8)), "--max-num-batched-tokens", "2048",
-           "--seed", "0", "--disable-log-stats"]
-    cfg = transfer_config(row, a.tier_mib << 20)
-    if cfg is not None:
-        cmd += ["--kv-transfer-config", json.dumps(cfg)]
+    cmd = vllm_pool_command(python, model_dir, MODEL, port, BLOCK, a.pool_blocks,
+                            max_seqs=max(a.seqs, 8),
+                            kv_transfer=transfer_config(row, a.tier_mib << 20),
+                            prompt_details=False, log_stats=False)
     env = dict(vllm_env(1, tmp / name), PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="INFO")
     if bind == "auto":  # vLLM's own default: it sizes and binds the threads itself
         env.pop("VLLM_CPU_OMP_THREADS_BIND")
@@ -140,17 +133,11 @@ async def _requests(base: str, batch: list[list[int]], max_tokens: int, at_once:
         return [await one(p) for p in batch]
 
 
-def tpot(r: Reply) -> float | None:
-    if not r.ok or r.ttft is None or r.completion_tokens < 2:
-        return None
-    return (r.e2e - r.ttft) / (r.completion_tokens - 1)
-
-
 def run_decode(srv: Server, batch: list[list[int]], a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     replies = asyncio.run(_requests(srv.base, batch, a.output_tokens, True, a.timeout))
     wall = time.perf_counter() - t0
-    tp = [t for t in map(tpot, replies) if t is not None]
+    tp = [t for t in (r.tpot for r in replies if r.ok) if t is not None]
     return {"wall_s": wall, "errors": sum(not r.ok for r in replies),
             "tpot_s": statistics.median(tp) if tp else None,
             "tpots": [round(t, 6) for t in tp],

@@ -70,7 +70,7 @@ if not __package__:  # run as `python bench/vllm/lmcache.py`: import from the re
 from bench._lib import ROOT
 from bench._lib.load import Reply, stream_turn
 from bench._lib.peers import NO_VLLM, check_quiet, find_vllm_python, spread, vllm_env
-from bench._lib.procs import cpu_seconds, free_port, wait_ready
+from bench._lib.procs import cpu_seconds, free_port, vllm_pool_command, wait_ready
 from bench._lib.report import pct, write_json
 from bench.vllm.connector import connector_metrics
 
@@ -223,16 +223,8 @@ def vllm_command(python: str, model_dir: Path, port: int, args: argparse.Namespa
                  kv_transfer: dict[str, Any] | None) -> list[str]:
     """vLLM's OpenAI server as every row runs it: float32, prefix caching, cached tokens in
     usage, vLLM's pool shrunk to POOL_BLOCKS blocks of BLOCK tokens, the row's connector."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
-           "--enable-prompt-tokens-details", "--block-size", str(BLOCK),
-           "--num-gpu-blocks-override", str(POOL_BLOCKS),
-           "--max-model-len", str((POOL_BLOCKS - 1) * BLOCK),
-           "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--seed", "0"]
-    if kv_transfer is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
-    return cmd
+    return vllm_pool_command(python, model_dir, MODEL, port, BLOCK, POOL_BLOCKS,
+                             kv_transfer=kv_transfer)
 
 
 def lmcache_command(python: str, port: int, http_port: int, metrics_port: int,
@@ -335,19 +327,12 @@ def send_all(base: str, convs: Sequence[Chat], max_tokens: int, timeout_s: float
     return replies, time.perf_counter() - t0
 
 
-def tpot(r: Reply) -> float | None:
-    """Seconds per output token after the first (None for an answer of one token or none)."""
-    if r.ttft is None or r.completion_tokens < 2:
-        return None
-    return (r.e2e - r.ttft) / (r.completion_tokens - 1)
-
-
 def figures(run: Run) -> dict[str, Any]:
     """A run's figures (see the module's docstring); the per-request TTFTs kept raw."""
     replies = list(run.replies.values())
     ok = [r for r in replies if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
-    tpots = [x for x in (tpot(r) for r in ok) if x is not None]
+    tpots = [x for x in (r.tpot for r in ok) if x is not None]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     return {"row": run.row, "budget_mib": run.budget_mib, "repeat": run.repeat,
