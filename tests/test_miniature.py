@@ -53,7 +53,9 @@ def drifting(n: int = 3000, per: int = 40, length: int = 8, phase: int = 150,
     return out
 
 
-def run(trace: list[TraceRequest], **kw: object) -> tuple[float, KVHeat]:
+def run(trace: list[TraceRequest], capacity: int = CAPACITY, block: int = BLOCK,
+        **kw: object) -> tuple[float, KVHeat]:
+    """kvheat made with `kw`, replayed over `trace`: its hit rate and the policy."""
     made: list[KVHeat] = []
 
     def make() -> KVHeat:
@@ -62,7 +64,7 @@ def run(trace: list[TraceRequest], **kw: object) -> tuple[float, KVHeat]:
         made.append(p)
         return p
 
-    r = replay(trace, make, CAPACITY, BLOCK)
+    r = replay(trace, make, capacity, block)
     return r.hit_rate, made[0]
 
 

@@ -375,6 +375,29 @@ def test_replayed_workload_stays_consistent_with_the_manager() -> None:
     assert mgr._num_write_pending_chunks == 0
 
 
+@pytest.mark.parametrize("loose", [False, True], ids=["gated", "held-loads"])
+def test_protection_inside_vllm_stays_consistent_with_the_manager(monkeypatch, loose) -> None:
+    """The offload tier with protection on (kvheat/heat/protect.py) all through a replay,
+    with loaded chunks held while their requests run or not: the manager's count of idle
+    chunks agrees with the policy's, and the chunks pass through probation."""
+    import kvheat.integrations.vllm as kv
+
+    if loose:
+        monkeypatch.setattr(kv, "_loose", lambda *a: True)
+    trace = generate_workload(WorkloadConfig(num_conversations=150, arrival_rate=3.0, seed=3))
+    keys = request_keys(trace, 512)
+    mgr = _manager(300)
+    pol = mgr._policy
+    pol.heat.protect = False  # no miniature to switch it back: on throughout
+    pol.heat.set_protect(True)
+    r = replay_offload(trace, "kvheat", 300, keys=keys, manager=mgr, time_scale=0.2)
+    assert r.requests == len(trace) and r.evictions > 0 and r.hit_rate > 0
+    st = pol.heat.stats()
+    assert st["protect"] == 1.0 and st["protect_promotions"] > 0
+    assert mgr._num_evictable_cache_chunks == pol.num_evictable()
+    assert mgr._num_write_pending_chunks == 0
+
+
 @pytest.mark.skipif(not (TRACES / "mooncake_conversation_part1.jsonl").exists(),
                     reason="Mooncake trace not present")
 def test_kvheat_beats_lru_and_arc_inside_vllm_on_mooncake() -> None:

@@ -23,11 +23,12 @@ if not __package__:  # run as `python bench/heat/cycles.py`: import from the rep
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from bench._lib.report import write_json
+from bench.heat.sessions import policy_spec, split_policies
 from kvheat.replay import replay
 from kvheat.replay.traces import TraceRequest
 
 BLOCK = 16  # tokens per block
-POLICIES = "lru,arc,s3fifo,lruk,lirs,kvheat"
+POLICIES = "lru,arc,s3fifo,lruk,lirs,kvheat[protect=false],kvheat,belady"
 CAPACITIES = "64,96,128,192,256,384"
 
 
@@ -59,11 +60,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cycle = args.conversations * (args.system_blocks + args.turns * args.turn_blocks)
     cells = []
     for cap in (int(c) for c in args.capacity.split(",")):
-        for pol in args.policy.split(","):
+        for pol in split_policies(args.policy):
             per_set, hit_before, total_before = [], 0, 0
             for n in range(1, len(sets) + 1):
                 trace = [r for s in sets[:n] for r in s]
-                r = replay(trace, pol, cap * BLOCK, BLOCK)
+                r = replay(trace, policy_spec(pol), cap * BLOCK, BLOCK)
                 per_set.append((r.hit_tokens - hit_before) / (r.total_tokens - total_before))
                 hit_before, total_before = r.hit_tokens, r.total_tokens
             cells.append({"policy": pol, "capacity_blocks": cap,
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "block_tokens": BLOCK, "conversations": args.conversations, "turns": args.turns,
             "system_blocks": args.system_blocks, "turn_blocks": args.turn_blocks,
             "sets": args.sets, "cycle_blocks": cycle,
-            "policies": args.policy.split(","), "cells": cells}
+            "policies": split_policies(args.policy), "cells": cells}
 
 
 def table(d: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ class HeatFields(Protocol):
     last: float
     gen: int
     flags: int
+    gap: float
 
 
 @dataclass(slots=True)
@@ -43,6 +44,9 @@ class HeatRecord(PolicyRecord):
     last: float = 0.0  # virtual time of the last access
     gen: int = 0  # index of the (base, λ) `count` is relative to, in `HeatClock.gens`
     flags: int = 0  # PINNED | ONE_OFF | EXTENSION | FRESH (kvheat/heat/penalties.py)
+    # Accesses between its last two uses (0: used once), kept while protection is on
+    # (kvheat/heat/protect.py: a protected block is stale after a few of its own gaps).
+    gap: float = 0.0
     # The session's own pace, a factor on the key while the class bits (flags >= 16) are
     # set: only blocks a request hint released carry it (kvheat/heat/sessions.py).
     own: float = 1.0

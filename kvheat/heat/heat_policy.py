@@ -25,6 +25,7 @@ from .feedback import Feedback
 from .heap import BlockHeap
 from .miniature import MIN_CAPACITY, MINI_BLOCKS, MultipleSelector
 from .penalties import EXTENSION, FLAG_BITS, FRESH, PINNED, Penalties
+from .protect import PROTECTED, Protection
 from .reuse import ReuseGapEstimator
 from .sessions import CLASS_MASK, CLASS_SHIFT, MAX_CLASSES, SessionBook
 
@@ -71,8 +72,11 @@ class KVHeat(EvictionPolicy):
                  session_own: bool = False,
                  queue_hints: bool = True, admit_now: bool = True,
                  regime_warmup: bool = True, admit_floor: float | None = 1.6,
-                 adapt: str = "miniature", mini_blocks: int = MINI_BLOCKS) -> None:
+                 adapt: str = "miniature", mini_blocks: int = MINI_BLOCKS,
+                 protect: bool = True) -> None:
         super().__init__()
+        if type(protect) is not bool:
+            raise ValueError(f"protect must be a bool, got {protect!r}")
         if adapt not in ("miniature", "victims", "off"):
             raise ValueError(f"adapt must be miniature, victims or off, got {adapt!r}")
         if type(mini_blocks) is not int or mini_blocks < 1:
@@ -87,7 +91,9 @@ class KVHeat(EvictionPolicy):
             adapt_extension=adapt_extension, max_count=max_count, penalty_fade=penalty_fade,
             session_hints=session_hints, session_rate=session_rate, session_own=session_own,
             queue_hints=queue_hints, admit_now=admit_now, regime_warmup=regime_warmup,
-            admit_floor=admit_floor, adapt="off")
+            admit_floor=admit_floor, adapt="off", protect=False)
+        # The miniatures may switch protection on (protect.py) where it serves more.
+        self.protect = protect
         self.adapt = adapt if half_life is None and not tune else "off"
         if self.adapt != "victims":
             adapt_mult = False
@@ -151,6 +157,9 @@ class KVHeat(EvictionPolicy):
         self.queued: dict[bytes, int] = {}  # keys queued requests need -> how many
         self.queued_by: dict[str, Sequence[bytes]] = {}
         self.held: list[Node] = []  # victims kept back while queued
+        # While on, a protected set and a probation queue around the heap (protect.py):
+        # switched by the miniatures (`set_protect`).
+        self.guard: Protection | None = None
 
     # -- the key ---------------------------------------------------------------------
     def key(self, b: Node) -> float:
@@ -220,6 +229,7 @@ class KVHeat(EvictionPolicy):
         g = self.ghost.pop(key, None)
         if g is None and self.ghost_old:
             g = self.ghost_old.pop(key, None)
+        gap = 0.0
         if g is None:
             st = pen.new_flags
             p = b.parent
@@ -247,6 +257,7 @@ class KVHeat(EvictionPolicy):
         else:
             self.ghost_hits += 1
             m, gen, v, st = g
+            gap = clock.v - v
             if fb.adapt_mult:
                 fb.victim_returned(m, gen, v, self.evictions)
                 w = clock.weight
@@ -263,6 +274,9 @@ class KVHeat(EvictionPolicy):
         r.gen = clock.gen
         r.last = clock.v
         r.flags = st
+        r.gap = gap
+        if self.guard is not None:
+            self.guard.inserted(b, gap, clock.v)
         if ((b.depth == 1 and fb.watch_keys) or fb.tuner is not None) \
                 and fb.observe(b, False):
             self.forget_heat()
@@ -283,6 +297,7 @@ class KVHeat(EvictionPolicy):
         reuse = self.penalties.reuse
         sel = self.selector if self._hook_feed else None
         t = sel.threshold if sel is not None else 0
+        guard = self.guard
         for b in blocks:
             clock.accesses += 1
             key = b.key
@@ -300,7 +315,12 @@ class KVHeat(EvictionPolicy):
             m = r.count + clock.weight
             cap = clock.cap
             r.count = m if m < cap else cap
-            r.last = clock.v
+            if guard is not None:
+                r.gap = clock.v - r.last
+                r.last = clock.v
+                guard.hit(b)
+            else:
+                r.last = clock.v
             st = r.flags
             if st > PINNED:
                 if st & (EXTENSION | FRESH):
@@ -321,6 +341,8 @@ class KVHeat(EvictionPolicy):
         if r.gen == clock.gen:
             r.count += clock.weight - weight
             r.last = clock.v
+            if self.guard is not None and b.state == PROTECTED:
+                self.guard.hit(b)  # (its place in the list by last use)
 
     # -- hints (kvheat/cache/hints.py, kvheat/heat/sessions.py) ------------------------
     # Each hook runs once per request, so its cost is per request, not per block (a short
@@ -459,35 +481,54 @@ class KVHeat(EvictionPolicy):
             held, self.held = self.held, []
             # those still cached and out of the heap (`BlockHeap.pop` set their heap_slot
             # to NaN; a release since pushed them back in, with a live one)
-            back = [b for b in held if b.key is not None and math.isnan(b.heap_slot)]
+            back = [b for b in held if b.key is not None and math.isnan(b.heap_slot)
+                    and not self.queued_on_probation(b)]
             if back:
-                self.heap.push(back)
+                self.release_all(back)
 
     # -- the heap --------------------------------------------------------------------
     def on_release(self, b: Node, now: float) -> None:
-        self.heap.push((b,))
+        if self.guard is None:
+            self.heap.push((b,))
+        else:
+            self.guard.route((b,))
 
     def on_release_all(self, blocks: list[Node], now: float) -> None:
         # The cache's batched release (a request's blocks, tail-first, after their refcounts
         # changed): the same heap as `on_release` of each.
-        self.heap.push(blocks)
+        if self.guard is None:
+            self.heap.push(blocks)
+        else:
+            self.guard.route(blocks)
 
     def release_all(self, blocks: Iterable[Node]) -> None:
         """`on_release` of each block in order, in one call.
 
         For a caller releasing many at once, outside the cache."""
-        self.heap.push(blocks)
+        if self.guard is None:
+            self.heap.push(blocks)
+        else:
+            self.guard.route(blocks)
 
     def on_leaf(self, b: Node) -> None:
         if b.parked is not None:  # met while it had children: back in
-            self.heap.push((b,))
+            if self.guard is None:
+                self.heap.push((b,))
+            else:
+                self.guard.leaf(b)
+
+    def _next_victim(self) -> Node | None:
+        guard = self.guard
+        if guard is None:
+            return self.heap.pop()
+        return guard.victim(self.clock.v, self.gaps.estimate or float(self.capacity))
 
     def victim(self) -> Node | None:
-        b = self.heap.pop()
+        b = self._next_victim()
         if self.queued and b is not None and b.key in self.queued:
             # A queued request needs it: keep it back while a block no request waits for
             # is evictable.
-            held, queued, pop = self.held, self.queued, self.heap.pop
+            held, queued, pop = self.held, self.queued, self._next_victim
             while b is not None and b.key in queued:
                 held.append(b)
                 b = pop()
@@ -495,9 +536,10 @@ class KVHeat(EvictionPolicy):
             held = self.held
             while held:
                 h = held.pop(0)
-                # (popped from the heap, so heap_slot NaN: not pushed back since)
+                # (popped from the heap, so heap_slot NaN: not pushed back since; nor
+                # queued again on probation)
                 if (h.key is not None and math.isnan(h.heap_slot) and not h.ref_cnt
-                        and not h.num_children):
+                        and not h.num_children and not self.queued_on_probation(h)):
                     return h
         return b
 
@@ -505,11 +547,34 @@ class KVHeat(EvictionPolicy):
                   ) -> tuple[list[Node], list[Node]]:
         """Up to `n` victims for a caller that saves the push at each hit.
 
-        vLLM's offload tier, `KVHeatCachePolicy`: see `BlockHeap.take_lazy`."""
-        return self.heap.take_lazy(n, protected)
+        vLLM's offload tier, `KVHeatCachePolicy`: see `BlockHeap.take_lazy` (probation
+        blocks first while protection is on)."""
+        guard = self.guard
+        if guard is None:
+            return self.heap.take_lazy(n, protected)
+        picked, skipped = guard.take(n, protected, self.clock.v,
+                                     self.gaps.estimate or float(self.capacity))
+        if len(picked) < n:
+            more, skipped_more = self.heap.take_lazy(n - len(picked), protected)
+            picked += more
+            skipped += skipped_more
+        return picked, skipped
 
     def forget(self, b: Node) -> None:
         self.heap.forget(b)
+        if self.guard is not None:
+            self.guard.forget(b)
+
+    def queued_on_probation(self, b: Node) -> bool:
+        """Whether `b` waits in the probation queue (protect.py) for its turn to go."""
+        return self.guard is not None and b.queue is self.guard.probation
+
+    def hold_out(self, b: Node) -> None:
+        """Take unreferenced `b` out of the probation queue while a caller holds it back.
+
+        As out of the heap: the caller pushes it back with `release_all`."""
+        if self.guard is not None and b.queue is self.guard.probation:
+            self.guard.probation.remove(b)
 
     # -- evictions -------------------------------------------------------------------
     def on_evict(self, b: Node) -> None:
@@ -518,6 +583,8 @@ class KVHeat(EvictionPolicy):
         The eviction age, the median victim's heat (for the multiple's feedback), and the
         ghost history keeps its count."""
         r: HeatFields = b.rec
+        if self.guard is not None:
+            self.guard.forget(b)
         # EWMA over about the last 250 evictions, its start unbiased (a mean until then)
         self.evictions = n_ev = self.evictions + 1
         last = r.last
@@ -569,6 +636,8 @@ class KVHeat(EvictionPolicy):
             # Until the first reuse gaps are in: the cache's own size, in accesses.
             self.clock.start(float(max(capacity_blocks, 1)))
         self.feedback.bind(capacity_blocks, self.ghost_limit)
+        if self.guard is not None:
+            self.guard.resize(capacity_blocks)
         if self.adapt == "miniature":
             if self.selector is not None and self.selector.capacity != capacity_blocks:
                 self.selector = None  # re-bound to another size: new miniatures, same multiple
@@ -585,7 +654,7 @@ class KVHeat(EvictionPolicy):
         sel = self.selector = MultipleSelector(
             self, self._make_candidate,
             self.capacity, self.penalties.block_size, math.log2(self.feedback.reuse_mult),
-            self.mini_blocks)
+            self.mini_blocks, alternate=self.protect)
         sel.sync()
         return sel
 
@@ -618,6 +687,29 @@ class KVHeat(EvictionPolicy):
     def follow_multiple(self, mult: float) -> None:
         """The miniatures chose a multiple: the live policy takes it."""
         self.feedback.set_mult(mult)
+
+    def set_protect(self, on: bool) -> None:
+        """Switch protection (protect.py) on or off; the cached blocks stay.
+
+        On: the blocks in the heap become protected (those held or parked when released);
+        off: the probation blocks go back into the heap."""
+        if on == (self.guard is not None):
+            return
+        if on:
+            self.guard = Protection(self.heap, max(self.capacity, 1))
+            if self.clock.accesses:
+                self.guard.adopt(self.heap.live())
+            return
+        old, self.guard = self.guard, None
+        assert old is not None
+        back = [b for b in old.release_all() if b.key is not None]
+        if back:
+            self.heap.push(back)
+
+    @property
+    def protecting(self) -> bool:
+        """Whether protection is on."""
+        return self.guard is not None
 
     def set_multiple(self, mult: float, half_life: float, mode: str) -> None:
         """Take a miniature candidate's settings from its selector.
@@ -703,4 +795,7 @@ class KVHeat(EvictionPolicy):
             out["drifts"] = fb.detector.drifts
         if self.selector is not None:
             out.update(self.selector.stats())
+        out["protect"] = float(self.guard is not None)
+        if self.guard is not None:
+            out.update(self.guard.stats())
         return out

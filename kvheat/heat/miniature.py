@@ -1,6 +1,7 @@
 """Miniature simulations (Waldspurger et al., ATC'17, on SHARDS sampling): the heat
 policy's half-life multiple, chosen online by which of two candidates, an octave either
-side of it, serves more hits on a spatial sample of the traffic it sees.
+side of it, serves more hits on a spatial sample of the traffic it sees, and whether it
+protects a stable subset (protect.py), chosen the same way by a third.
 
 The multiple (half-life = multiple × the measured reuse gap) decides how much a block's
 history outweighs its recency. No one value wins everywhere: long agentic sessions want a
@@ -26,6 +27,12 @@ longer memory than short chats, a small cache than a large one. So nothing fixes
   a hill climb on the hit rate, one octave a step, between a quarter and sixteen reuse
   gaps. (A third candidate at the live multiple itself, tried first, gave the same hit
   rates at half again the cost: docs/heat.md, "Tried and not kept".)
+- A third miniature runs the live multiple in the other mode: protection of a stable
+  subset (protect.py) on where the live policy has it off, and back. Its hit tokens are
+  paired with the mean of the two candidates' per request and read the same way at every
+  round: beyond `Z` the live policy switches mode, the candidates with it. Where it loses
+  by `Z` it rests for 1, 2, 4 … `MEMORY` rounds (doubling with each loss since it last
+  won), then refills for a round before its sums count again.
 
 Every constant is dimensionless (blocks of a miniature, cache-fills, standard errors, octaves):
 the rule is the same at every traffic rate, capacity and block size. The live cache never
@@ -54,6 +61,9 @@ class Candidate(Protocol):
     def set_multiple(self, mult: float, half_life: float, mode: str) -> None:
         """Hold the multiple `mult` at this half-life and regime."""
 
+    def set_protect(self, on: bool) -> None:
+        """Switch protection of a stable subset (protect.py) on or off."""
+
 
 class Live(Protocol):
     """What the selector reads and moves of the live policy (`KVHeat`)."""
@@ -72,6 +82,13 @@ class Live(Protocol):
 
     def follow_multiple(self, mult: float) -> None:
         """Move the half-life's multiple to `mult`."""
+
+    @property
+    def protecting(self) -> bool:
+        """Whether protection (protect.py) is on."""
+
+    def set_protect(self, on: bool) -> None:
+        """Switch protection on or off."""
 
 MINI_BLOCKS = 64  # blocks each miniature holds at least, by default (or the rate is 1)
 MEMORY = 16.0  # rounds: the leads' sums fade by 1 - 1/MEMORY a round without a move
@@ -133,6 +150,9 @@ class Decision:
     mult: float  # the multiple followed from then on
     lead: float  # the high candidate's lead over the low one, in standard errors
     moved: bool
+    protect: bool = False  # protection on from then on
+    alt_lead: float = 0.0  # the other mode's lead over the two candidates' mean, likewise
+    switched: bool = False  # protection switched at this round
 
 
 @dataclass
@@ -156,7 +176,7 @@ class MultipleSelector:
     def __init__(self, live: Live, make_policy: Callable[[], tuple[EvictionPolicy, Candidate]],
                  capacity_blocks: int,
                  block_tokens: int, log_mult: float = 0.0,
-                 mini_blocks: int = MINI_BLOCKS) -> None:
+                 mini_blocks: int = MINI_BLOCKS, alternate: bool = True) -> None:
         self.capacity = capacity_blocks
         self.rate = sample_rate(capacity_blocks, mini_blocks)
         # The live policy tests the second byte against `threshold` (every block it
@@ -173,7 +193,26 @@ class MultipleSelector:
             pol, cand = make_policy()
             mgr = KVCacheManager(CacheConfig(num_blocks=blocks, block_size=block_tokens),
                                  policy=pol, clock=self._now)
+            cand.set_protect(live.protecting)
             self.minis.append(Miniature(mgr, cand, log_mult + step))
+        # The other mode (protection on where the live policy has it off, and back), at the
+        # live multiple: `decide` switches the live mode when it leads the two candidates.
+        self.alt: Miniature | None = None
+        if alternate:
+            pol, cand = make_policy()
+            mgr = KVCacheManager(CacheConfig(num_blocks=blocks, block_size=block_tokens),
+                                 policy=pol, clock=self._now)
+            cand.set_protect(not live.protecting)
+            self.alt = Miniature(mgr, cand, log_mult)
+        self.alt_lead = 0.0  # the other mode's hit tokens over the candidates' mean, summed
+        self.alt_square = 0.0
+        # Where the other mode loses, it rests (1 round, doubling with each loss since it
+        # last won, up to MEMORY), then serves a round that counts nothing (its cache
+        # refills) before its sums count again: it costs its share of the miniatures'
+        # work only where it might win.
+        self.alt_rest = 0  # rounds left resting
+        self.alt_pause = 0  # the last rest's length
+        self.alt_warming = False
         self.round_len = max(1, int(ROUND_FILLS * blocks))
         self.round_accesses = 0
         self.lead = 0.0  # the high candidate's hit tokens over the low one's, summed
@@ -182,6 +221,8 @@ class MultipleSelector:
         self.dropped = 0  # sampled accesses beyond `MAX_PENDING` in one request
         self.decisions: list[Decision] = []
         self.max_decisions = 4096
+        self._alt_z, self._switched = 0.0, False  # this round's, for its record
+        self.switches = 0
 
     def _now(self) -> float:
         return self.pending.now
@@ -241,6 +282,11 @@ class MultipleSelector:
         d = hi - lo
         self.lead += d
         self.square += d * d
+        if self.alt is not None and not self.alt_rest:
+            da = self.alt.serve(keys, num_tokens, p.session, outcome, reason, rid) - (lo + hi) / 2
+            if not self.alt_warming:
+                self.alt_lead += da
+                self.alt_square += da * da
         self.round_accesses += len(keys)
         if self.round_accesses >= self.round_len:
             self.round_accesses = 0
@@ -248,10 +294,18 @@ class MultipleSelector:
 
     # -- the decision ----------------------------------------------------------------
     def decide(self) -> None:
-        """End a round: move the live multiple an octave toward a candidate that leads.
+        """End a round: move the multiple toward a leader, switch modes if the other leads.
 
-        It must lead by more than `Z` standard errors (within the bounds), the candidates
-        moving with it; otherwise the sums fade."""
+        The live multiple moves an octave toward a candidate that leads; the live mode
+        switches where the other one leads both candidates' mean. Each must lead by more
+        than `Z` standard errors (the multiple within its bounds), the candidates moving
+        with it; otherwise its sums fade."""
+        switched = False
+        zs = 0.0
+        if self.alt is not None:
+            zs = self._alt_round()
+            switched = zs > Z
+        self._alt_z, self._switched = zs, switched
         z = self.lead / math.sqrt(self.square) if self.square > 0 else 0.0
         step = 1.0 if z > Z else -1.0 if z < -Z else 0.0
         if step == 0.0 or not LOG_LO <= self.log_mult + step <= LOG_HI:
@@ -269,6 +323,43 @@ class MultipleSelector:
         self.lead = self.square = 0.0
         self._record(z, True)
 
+    def _alt_round(self) -> float:
+        """The other mode's round: switch where it leads, rest where it loses.
+
+        Returns its lead in standard errors (0 while resting or refilling)."""
+        if self.alt_rest:
+            self.alt_rest -= 1
+            self.alt_warming = not self.alt_rest  # back next round, counting nothing yet
+            return 0.0
+        if self.alt_warming:
+            self.alt_warming = False
+            return 0.0
+        z = self.alt_lead / math.sqrt(self.alt_square) if self.alt_square > 0 else 0.0
+        if z > Z:
+            self._switch()
+            self.alt_pause = 0
+        elif z < -Z:
+            self.alt_pause = min(max(2 * self.alt_pause, 1), int(MEMORY))
+            self.alt_rest = self.alt_pause
+            self.alt_lead = self.alt_square = 0.0
+        else:
+            keep = 1 - 1 / MEMORY
+            self.alt_lead *= keep
+            self.alt_square *= keep
+        return z
+
+    def _switch(self) -> None:
+        """The other mode led: the live policy and the candidates take it, the alternative
+        the mode they leave (each keeps what it caches)."""
+        on = not self.live.protecting
+        self.live.set_protect(on)
+        self.switches += 1
+        for m in self.minis:
+            m.policy.set_protect(on)
+        assert self.alt is not None
+        self.alt.policy.set_protect(not on)
+        self.alt_lead = self.alt_square = 0.0
+
     def sync(self) -> None:
         """Set each miniature's policy to its multiple and to the live half-life.
 
@@ -278,19 +369,26 @@ class MultipleSelector:
         for m in self.minis:
             m.policy.set_multiple(2.0 ** m.log_mult,
                                   self.rate * hl * 2.0 ** (m.log_mult - self.log_mult), mode)
+        if self.alt is not None:
+            self.alt.log_mult = self.log_mult
+            self.alt.policy.set_multiple(2.0 ** self.log_mult, self.rate * hl, mode)
 
     def _record(self, lead: float, moved: bool) -> None:
         d = self.decisions
         while len(d) >= self.max_decisions:  # keep the first half and the latest
             del d[self.max_decisions // 2]
-        d.append(Decision(self.live.accesses, 2.0 ** self.log_mult, lead, moved))
+        d.append(Decision(self.live.accesses, 2.0 ** self.log_mult, lead, moved,
+                          self.live.protecting, self._alt_z, self._switched))
+        self._alt_z, self._switched = 0.0, False
 
     def stats(self) -> dict[str, float]:
         """The selector's counters and each miniature's multiple and hits, for reports."""
         out = {"mini_rate": self.rate, "mini_start_mult": 2.0 ** self.start_log, "mini_requests": float(self.served),
                "mini_moves": float(sum(d.moved for d in self.decisions)),
-               "mini_dropped": float(self.dropped)}
-        for name, m in zip(("lo", "hi"), self.minis):
+               "mini_dropped": float(self.dropped), "mini_switches": float(self.switches),
+               "mini_alt_resting": float(self.alt_rest > 0)}
+        minis = [*self.minis, *([self.alt] if self.alt is not None else [])]
+        for name, m in zip(("lo", "hi", "alt"), minis):
             n = max(m.requests, 1)
             out[f"mini_{name}_mult"] = 2.0 ** m.log_mult
             out[f"mini_{name}_hit_tokens_per_request"] = m.hits / n
@@ -298,6 +396,7 @@ class MultipleSelector:
 
     def explain(self) -> list[dict[str, float | bool]]:
         """The rounds' decisions, oldest first."""
-        return [{"accesses": d.accesses, "multiple": d.mult, "lead_z": d.lead, "moved": d.moved}
+        return [{"accesses": d.accesses, "multiple": d.mult, "lead_z": d.lead, "moved": d.moved,
+                 "protect": d.protect, "alt_lead_z": d.alt_lead, "switched": d.switched}
                 for d in self.decisions]
 

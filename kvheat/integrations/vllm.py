@@ -291,6 +291,7 @@ class KVHeatCachePolicy(CachePolicy):
             # blocks referenced; back in the heap when a request listing it ends.
             c.parked = _HELD
             c.heap_slot = math.nan  # its entry from before the load is stale
+            self.heat.hold_out(c)  # (out of the probation queue too, while protecting)
             self._held[c] = None
         else:
             c.stored = True

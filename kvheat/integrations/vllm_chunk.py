@@ -96,18 +96,19 @@ class Chunk(Node, PolicyRecord):
     object per chunk instead of two: fewer objects for the garbage collector to promote and
     scan. kvheat's heap reads the same `ref_cnt` (non-zero: skip, as vLLM's rule)."""
 
-    # count, last, gen, flags: KVHeat's per-block record, kept on the chunk itself (`rec`
+    # count, last, gen, flags, gap: KVHeat's per-block record, kept on the chunk itself (`rec`
     # is the chunk, a `PolicyRecord` with HeatRecord's fields): no second object per
     # stored chunk for the collector. The cycle `rec` makes lasts while the chunk is
     # cached (it is alive then anyway): evict, remove and clear break it, so a chunk that
     # leaves is freed by its refcount.
     __slots__ = ("chunk_id", "w_ins", "w_load", "pos", "stored", "count", "last", "gen",
-                 "flags")
+                 "flags", "gap")
     pos: int  # its end token in the storing request (`Placement.place`)
     count: float
     last: float
     gen: int
     flags: int
+    gap: float
 
     def __init__(self, key: OffloadKey, status: ChunkStatus) -> None:
         # on_insert fills the record: `rec` is the chunk, with HeatRecord's fields.
@@ -119,6 +120,7 @@ class Chunk(Node, PolicyRecord):
         self.w_ins = 0.0  # weight of the insert's access while the storing request runs
         self.w_load = 0.0  # weight of an early hit (a load began) not yet claimed
         self.stored = False  # its store completed: a later mark_evictable ends a load
+        self.gap = 0.0
         self.rec = self  # a slot, not a property: KVHeat reads it at every access
 
     @property

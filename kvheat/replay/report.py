@@ -209,8 +209,9 @@ def print_explain(summary: dict, console: Console | None = None) -> None:
     with its candidates' hits."""
     con = console or table_console()
     t = Table(title=f"{summary['trace']}: what the adaptive policies learned")
-    for col in ("policy", "capacity", "rounds", "moves", "multiple over the trace", "candidates (an octave either side, at the end): "
-                "multiple = hit tokens per sampled request"):
+    for col in ("policy", "capacity", "rounds", "moves", "multiple over the trace",
+                "protection (protect.py)", "candidates (an octave either side, at the end; alt: "
+                "the other protection mode): multiple = hit tokens per sampled request"):
         t.add_column(col)
     shown = 0
     for r in summary["results"]:
@@ -223,10 +224,15 @@ def print_explain(summary: dict, console: Console | None = None) -> None:
         path += [f"→{d['multiple']:g} at {d['accesses'] / total:.0%} (z {d['lead_z']:.1f})"
                  for d in rounds if d["moved"]]
         st = r["policy_stats"]
-        cands = ", ".join(f"{st[f'mini_{n}_mult']:g} = {st[f'mini_{n}_hit_tokens_per_request']:,.0f}"
-                          for n in ("lo", "hi") if f"mini_{n}_mult" in st)
+        cands = ", ".join(f"{n} {st[f'mini_{n}_mult']:g} = "
+                          f"{st[f'mini_{n}_hit_tokens_per_request']:,.0f}"
+                          for n in ("lo", "hi", "alt") if f"mini_{n}_mult" in st)
+        switches = " ".join(f"{'on' if d.get('protect') else 'off'} at "
+                            f"{d['accesses'] / total:.0%} (z {d.get('alt_lead_z', 0.0):.1f})"
+                            for d in rounds if d.get("switched"))
         t.add_row(r["policy"], _fmt_tokens(r["capacity_tokens"]), str(len(rounds)),
-                  str(sum(1 for d in rounds if d["moved"])), " ".join(path), cands)
+                  str(sum(1 for d in rounds if d["moved"])), " ".join(path),
+                  switches or "off throughout", cands)
     if shown:
         print_uncut(t, con)
     else:

@@ -94,11 +94,19 @@ class ServerMetrics:
             "heat policy follows, chosen by its miniature simulations.", ["arm"], registry=r)
         self.heat_candidate = Gauge(
             "kvheat_heat_candidate_hit_tokens", "Hit tokens per sampled request of each "
-            "miniature candidate (an octave below and above the multiple) since start.",
+            "miniature candidate (an octave below and above the multiple; alt: the other "
+            "protection mode at the multiple) since start.",
             ["arm", "candidate"], registry=r)
         self.heat_moves = Counter(
             "kvheat_heat_multiple_moves", "Moves of the half-life multiple the miniatures "
             "made.", ["arm"], registry=r)
+        self.heat_protect = Gauge(
+            "kvheat_heat_protect", "1 while the heat policy protects a stable subset "
+            "(kvheat/heat/protect.py), switched on where its miniature serves more.", ["arm"],
+            registry=r)
+        self.heat_switches = Counter(
+            "kvheat_heat_protect_switches", "Switches of protection the miniatures made.",
+            ["arm"], registry=r)
         self.ttft = Histogram(
             "kvheat_time_to_first_token_seconds", "Time to first token.", ["arm", "tenant"],
             buckets=_LATENCY_BUCKETS, registry=r)
@@ -244,12 +252,16 @@ class ServerMetrics:
         """The heat policy's learned multiple (`KVHeat.stats`), where it has one."""
         if "reuse_mult" in st:
             self.heat_multiple.labels(arm).set(st["reuse_mult"])
-        for name in ("lo", "hi"):
+        for name in ("lo", "hi", "alt"):
             v = st.get(f"mini_{name}_hit_tokens_per_request")
             if v is not None:
                 self.heat_candidate.labels(arm, name).set(v)
         if "mini_moves" in st:
             self._advance(self.heat_moves, (arm,), st["mini_moves"])
+        if "protect" in st:
+            self.heat_protect.labels(arm).set(st["protect"])
+        if "mini_switches" in st:
+            self._advance(self.heat_switches, (arm,), st["mini_switches"])
 
     def _refresh_tiers(self, arm: str, st: Mapping[str, Any]) -> None:
         """Lower-tier figures from `TierManager.stats()`."""
