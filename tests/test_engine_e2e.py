@@ -405,3 +405,44 @@ def test_disk_loads_start_while_a_request_waits(llama: tuple, tmp_path) -> None:
     assert tc.counters.prefetch_used >= 2 and not tc.plans
     assert not any(b.ref_cnt for idx in tc.lower.indexes for b in idx.entries.values())
     e.close()
+
+
+def test_protection_on_device_and_host_tier_keeps_greedy_tokens(llama: tuple) -> None:
+    """Interleaved multi-turn conversations through a 16-block device and a 24-block host
+    tier, both kvheat with protection of a stable subset switched on (and switched off and
+    on again midway), one turn cancelled each round: every finished turn's tokens are a
+    plain engine's, the accounting holds at every step, and the tiers serve something."""
+    from kvheat.heat import KVHeat
+
+    model, tok, _ = llama
+    e = LLMEngine(model, tok, EngineConfig(num_blocks=16, block_size=16,
+                                           tiers=TierSpec(host_blocks=24)))
+    assert e.tiers is not None
+    pols = [e.cache.policy, *(idx.policy for idx in e.tiers.lower.indexes)]
+    assert all(isinstance(p, KVHeat) for p in pols)
+    for p in pols:
+        p.set_protect(True)
+    plain = engine(llama, prefix_caching="off")
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    rng = random.Random(11)
+    chats = [[rng.randrange(2, 1000) for _ in range(40)] for _ in range(5)]
+    cached = 0
+    for turn in range(3):
+        if turn == 1:  # off and on again with blocks cached and held
+            for p in pols:
+                p.set_protect(False)
+                p.set_protect(True)
+        ids = [e.add_request(c, sp) for c in chats]
+        e.step()
+        e.abort(ids[turn])  # cancelled after its first step
+        run_checked(e)
+        for i, c in enumerate(chats):
+            out = e.release(ids[i])
+            if i == turn:
+                assert out.finish_reason == "abort"
+                continue
+            assert out.output_token_ids == plain.generate([c], sp)[0].output_token_ids
+            cached += out.metrics.num_cached_tokens
+            chats[i] = c + out.output_token_ids + [rng.randrange(2, 1000) for _ in range(12)]
+    assert e.cache.num_referenced == 0 and cached > 0
+    assert all(isinstance(p, KVHeat) and p.protecting for p in pols)
