@@ -488,18 +488,12 @@ class KVHeat(EvictionPolicy):
 
     # -- the heap --------------------------------------------------------------------
     def on_release(self, b: Node, now: float) -> None:
-        if self.guard is None:
-            self.heap.push((b,))
-        else:
-            self.guard.route((b,))
+        self.release_all((b,))
 
     def on_release_all(self, blocks: list[Node], now: float) -> None:
         # The cache's batched release (a request's blocks, tail-first, after their refcounts
-        # changed): the same heap as `on_release` of each.
-        if self.guard is None:
-            self.heap.push(blocks)
-        else:
-            self.guard.route(blocks)
+        # changed): the same as `on_release` of each.
+        self.release_all(blocks)
 
     def release_all(self, blocks: Iterable[Node]) -> None:
         """`on_release` of each block in order, in one call.
@@ -573,7 +567,7 @@ class KVHeat(EvictionPolicy):
         """Take unreferenced `b` out of the probation queue while a caller holds it back.
 
         As out of the heap: the caller pushes it back with `release_all`."""
-        if self.guard is not None and b.queue is self.guard.probation:
+        if self.guard is not None and self.queued_on_probation(b):
             self.guard.probation.remove(b)
 
     # -- evictions -------------------------------------------------------------------
@@ -702,7 +696,7 @@ class KVHeat(EvictionPolicy):
             return
         old, self.guard = self.guard, None
         assert old is not None
-        back = [b for b in old.release_all() if b.key is not None]
+        back = [b for b in old.disband() if b.key is not None]
         if back:
             self.heap.push(back)
 

@@ -75,7 +75,7 @@ class Protection:
             recent.append(b)
         self.warm = False
 
-    def release_all(self) -> list[Node]:
+    def disband(self) -> list[Node]:
         """Unclass every block (the switch off): those on probation, evictable, returned."""
         out = []
         for q in (self.recent, self.probation):
